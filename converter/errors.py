@@ -1,0 +1,25 @@
+"""One-line, actionable errors. The CLI prints `error: <message>` and exits non-zero."""
+
+
+class LuciferError(Exception):
+    """Base class: the message is one line that names what is wrong and how to fix it."""
+
+    exit_code = 2
+
+
+class SourceError(LuciferError):
+    """The source checkpoint or config is not what the V4-Flash schema requires."""
+
+
+class PlanError(LuciferError):
+    """The requested TP size or arch cannot be served by the virtual-TP plan."""
+
+
+class OutputError(LuciferError):
+    """The output directory is missing, incomplete, tampered with or from another conversion."""
+
+
+class MismatchError(LuciferError):
+    """diff or verify found bytes that differ from what the plan requires."""
+
+    exit_code = 1

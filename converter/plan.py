@@ -1,0 +1,109 @@
+"""The virtual-TP plan, computed exactly as vLLM's virtual-TP line computes it.
+
+`local = align_up(ceil(orig / tp), a)`, `padded = local * tp`; alignments: heads 8, routed 32,
+shared 128; the vocabulary is padded globally to `lcm(64, tp)`; output groups keep the original
+heads per group. The FlashInfer-CUTLASS MXFP4 kernel then rounds the routed width up to 128
+("kernel-local"), a second padding recorded separately.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .config import ModelConfig
+from .errors import PlanError
+
+HEADS_ALIGN = 8
+ROUTED_ALIGN = 32
+SHARED_ALIGN = 128
+VOCAB_ALIGN = 64
+KERNEL_ALIGN = 128
+MAX_TP = 8
+
+ARCHES = ("sm120", "sm100", "sm90")
+# The FlashInfer-CUTLASS MXFP4 variant vLLM resolves per arch (`--moe-backend flashinfer_cutlass`).
+MOE_VARIANT = {
+    "sm120": "FLASHINFER_CUTLASS_MXFP4_MXFP8",
+    "sm100": "FLASHINFER_CUTLASS_MXFP4_MXFP8",
+    "sm90": "FLASHINFER_CUTLASS_MXFP4_BF16",
+}
+
+
+def align_up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One padded axis. `kernel_local` >= `local` only for the routed-expert width."""
+
+    name: str
+    original: int
+    padded: int
+    local: int
+    kernel_local: int
+
+    def start(self, rank: int) -> int:
+        """First logical index owned by `rank`."""
+        return self.local * rank
+
+    def real(self, rank: int) -> int:
+        """How many of `rank`'s `local` indices exist in the checkpoint (the rest are virtual)."""
+        return max(0, min(self.local, self.original - self.local * rank))
+
+
+def _virtual_axis(name: str, original: int, tp: int, align: int, kernel_align: int = 1) -> Axis:
+    local = align_up(-(-original // tp), align)
+    return Axis(name, original, local * tp, local, align_up(local, kernel_align))
+
+
+@dataclass(frozen=True)
+class Plan:
+    tp: int
+    heads: Axis
+    groups: Axis
+    routed: Axis
+    shared: Axis
+    vocab: Axis
+
+    @property
+    def axes(self) -> dict[str, Axis]:
+        return {a.name: a for a in (self.heads, self.groups, self.routed, self.shared, self.vocab)}
+
+    def to_dict(self) -> dict:
+        return {"tp": self.tp, "axes": {n: asdict(a) for n, a in self.axes.items()}}
+
+    @property
+    def pads(self) -> bool:
+        return any(a.padded != a.original or a.kernel_local != a.local for a in self.axes.values())
+
+
+def make_plan(cfg: ModelConfig, tp: int) -> Plan:
+    """The plan for `tp` ranks; raises PlanError where the model cannot be served at that size."""
+    if not 1 <= tp <= MAX_TP:
+        raise PlanError(f"--tp {tp} is outside the supported range 1..{MAX_TP}")
+    heads = _virtual_axis("heads", cfg.num_heads, tp, HEADS_ALIGN)
+    per_group = cfg.num_heads // cfg.o_groups
+    if heads.local % per_group:
+        raise PlanError(
+            f"--tp {tp}: {heads.local} local heads do not fill whole output groups of {per_group} heads"
+        )
+    groups = Axis("groups", cfg.o_groups, heads.padded // per_group, heads.local // per_group,
+                  heads.local // per_group)
+    lcm = math.lcm(VOCAB_ALIGN, tp)
+    vocab_padded = align_up(cfg.vocab_size, lcm)
+    vocab = Axis("vocab", cfg.vocab_size, vocab_padded, vocab_padded // tp, vocab_padded // tp)
+    return Plan(
+        tp=tp,
+        heads=heads,
+        groups=groups,
+        routed=_virtual_axis("routed", cfg.moe_intermediate, tp, ROUTED_ALIGN, KERNEL_ALIGN),
+        shared=_virtual_axis("shared", cfg.shared_intermediate, tp, SHARED_ALIGN),
+        vocab=vocab,
+    )
+
+
+def check_arch(arch: str) -> str:
+    if arch not in ARCHES:
+        raise PlanError(f"--arch {arch!r} is not one of {', '.join(ARCHES)}")
+    return arch

@@ -1,0 +1,376 @@
+"""The one table of tensor rules, and its expansion into per-rank tensor specs.
+
+Every checkpoint tensor of the V4-Flash schema is one row of `RULES`: its key (relative to its
+scope), its shape and dtype as functions of the config, the vLLM parameter it becomes, how it is
+partitioned (which source dim follows which plan axis, how many tensor elements one axis index
+spans, and the storage unit along that dim), its fused segment, dtype rule and pad value.
+`plan`, `convert`, `diff`, `verify`, the numerics check and the runtime shim all read the specs
+built here; nothing else slices tensors.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .config import FP8_BLOCK, MXFP4_GROUP, ModelConfig
+from .errors import PlanError, SourceError
+from .plan import Plan
+
+# Storage units along a sharded dim, in logical elements per stored index.
+ELEM = 1  # unpacked elements (BF16/F32/FP8 weights, rows of packed MXFP4 tensors)
+FP4_BYTE = 2  # packed MXFP4 along K: two E2M1 codes per byte
+E8M0_GROUP = MXFP4_GROUP  # MXFP4 E8M0 scales along K: one byte per 32 elements
+FP8_BLOCK_SCALE = FP8_BLOCK  # FP8 block scales: one per 128x128 block
+
+# Safetensors dtype tags and their sizes.
+DTYPE_SIZE = {"BF16": 2, "F32": 4, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E8M0": 1}
+NEG_INF_F32 = b"\x00\x00\x80\xff"
+
+# Layer predicates.
+ALL, HASH, BIAS, C4, C128, COMPRESSED = "all", "hash", "bias", "c4", "c128", "compressed"
+# Scopes: where the key lives and where its parameter goes.
+GLOBAL, LAYER, EXPERT, MTP_ONLY = "global", "layer", "expert", "mtp"
+
+Shape = Callable[[ModelConfig, int], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    key: str  # checkpoint key relative to the scope prefix; `{e}` is the expert index
+    target: str  # vLLM parameter name relative to the scope prefix
+    shape: Shape  # source shape from (config, compress ratio)
+    dtype: str  # source safetensors dtype
+    scope: str = LAYER
+    when: str = ALL
+    axis: str | None = None  # plan axis the sharded dim follows; None = replicated
+    dim: int = 0  # sharded dim of the (per-expert) source tensor
+    per_index: Callable[[ModelConfig], int] = lambda c: 1  # tensor elements per axis index
+    unit: int = ELEM  # logical elements per stored index along `dim`
+    segment: int = 0  # position in a fused target
+    out_dtype: str | None = None  # None = same as source; U8 = byte view; I32 = checked narrowing
+    pad: bytes = b"\x00"
+    expert_tensor: str | None = None  # w13_weight / w13_weight_scale / w2_weight / w2_weight_scale
+
+
+def _fp8(key: str, target: str, shape: Shape, **kw) -> list[Rule]:
+    """An FP8 block-quantized linear: E4M3 weight and E8M0 block scale, partitioned alike."""
+    def scale_shape(c: ModelConfig, r: int) -> tuple[int, ...]:
+        rows, cols = shape(c, r)
+        return (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+
+    return [
+        Rule(f"{key}.weight", f"{target}.weight", shape, "F8_E4M3", **kw),
+        Rule(f"{key}.scale", f"{target}.weight_scale_inv", scale_shape, "F8_E8M0",
+             **({"unit": FP8_BLOCK_SCALE} if kw.get("axis") else {}), **kw),
+    ]
+
+
+def _coff(ratio: int) -> int:
+    return 2 if ratio == 4 else 1
+
+
+H = lambda c, r: (c.hidden_size,)  # noqa: E731
+HEAD_DIM = lambda c: c.head_dim  # noqa: E731
+O_LORA = lambda c: c.o_lora_rank  # noqa: E731
+
+RULES: tuple[Rule, ...] = tuple([
+    # --- global
+    Rule("embed.weight", "model.embed_tokens.weight", lambda c, r: (c.vocab_size, c.hidden_size), "BF16",
+         scope=GLOBAL, axis="vocab"),
+    Rule("head.weight", "lm_head.weight", lambda c, r: (c.vocab_size, c.hidden_size), "BF16",
+         scope=GLOBAL, axis="vocab"),
+    Rule("norm.weight", "model.norm.weight", H, "BF16", scope=GLOBAL),
+    Rule("hc_head_fn", "model.hc_head_fn", lambda c, r: (c.hc_mult, c.hc_dim), "F32", scope=GLOBAL),
+    Rule("hc_head_base", "model.hc_head_base", lambda c, r: (c.hc_mult,), "F32", scope=GLOBAL),
+    Rule("hc_head_scale", "model.hc_head_scale", lambda c, r: (1,), "F32", scope=GLOBAL),
+    # --- every decoder layer (main and MTP block)
+    Rule("attn_norm.weight", "attn_norm.weight", H, "BF16"),
+    Rule("ffn_norm.weight", "ffn_norm.weight", H, "BF16"),
+    *[Rule(f"hc_{p}_fn", f"hc_{p}_fn", lambda c, r: (c.mix_hc, c.hc_dim), "F32") for p in ("attn", "ffn")],
+    *[Rule(f"hc_{p}_base", f"hc_{p}_base", lambda c, r: (c.mix_hc,), "F32") for p in ("attn", "ffn")],
+    *[Rule(f"hc_{p}_scale", f"hc_{p}_scale", lambda c, r: (3,), "F32") for p in ("attn", "ffn")],
+    Rule("attn.attn_sink", "attn.attn_sink", lambda c, r: (c.num_heads,), "F32", axis="heads", pad=NEG_INF_F32),
+    *_fp8("attn.wq_a", "attn.fused_wqa_wkv", lambda c, r: (c.q_lora_rank, c.hidden_size), segment=0),
+    *_fp8("attn.wkv", "attn.fused_wqa_wkv", lambda c, r: (c.head_dim, c.hidden_size), segment=1),
+    Rule("attn.q_norm.weight", "attn.q_norm.weight", lambda c, r: (c.q_lora_rank,), "BF16"),
+    Rule("attn.kv_norm.weight", "attn.kv_norm.weight", lambda c, r: (c.head_dim,), "BF16"),
+    *_fp8("attn.wq_b", "attn.wq_b", lambda c, r: (c.num_heads * c.head_dim, c.q_lora_rank),
+          axis="heads", per_index=HEAD_DIM),
+    *_fp8("attn.wo_a", "attn.wo_a",
+          lambda c, r: (c.o_groups * c.o_lora_rank, c.num_heads // c.o_groups * c.head_dim),
+          axis="groups", per_index=O_LORA),
+    *_fp8("attn.wo_b", "attn.wo_b", lambda c, r: (c.hidden_size, c.o_groups * c.o_lora_rank),
+          axis="groups", dim=1, per_index=O_LORA),
+    # compressor (C4 and C128) and indexer (C4)
+    Rule("attn.compressor.wkv.weight", "attn.compressor.fused_wkv_wgate.weight",
+         lambda c, r: (_coff(r) * c.head_dim, c.hidden_size), "BF16", when=COMPRESSED, segment=0),
+    Rule("attn.compressor.wgate.weight", "attn.compressor.fused_wkv_wgate.weight",
+         lambda c, r: (_coff(r) * c.head_dim, c.hidden_size), "BF16", when=COMPRESSED, segment=1),
+    Rule("attn.compressor.ape", "attn.compressor.ape", lambda c, r: (r, _coff(r) * c.head_dim), "F32",
+         when=COMPRESSED),
+    Rule("attn.compressor.norm.weight", "attn.compressor.norm.weight", lambda c, r: (c.head_dim,), "BF16",
+         when=COMPRESSED),
+    *_fp8("attn.indexer.wq_b", "attn.indexer.wq_b",
+          lambda c, r: (c.index_n_heads * c.index_head_dim, c.q_lora_rank), when=C4),
+    Rule("attn.indexer.weights_proj.weight", "attn.indexer.weights_proj.weight",
+         lambda c, r: (c.index_n_heads, c.hidden_size), "BF16", when=C4),
+    Rule("attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.fused_wkv_wgate.weight",
+         lambda c, r: (_coff(r) * c.index_head_dim, c.hidden_size), "BF16", when=C4, segment=0),
+    Rule("attn.indexer.compressor.wgate.weight", "attn.indexer.compressor.fused_wkv_wgate.weight",
+         lambda c, r: (_coff(r) * c.index_head_dim, c.hidden_size), "BF16", when=C4, segment=1),
+    Rule("attn.indexer.compressor.ape", "attn.indexer.compressor.ape",
+         lambda c, r: (r, _coff(r) * c.index_head_dim), "F32", when=C4),
+    Rule("attn.indexer.compressor.norm.weight", "attn.indexer.compressor.norm.weight",
+         lambda c, r: (c.index_head_dim,), "BF16", when=C4),
+    # router
+    Rule("ffn.gate.weight", "ffn.gate.weight", lambda c, r: (c.n_experts, c.hidden_size), "BF16"),
+    Rule("ffn.gate.tid2eid", "ffn.gate.tid2eid", lambda c, r: (c.vocab_size, c.top_k), "I64", when=HASH,
+         out_dtype="I32"),
+    Rule("ffn.gate.bias", "ffn.gate.e_score_correction_bias", lambda c, r: (c.n_experts,), "F32", when=BIAS),
+    # shared expert (FP8, column w1|w3 fused, row w2)
+    *_fp8("ffn.shared_experts.w1", "ffn.shared_experts.gate_up_proj",
+          lambda c, r: (c.shared_intermediate, c.hidden_size), axis="shared", segment=0),
+    *_fp8("ffn.shared_experts.w3", "ffn.shared_experts.gate_up_proj",
+          lambda c, r: (c.shared_intermediate, c.hidden_size), axis="shared", segment=1),
+    *_fp8("ffn.shared_experts.w2", "ffn.shared_experts.down_proj",
+          lambda c, r: (c.hidden_size, c.shared_intermediate), axis="shared", dim=1),
+    # routed experts (MXFP4): stacked [E, ...] per rank, vLLM dtype uint8 for weights and scales
+    Rule("ffn.experts.{e}.w1.weight", "ffn.experts.routed_experts.w13_weight",
+         lambda c, r: (c.moe_intermediate, c.hidden_size // FP4_BYTE), "I8", scope=EXPERT,
+         axis="routed", segment=0, out_dtype="U8", expert_tensor="w13_weight"),
+    Rule("ffn.experts.{e}.w3.weight", "ffn.experts.routed_experts.w13_weight",
+         lambda c, r: (c.moe_intermediate, c.hidden_size // FP4_BYTE), "I8", scope=EXPERT,
+         axis="routed", segment=1, out_dtype="U8", expert_tensor="w13_weight"),
+    Rule("ffn.experts.{e}.w1.scale", "ffn.experts.routed_experts.w13_weight_scale",
+         lambda c, r: (c.moe_intermediate, c.hidden_size // E8M0_GROUP), "F8_E8M0", scope=EXPERT,
+         axis="routed", segment=0, out_dtype="U8", expert_tensor="w13_weight_scale"),
+    Rule("ffn.experts.{e}.w3.scale", "ffn.experts.routed_experts.w13_weight_scale",
+         lambda c, r: (c.moe_intermediate, c.hidden_size // E8M0_GROUP), "F8_E8M0", scope=EXPERT,
+         axis="routed", segment=1, out_dtype="U8", expert_tensor="w13_weight_scale"),
+    Rule("ffn.experts.{e}.w2.weight", "ffn.experts.routed_experts.w2_weight",
+         lambda c, r: (c.hidden_size, c.moe_intermediate // FP4_BYTE), "I8", scope=EXPERT,
+         axis="routed", dim=1, unit=FP4_BYTE, out_dtype="U8", expert_tensor="w2_weight"),
+    Rule("ffn.experts.{e}.w2.scale", "ffn.experts.routed_experts.w2_weight_scale",
+         lambda c, r: (c.hidden_size, c.moe_intermediate // E8M0_GROUP), "F8_E8M0", scope=EXPERT,
+         axis="routed", dim=1, unit=E8M0_GROUP, out_dtype="U8", expert_tensor="w2_weight_scale"),
+    # MTP-only tensors, kept at layer level in vLLM (not under mtp_block)
+    *_fp8("e_proj", "e_proj", lambda c, r: (c.hidden_size, c.hidden_size), scope=MTP_ONLY),
+    *_fp8("h_proj", "h_proj", lambda c, r: (c.hidden_size, c.hidden_size), scope=MTP_ONLY),
+    Rule("enorm.weight", "enorm.weight", H, "BF16", scope=MTP_ONLY),
+    Rule("hnorm.weight", "hnorm.weight", H, "BF16", scope=MTP_ONLY),
+    Rule("norm.weight", "shared_head.norm.weight", H, "BF16", scope=MTP_ONLY),
+    Rule("hc_head_fn", "hc_head_fn", lambda c, r: (c.hc_mult, c.hc_dim), "F32", scope=MTP_ONLY),
+    Rule("hc_head_base", "hc_head_base", lambda c, r: (c.hc_mult,), "F32", scope=MTP_ONLY),
+    Rule("hc_head_scale", "hc_head_scale", lambda c, r: (1,), "F32", scope=MTP_ONLY),
+])
+
+ROLES = ("target", "draft")
+
+
+def _applies(rule: Rule, cfg: ModelConfig, layer: int) -> bool:
+    ratio = cfg.compress_ratio(layer)
+    return {
+        ALL: True,
+        HASH: layer < cfg.num_hash_layers,
+        BIAS: layer >= cfg.num_hash_layers,
+        C4: ratio == 4,
+        C128: ratio == 128,
+        COMPRESSED: ratio in (4, 128),
+    }[rule.when]
+
+
+@dataclass(frozen=True)
+class Source:
+    """One checkpoint tensor as the schema expects it."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    rule: Rule
+    layer: int | None
+    expert: int | None = None
+
+
+def _scopes(cfg: ModelConfig, role: str):
+    """(rule, source key prefix, target prefix, layer) for every rule instance of a role."""
+    if role == "target":
+        for rule in RULES:
+            if rule.scope == GLOBAL:
+                yield rule, "", "", None
+        for i in cfg.layer_ids("target"):
+            for rule in RULES:
+                if rule.scope in (LAYER, EXPERT):
+                    yield rule, f"layers.{i}.", f"model.layers.{i}.", i
+    else:
+        for j, i in enumerate(cfg.layer_ids("draft")):
+            for rule in RULES:
+                if rule.scope in (LAYER, EXPERT):
+                    yield rule, f"mtp.{j}.", f"model.layers.{i}.mtp_block.", i
+                elif rule.scope == MTP_ONLY:
+                    yield rule, f"mtp.{j}.", f"model.layers.{i}.", i
+
+
+def expected_sources(cfg: ModelConfig, roles: tuple[str, ...] = ROLES) -> dict[str, Source]:
+    """Every checkpoint key the config implies, with its shape and dtype (the schema)."""
+    out: dict[str, Source] = {}
+    for role in roles:
+        for rule, sprefix, _tprefix, layer in _scopes(cfg, role):
+            if layer is not None and not _applies(rule, cfg, layer):
+                continue
+            ratio = cfg.compress_ratio(layer) if layer is not None else 0
+            shape = tuple(rule.shape(cfg, ratio))
+            experts = range(cfg.n_experts) if rule.scope == EXPERT else [None]
+            for e in experts:
+                key = sprefix + (rule.key.format(e=e) if e is not None else rule.key)
+                if key in out:
+                    raise AssertionError(f"two rules produce checkpoint key {key}")
+                out[key] = Source(key, shape, rule.dtype, rule, layer, e)
+    return out
+
+
+# ---------------------------------------------------------------- per-rank tensor specs
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A source region copied into a target tensor, in stored units along `dim`.
+
+    For stacked experts `source` holds `{e}` and the piece applies to every expert's matrix.
+    The destination segment is [dst_start, dst_start + seg_len); its part past `length` is pad.
+    """
+
+    source: str
+    dim: int
+    src_start: int
+    dst_start: int
+    length: int
+    seg_len: int
+
+    @property
+    def tail(self) -> tuple[int, int]:
+        return (self.dst_start + self.length, self.dst_start + self.seg_len)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One vLLM parameter of one rank in model layout (before any expert kernel layout)."""
+
+    name: str
+    role: str
+    rank: int
+    shape: tuple[int, ...]  # model-layout shape; stacked experts lead with E
+    dtype: str  # output safetensors dtype
+    src_dtype: str
+    pieces: tuple[Piece, ...]
+    pad: bytes
+    experts: int | None = None  # stacked expert count
+    expert_tensor: str | None = None
+    layer: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_SIZE[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def matrix_shape(self) -> tuple[int, ...]:
+        """Shape of one expert's matrix (or of the whole tensor when not stacked)."""
+        return self.shape[1:] if self.experts else self.shape
+
+    def sources(self) -> list[str]:
+        """Every checkpoint key this spec reads, experts expanded."""
+        keys = []
+        for p in self.pieces:
+            if self.experts:
+                keys.extend(p.source.format(e=e) for e in range(self.experts))
+            else:
+                keys.append(p.source)
+        return keys
+
+
+def _to_storage(value: int, unit: int, what: str) -> int:
+    if value % unit:
+        raise PlanError(f"{what}: logical offset {value} is not a multiple of its storage unit {unit}; "
+                        f"this TP size would need requantization")
+    return value // unit
+
+
+def build_specs(cfg: ModelConfig, plan: Plan, role: str) -> list[list[TensorSpec]]:
+    """Per rank, the sorted list of tensor specs of `role` (identical names and shapes on every rank)."""
+    groups: dict[str, list[tuple[Rule, str, int | None]]] = {}
+    for rule, sprefix, tprefix, layer in _scopes(cfg, role):
+        if layer is not None and not _applies(rule, cfg, layer):
+            continue
+        groups.setdefault(tprefix + rule.target, []).append((rule, sprefix, layer))
+    ranks: list[list[TensorSpec]] = []
+    for rank in range(plan.tp):
+        specs = [_spec(cfg, plan, role, rank, name, members) for name, members in sorted(groups.items())]
+        ranks.append(specs)
+    return ranks
+
+
+def _spec(cfg: ModelConfig, plan: Plan, role: str, rank: int, name: str,
+          members: list[tuple[Rule, str, int | None]]) -> TensorSpec:
+    members = sorted(members, key=lambda m: m[0].segment)
+    first, _, layer = members[0]
+    ratio = cfg.compress_ratio(layer) if layer is not None else 0
+    pieces = []
+    offset = 0
+    dim = first.dim
+    src_shape = tuple(first.shape(cfg, ratio))
+    for rule, sprefix, _ in members:
+        shape = tuple(rule.shape(cfg, ratio))
+        key = sprefix + rule.key
+        if rule.axis is None:
+            length = shape[dim]
+            pieces.append(Piece(key, dim, 0, offset, length, length))
+            offset += length
+            continue
+        axis = plan.axes[rule.axis]
+        per = rule.per_index(cfg)
+        what = f"{name} (rank {rank}, from {key})"
+        start = _to_storage(axis.start(rank) * per, rule.unit, what)
+        length = _to_storage(axis.real(rank) * per, rule.unit, what)
+        seg_len = _to_storage(axis.kernel_local * per, rule.unit, what)
+        pieces.append(Piece(key, dim, start, offset, length, seg_len))
+        offset += seg_len
+    out_shape = list(src_shape)
+    out_shape[dim] = offset
+    experts = cfg.n_experts if first.scope == EXPERT else None
+    if experts:
+        out_shape = [experts, *out_shape]
+    out_dtype = first.out_dtype or first.dtype
+    return TensorSpec(
+        name=name, role=role, rank=rank, shape=tuple(out_shape), dtype=out_dtype, src_dtype=first.dtype,
+        pieces=tuple(pieces), pad=first.pad, experts=experts, expert_tensor=first.expert_tensor, layer=layer,
+    )
+
+
+def check_source_keys(cfg: ModelConfig, present: dict[str, tuple[tuple[int, ...], str]],
+                      roles: tuple[str, ...]) -> None:
+    """Every present key must be expected with its shape and dtype, and every expected key present."""
+    expected = expected_sources(cfg, ROLES)
+    unknown = sorted(set(present) - set(expected))
+    if unknown:
+        raise SourceError(f"unknown tensor {unknown[0]!r}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
+                          + ": not in the V4-Flash schema for this config (another schema variant?)")
+    wanted = {k: s for k, s in expected.items() if role_of(k) in roles}
+    missing = sorted(set(wanted) - set(present))
+    if missing:
+        raise SourceError(f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                          + " required by the config")
+    for key, (shape, dtype) in sorted(present.items()):
+        want = expected[key]
+        if tuple(shape) != want.shape or dtype != want.dtype:
+            raise SourceError(f"tensor {key!r} is {dtype}{list(shape)}, the config implies {want.dtype}{list(want.shape)}")
+
+
+_MTP_KEY = re.compile(r"^mtp\.\d+\.")
+
+
+def role_of(key: str) -> str:
+    """The role a checkpoint key feeds: MTP keys feed the draft model."""
+    return "draft" if _MTP_KEY.match(key) else "target"
