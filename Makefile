@@ -1,0 +1,26 @@
+# Two commands set up and prove everything on a fresh machine:
+#   make install   # the package, its CPU dependencies and the test tools
+#   make test      # the CPU test suite (GPU tests are marked `gpu` and deselected)
+PY ?= python3
+DEMO ?= demo
+
+.PHONY: install test demo bench clean
+
+install:
+	@# The CPU build of torch: a bare `pip install torch` would pull a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
+	$(PY) -m pip install -e ".[dev]"
+
+test:
+	@# pytest exits 5 when it collects nothing: here that is a failure, not a pass.
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+
+demo:
+	rm -rf $(DEMO)
+	lucifer-shard synth tiny $(DEMO)/model --fill random --quiet
+	lucifer-shard plan --tp 3 $(DEMO)/model
+	lucifer-shard convert --tp 3 $(DEMO)/model $(DEMO)/out --quiet
+	@echo "demo output: $(DEMO)/out (source: $(DEMO)/model)"
+
+clean:
+	rm -rf $(DEMO) .pytest_cache build *.egg-info

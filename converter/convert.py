@@ -1,0 +1,406 @@
+"""The conversion engine: stream every source tensor once into per-rank safetensors files.
+
+Order of work: for each role and part (a part has the same tensors on every rank), open one
+writer per rank, then for each tensor and chunk assemble all ranks' bytes from one read of the
+source, lay out routed experts, and append. A part is journaled once every rank's file is
+published; `--resume` skips journaled parts whose files still hash to their recorded digests.
+The manifest and COMPLETE are written last.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from . import __version__
+from .assemble import assemble, chunks
+from .errors import OutputError
+from .fsutil import atomic_copy, atomic_write_text
+from .layouts import EXPERT_TENSORS, LAYOUT_VERSION, Layout, expert_layout
+from .manifest import (COMPLETE_NAME, FLASHINFER_VERSIONS, MANIFEST_NAME, RUNTIME, STATE_DIR, FORMAT,
+                       FORMAT_VERSION, Options, conversion_id, file_metadata, part_path, rank_dir,
+                       write_manifest)
+from .plan import MOE_VARIANT, Plan, make_plan
+from .rules import TensorSpec, build_specs
+from .source import Checkpoint, open_checkpoint, resolve_model, side_files
+from .stwriter import StreamWriter, TensorHeader, WrittenFile
+from .stwriter import hash_file
+
+JOURNAL = "journal.jsonl"
+RECORD = "conversion.json"
+
+
+@dataclass
+class Summary:
+    out: Path
+    conversion_id: str
+    bytes_read: int = 0
+    bytes_written: int = 0
+    files_written: int = 0
+    files_resumed: int = 0
+    seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        rate = self.bytes_written / self.seconds / 1e6 if self.seconds else 0.0
+        return [
+            f"output     {self.out}",
+            f"files      {self.files_written} written, {self.files_resumed} kept from an earlier run",
+            f"read       {self.bytes_read / 1e9:.3f} GB",
+            f"written    {self.bytes_written / 1e9:.3f} GB",
+            f"time       {self.seconds:.1f} s ({rate:.0f} MB/s written)",
+        ]
+
+
+@dataclass
+class Part:
+    role: str
+    index: int
+    names: list[str]
+    bytes_per_rank: int
+
+
+def tensor_layouts(options: Options) -> dict[str, Layout]:
+    """The layout of each routed-expert tensor for these options."""
+    return {t: expert_layout(options.arch, options.expert_layout, options.flashinfer_layout, t)
+            for t in EXPERT_TENSORS}
+
+
+def stored_shape(spec: TensorSpec, layouts: dict[str, Layout]) -> tuple[int, ...]:
+    if spec.expert_tensor:
+        return (spec.experts, *layouts[spec.expert_tensor].kernel_shape(spec.matrix_shape))
+    return spec.shape
+
+
+def layout_name(spec: TensorSpec, layouts: dict[str, Layout]) -> str:
+    return layouts[spec.expert_tensor].name if spec.expert_tensor else "model"
+
+
+def plan_parts(role: str, specs: list[TensorSpec], max_bytes: int) -> list[Part]:
+    """Split a rank's sorted tensors into parts of at most `max_bytes` (a larger tensor stands alone)."""
+    parts: list[Part] = []
+    names: list[str] = []
+    size = 0
+    for spec in specs:
+        if names and size + spec.nbytes > max_bytes:
+            parts.append(Part(role, len(parts), names, size))
+            names, size = [], 0
+        names.append(spec.name)
+        size += spec.nbytes
+    if names:
+        parts.append(Part(role, len(parts), names, size))
+    return parts
+
+
+@dataclass
+class Job:
+    """Everything decided before the first byte: checkpoint, plan, specs, parts, identity."""
+
+    ckpt: Checkpoint
+    options: Options
+    plan: Plan
+    specs: dict[str, list[list[TensorSpec]]]
+    parts: list[Part]
+    layouts: dict[str, Layout]
+    cid: str
+    dropped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def roles(self) -> list[str]:
+        return list(self.specs)
+
+
+def prepare(model: str, options: Options) -> Job:
+    root = resolve_model(model)
+    roles = ("target", "draft") if options.mtp else ("target",)
+    ckpt = open_checkpoint(root, roles)
+    plan = make_plan(ckpt.config, options.tp)
+    layouts = tensor_layouts(options)
+    specs = {}
+    for role in roles:
+        if role == "draft" and not ckpt.config.num_mtp:
+            continue
+        specs[role] = build_specs(ckpt.config, plan, role)
+    parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes)]
+    dropped = {}
+    if not options.mtp:
+        dropped = {k: "--no-mtp: the MTP draft model was not converted" for k in ckpt.tensors if k.startswith("mtp.")}
+    return Job(ckpt, options, plan, specs, parts, layouts, conversion_id(ckpt.fingerprint, options), dropped)
+
+
+# ---------------------------------------------------------------- output directory state
+
+
+def _check_out(out: Path, root: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]:
+    """Refuse unsafe targets; returns journal entries usable by --resume (path -> entry)."""
+    out_r, root_r = out.resolve(), root.resolve()
+    if out_r == root_r or root_r in out_r.parents:
+        raise OutputError(f"OUT {out} is inside MODEL {root}; choose a directory outside the checkpoint")
+    if out_r in root_r.parents:
+        raise OutputError(f"OUT {out} contains MODEL {root}; choose a directory outside the checkpoint")
+    if not out.exists():
+        return {}
+    state = out / STATE_DIR
+    ours = state.exists() or (out / MANIFEST_NAME).exists()
+    if force:
+        if ours or not any(out.iterdir()):
+            _clear(out)
+            return {}
+        raise OutputError(f"{out} is not empty and not a lucifer-shard output; --force only replaces outputs of this tool")
+    if (out / COMPLETE_NAME).exists():
+        raise OutputError(f"{out} already holds a complete conversion; pass --force to replace it")
+    if not ours:
+        if any(out.iterdir()):
+            raise OutputError(f"{out} is not empty and not a lucifer-shard output; choose an empty or new directory")
+        return {}
+    if not resume:
+        raise OutputError(f"{out} holds an unfinished conversion; pass --resume to finish it or --force to restart")
+    record = json.loads((state / RECORD).read_text()) if (state / RECORD).exists() else {}
+    if record.get("conversion_id") != job.cid:
+        differs = [k for k in ("source_fingerprint", "options", "tool_version")
+                   if record.get(k) != _record(job).get(k)]
+        raise OutputError(f"--resume: {out} was started with a different "
+                          f"{', '.join(differs) or 'conversion'} ({_describe_diff(record, _record(job))}); "
+                          f"pass --force to restart")
+    entries = {}
+    journal = state / JOURNAL
+    if journal.exists():
+        for line in journal.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a crash: that part is redone
+            entries[entry["path"]] = entry
+    return entries
+
+
+def _describe_diff(old: dict, new: dict) -> str:
+    if old.get("source_fingerprint") != new.get("source_fingerprint"):
+        return "source checkpoint changed"
+    a, b = old.get("options", {}), new.get("options", {})
+    diffs = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return "; ".join(diffs) or f"tool version {old.get('tool_version')} -> {new.get('tool_version')}"
+
+
+def _clear(out: Path) -> None:
+    for child in out.iterdir():
+        if child.is_dir():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+def _record(job: Job) -> dict:
+    return {"conversion_id": job.cid, "source_fingerprint": job.ckpt.fingerprint,
+            "options": job.options.to_dict(), "tool_version": __version__}
+
+
+def _part_valid(out: Path, entry: dict) -> bool:
+    """A journaled file counts only if it still exists and hashes to its recorded digest."""
+    path = out / entry["path"]
+    if not path.is_file() or path.stat().st_size != entry["bytes"]:
+        return False
+    try:
+        return hash_file(path)[0] == entry["digest"]
+    except (OSError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------- streaming
+
+
+class _RankSink:
+    """One rank's writer; with workers, layout + hash + write run on its own thread, in order."""
+
+    def __init__(self, writer: StreamWriter, pool: ThreadPoolExecutor | None):
+        self.writer = writer
+        self.pool = pool
+        self.pending: list[Future] = []
+
+    def put(self, name: str, buf: np.ndarray, layout: Layout | None) -> None:
+        def work():
+            data = layout.forward(buf) if layout is not None else buf
+            self.writer.write(name, np.ascontiguousarray(data))
+        if self.pool is None:
+            work()
+            return
+        while len(self.pending) >= 2:  # bound memory: at most two chunks in flight per rank
+            self.pending.pop(0).result()
+        self.pending.append(self.pool.submit(work))
+
+    def drain(self) -> None:
+        for f in self.pending:
+            f.result()
+        self.pending.clear()
+
+
+def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPoolExecutor | None]) -> tuple[list[WrittenFile], int]:
+    specs_by_name = [{s.name: s for s in rank_specs} for rank_specs in job.specs[part.role]]
+    sinks = []
+    for rank in range(job.plan.tp):
+        headers = []
+        for name in part.names:
+            spec = specs_by_name[rank][name]
+            headers.append(TensorHeader(name, spec.dtype, stored_shape(spec, job.layouts)))
+        path = out / part_path(part.role, rank, part.index)
+        meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp)
+        sinks.append(_RankSink(StreamWriter(path, headers, meta), pools[rank]))
+    read = 0
+    try:
+        for name in part.names:
+            specs = [specs_by_name[r][name] for r in range(job.plan.tp)]
+            layout = job.layouts[specs[0].expert_tensor] if specs[0].expert_tensor else None
+            for a, b in chunks(specs[0]):
+                bufs = assemble(job.ckpt, specs, a, b)
+                for sink, buf in zip(sinks, bufs):
+                    sink.put(name, buf, layout)
+                bar.update(sum(buf.nbytes for buf in bufs))
+            read += sum(job.ckpt.tensors[k].offsets[1] - job.ckpt.tensors[k].offsets[0] for k in specs[0].sources())
+        for sink in sinks:
+            sink.drain()
+        return [sink.writer.close() for sink in sinks], read
+    except BaseException:
+        for sink in sinks:
+            try:
+                sink.drain()
+            except BaseException:
+                pass
+            sink.writer.abort()
+        raise
+
+
+def _remove_partials(out: Path) -> None:
+    for p in out.glob("*/rank-*/.*.partial"):
+        p.unlink()
+    for p in out.glob(".*.partial"):
+        p.unlink()
+
+
+def convert(model: str, out: Path, options: Options, resume: bool = False, force: bool = False,
+            workers: int = 1, progress: bool = True) -> Summary:
+    """Convert MODEL into OUT; see the module docstring for the order and crash safety."""
+    t0 = time.perf_counter()
+    job = prepare(model, options)
+    out = Path(out)
+    journaled = _check_out(out, job.ckpt.root, job, resume, force)
+    out.mkdir(parents=True, exist_ok=True)
+    _remove_partials(out)
+    state = out / STATE_DIR
+    state.mkdir(exist_ok=True)
+    atomic_write_text(state / RECORD, json.dumps(_record(job), indent=1, sort_keys=True) + "\n")
+    for role in job.roles:
+        for rank in range(job.plan.tp):
+            (out / rank_dir(role, rank)).mkdir(parents=True, exist_ok=True)
+    summary = Summary(out, job.cid)
+    results: dict[str, dict] = {}
+    todo = []
+    for part in job.parts:
+        paths = [part_path(part.role, r, part.index) for r in range(job.plan.tp)]
+        if all(p in journaled and _part_valid(out, journaled[p]) for p in paths):
+            for p in paths:
+                results[p] = journaled[p]
+            summary.files_resumed += len(paths)
+        else:
+            todo.append(part)
+    total = sum(p.bytes_per_rank for p in todo) * job.plan.tp
+    pools = [ThreadPoolExecutor(1) if workers > 1 else None for _ in range(job.plan.tp)]
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"convert tp{job.plan.tp}", disable=not progress)
+    try:
+        with open(state / JOURNAL, "a") as journal:
+            for part in todo:
+                files, read = _write_part(job, out, part, bar, pools)
+                summary.bytes_read += read
+                for f in files:
+                    rel = str(f.path.relative_to(out))
+                    entry = {"path": rel, "bytes": f.bytes, "digest": f.digest, "tensors": f.tensor_digests}
+                    results[rel] = entry
+                    journal.write(json.dumps(entry, sort_keys=True) + "\n")
+                    summary.bytes_written += f.bytes
+                    summary.files_written += 1
+                journal.flush()
+                os.fsync(journal.fileno())
+    finally:
+        bar.close()
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
+    for name in side_files(job.ckpt.root):
+        atomic_copy(job.ckpt.root / name, out / name)
+    write_manifest(out, build_manifest(job, results))
+    atomic_write_text(out / COMPLETE_NAME, job.cid + "\n")
+    job.ckpt.close()
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+# ---------------------------------------------------------------- manifest
+
+
+def _zero_regions(spec: TensorSpec) -> list[list[int]]:
+    """[dim, start, end) pad regions in model layout (dims of the per-expert matrix when stacked)."""
+    regions = []
+    for p in spec.pieces:
+        lo, hi = p.tail
+        if hi > lo:
+            regions.append([p.dim, lo, hi])
+    return regions
+
+
+def build_manifest(job: Job, files: dict[str, dict]) -> dict:
+    o = job.options
+    doc = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "tool_version": __version__,
+        "conversion_id": job.cid,
+        "source": {"fingerprint": job.ckpt.fingerprint, "path": str(job.ckpt.root),
+                   "files": dict(sorted(job.ckpt.files.items())), "side_files": side_files(job.ckpt.root)},
+        "tp_size": job.plan.tp,
+        "plan": job.plan.to_dict(),
+        "options": o.to_dict(),
+        "arch": o.arch,
+        "moe_variant": MOE_VARIANT[o.arch],
+        "expert_layout": o.expert_layout,
+        "flashinfer_layout": o.flashinfer_layout if o.arch == "sm90" and o.expert_layout == "kernel" else None,
+        "layouts": {t: {"name": lay.name, "steps": list(lay.steps), "version": lay.version}
+                    for t, lay in job.layouts.items()},
+        "layout_version": LAYOUT_VERSION,
+        "runtime": {**RUNTIME, "flashinfer": FLASHINFER_VERSIONS[o.flashinfer_layout] if o.arch == "sm90" else "any"},
+        "dropped": dict(sorted(job.dropped.items())),
+        "roles": {},
+    }
+    for role in job.roles:
+        ranks = []
+        for rank, specs in enumerate(job.specs[role]):
+            parts = [p for p in job.parts if p.role == role]
+            rank_files = []
+            tensors = {}
+            for part in parts:
+                rel = part_path(role, rank, part.index)
+                entry = files[rel]
+                rank_files.append({"path": rel, "bytes": entry["bytes"], "digest": "blake3:" + entry["digest"]})
+                for name in part.names:
+                    tensors[name] = {"file": rel, "digest": "blake3:" + entry["tensors"][name]}
+            for spec in specs:
+                t = tensors[spec.name]
+                t.update({
+                    "dtype": spec.dtype,
+                    "shape": list(stored_shape(spec, job.layouts)),
+                    "model_shape": list(spec.shape),
+                    "layout": layout_name(spec, job.layouts),
+                    "experts": spec.experts,
+                    "sources": [{"key": p.source, "dim": p.dim, "src_start": p.src_start, "dst_start": p.dst_start,
+                                 "length": p.length, "seg_len": p.seg_len} for p in spec.pieces],
+                    "source_dtype": spec.src_dtype,
+                    "zero_regions": _zero_regions(spec),
+                    "pad": "-inf" if spec.pad != b"\x00" else "zero",
+                })
+            ranks.append({"rank": rank, "files": rank_files, "tensors": tensors})
+        doc["roles"][role] = {"ranks": ranks}
+    return doc

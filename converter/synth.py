@@ -1,0 +1,160 @@
+"""Synthetic checkpoints with the exact DeepSeek-V4-Flash schema (names, dtypes, packing, index json).
+
+`pattern` fill makes every byte a hash of its tensor and position, so a misplaced byte is
+identifiable (scale bytes never 0xFF); `random` fill writes valid values (FP4 codes, E8M0 scales
+in a realistic range, finite FP8 and BF16). Shards are written with `safetensors.torch.save_file`
+so the converter's input is produced by the reference library, not by our own writer.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from .config import ModelConfig, parse_config
+from .errors import LuciferError
+from .rules import DTYPE_SIZE, Source, expected_sources
+
+PRESETS = {
+    "tiny": "tiny.json",
+    "flash-layer": "deepseek-v4-flash.json",
+    "flash-moe": "flash-moe.json",
+}
+FILLS = ("pattern", "random")
+MAX_SHARD_BYTES = 1 << 30
+TORCH_DTYPE = {
+    "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
+    "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu,
+}
+
+
+def preset_config(preset: str, layers: int | None = None, mtp: bool = True) -> dict:
+    """The config dict of a preset; `layers` truncates the decoder (flash-layer), `mtp=False` drops MTP."""
+    if preset not in PRESETS:
+        raise LuciferError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    raw = json.loads(resources.files("lucifer_shard.configs").joinpath(PRESETS[preset]).read_text())
+    if preset == "flash-layer" and layers is None:
+        layers = 1
+    if layers is not None:
+        n, ratios = raw["num_hidden_layers"], raw["compress_ratios"]
+        if not 1 <= layers <= n:
+            raise LuciferError(f"--layers {layers}: preset {preset!r} has 1..{n} layers")
+        raw["compress_ratios"] = ratios[:layers] + ratios[n:]
+        raw["num_hidden_layers"] = layers
+        raw["num_hash_layers"] = min(raw["num_hash_layers"], layers)
+    if not mtp:
+        raw["compress_ratios"] = raw["compress_ratios"][: raw["num_hidden_layers"]]
+        raw["num_nextn_predict_layers"] = 0
+    return raw
+
+
+def _seed(seed: int, key: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "little")
+
+
+def pattern_bytes(key: str, nbytes: int) -> np.ndarray:
+    """Position-and-tensor hash per byte, never 0xFF (a valid E8M0 scale everywhere)."""
+    tid = _seed(0, key) & 0xFFFFFFFF
+    i = np.arange(nbytes, dtype=np.uint64)
+    v = (i * np.uint64(2654435761) + np.uint64(tid)) & np.uint64(0xFFFFFFFF)
+    v ^= v >> np.uint64(15)
+    v = (v * np.uint64(0x2C1B3C6D)) & np.uint64(0xFFFFFFFF)
+    v ^= v >> np.uint64(12)
+    return (v % np.uint64(255)).astype(np.uint8)
+
+
+def _random_tensor(src: Source, cfg: ModelConfig, rng: np.random.Generator) -> torch.Tensor:
+    shape, dtype = src.shape, src.dtype
+    n = int(np.prod(shape))
+    if dtype == "I8":  # two random E2M1 codes per byte
+        return torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8).reshape(shape)).view(torch.int8)
+    if dtype == "F8_E8M0":  # 2^-8 .. 2^-4: realistic MXFP4 / FP8-block scales, never 0xFF
+        return torch.from_numpy(rng.integers(119, 124, n, dtype=np.uint8).reshape(shape)).view(torch.float8_e8m0fnu)
+    if dtype == "F8_E4M3":
+        vals = rng.standard_normal(n, dtype=np.float32).reshape(shape) * 2.0
+        return torch.from_numpy(vals).to(torch.float8_e4m3fn)
+    vals = rng.standard_normal(n, dtype=np.float32).reshape(shape)
+    if "norm" in src.key:
+        vals = 1.0 + 0.1 * vals
+    elif dtype == "BF16":
+        vals = vals * 0.02
+    return torch.from_numpy(vals).to(TORCH_DTYPE[dtype])
+
+
+def make_tensor(src: Source, cfg: ModelConfig, fill: str, seed: int) -> torch.Tensor:
+    """One synthetic tensor, deterministic in (key, fill, seed) alone."""
+    if src.dtype == "I64":  # tid2eid: always valid expert ids, distinct within a row
+        rng = np.random.default_rng(_seed(seed, src.key))
+        rows = src.shape[0]
+        ids = np.argsort(rng.random((rows, cfg.n_experts)), axis=1)[:, : src.shape[1]]
+        return torch.from_numpy(ids.astype(np.int64))
+    if fill == "pattern":
+        raw = pattern_bytes(f"{seed}:{src.key}", int(np.prod(src.shape)) * DTYPE_SIZE[src.dtype])
+        t = torch.from_numpy(raw)
+        return t.view(TORCH_DTYPE[src.dtype]).reshape(src.shape)
+    return _random_tensor(src, cfg, np.random.default_rng(_seed(seed, src.key)))
+
+
+def _nbytes(src: Source) -> int:
+    return int(np.prod(src.shape)) * DTYPE_SIZE[src.dtype]
+
+
+def _shards(sources: list[Source]) -> Iterator[list[Source]]:
+    """Group keys in order into shards (at least four for small models, at most 1 GiB each)."""
+    limit = min(MAX_SHARD_BYTES, max(1, sum(map(_nbytes, sources)) // 4))
+    shard: list[Source] = []
+    size = 0
+    for src in sources:
+        nbytes = _nbytes(src)
+        if shard and size + nbytes > limit:
+            yield shard
+            shard, size = [], 0
+        shard.append(src)
+        size += nbytes
+    if shard:
+        yield shard
+
+
+def _order(src: Source) -> tuple:
+    return (src.layer if src.layer is not None else -1, src.key)
+
+
+def synth(preset: str, out: Path, layers: int | None = None, fill: str = "pattern", seed: int = 0,
+          mtp: bool = True, progress: bool = True) -> Path:
+    """Write a synthetic checkpoint directory; returns its path."""
+    if fill not in FILLS:
+        raise LuciferError(f"--fill {fill!r}: choose one of {', '.join(FILLS)}")
+    raw = preset_config(preset, layers, mtp)
+    cfg = parse_config(raw, f"preset {preset}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.glob("*.safetensors")):
+        raise LuciferError(f"{out}: already holds a checkpoint; choose an empty directory")
+    sources = sorted(expected_sources(cfg).values(), key=_order)
+    groups = list(_shards(sources))
+    total = sum(map(_nbytes, sources))
+    weight_map: dict[str, str] = {}
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"synth {preset}", disable=not progress)
+    for n, group in enumerate(groups, 1):
+        name = f"model-{n:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for src in group:
+            tensors[src.key] = make_tensor(src, cfg, fill, seed)
+            weight_map[src.key] = name
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        bar.update(sum(t.numel() * t.element_size() for t in tensors.values()))
+        del tensors
+    bar.close()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1048576}, indent=2) + "\n")
+    return out

@@ -1,0 +1,38 @@
+"""Test helpers: read tensors as raw bytes with the safetensors library itself."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+
+def raw(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as uint8, last dim in bytes."""
+    t = t.contiguous()
+    return t.view(torch.uint8).numpy().reshape(*t.shape[:-1], -1)
+
+
+class Source:
+    """The source checkpoint through its index json."""
+
+    def __init__(self, root: Path):
+        import json
+
+        self.root = Path(root)
+        self.map = json.loads((self.root / "model.safetensors.index.json").read_text())["weight_map"]
+
+    def get(self, key: str) -> np.ndarray:
+        with safe_open(str(self.root / self.map[key]), "pt") as f:
+            return raw(f.get_tensor(key))
+
+
+def rank_tensors(out: Path, role: str, rank: int) -> dict[str, np.ndarray]:
+    """Every tensor of one rank's files, as bytes."""
+    tensors = {}
+    for path in sorted((Path(out) / role / f"rank-{rank}").glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for k in f.keys():
+                tensors[k] = raw(f.get_tensor(k))
+    return tensors

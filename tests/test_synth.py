@@ -1,0 +1,74 @@
+"""synth: schema-exact synthetic checkpoints, deterministic, loadable by safetensors."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+import pytest
+from safetensors import safe_open
+
+from lucifer_shard.rules import expected_sources
+from lucifer_shard.source import open_checkpoint
+from lucifer_shard.synth import synth
+
+
+def _keys_and_types(root):
+    index = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
+    found = {}
+    for name in sorted(set(index.values())):
+        with safe_open(str(root / name), "pt") as f:
+            for k in f.keys():
+                sl = f.get_slice(k)
+                found[k] = (tuple(sl.get_shape()), sl.get_dtype())
+    return index, found
+
+
+def test_tiny_matches_the_schema_exactly(tiny_pattern, tiny_cfg):
+    index, found = _keys_and_types(tiny_pattern)
+    want = expected_sources(tiny_cfg)
+    assert set(found) == set(want) == set(index)
+    for key, (shape, dtype) in found.items():
+        assert (shape, dtype) == (want[key].shape, want[key].dtype), key
+    assert len(set(index.values())) >= 4  # several shards
+    kinds = {("tid2eid" in k, "indexer" in k, ".compressor.ape" in k) for k in found}
+    assert (True, False, False) in kinds and (False, True, False) in kinds
+    # the layers cover hash routing, C4 (compressor + indexer), C128 and a sliding-window-only layer
+    assert "layers.0.ffn.gate.tid2eid" in found and "layers.1.ffn.gate.bias" in found
+    assert found["layers.2.attn.compressor.ape"][0] == (4, 256) and "layers.2.attn.indexer.wq_b.weight" in found
+    assert found["layers.3.attn.compressor.ape"][0] == (128, 128) and "layers.3.attn.indexer.wq_b.weight" not in found
+    assert not any(k.startswith("layers.1.attn.compressor") for k in found)
+    assert "mtp.0.ffn.experts.7.w2.scale" in found and "mtp.0.e_proj.scale" in found
+    assert found["embed.weight"][0] == (1000, 256) and 1000 % 3
+
+
+@pytest.mark.parametrize("fill", ["pattern", "random"])
+def test_same_seed_is_byte_identical(tmp_path, fill):
+    a = synth("tiny", tmp_path / "a", fill=fill, seed=3, progress=False)
+    b = synth("tiny", tmp_path / "b", fill=fill, seed=3, progress=False)
+    files = sorted(p.name for p in a.iterdir())
+    assert files == sorted(p.name for p in b.iterdir())
+    for name in files:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_random_fill_values_are_valid(tiny_random):
+    ckpt = open_checkpoint(tiny_random)
+    for key, entry in ckpt.tensors.items():
+        t = ckpt.read(key, tuple(slice(None) for _ in entry.shape))
+        if entry.dtype == "F8_E8M0":
+            b = t.view(torch.uint8).numpy()
+            assert b.max() < 0xFF and b.min() > 0, key
+        elif entry.dtype == "F8_E4M3":
+            assert np.isfinite(t.float().numpy()).all(), key
+        elif entry.dtype == "I64":
+            assert t.min() >= 0 and t.max() < ckpt.config.n_experts
+        elif entry.dtype in ("BF16", "F32"):
+            assert np.isfinite(t.float().numpy()).all(), key
+
+
+def test_pattern_fill_never_writes_ff(tiny_pattern):
+    ckpt = open_checkpoint(tiny_pattern)
+    key = "layers.3.ffn.experts.0.w2.scale"
+    b = ckpt.read(key, (slice(None), slice(None))).view(torch.uint8).numpy()
+    assert b.max() < 0xFF and len(np.unique(b)) > 200
