@@ -1,0 +1,81 @@
+"""Read a converted output directory back: its manifest, files and tensors in model layout."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from .errors import OutputError
+from .layouts import layout_by_name
+from .manifest import COMPLETE_NAME, load_manifest
+from .rules import DTYPE_SIZE
+
+TORCH_DTYPE = {
+    "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
+    "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu,
+}
+
+
+class Output:
+    """A lucifer-shard output directory, opened through its manifest."""
+
+    def __init__(self, root: Path, check_digest: bool = True, require_complete: bool = True):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise OutputError(f"{root}: no such output directory")
+        if require_complete and not (self.root / COMPLETE_NAME).exists():
+            raise OutputError(f"{root}: no {COMPLETE_NAME} marker; the conversion did not finish "
+                              f"(run convert again with --resume)")
+        self.manifest = load_manifest(self.root, check_digest)
+        self._handles: dict[str, object] = {}
+
+    @property
+    def tp(self) -> int:
+        return int(self.manifest["tp_size"])
+
+    @property
+    def roles(self) -> list[str]:
+        return list(self.manifest["roles"])
+
+    def rank(self, role: str, rank: int) -> dict:
+        return self.manifest["roles"][role]["ranks"][rank]
+
+    def info(self, role: str, rank: int, name: str) -> dict:
+        return self.rank(role, rank)["tensors"][name]
+
+    def _open(self, rel: str):
+        h = self._handles.get(rel)
+        if h is None:
+            path = self.root / rel
+            if not path.is_file():
+                raise OutputError(f"{path}: rank file listed in the manifest is missing")
+            h = self._handles[rel] = safe_open(str(path), framework="pt")
+        return h
+
+    def stored(self, role: str, rank: int, name: str, index: slice | None = None) -> np.ndarray:
+        """Stored bytes (uint8, last dim in bytes) of a tensor, or of `index` of its first dim."""
+        info = self.info(role, rank, name)
+        sl = self._open(info["file"]).get_slice(name)
+        t = sl[index] if index is not None else sl[:]
+        t = t.contiguous()
+        return t.view(torch.uint8).numpy().reshape(*t.shape[:-1], t.shape[-1] * DTYPE_SIZE[info["dtype"]])
+
+    def model_bytes(self, role: str, rank: int, name: str, index: slice | None = None) -> np.ndarray:
+        """Bytes in model layout: the declared layout's inverse applied (per expert for stacked tensors)."""
+        info = self.info(role, rank, name)
+        data = self.stored(role, rank, name, index)
+        if info["layout"] == "model":
+            return data
+        return layout_by_name(info["layout"]).inverse(data)
+
+    def model_tensor(self, role: str, rank: int, name: str, index: slice | None = None) -> torch.Tensor:
+        """Model-layout tensor in its file dtype (U8 for MXFP4 weights and scales)."""
+        info = self.info(role, rank, name)
+        raw = np.ascontiguousarray(self.model_bytes(role, rank, name, index))
+        t = torch.from_numpy(raw).view(TORCH_DTYPE[info["dtype"]])
+        return t
+
+    def close(self) -> None:
+        self._handles.clear()
