@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from . import __version__
 from .assemble import assemble, chunks
-from .errors import OutputError
+from .errors import OutputError, SourceError
 from .fsutil import atomic_copy, atomic_write_text
 from .layouts import EXPERT_TENSORS, LAYOUT_VERSION, Layout, expert_layout
 from .manifest import (COMPLETE_NAME, FLASHINFER_VERSIONS, MANIFEST_NAME, RUNTIME, STATE_DIR, FORMAT,
@@ -289,6 +289,7 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     job = prepare(model, options)
     out = Path(out)
     journaled = _check_out(out, job.ckpt.root, job, resume, force)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     _remove_partials(out)
     state = out / STATE_DIR
@@ -325,6 +326,12 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
                     summary.files_written += 1
                 journal.flush()
                 os.fsync(journal.fileno())
+    except SourceError:
+        # The source itself is bad: no rerun can finish this output, so leave nothing behind.
+        _clear(out)
+        if created:
+            out.rmdir()
+        raise
     finally:
         bar.close()
         for pool in pools:

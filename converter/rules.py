@@ -361,7 +361,7 @@ def check_source_keys(cfg: ModelConfig, present: dict[str, tuple[tuple[int, ...]
     missing = sorted(set(wanted) - set(present))
     if missing:
         raise SourceError(f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                          + " required by the config")
+                          + " required by config.json (is the config from another checkpoint?)")
     for key, (shape, dtype) in sorted(present.items()):
         want = expected[key]
         if tuple(shape) != want.shape or dtype != want.dtype:
