@@ -56,11 +56,12 @@ def plan_lines(cfg: ModelConfig, plan: Plan, options: Options) -> list[str]:
     seen = set()
     for role, ranks in specs.items():
         for i, spec in enumerate(ranks[0]):
-            fam = (role, family(spec.name))
-            if fam in seen or all(p.length == p.seg_len and p.src_start == 0 for r in ranks for p in r[i].pieces):
-                continue
+            fam = family(spec.name)
+            if fam.replace("mtp_block.", "") in seen or all(
+                    p.length == p.seg_len and p.src_start == 0 for r in ranks for p in r[i].pieces):
+                continue  # replicated, or an MTP block family already shown for the target
             seen.add(fam)
-            lines.append(f"  [{role}] {fam[1]}  {spec.dtype}{list(stored_shape(spec, layouts))}  "
+            lines.append(f"  [{role}] {fam}  {spec.dtype}{list(stored_shape(spec, layouts))}  "
                          f"layout {layout_name(spec, layouts)}")
             for seg, _ in enumerate(spec.pieces):
                 parts = []
@@ -69,6 +70,7 @@ def plan_lines(cfg: ModelConfig, plan: Plan, options: Options) -> list[str]:
                     parts.append(f"r{r} [{p.src_start},{p.src_start + p.length})+{p.seg_len - p.length}")
                 key = spec.pieces[seg].source.split(".", 2)[-1] if spec.layer is not None else spec.pieces[seg].source
                 lines.append(f"      {key} dim {spec.pieces[seg].dim}: " + "  ".join(parts))
+    lines.append("  (every other tensor is replicated whole on each rank; the MTP block's families match the target's)")
     lines += ["", "bytes per rank (zero padding = virtual-TP and kernel tails)"]
     for role, ranks in specs.items():
         for r, rank_specs in enumerate(ranks):
