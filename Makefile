@@ -3,17 +3,24 @@
 #   make test      # the CPU test suite (GPU tests are marked `gpu` and deselected)
 PY ?= python3
 DEMO ?= demo
+# vllm==0.33.0 (CPU) lives in a venv outside the clone: LUCIFER_VLLM_VENV, default ~/.cache/lucifer-shard/vllm-0.33.0
+VLLM_ENV ?= bash tools/vllm-env.sh
 
-.PHONY: install test demo bench clean
+.PHONY: install test test-cpu test-shim demo bench clean
 
 install:
 	@# The CPU build of torch: a bare `pip install torch` would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
 	$(PY) -m pip install -e ".[dev]"
 
-test:
-	@# pytest exits 5 when it collects nothing: here that is a failure, not a pass.
+test: test-cpu test-shim
+
+# pytest exits 5 when it collects nothing: here that is a failure, not a pass.
+test-cpu:
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+
+test-shim:
+	$(VLLM_ENV) python -m pytest -q tests/shim -m vllm; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 demo:
 	rm -rf $(DEMO)

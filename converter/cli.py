@@ -154,6 +154,12 @@ def parse_size(text: str) -> int:
     return int(float(num) * units[unit])
 
 
+from .serve_cli import doctor, serve  # noqa: E402  (click only; vLLM is imported inside the commands)
+
+cli.add_command(doctor)
+cli.add_command(serve)
+
+
 def main() -> None:
     cli()
 

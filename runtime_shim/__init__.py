@@ -1,0 +1,46 @@
+"""lucifer-shard runtime shim: the vLLM plugin that loads lucifer-shard rank files verbatim.
+
+Entry point (pyproject): `[project.entry-points."vllm.general_plugins"] lucifer_tp3 =
+"lucifer_shard.runtime_shim:register"`. vLLM calls `register()` in every process (front end,
+engine core, each worker). It is idempotent, imports vLLM only when called, and never raises:
+vLLM merely logs plugin exceptions, so a failure here is logged and surfaces later as
+"Load format `lucifer_tp3` is not supported" — run `lucifer-shard doctor` to see why.
+
+Importing this package imports neither vLLM nor torch.
+"""
+from __future__ import annotations
+
+import logging
+
+LOAD_FORMAT = "lucifer_tp3"
+logger = logging.getLogger("lucifer_shard.runtime_shim")
+
+_state = {"registered": False, "error": None}
+
+
+def register() -> None:
+    """Register `--load-format lucifer_tp3` and install the vetted wrappers; safe to call repeatedly."""
+    if _state["registered"]:
+        return
+    try:
+        from vllm.model_executor.model_loader import register_model_loader
+
+        from . import patches
+        from .loader import LuciferTP3Loader
+
+        patches.install()
+        from vllm.model_executor import model_loader as ml
+
+        registry = getattr(ml, "_LOAD_FORMAT_TO_MODEL_LOADER", {})
+        if registry.get(LOAD_FORMAT) is not LuciferTP3Loader:
+            register_model_loader(LOAD_FORMAT)(LuciferTP3Loader)
+        _state["registered"] = True
+        _state["error"] = None
+    except Exception as e:  # noqa: BLE001 - a plugin must never raise into vLLM
+        _state["error"] = f"{e.__class__.__name__}: {e}"
+        logger.exception("lucifer_tp3: plugin registration failed (run `lucifer-shard doctor`)")
+
+
+def registration_error() -> str | None:
+    """Why the last register() failed, or None."""
+    return _state["error"]

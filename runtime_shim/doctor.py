@@ -1,0 +1,275 @@
+"""`lucifer-shard doctor` and `lucifer-shard serve`: what the installed vLLM can and cannot serve.
+
+Imports vLLM lazily inside the functions; importing this module is cheap.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import compat
+from .errors import ShimError
+
+OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
+ENTRY_GROUP = "vllm.general_plugins"
+ENTRY_NAME = "lucifer_tp3"
+NEEDED = (  # (module, attribute) the loader and plugin rely on, on every vLLM line
+    ("vllm.model_executor.model_loader", "register_model_loader"),
+    ("vllm.model_executor.model_loader", "get_model_loader"),
+    ("vllm.model_executor.model_loader.base_loader", "BaseModelLoader"),
+    ("vllm.config", "LoadConfig"),
+    ("vllm.plugins", "load_general_plugins"),
+    ("vllm.distributed.parallel_state", "get_tensor_model_parallel_rank"),
+    ("vllm.distributed.parallel_state", "get_tensor_model_parallel_world_size"),
+    ("vllm.distributed.parallel_state", "get_pp_group"),
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # ok / warn / FAIL / info
+    detail: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        s = f"[{self.status:>4}] {self.name}: {self.detail}"
+        return s + (f" -> {self.fix}" if self.fix else "")
+
+
+def format_report(checks: list[Check]) -> str:
+    fails = sum(c.status == FAIL for c in checks)
+    warns = sum(c.status == WARN for c in checks)
+    tail = (f"{fails} check(s) failed: lucifer_tp3 serving will not work here" if fails else
+            "lucifer_tp3 serving can work here" + (f" ({warns} warning(s))" if warns else ""))
+    return "\n".join(str(c) for c in checks) + "\n" + tail
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def vllm_identity() -> tuple[str | None, str | None]:
+    """(version, git commit) of the installed vLLM without importing it (None when absent)."""
+    version = _dist_version("vllm")
+    if version is None:
+        return None, None
+    commit = None
+    try:
+        spec = importlib.util.find_spec("vllm._version")
+        if spec and spec.origin:
+            ns: dict = {}
+            exec(compile(Path(spec.origin).read_text(), spec.origin, "exec"), ns)  # noqa: S102 - vLLM's own file
+            commit = ns.get("__commit_id__") or ns.get("commit_id")
+    except Exception:  # noqa: BLE001
+        commit = None
+    if not commit and "+g" in version:
+        commit = version.split("+g", 1)[1].split(".")[0]
+    if commit and commit.startswith("g") and len(commit) > 7:
+        commit = commit[1:]
+    return version, commit
+
+
+def doctor_report(out_dir: str | Path | None = None) -> list[Check]:
+    """Inspect the installed vLLM/FlashInfer (and optionally an output directory) for lucifer_tp3 serving."""
+    checks: list[Check] = [Check("python", INFO, sys.version.split()[0])]
+    version, commit = vllm_identity()
+    if version is None:
+        checks.append(Check("vllm", FAIL, "not installed in this environment",
+                            "install lucifer-shard into the vLLM serving image (pip install --no-deps lucifer-shard)"))
+        if out_dir is not None:
+            checks.extend(_output_checks(out_dir, None, None))
+        return checks
+    known = {b.commit: b for b in compat.SUPPORTED_BUILDS}
+    build = next((b for c, b in known.items() if commit and (commit.startswith(c) or c.startswith(commit))), None)
+    checks.append(Check("vllm", OK if build else INFO, f"{version} (commit {commit or 'unknown'})"
+                        + (f" = supported build {build.label}" if build else "; not one of the vetted builds "
+                           + ", ".join(known))))
+    fi = _dist_version("flashinfer-python")
+    want_fi = build.flashinfer if build else None
+    checks.append(Check("flashinfer", (WARN if fi is None or (want_fi and fi != want_fi) else OK),
+                        f"flashinfer-python {fi or 'not installed'}" + (f" (build pins {want_fi})" if want_fi else "")))
+    checks.append(_torch_check())
+    try:
+        importlib.import_module("vllm")
+    except Exception as e:  # noqa: BLE001
+        checks.append(Check("import vllm", FAIL, f"{e.__class__.__name__}: {e}", "repair the vLLM install"))
+        return checks
+    for mod, attr in NEEDED:
+        try:
+            getattr(importlib.import_module(mod), attr)
+            checks.append(Check(f"symbol {mod}.{attr}", OK, "present"))
+        except Exception as e:  # noqa: BLE001
+            checks.append(Check(f"symbol {mod}.{attr}", FAIL, f"missing ({e.__class__.__name__})",
+                                "this vLLM lacks the loader-plugin API; use a supported build"))
+    checks.extend(_plugin_checks())
+    verdicts = _wrapper_verdicts()
+    for key, sym in compat.SYMBOLS.items():
+        st = compat.inspect_symbol(sym)
+        good = [b.commit for b in compat.SUPPORTED_BUILDS if st.hash and b.hashes.get(key) == st.hash]
+        if not st.present:
+            checks.append(Check(f"source {sym.dotted}", INFO, st.detail))
+        else:
+            checks.append(Check(f"source {sym.dotted}", OK if good else WARN,
+                                f"{(st.hash or 'no hash')[:23]}... "
+                                + (f"= {', '.join(good)}" if good else f"matches no vetted build ({st.detail or 'source differs'})")))
+    pol = verdicts[compat.POLICY]
+    if pol.ok:
+        checks.append(Check("virtual TP", OK, f"present; policy wrapper installed (build {pol.build.commit}): "
+                            f"--load-format lucifer_tp3 builds the padded plan for the Lucifer tuple"))
+    elif not compat.inspect_symbol(compat.SYMBOLS["maybe_apply_b12x_virtual_tp_padding"]).present:
+        checks.append(Check("virtual TP", FAIL,
+                            "missing: this vLLM has no vllm.config.virtual_tp, so DeepSeek-V4 can only run at TP sizes "
+                            "that divide its geometry (64 heads: TP 1/2/4/8); TP3 outputs cannot be served (the "
+                            "attention asserts n_heads % tp_size == 0)",
+                            "serve TP3 outputs on a vetted mlow/vllm build (" + ", ".join(known) + ")"))
+    else:
+        checks.append(Check("virtual TP", FAIL, f"present but the policy wrapper was not installed: {pol.reason}",
+                            "use a vetted build or extend the allow-list after re-validating on GPU"))
+    rel = verdicts[compat.RELAYOUT]
+    if rel.ok:
+        checks.append(Check("expert re-layout wrapper", OK, f"installed (build {rel.build.commit}): kernel-layout "
+                            f"experts (sm120/sm100) load verbatim"))
+    else:
+        checks.append(Check("expert re-layout wrapper", WARN, f"not installed: {rel.reason}; only "
+                            f"--expert-layout model outputs can be loaded by this vLLM",
+                            "convert with --expert-layout model, or use a vetted build"))
+    b12x = os.environ.get("VLLM_USE_B12X_MOE")
+    if b12x and b12x.strip().lower() not in ("0", "false", "no", "off"):
+        checks.append(Check("env VLLM_USE_B12X_MOE", FAIL, f"set to {b12x!r}: the MoE backend would resolve to B12X",
+                            "unset VLLM_USE_B12X_MOE"))
+    checks.append(_gpu_check())
+    if out_dir is not None:
+        checks.extend(_output_checks(out_dir, verdicts, build))
+    return checks
+
+
+def _torch_check() -> Check:
+    v = _dist_version("torch")
+    return Check("torch", INFO if v else WARN, v or "not installed")
+
+
+def _gpu_check() -> Check:
+    from . import patches
+
+    arch, cap = patches.device_arch()
+    if arch is None:
+        return Check("GPU", WARN, f"capability {cap}: cannot check the files' arch here",
+                     "run doctor on the serving host")
+    return Check("GPU", OK, f"capability {cap} -> {arch}")
+
+
+def _plugin_checks() -> list[Check]:
+    out = []
+    eps = [e for e in md.entry_points(group=ENTRY_GROUP) if e.name == ENTRY_NAME]
+    if not eps:
+        out.append(Check("plugin entry point", FAIL, f"no {ENTRY_GROUP} entry point {ENTRY_NAME!r} installed",
+                         "pip install lucifer-shard into the same environment as vLLM"))
+    else:
+        out.append(Check("plugin entry point", OK, f"{ENTRY_NAME} = {eps[0].value}"))
+    plugins = os.environ.get("VLLM_PLUGINS")
+    if plugins is not None and ENTRY_NAME not in [p.strip() for p in plugins.split(",")]:
+        out.append(Check("env VLLM_PLUGINS", FAIL, f"{plugins!r} excludes {ENTRY_NAME}",
+                         f"add {ENTRY_NAME} to VLLM_PLUGINS or unset it"))
+    from . import register, registration_error
+
+    register()
+    err = registration_error()
+    try:
+        from vllm.model_executor import model_loader as ml
+
+        registered = ENTRY_NAME in getattr(ml, "_LOAD_FORMAT_TO_MODEL_LOADER", {})
+    except Exception:  # noqa: BLE001
+        registered = False
+    out.append(Check("load format lucifer_tp3", OK if registered else FAIL,
+                     "registered by register()" if registered else f"not registered ({err or 'unknown'})",
+                     "" if registered else "see the log of register(); reinstall lucifer-shard"))
+    return out
+
+
+def _wrapper_verdicts() -> dict[str, compat.WrapperVerdict]:
+    from . import patches
+
+    if not patches.VERDICTS:
+        patches.install()
+    return dict(patches.VERDICTS)
+
+
+def _output_checks(out_dir, verdicts, build) -> list[Check]:
+    from .manifest import load_manifest
+
+    try:
+        m = load_manifest(out_dir)
+    except ShimError as e:
+        return [Check("output", FAIL, str(e))]
+    checks = [Check("output", OK, f"{m.out}: conversion {m.conversion_id[:12]}, tp {m.tp_size}, arch {m.arch}, "
+                    f"experts {m.expert_layout} layout ({m.moe_variant}), roles {', '.join(m.roles)}")]
+    if verdicts is None:
+        return checks
+    if m.needs_virtual_tp() and not verdicts[compat.POLICY].ok:
+        checks.append(Check("output needs virtual TP", FAIL, f"the plan pads tp {m.tp_size} but the policy wrapper "
+                            f"is not installed ({verdicts[compat.POLICY].reason})",
+                            "serve on a vetted mlow/vllm build"))
+    if m.expert_layout != "model":
+        if not verdicts[compat.RELAYOUT].ok:
+            checks.append(Check("output kernel-layout experts", FAIL, "the re-layout wrapper is not installed",
+                                "re-convert with --expert-layout model, or use a vetted build"))
+        if m.arch == "sm90":
+            checks.append(Check("output kernel-layout experts", FAIL, "sm90 kernel layout needs c-full (not "
+                                "implemented)", "re-convert with --expert-layout model"))
+    from . import patches
+
+    arch, cap = patches.device_arch()
+    if arch is not None and arch != m.arch and m.expert_layout != "model":
+        checks.append(Check("output arch", FAIL, f"files laid out for {m.arch}, this GPU is {cap} ({arch})",
+                            f"re-convert with --arch {arch}"))
+    if "draft" in m.roles and build is not None and not build.draft_virtual_tp and m.needs_virtual_tp():
+        checks.append(Check("output MTP draft", WARN, f"build {build.commit} does not apply virtual TP to the draft "
+                            f"model", "serve without --speculative-config (no MTP) on this build"))
+    return checks
+
+
+# ---------------------------------------------------------------------------------- serve
+
+SERVE_FLAGS = ("--tensor-parallel-size", "--load-format", "--attention-backend", "--moe-backend")
+
+
+def serve_argv(out_dir: str | Path, extra_args: list[str] | tuple[str, ...] = (), dry_run: bool = False,
+               vllm: str = "vllm") -> tuple[list[str], list[Check]]:
+    """(argv of `vllm serve`, preflight checks). Raises ShimError if the output or preflight fails
+    (unless dry_run, which returns the checks for printing)."""
+    from .manifest import load_manifest
+
+    m = load_manifest(out_dir)  # manifest + COMPLETE are hard requirements even for --dry-run
+    extra = list(extra_args)
+    for flag in SERVE_FLAGS:
+        short = {"--tensor-parallel-size": "-tp"}.get(flag)
+        if any(a == flag or a.startswith(flag + "=") or (short and a == short) for a in extra):
+            raise ShimError(f"{flag} is set by lucifer-shard serve from the manifest; remove it from the extra args")
+    argv = [vllm, "serve", str(Path(out_dir)), "--tensor-parallel-size", str(m.tp_size),
+            "--load-format", "lucifer_tp3", "--attention-backend", "FLASHINFER_MLA_SPARSE_DSV4",
+            "--moe-backend", "flashinfer_cutlass", *extra]
+    checks = doctor_report(out_dir)
+    failed = [c for c in checks if c.status == FAIL]
+    if failed and not dry_run:
+        raise ShimError(f"preflight failed ({len(failed)} check(s)): {failed[0].name}: {failed[0].detail}"
+                        + (f" -> {failed[0].fix}" if failed[0].fix else "") + "; run lucifer-shard doctor OUT")
+    return argv, checks
+
+
+def serve(out_dir, extra_args=(), dry_run: bool = False) -> str:
+    """Preflight then exec `vllm serve` (never returns unless dry_run, which returns the command line)."""
+    argv, _ = serve_argv(out_dir, extra_args, dry_run)
+    line = shlex.join(argv)
+    if dry_run:
+        return line
+    os.execvp(argv[0], argv)
+    raise AssertionError("unreachable")  # pragma: no cover

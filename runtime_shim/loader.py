@@ -1,0 +1,487 @@
+"""`--load-format lucifer_tp3`: copy each rank file tensor verbatim into the parameter of the same name.
+
+Design: vllm-runtime.md §3.5. Imported by `register()` (so after vLLM is importable); never imported
+by the converter.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+from . import compat, patches
+from .errors import ShimError, ShimRuntimeError
+from .manifest import (
+    DRAFT_RUNTIME_OWNED,
+    DRAFT_RUNTIME_OWNED_SUFFIXES,
+    EXPERT_TENSORS,
+    Manifest,
+    compare_plan,
+    load_manifest,
+    read_header,
+)
+
+logger = logging.getLogger("lucifer_shard.runtime_shim")
+
+EXTRA_CONFIG_KEYS = {
+    "verify": ("header", "full"),  # full: file digests (blake3) and zero regions
+    "role": ("auto", "target", "draft"),
+}
+TARGET_CLASSES = ("DeepseekV4ForCausalLM",)
+DRAFT_CLASSES = ("DeepSeekV4MTP",)
+# Post-load hooks `model.load_weights` runs after copying (vllm-runtime.md §3.2.4); replayed in order.
+TARGET_LAYER_HOOK = "refresh_b12x_mhc_bf16_weights"
+TARGET_MODEL_HOOKS = ("finalize_mega_moe_weights", "finalize_mhc_broadcast_weights", "setup_b12x_wo_projection")
+DRAFT_HOOKS = ("finalize_mega_moe_weights",)
+
+TORCH_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+# The only reinterpretation allowed, and only where the manifest declares it (`view_as`).
+VIEW_PAIRS = {frozenset((torch.uint8, torch.float8_e8m0fnu))}
+NEG_INF = float("-inf")
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dt, str(dt).replace("torch.", ""))
+
+
+def _shape(s) -> str:
+    return "(" + ",".join(str(int(x)) for x in s) + ")"
+
+
+def _few(names, n=5) -> str:
+    names = sorted(names)
+    more = f" (+{len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def parse_extra_config(extra) -> dict:
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
+    if unknown:
+        raise ShimError(f"unknown --model-loader-extra-config key(s) {', '.join(map(repr, unknown))}; lucifer_tp3 "
+                        f"accepts {', '.join(sorted(EXTRA_CONFIG_KEYS))}")
+    out = {"verify": "header", "role": "auto"}
+    for k, v in extra.items():
+        if v not in EXTRA_CONFIG_KEYS[k]:
+            raise ShimError(f"--model-loader-extra-config {k}={v!r}; expected one of "
+                            f"{', '.join(map(repr, EXTRA_CONFIG_KEYS[k]))}")
+        out[k] = v
+    return out
+
+
+class LuciferTP3Loader(BaseModelLoader):
+    """Loads lucifer-shard rank files: exact keys, shapes and dtypes; experts possibly in kernel layout."""
+
+    def __init__(self, load_config):
+        super().__init__(load_config)
+        self.options = parse_extra_config(getattr(load_config, "model_loader_extra_config", None))
+        self.tags: dict[str, patches.ExpertTag] = {}
+        self.hooks_called: list[str] = []
+        self.loaded: dict[str, str] = {}  # param name -> file it came from
+        self._role_hint: str | None = None
+        self._vllm_config = None
+
+    # ------------------------------------------------------------------ BaseModelLoader API
+
+    def download_model(self, model_config) -> None:
+        load_manifest(self._dir(model_config))
+
+    def load_model(self, vllm_config, model_config, prefix: str = "") -> nn.Module:
+        self._vllm_config = vllm_config
+        self._role_hint = self._role_from_config(vllm_config, model_config)
+        manifest = load_manifest(self._dir(model_config))
+        self._check_parallel_config(vllm_config.parallel_config, manifest)
+        if manifest.expert_layout != "model" and not patches.installed(compat.RELAYOUT):
+            raise ShimError(f"{manifest.path} has routed experts in kernel layout ({manifest.moe_variant}), but the "
+                            f"expert re-layout wrapper is not installed: {patches.why_not_installed(compat.RELAYOUT)}; "
+                            f"use a supported vLLM build (lucifer-shard doctor) or convert with --expert-layout model")
+        model = super().load_model(vllm_config, model_config, prefix)
+        self.check_after_processing(model)
+        return model
+
+    def load_weights(self, model: nn.Module, model_config) -> None:
+        manifest = load_manifest(self._dir(model_config))
+        tp, rank = self._tp_rank()
+        if tp != manifest.tp_size:
+            raise ShimError(f"rank files were built for tensor_parallel_size={manifest.tp_size}, vLLM was started "
+                            f"with {tp}; rebuild with lucifer-shard convert --tp {tp} or start with "
+                            f"-tp {manifest.tp_size}")
+        role = self._role(model)
+        self._check_model_class(model, role)
+        entry = manifest.rank_entry(role, rank)
+        files = self._check_files(manifest, role, rank, entry)
+        params, buffers = self._targets(model)
+        self._check_keys(manifest, role, rank, entry, params, buffers)
+        diff = compare_plan(self._runtime_plan(model_config), manifest.plan)
+        if diff:
+            raise ShimError(f"{diff}; start vLLM through lucifer-shard serve (the virtual-TP policy wrapper must be "
+                            f"active) and check B12X_MOE_FORCE_A8 / NVFP4 env")
+        expert_modules = self._expert_modules(manifest, entry, model)
+        self._check_expert_modules(model, manifest, expert_modules, rank, tp)
+        with torch.no_grad():
+            for path, names in files:
+                self._copy_file(manifest, path, names, entry["tensors"], {**buffers, **params})
+        self._tag(model, manifest, expert_modules)
+        if self.options["verify"] == "full":
+            self._verify_full(manifest, entry, {**buffers, **params})
+        self._replay_hooks(model, role)
+        logger.info("lucifer_tp3: loaded %d tensors of %s rank %d from %d file(s)%s", len(self.loaded), role, rank,
+                    len(files), " (verified)" if self.options["verify"] == "full" else "")
+
+    # ------------------------------------------------------------------ checks after PWAL
+
+    def check_after_processing(self, model: nn.Module) -> None:
+        for prefix, tag in self.tags.items():
+            module = model.get_submodule(prefix)
+            if tag.relayout_calls != 1:
+                raise ShimRuntimeError(f"expert re-layout wrapper ran {tag.relayout_calls} times on {prefix} "
+                                       f"(expected exactly 1); this vLLM build processes MoE weights differently, "
+                                       f"use a supported build (lucifer-shard doctor)")
+            qm = getattr(module, "quant_method", None)
+            if qm is not None and getattr(qm, "moe_kernel", None) is None:
+                raise ShimRuntimeError(f"no MoE kernel was built for {prefix} after post-load processing; check "
+                                       f"--moe-backend {patches.MOE_BACKEND} and the FlashInfer install")
+            for name, ptr in tag.data_ptrs.items():
+                now = getattr(module, name).data_ptr()
+                if now != ptr:
+                    raise ShimRuntimeError(f"{prefix}.{name} was re-laid-out after loading (storage moved from "
+                                           f"{ptr:#x} to {now:#x}); the kernel-layout experts were processed again, "
+                                           f"use a supported vLLM build (lucifer-shard doctor)")
+
+    # ------------------------------------------------------------------ pieces
+
+    def _dir(self, model_config) -> Path:
+        return Path(getattr(model_config, "model_weights", None) or model_config.model)
+
+    def _tp_rank(self) -> tuple[int, int]:
+        from vllm.distributed import parallel_state as ps
+
+        tp = ps.get_tensor_model_parallel_world_size()
+        rank = ps.get_tensor_model_parallel_rank()
+        pp = ps.get_pp_group().world_size
+        if pp != 1:
+            raise ShimError(f"pipeline parallel size {pp}; lucifer_tp3 rank files are per TP rank, start with "
+                            f"--pipeline-parallel-size 1")
+        for getter, flag in (("get_dp_group", "--data-parallel-size"), ("get_pcp_group", "--prefill-context-parallel-size")):
+            fn = getattr(ps, getter, None)
+            try:
+                size = fn().world_size if fn is not None else 1
+            except (AssertionError, AttributeError):
+                size = 1
+            if size != 1:
+                raise ShimError(f"{getter[4:-6]} size {size}; the MoE shard index flattens dp/pcp into TP, so "
+                                f"lucifer_tp3 files need {flag} 1")
+        return tp, rank
+
+    def _check_parallel_config(self, pc, manifest: Manifest) -> None:
+        for attr, flag in (("pipeline_parallel_size", "--pipeline-parallel-size"),
+                           ("data_parallel_size", "--data-parallel-size"),
+                           ("prefill_context_parallel_size", "--prefill-context-parallel-size")):
+            v = int(getattr(pc, attr, 1) or 1)
+            if v != 1:
+                raise ShimError(f"{attr}={v}; lucifer_tp3 rank files are per TP rank only, start with {flag} 1")
+        if getattr(pc, "enable_expert_parallel", False):
+            raise ShimError("expert parallel is on; lucifer_tp3 files shard experts by TP, drop --enable-expert-parallel")
+        if int(pc.tensor_parallel_size) != manifest.tp_size:
+            raise ShimError(f"rank files were built for tensor_parallel_size={manifest.tp_size}, vLLM was started "
+                            f"with {pc.tensor_parallel_size}; rebuild with lucifer-shard convert "
+                            f"--tp {pc.tensor_parallel_size} or start with -tp {manifest.tp_size}")
+
+    @staticmethod
+    def _role_from_config(vllm_config, model_config) -> str:
+        spec = getattr(vllm_config, "speculative_config", None)
+        if spec is not None and model_config is getattr(spec, "draft_model_config", None):
+            return "draft"
+        return "target"
+
+    def _role(self, model: nn.Module) -> str:
+        found = "draft" if any(".mtp_block." in n for n, _ in model.named_parameters()) else "target"
+        forced = self.options["role"]
+        if forced != "auto" and forced != found:
+            raise ShimError(f"--model-loader-extra-config role={forced!r} but the model being loaded is the {found} "
+                            f"model; drop the role key")
+        if self._role_hint is not None and self._role_hint != found:
+            raise ShimError(f"vLLM is loading the {self._role_hint} model but its parameters look like the {found} "
+                            f"model; check the speculative config")
+        return found
+
+    def _check_model_class(self, model: nn.Module, role: str) -> None:
+        name = type(model).__name__
+        allowed = TARGET_CLASSES if role == "target" else DRAFT_CLASSES
+        if name not in allowed:
+            raise ShimError(f"model class {name} is not {' / '.join(allowed)}; lucifer_tp3 files hold DeepSeek-V4 "
+                            f"{role} weights, check config.json in the output directory")
+
+    def _check_files(self, manifest: Manifest, role: str, rank: int, entry: dict) -> list[tuple[Path, list[str]]]:
+        out = []
+        declared = entry.get("files", [])
+        if not declared:
+            raise ShimError(f"rank files missing: {manifest.path} lists no files for {role} rank {rank}; re-run "
+                            f"lucifer-shard convert")
+        by_file: dict[str, list[str]] = {}
+        for name, t in entry["tensors"].items():
+            by_file.setdefault(t["file"], []).append(name)
+        for f in declared:
+            path = manifest.out / f["path"]
+            if not path.is_file():
+                raise ShimError(f"rank files missing: {path} (listed in the manifest for {role} rank {rank}) does not "
+                                f"exist; copy the whole output directory or re-run lucifer-shard convert --resume")
+            if "bytes" in f and path.stat().st_size != int(f["bytes"]):
+                raise ShimError(f"{path} is {path.stat().st_size} bytes, the manifest says {f['bytes']}; the copy is "
+                                f"truncated or from another conversion, re-copy it")
+            header, meta = read_header(path)
+            want_meta = {"lucifer.conversion_id": manifest.conversion_id, "lucifer.role": role,
+                         "lucifer.rank": str(rank), "lucifer.tp_size": str(manifest.tp_size)}
+            for k, v in want_meta.items():
+                if meta.get(k) != v:
+                    what = "from another conversion" if k == "lucifer.conversion_id" else "misplaced"
+                    raise ShimError(f"{path} metadata {k}={meta.get(k)!r}, manifest expects {v!r}: the file is {what}; "
+                                    f"do not mix outputs, re-run lucifer-shard convert into a fresh directory")
+            names = by_file.get(f["path"], [])
+            if set(header) != set(names):
+                extra, miss = set(header) - set(names), set(names) - set(header)
+                raise ShimError(f"{path} holds tensors the manifest does not list ({_few(extra) or 'none'}) or lacks "
+                                f"listed ones ({_few(miss) or 'none'}); re-run lucifer-shard convert --force")
+            for name in names:
+                t, h = entry["tensors"][name], header[name]
+                if h["dtype"] != t["dtype"] or list(h["shape"]) != list(t["shape"]):
+                    raise ShimError(f"{path}: tensor {name} is {h['dtype']}{_shape(h['shape'])} but the manifest says "
+                                    f"{t['dtype']}{_shape(t['shape'])}; re-run lucifer-shard convert --force")
+            out.append((path, sorted(names)))
+        return out
+
+    @staticmethod
+    def _targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        params = dict(model.named_parameters())
+        non_persistent = set()
+        for mname, mod in model.named_modules():
+            for b in getattr(mod, "_non_persistent_buffers_set", ()):
+                non_persistent.add(f"{mname}.{b}" if mname else b)
+        buffers = {n: b for n, b in model.named_buffers() if n not in non_persistent}
+        return params, buffers
+
+    @staticmethod
+    def _runtime_owned(manifest: Manifest, role: str, params) -> set[str]:
+        owned = set(manifest.doc.get("runtime_owned", []))
+        if role == "draft":
+            owned |= {n for n in params if n in DRAFT_RUNTIME_OWNED or n.endswith(DRAFT_RUNTIME_OWNED_SUFFIXES)}
+        return owned
+
+    def _check_keys(self, manifest, role, rank, entry, params, buffers) -> None:
+        files = set(entry["tensors"])
+        owned = self._runtime_owned(manifest, role, params)
+        want = set(params) - owned
+        missing = want - files
+        unexpected = files - want - (set(buffers) - owned)
+        if missing:
+            raise ShimError(f"key missing: {len(missing)} parameter(s) of the {role} model are not in rank {rank} "
+                            f"files: {_few(missing)}; the output was converted for another model/vLLM build, "
+                            f"re-run lucifer-shard convert")
+        if unexpected:
+            raise ShimError(f"key unexpected: {len(unexpected)} tensor(s) of {role} rank {rank} files have no "
+                            f"parameter in the model: {_few(unexpected)}; the output was converted for another "
+                            f"model/vLLM build, re-run lucifer-shard convert")
+        targets = {**buffers, **params}
+        for name in sorted(files):
+            self._check_tensor(name, entry["tensors"][name], targets[name])
+
+    @staticmethod
+    def _is_sink(name: str, t: dict) -> bool:
+        return name.endswith("attn_sink") and t.get("pad") == "-inf" and len(t["shape"]) == 1
+
+    def _check_tensor(self, name: str, t: dict, p: torch.Tensor) -> None:
+        fdt = TORCH_DTYPES.get(t["dtype"])
+        shape = tuple(int(x) for x in t["shape"])
+        view = t.get("view_as")
+        if fdt != p.dtype:
+            declared = view is not None and TORCH_DTYPES.get(view) == p.dtype
+            if not (declared and frozenset((fdt, p.dtype)) in VIEW_PAIRS):
+                raise ShimError(f"dtype mismatch: tensor {name} is {t['dtype']} in the files, param is "
+                                f"{dtype_name(p.dtype)}; no casting is performed, re-convert for this vLLM build")
+        if self._is_sink(name, t):
+            if p.dim() != 1 or p.shape[0] < shape[0]:
+                raise ShimError(f"shape mismatch: tensor {name} {_shape(shape)} does not fit param {_shape(p.shape)} "
+                                f"(attn_sink is copied into a prefix only)")
+            return
+        if tuple(p.shape) != shape:
+            raise ShimError(f"shape mismatch: tensor {name} shape {_shape(shape)} != param {_shape(p.shape)}; no "
+                            f"narrowing is performed, re-convert for this vLLM build and attention backend")
+
+    @staticmethod
+    def _runtime_plan(model_config):
+        text = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+        return getattr(text, "vllm_virtual_tp_plan", None)
+
+    def _expert_modules(self, manifest: Manifest, entry: dict, model: nn.Module) -> dict[str, list[str]]:
+        """Prefixes of the MoE modules whose routed experts arrive in kernel layout (expert_layout=kernel).
+
+        Only the four routed-expert tensors may carry a kernel layout (w2_weight keeps the model
+        layout on sm120/sm100, its bytes are unchanged by the kernel's re-layout); all four must be
+        in the files for a tagged module."""
+        groups: dict[str, list[str]] = {}
+        for name, t in entry["tensors"].items():
+            prefix, _, leaf = name.rpartition(".")
+            if leaf in EXPERT_TENSORS and ".experts." in f".{name}":
+                groups.setdefault(prefix, []).append(leaf)
+            elif t.get("layout", "model") != "model":
+                raise ShimError(f"{manifest.path}: tensor {name} has layout {t.get('layout')!r}; only the four "
+                                f"routed-expert tensors may be in kernel layout, re-run lucifer-shard convert --force")
+        if manifest.expert_layout == "model":
+            bad = sorted(manifest.kernel_tensors(entry))
+            if bad:
+                raise ShimError(f"{manifest.path}: expert_layout is 'model' but {bad[0]} has layout "
+                                f"{entry['tensors'][bad[0]].get('layout')!r}; re-run lucifer-shard convert --force")
+            return {}
+        for prefix, leaves in groups.items():
+            if sorted(leaves) != sorted(EXPERT_TENSORS):
+                raise ShimError(f"{manifest.path}: {prefix} has only {', '.join(sorted(leaves))} of "
+                                f"{', '.join(EXPERT_TENSORS)}; re-run lucifer-shard convert --force")
+        return groups
+
+    def _check_expert_modules(self, model: nn.Module, manifest: Manifest, groups: dict[str, list[str]], rank: int, tp: int) -> None:
+        if not groups:
+            return
+        if manifest.arch == "sm90":
+            raise ShimError(f"{manifest.path}: sm90 kernel-layout experts change the scale shapes (5-D/3-D), which "
+                            f"needs the c-full path this shim does not implement; convert with --expert-layout model")
+        arch, cap = patches.device_arch()
+        if arch is not None and arch != manifest.arch:
+            raise ShimError(f"GPU capability {cap} but files were laid out for {manifest.arch} "
+                            f"({manifest.moe_variant}); re-convert with --arch {arch} or --expert-layout model")
+        for prefix in groups:
+            module = model.get_submodule(prefix)
+            qm = getattr(module, "quant_method", None)
+            if qm is None:
+                continue
+            if not patches.installed(compat.RELAYOUT):
+                raise ShimError(f"{prefix}: experts arrive in kernel layout but the re-layout wrapper is not "
+                                f"installed ({patches.why_not_installed(compat.RELAYOUT)}); use a supported vLLM build "
+                                f"or convert with --expert-layout model")
+            backend = patches._backend_name(getattr(qm, "mxfp4_backend", None))
+            if backend != manifest.moe_variant:
+                raise ShimError(f"MoE backend resolved to {backend} on layer {prefix}; files require "
+                                f"{manifest.moe_variant} (--moe-backend {patches.MOE_BACKEND}, unset VLLM_USE_B12X_MOE)")
+            mpc = getattr(getattr(qm, "moe", None), "moe_parallel_config", None)
+            if mpc is not None:
+                got = (getattr(mpc, "tp_rank", rank), getattr(mpc, "tp_size", tp), getattr(mpc, "ep_size", 1))
+                if tuple(int(x) for x in got) != (rank, tp, 1):
+                    raise ShimError(f"{prefix}: MoE parallel (tp_rank, tp_size, ep_size)={got}, files need "
+                                    f"({rank}, {tp}, 1); disable DP/PCP/expert parallel")
+
+    def _copy_file(self, manifest, path: Path, names: list[str], tensors: dict, targets: dict) -> None:
+        from safetensors import safe_open
+
+        devices = {str(targets[n].device) for n in names} or {"cpu"}
+        device = devices.pop() if len(devices) == 1 else "cpu"
+        with safe_open(str(path), framework="pt", device=device) as f:
+            for name in names:
+                t = f.get_tensor(name)
+                p = targets[name]
+                if t.dtype != p.dtype:
+                    t = t.view(p.dtype)  # declared uint8 <-> float8_e8m0fnu only (checked before)
+                if self._is_sink(name, tensors[name]):
+                    n = t.shape[0]
+                    p.data[:n].copy_(t)
+                    tail = p.data[n:]
+                    if tail.numel() and not bool(torch.all(tail == NEG_INF)):
+                        raise ShimError(f"{name}: param entries [{n}:{p.shape[0]}) are not -inf after loading the "
+                                        f"{n} logical heads; the attention backend initialised the padded heads "
+                                        f"differently, this vLLM build is not supported")
+                else:
+                    p.data.copy_(t)
+                self.loaded[name] = str(path)
+
+    def _tag(self, model: nn.Module, manifest: Manifest, groups: dict[str, list[str]]) -> None:
+        layouts = {k: v.get("name", k) if isinstance(v, dict) else str(v)
+                   for k, v in (manifest.doc.get("layouts") or {}).items()}
+        for prefix in groups:
+            module = model.get_submodule(prefix)
+            tag = patches.ExpertTag(prefix=prefix, moe_variant=manifest.moe_variant, layout=layouts)
+            tag.data_ptrs = {n: getattr(module, n).data_ptr() for n in EXPERT_TENSORS}
+            setattr(module, patches.TAG_ATTR, tag)
+            self.tags[prefix] = tag
+
+    def _verify_full(self, manifest: Manifest, entry: dict, targets: dict) -> None:
+        """Digests of the loaded parameters (blake3 of each tensor's bytes, then each file's
+        blake3(header + tensor digests), as lucifer-shard writes them) and the zero regions."""
+        import struct
+
+        from blake3 import blake3
+
+        for f in entry["files"]:
+            path = manifest.out / f["path"]
+            header, _ = read_header(path)
+            with open(path, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                fh.seek(0)
+                head = fh.read(8 + n)
+            h = blake3(head)
+            for name in sorted(header, key=lambda k: header[k]["data_offsets"][0]):
+                t = entry["tensors"][name]
+                p = targets[name].data
+                if self._is_sink(name, t):
+                    p = p[: int(t["shape"][0])]
+                got = blake3(self._bytes(p)).hexdigest()
+                want = str(t.get("digest", "")).removeprefix("blake3:")
+                if want and got != want:
+                    raise ShimError(f"verify=full: loaded {name} digest {got[:16]}... != manifest {want[:16]}...; "
+                                    f"the rank file {path} is corrupt or tampered with, re-run lucifer-shard convert")
+                h.update(bytes.fromhex(got))
+            want_file = str(f.get("digest", "")).removeprefix("blake3:")
+            if want_file and h.hexdigest() != want_file:
+                raise ShimError(f"verify=full: {path} digest {h.hexdigest()[:16]}... != manifest {want_file[:16]}...; "
+                                f"the file header differs from the conversion, re-copy it or re-run lucifer-shard convert")
+        for name, t in entry["tensors"].items():
+            regions = t.get("zero_regions") or []
+            if not regions or t.get("layout", "model") != "model":
+                continue  # kernel-layout tensors: covered by their digests
+            p = targets[name].data
+            if self._is_sink(name, t):
+                p = p[: int(t["shape"][0])]
+            offset = 1 if t.get("experts") else 0
+            want_inf = t.get("pad") == "-inf"
+            for dim, start, end in regions:
+                region = p.narrow(int(dim) + offset, int(start), int(end) - int(start))
+                ok = bool(torch.all(region == NEG_INF)) if want_inf else not bool(torch.any(self._u8(region)))
+                if not ok:
+                    raise ShimError(f"verify=full: {name} pad region dim {dim} [{start}:{end}) is not "
+                                    f"{'-inf' if want_inf else 'zero'}; the rank file was tampered with, re-run "
+                                    f"lucifer-shard convert")
+
+    @staticmethod
+    def _u8(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().contiguous().reshape(-1)
+        return t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+
+    @classmethod
+    def _bytes(cls, t: torch.Tensor) -> bytes:
+        return cls._u8(t).cpu().numpy().tobytes()
+
+    def _replay_hooks(self, model: nn.Module, role: str) -> None:
+        if role == "draft":
+            for name in DRAFT_HOOKS:
+                fn = getattr(model, name, None)
+                if callable(fn):
+                    fn()
+                    self.hooks_called.append(name)
+            return
+        inner = getattr(model, "model", None)
+        for i, layer in enumerate(getattr(inner, "layers", []) or []):
+            fn = getattr(layer, TARGET_LAYER_HOOK, None)
+            if callable(fn):
+                fn()
+                self.hooks_called.append(f"layers.{i}.{TARGET_LAYER_HOOK}")
+        for name in TARGET_MODEL_HOOKS:
+            fn = getattr(inner, name, None)
+            if callable(fn):
+                fn()
+                self.hooks_called.append(name)

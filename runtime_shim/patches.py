@@ -1,0 +1,275 @@
+"""The two narrow wrappers around vLLM, installed only on vetted builds (see compat.py).
+
+(a) virtual-TP policy: wraps `vllm.config.virtual_tp.maybe_apply_b12x_virtual_tp_padding`. With
+    `--load-format lucifer_tp3` it accepts exactly the Lucifer tuple, builds the plan with the
+    fork's own `apply_b12x_virtual_tp_padding_to_model_config` (no B12X backend gate) and checks
+    the plan equals the manifest's. With any other load format the Lucifer tuple is refused (the
+    stock MXFP4 loader mis-slices W2); everything else goes to the original unchanged.
+(b) expert re-layout: wraps the name `convert_weight_to_mxfp4_moe_kernel_format` that
+    `Mxfp4MoEMethod._setup_kernel` looks up at call time. For layers the loader tagged (experts
+    already in kernel layout) it is the identity; it refuses a tagged layer whose resolved backend
+    is not the manifest's variant. Untagged layers go to the original.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import os
+from dataclasses import dataclass, field
+
+from . import compat
+from .errors import ShimError, ShimRuntimeError
+from .manifest import arch_of_capability, compare_plan, load_manifest, virtual_tp_needed
+
+logger = logging.getLogger("lucifer_shard.runtime_shim")
+
+LOAD_FORMAT = "lucifer_tp3"
+ATTENTION_BACKEND = "FLASHINFER_MLA_SPARSE_DSV4"
+MOE_BACKEND = "flashinfer_cutlass"
+MODEL_TYPE = "deepseek_v4"
+TAG_ATTR = "_lucifer_tp3_tag"
+
+# wrapper name -> WrapperVerdict of the last install attempt in this process
+VERDICTS: dict[str, compat.WrapperVerdict] = {}
+
+
+@dataclass
+class ExpertTag:
+    """Marks a RoutedExperts module whose four expert tensors were loaded in kernel layout."""
+
+    prefix: str
+    moe_variant: str
+    layout: dict[str, str]
+    data_ptrs: dict[str, int] = field(default_factory=dict)
+    relayout_calls: int = 0
+
+
+def installed(wrapper: str) -> bool:
+    v = VERDICTS.get(wrapper)
+    return bool(v and v.ok)
+
+
+def why_not_installed(wrapper: str) -> str:
+    v = VERDICTS.get(wrapper)
+    if v is None:
+        return "the shim's register() has not run in this process (plugin not loaded?)"
+    return v.reason
+
+
+# ------------------------------------------------------------------------- the Lucifer tuple
+
+
+def _backend_name(value) -> str | None:
+    if value is None:
+        return None
+    return str(getattr(value, "name", value))
+
+
+def device_arch() -> tuple[str | None, str]:
+    """(arch, 'major.minor') of the current GPU as vLLM sees it; (None, reason) without one."""
+    try:
+        from vllm.platforms import current_platform
+
+        cap = current_platform.get_device_capability()
+    except Exception as e:  # noqa: BLE001 - any failure means "no usable GPU"
+        return None, f"unknown ({e.__class__.__name__})"
+    if cap is None:
+        return None, "none (no GPU visible)"
+    major, minor = int(cap[0]), int(cap[1])
+    return arch_of_capability(major), f"{major}.{minor}"
+
+
+def _text_config(model_config):
+    return getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+
+
+def tuple_problems(vllm_config, manifest=None) -> list[str]:
+    """Each way `vllm_config` differs from the Lucifer tuple (empty = it is the tuple)."""
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    text = _text_config(mc)
+    problems = []
+    model_type = getattr(getattr(mc, "hf_config", None), "model_type", None)
+    if model_type != MODEL_TYPE and getattr(text, "model_type", None) != MODEL_TYPE:
+        problems.append(f"model_type {model_type!r} (files require {MODEL_TYPE!r})")
+    expert_dtype = getattr(text, "expert_dtype", "fp4")
+    if expert_dtype != "fp4":
+        problems.append(f"expert_dtype {expert_dtype!r} (files require 'fp4')")
+    attn = _backend_name(getattr(getattr(vllm_config, "attention_config", None), "backend", None))
+    if attn != ATTENTION_BACKEND:
+        problems.append(f"attention backend {attn} (pass --attention-backend {ATTENTION_BACKEND})")
+    moe = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)
+    if moe != MOE_BACKEND:
+        problems.append(f"MoE backend {moe!r} (pass --moe-backend {MOE_BACKEND}, unset VLLM_USE_B12X_MOE)")
+    sizes = {
+        "pipeline_parallel_size": getattr(pc, "pipeline_parallel_size", 1),
+        "data_parallel_size": getattr(pc, "data_parallel_size", 1),
+        "prefill_context_parallel_size": getattr(pc, "prefill_context_parallel_size", 1),
+    }
+    for k, v in sizes.items():
+        if int(v) != 1:
+            problems.append(f"{k}={v} (rank files are per TP rank: use 1)")
+    if getattr(pc, "enable_expert_parallel", False):
+        problems.append("expert parallel on (drop --enable-expert-parallel)")
+    if getattr(pc, "enable_eplb", False):
+        problems.append("EPLB on (drop --enable-eplb)")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        problems.append("LoRA on (not supported with lucifer_tp3)")
+    if manifest is not None:
+        tp = int(pc.tensor_parallel_size)
+        if tp != manifest.tp_size:
+            problems.append(f"tensor_parallel_size {tp} (files were built for {manifest.tp_size}: start with "
+                            f"-tp {manifest.tp_size} or rebuild with lucifer-shard convert --tp {tp})")
+        arch, cap = device_arch()
+        if arch != manifest.arch:
+            problems.append(f"GPU capability {cap} (files were laid out for {manifest.arch}, {manifest.moe_variant}; "
+                            f"re-convert with --arch {arch or '<this GPU>'})")
+    return problems
+
+
+def is_lucifer_request(vllm_config) -> bool:
+    """DeepSeek-V4 fp4 + the two Lucifer backends at a TP size that needs virtual padding."""
+    mc = vllm_config.model_config
+    if mc is None:
+        return False
+    text = _text_config(mc)
+    model_type = getattr(getattr(mc, "hf_config", None), "model_type", None)
+    if MODEL_TYPE not in (model_type, getattr(text, "model_type", None)):
+        return False
+    if getattr(text, "expert_dtype", "fp4") != "fp4":
+        return False
+    attn = _backend_name(getattr(getattr(vllm_config, "attention_config", None), "backend", None))
+    moe = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)
+    if attn != ATTENTION_BACKEND or moe != MOE_BACKEND:
+        return False
+    pc = vllm_config.parallel_config
+    tp = int(pc.tensor_parallel_size)
+    heads = int(getattr(text, "original_num_attention_heads", None) or getattr(text, "num_attention_heads", 0) or 0)
+    moe_i = int(getattr(text, "original_moe_intermediate_size", None) or getattr(text, "moe_intermediate_size", 0) or 0)
+    n_shared = int(getattr(text, "n_shared_experts", 0) or 0)
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    return virtual_tp_needed(heads, moe_i, n_shared, vocab, tp)
+
+
+def _load_format(vllm_config) -> str:
+    lc = getattr(vllm_config, "load_config", None)
+    return str(getattr(lc, "load_format", "auto") or "auto").lower()
+
+
+def _model_dir(model_config) -> str:
+    return getattr(model_config, "model_weights", None) or model_config.model
+
+
+# ------------------------------------------------------------------------ (a) policy wrapper
+
+
+def make_policy_wrapper(original, apply_to_model_config):
+    def maybe_apply_b12x_virtual_tp_padding(vllm_config):
+        mc = getattr(vllm_config, "model_config", None)
+        if mc is None:
+            return original(vllm_config)
+        lf = _load_format(vllm_config)
+        if lf != LOAD_FORMAT:
+            if is_lucifer_request(vllm_config):
+                raise ShimError(
+                    f"DeepSeek-V4 at tensor_parallel_size {vllm_config.parallel_config.tensor_parallel_size} with "
+                    f"{ATTENTION_BACKEND} + {MOE_BACKEND} needs virtual TP, which is only supported with "
+                    f"--load-format {LOAD_FORMAT} (found --load-format {lf}; the stock MXFP4 loader mis-slices W2); "
+                    f"convert with lucifer-shard convert and start with lucifer-shard serve OUT")
+            return original(vllm_config)
+        manifest = load_manifest(_model_dir(mc))
+        problems = tuple_problems(vllm_config, manifest)
+        if problems:
+            raise ShimError(f"--load-format {LOAD_FORMAT} serves only the Lucifer tuple; found " + "; ".join(problems))
+        apply_to_model_config(mc, vllm_config.parallel_config)
+        plan = getattr(_text_config(mc), "vllm_virtual_tp_plan", None)
+        diff = compare_plan(plan, manifest.plan)
+        if diff:
+            raise ShimError(f"{diff}; check B12X_MOE_FORCE_A8 / NVFP4 env and that {manifest.out} was converted for "
+                            f"this model with --tp {manifest.tp_size}")
+        logger.info("lucifer_tp3: virtual-TP plan applied and equal to %s", manifest.path)
+
+    maybe_apply_b12x_virtual_tp_padding.__lucifer_wrapped__ = original
+    maybe_apply_b12x_virtual_tp_padding.__wrapped__ = original
+    return maybe_apply_b12x_virtual_tp_padding
+
+
+# ---------------------------------------------------------------------- (b) relayout wrapper
+
+
+def make_relayout_wrapper(original):
+    sig = inspect.signature(original)
+
+    def convert_weight_to_mxfp4_moe_kernel_format(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        layer = bound.arguments.get("layer")
+        tag: ExpertTag | None = getattr(layer, TAG_ATTR, None)
+        if tag is None:
+            return original(*args, **kwargs)
+        backend = _backend_name(bound.arguments.get("mxfp4_backend"))
+        if backend != tag.moe_variant:
+            raise ShimError(f"MoE backend resolved to {backend} on layer {tag.prefix}; files require "
+                            f"{tag.moe_variant} (--moe-backend {MOE_BACKEND}, unset VLLM_USE_B12X_MOE)")
+        a = bound.arguments
+        for name in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
+            t = a.get(name)
+            want = tag.data_ptrs.get(name)
+            if want is not None and (t is None or t.data_ptr() != want):
+                raise ShimRuntimeError(f"expert tensor {tag.prefix}.{name} reached the re-layout step with other "
+                                       f"storage than the loader filled; vLLM's post-load path changed, this build "
+                                       f"is not supported")
+        tag.relayout_calls += 1
+        return (a["w13_weight"].data, a["w2_weight"].data, a["w13_weight_scale"].data, a["w2_weight_scale"].data,
+                a.get("w13_bias"), a.get("w2_bias"))
+
+    convert_weight_to_mxfp4_moe_kernel_format.__lucifer_wrapped__ = original
+    convert_weight_to_mxfp4_moe_kernel_format.__wrapped__ = original
+    return convert_weight_to_mxfp4_moe_kernel_format
+
+
+# ---------------------------------------------------------------------------------- install
+
+
+def install(builds=None) -> dict[str, compat.WrapperVerdict]:
+    """Install each wrapper whose symbols match a supported build; idempotent; never raises."""
+    builds = compat.SUPPORTED_BUILDS if builds is None else builds
+    for wrapper, fn in ((compat.POLICY, _install_policy), (compat.RELAYOUT, _install_relayout)):
+        try:
+            verdict = compat.judge_wrapper(wrapper, builds)
+            if verdict.ok:
+                fn()
+            VERDICTS[wrapper] = verdict
+        except Exception as e:  # noqa: BLE001 - register() must never raise
+            VERDICTS[wrapper] = compat.WrapperVerdict(wrapper, False, None, (), f"install failed: {e!r}")
+        v = VERDICTS[wrapper]
+        if v.ok:
+            logger.debug("lucifer_tp3: %s wrapper installed (build %s)", wrapper, v.build.commit)
+        else:
+            logger.debug("lucifer_tp3: %s wrapper not installed: %s", wrapper, v.reason)
+    return dict(VERDICTS)
+
+
+def _install_policy() -> None:
+    mod = importlib.import_module("vllm.config.virtual_tp")
+    current = mod.maybe_apply_b12x_virtual_tp_padding
+    if getattr(current, "__lucifer_wrapped__", None) is not None:
+        return
+    mod.maybe_apply_b12x_virtual_tp_padding = make_policy_wrapper(
+        current, mod.apply_b12x_virtual_tp_padding_to_model_config)
+
+
+def _install_relayout() -> None:
+    mod = importlib.import_module(compat.RELAYOUT_PATCH_MODULE)
+    current = getattr(mod, compat.RELAYOUT_PATCH_ATTR)
+    if getattr(current, "__lucifer_wrapped__", None) is not None:
+        return
+    oracle = compat.unwrap(compat.resolve(compat.SYMBOLS["convert_weight_to_mxfp4_moe_kernel_format"]))
+    if compat.unwrap(current) is not oracle:
+        raise RuntimeError(f"{compat.RELAYOUT_PATCH_MODULE}.{compat.RELAYOUT_PATCH_ATTR} is not the oracle function")
+    setattr(mod, compat.RELAYOUT_PATCH_ATTR, make_relayout_wrapper(current))
+
+
+def b12x_moe_env() -> str | None:
+    v = os.environ.get("VLLM_USE_B12X_MOE")
+    return v if v is not None and v.strip().lower() not in ("", "0", "false", "no", "off") else None

@@ -1,0 +1,73 @@
+"""The source-hash allow-list: well-formed entries and a hash function that reproduces inspect.getsource."""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import re
+
+SOURCE = '''import functools
+
+
+def deco(f):
+    return f
+
+
+@deco
+def outer(a, b=2):
+    """doc"""
+    return a + b  # comment
+
+
+class K:
+    x = 1
+
+    @functools.cache
+    def method(self, y):
+        if y:
+            return y
+
+        return None
+'''
+
+
+def test_allow_list_entries_are_well_formed():
+    from lucifer_shard.runtime_shim import compat
+
+    commits = [b.commit for b in compat.SUPPORTED_BUILDS]
+    assert commits == ["45c1582e9", "cece381c4", "81564374e"]
+    for b in compat.SUPPORTED_BUILDS:
+        assert set(b.hashes) == set(compat.SYMBOLS)
+        assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in b.hashes.values())
+        assert re.fullmatch(r"0\.6\.1[0-9]", b.flashinfer)
+    for w, keys in compat.WRAPPER_SYMBOLS.items():
+        assert set(keys) <= set(compat.SYMBOLS), w
+    by = {b.commit: b for b in compat.SUPPORTED_BUILDS}
+    assert by["cece381c4"].draft_virtual_tp is False and by["81564374e"].draft_virtual_tp is True
+
+
+def test_hash_function_reproduces_known_value_and_inspect_getsource(tmp_path):
+    from lucifer_shard.runtime_shim import compat
+
+    path = tmp_path / "hashfix.py"
+    path.write_text(SOURCE)
+    spec = importlib.util.spec_from_file_location("hashfix", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for qual, obj in (("outer", mod.outer), ("K.method", mod.K.method)):
+        assert compat.source_from_module_text(SOURCE, qual) == inspect.getsource(obj)
+    text = compat.source_from_module_text(SOURCE, "outer")
+    assert text.startswith("@deco\ndef outer(a, b=2):") and text.endswith("return a + b  # comment\n")
+    assert compat.source_hash("def f():\n    return 1\n") == (
+        "sha256:5b76d0962c09ab4ee309fac65fad3568c97abdec983b405146ae3e86a235e352")
+
+
+def test_offline_extraction_equals_runtime_hash_on_installed_vllm(shim):
+    """The hash of an installed vLLM function equals the hash computed from its file text, as the
+    allow-list was computed from `git show <commit>:<path>` of mlow/vllm."""
+    from lucifer_shard.runtime_shim import compat
+
+    for key in ("convert_weight_to_mxfp4_moe_kernel_format", "Mxfp4MoEMethod._setup_kernel"):
+        sym = compat.SYMBOLS[key]
+        obj = compat.resolve(sym)
+        text = open(inspect.getsourcefile(obj)).read()
+        assert compat.source_hash(compat.source_from_module_text(text, sym.qualname)) == compat.inspect_symbol(sym).hash

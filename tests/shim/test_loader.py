@@ -1,0 +1,266 @@
+"""The lucifer_tp3 loader on real converted `tiny` outputs: 3-process gloo load and every refusal."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import shim_fixtures as sf
+
+HERE = Path(__file__).resolve().parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _loader(extra=None):
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    return get_model_loader(LoadConfig(load_format="lucifer_tp3", model_loader_extra_config=extra or {}))
+
+
+def _refusal(exc_info, *needles):
+    msg = str(exc_info.value)
+    assert "\n" not in msg and msg.startswith("lucifer_tp3: "), msg
+    for n in needles:
+        assert n in msg, f"{n!r} not in {msg!r}"
+    return msg
+
+
+# --------------------------------------------------------------------- the 3-process load
+
+
+def test_three_processes_gloo_tp3_each_loads_its_rank_byte_exact(out_kernel, tmp_path, shim):
+    """vLLM's parallel state on gloo (world 3, TP 3): each process picks its own rank's files."""
+    r = subprocess.run([sys.executable, str(HERE / "dist_load_worker.py"), str(out_kernel), str(_free_port()),
+                        str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    man = sf.manifest(out_kernel)
+    reports = [json.loads((tmp_path / f"rank-{i}.json").read_text()) for i in range(3)]
+    for rank, rep in enumerate(reports):
+        assert rep["tp_rank"] == rank and rep["tp_size"] == 3 and rep["all_ranks"] == [0, 1, 2]
+        assert rep["loader"] == "lucifer_shard.runtime_shim.loader.LuciferTP3Loader"
+        for role in ("target", "draft"):
+            want_files = [str(out_kernel / f["path"]) for f in man["roles"][role]["ranks"][rank]["files"]]
+            assert rep[role]["files"] == sorted(want_files)
+            assert all(f"/{role}/rank-{rank}/" in f for f in rep[role]["files"])
+            assert rep[role]["tensors"] == len(man["roles"][role]["ranks"][rank]["tensors"])
+        sink = rep["target"]["params"]["model.layers.0.attn.attn_sink"]
+        assert sink == [[sf.SINK_PARAM_LEN], "torch.float32"]
+
+
+def test_in_process_each_rank_byte_exact_and_hooks_replayed(out_kernel, tp_world):
+    man = sf.manifest(out_kernel)
+    for rank in range(3):
+        tp_world(3, rank)
+        model = sf.build_model(man, "target", rank)
+        loader = _loader()
+        loader.load_weights(model, sf.model_config(out_kernel))
+        assert sf.assert_byte_exact(model, sf.file_tensors(out_kernel, man, "target", rank)) == 134
+        assert model.calls == ["refresh.0", "refresh.1", "refresh.2", "refresh.3", "finalize_mega_moe_weights",
+                               "finalize_mhc_broadcast_weights", "setup_b12x_wo_projection"]
+        assert sorted(loader.tags) == [f"model.layers.{i}.ffn.experts.routed_experts" for i in range(4)]
+        if rank == 2:  # the virtual heads are -inf in the file tail and in the padded param
+            sink = dict(model.named_parameters())["model.layers.0.attn.attn_sink"]
+            assert torch.isinf(sink[16:]).all() and torch.isfinite(sink[:16]).all()
+    draft = sf.build_model(man, "draft", 2)
+    loader = _loader({"verify": "full"})
+    loader.load_weights(draft, sf.model_config(out_kernel))
+    assert draft.calls == ["finalize_mega_moe_weights"]
+    assert sf.assert_byte_exact(draft, sf.file_tensors(out_kernel, man, "draft", 2)) > 0
+
+
+def test_model_layout_output_loads_without_tags(out_model, tp_world):
+    man = sf.manifest(out_model)
+    model = sf.build_model(man, "target", 0)
+    loader = _loader({"verify": "full"})
+    loader.load_weights(model, sf.model_config(out_model))
+    assert loader.tags == {}
+    sf.assert_byte_exact(model, sf.file_tensors(out_model, man, "target", 0))
+
+
+# ------------------------------------------------------------------------------- refusals
+
+
+def test_refuses_wrong_tp_size(out_kernel, tp_world):
+    tp_world(4, 0)
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(sf.build_model(sf.manifest(out_kernel), "target"), sf.model_config(out_kernel))
+    _refusal(e, "built for tensor_parallel_size=3, vLLM was started with 4", "--tp 4", "-tp 3")
+
+
+def test_refuses_missing_rank_files(out_kernel, tmp_path, tp_world):
+    out = sf.link_copy(out_kernel, tmp_path / "out")
+    (out / "target/rank-1/part-00000.safetensors").unlink()
+    tp_world(3, 1)
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(sf.build_model(sf.manifest(out), "target", 1), sf.model_config(out))
+    _refusal(e, "rank files missing", "target/rank-1/part-00000.safetensors")
+
+
+def test_refuses_missing_and_unexpected_keys(out_kernel, tp_world):
+    man = sf.manifest(out_kernel)
+    extra = sf.build_model(man, "target", extra_params={"model.layers.0.attn.new_thing": ((4,), torch.float32)})
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(extra, sf.model_config(out_kernel))
+    _refusal(e, "key missing", "model.layers.0.attn.new_thing")
+    fewer = sf.build_model(man, "target", drop=("model.layers.1.attn.wq_b.weight",))
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(fewer, sf.model_config(out_kernel))
+    _refusal(e, "key unexpected", "model.layers.1.attn.wq_b.weight")
+
+
+def test_refuses_shape_mismatch_no_narrowing(out_kernel, tp_world):
+    name = "model.layers.0.attn.wq_b.weight"
+    man = sf.manifest(out_kernel)
+    shape = man["roles"]["target"]["ranks"][0]["tensors"][name]["shape"]
+    bigger = (shape[0] + 128, shape[1])
+    model = sf.build_model(man, "target", overrides={name: (bigger, torch.float8_e4m3fn)})
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(model, sf.model_config(out_kernel))
+    _refusal(e, "shape mismatch", name, f"({shape[0]},{shape[1]}) != param ({bigger[0]},{bigger[1]})")
+
+
+def test_refuses_dtype_mismatch_no_casting(out_kernel, tp_world):
+    """An E8M0 param receiving the U8 expert scales would be converted by value by copy_()."""
+    name = "model.layers.3.ffn.experts.routed_experts.w2_weight_scale"
+    man = sf.manifest(out_kernel)
+    shape = tuple(man["roles"]["target"]["ranks"][0]["tensors"][name]["shape"])
+    model = sf.build_model(man, "target", overrides={name: (shape, torch.float8_e8m0fnu)})
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(model, sf.model_config(out_kernel))
+    _refusal(e, "dtype mismatch", name, "U8 in the files, param is F8_E8M0")
+
+
+def test_refuses_plan_mismatch(out_kernel, tp_world):
+    cfg = json.loads((out_kernel / "config.json").read_text())
+    plan = sf.fork_plan(cfg, 3)
+    plan["moe_intermediate_size"] = {**plan["moe_intermediate_size"], "local_size": 720, "padded_size": 2160}
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(sf.build_model(sf.manifest(out_kernel), "target"), sf.model_config(out_kernel, plan))
+    _refusal(e, "virtual-TP plan mismatch on axis moe_intermediate_size", "runtime padded_size 2160, manifest 2112")
+    with pytest.raises(ValueError) as e:  # no plan at all (vLLM without the policy wrapper)
+        _loader().load_weights(sf.build_model(sf.manifest(out_kernel), "target"), sf.model_config(out_kernel, None))
+    _refusal(e, "virtual-TP plan missing at runtime", "attention_heads 64 -> 72")
+
+
+def test_refuses_wrong_arch_for_kernel_layout(out_kernel, tp_world, monkeypatch):
+    from lucifer_shard.runtime_shim import patches
+
+    monkeypatch.setattr(patches, "device_arch", lambda: ("sm90", "9.0"))
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(sf.build_model(sf.manifest(out_kernel), "target"), sf.model_config(out_kernel))
+    _refusal(e, "GPU capability 9.0 but files were laid out for sm120", "--arch sm90")
+
+
+def test_refuses_wrong_backend_for_tagged_layer(out_kernel, tp_world, monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+
+    from lucifer_shard.runtime_shim import compat, patches
+
+    monkeypatch.setitem(patches.VERDICTS, compat.RELAYOUT, compat.WrapperVerdict(compat.RELAYOUT, True, None, (), ""))
+    model = sf.build_model(sf.manifest(out_kernel), "target")
+    experts = model.get_submodule("model.layers.2.ffn.experts.routed_experts")
+    experts.quant_method = SimpleNamespace(mxfp4_backend=Mxfp4MoeBackend.B12X_MXFP4_MXFP8
+                                           if hasattr(Mxfp4MoeBackend, "B12X_MXFP4_MXFP8") else Mxfp4MoeBackend.MARLIN)
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(model, sf.model_config(out_kernel))
+    _refusal(e, "MoE backend resolved to", "on layer model.layers.2.ffn.experts.routed_experts",
+             "files require FLASHINFER_CUTLASS_MXFP4_MXFP8", "--moe-backend flashinfer_cutlass")
+
+
+def test_refuses_kernel_layout_without_relayout_wrapper(out_kernel, tp_world):
+    """On vLLM 0.33.0 the re-layout wrapper is not installed: a real MoE layer must not load kernel bytes."""
+    from types import SimpleNamespace
+
+    from lucifer_shard.runtime_shim import compat, patches
+
+    assert not patches.installed(compat.RELAYOUT)
+    model = sf.build_model(sf.manifest(out_kernel), "target")
+    model.get_submodule("model.layers.0.ffn.experts.routed_experts").quant_method = SimpleNamespace(
+        mxfp4_backend=SimpleNamespace(name="FLASHINFER_CUTLASS_MXFP4_MXFP8"))
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(model, sf.model_config(out_kernel))
+    _refusal(e, "re-layout wrapper is not installed", "--expert-layout model")
+
+
+def test_refuses_file_from_another_conversion(out_kernel, out_model, tmp_path, tp_world):
+    out = sf.link_copy(out_kernel, tmp_path / "out")
+    p = "target/rank-0/part-00000.safetensors"
+    (out / p).unlink()
+    (out / p).write_bytes((out_model / p).read_bytes())
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(sf.build_model(sf.manifest(out), "target"), sf.model_config(out))
+    _refusal(e, "metadata lucifer.conversion_id", "from another conversion")
+
+
+def test_refuses_unknown_extra_config_key(shim):
+    with pytest.raises(ValueError) as e:
+        _loader({"pattern": "model-rank-{rank}-part-{part}.safetensors"})
+    _refusal(e, "unknown --model-loader-extra-config key(s) 'pattern'", "accepts role, verify")
+    with pytest.raises(ValueError) as e:
+        _loader({"verify": "sometimes"})
+    _refusal(e, "verify='sometimes'")
+
+
+def test_verify_full_catches_tampered_bytes(out_kernel, tmp_path, tp_world):
+    out = sf.link_copy(out_kernel, tmp_path / "out")
+    man = sf.manifest(out)
+    t = man["roles"]["target"]["ranks"][2]["tensors"]["model.layers.0.attn.wq_b.weight"]
+    path = out / t["file"]
+    sf.real_copy(path)
+    from lucifer_shard.runtime_shim.manifest import read_header
+
+    header, _ = read_header(path)
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+    start = 8 + n + header["model.layers.0.attn.wq_b.weight"]["data_offsets"][1] - 1  # last byte: a zero tail
+    data = bytearray(path.read_bytes())
+    data[start] ^= 0x40
+    path.write_bytes(bytes(data))
+    tp_world(3, 2)
+    _loader().load_weights(sf.build_model(man, "target", 2), sf.model_config(out))  # header checks pass
+    with pytest.raises(ValueError) as e:
+        _loader({"verify": "full"}).load_weights(sf.build_model(man, "target", 2), sf.model_config(out))
+    _refusal(e, "verify=full", "model.layers.0.attn.wq_b.weight")
+
+
+def test_refuses_incomplete_output_and_missing_draft_role(out_kernel, tmp_path, tp_world):
+    out = sf.link_copy(out_kernel, tmp_path / "out")
+    (out / "COMPLETE").unlink()
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(sf.build_model(sf.manifest(out), "target"), sf.model_config(out))
+    _refusal(e, "COMPLETE missing", "--resume")
+    with pytest.raises(ValueError) as e:
+        _loader({"role": "draft"}).load_weights(sf.build_model(sf.manifest(out_kernel), "target"),
+                                                sf.model_config(out_kernel))
+    _refusal(e, "role='draft'", "target model")
+
+
+def test_post_processing_checks(out_kernel, tp_world):
+    man = sf.manifest(out_kernel)
+    model = sf.build_model(man, "target")
+    loader = _loader()
+    loader.load_weights(model, sf.model_config(out_kernel))
+    prefix = "model.layers.1.ffn.experts.routed_experts"
+    with pytest.raises(RuntimeError) as e:  # the wrapper never ran: vLLM took another path
+        loader.check_after_processing(model)
+    _refusal(e, "re-layout wrapper ran 0 times", "expected exactly 1")
+    for tag in loader.tags.values():
+        tag.relayout_calls = 1
+    loader.check_after_processing(model)  # identity re-layout: storage unchanged
+    mod = model.get_submodule(prefix)
+    mod.w13_weight = torch.nn.Parameter(mod.w13_weight.data.clone(), requires_grad=False)  # a re-layout copy
+    with pytest.raises(RuntimeError) as e:
+        loader.check_after_processing(model)
+    _refusal(e, f"{prefix}.w13_weight was re-laid-out after loading")

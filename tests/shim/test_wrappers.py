@@ -1,0 +1,240 @@
+"""The two narrow wrappers: decision tables, and installation gated by signature + source hash."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import shim_fixtures as sf
+
+
+def _vllm_config(out, load_format="lucifer_tp3", tp=3, attn="FLASHINFER_MLA_SPARSE_DSV4",
+                 moe="flashinfer_cutlass", **parallel):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    mc = sf.model_config(out, plan=None)
+    pc = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_size=1,
+                         prefill_context_parallel_size=1, enable_expert_parallel=False, enable_eplb=False)
+    for k, v in parallel.items():
+        setattr(pc, k, v)
+    return SimpleNamespace(model_config=mc, parallel_config=pc,
+                           load_config=SimpleNamespace(load_format=load_format),
+                           attention_config=SimpleNamespace(backend=AttentionBackendEnum[attn]),
+                           kernel_config=SimpleNamespace(moe_backend=moe), lora_config=None)
+
+
+def _policy(calls, moe_align=32):
+    from lucifer_shard.runtime_shim import patches
+
+    def original(vllm_config):
+        calls.append("original")
+
+    def apply(model_config, parallel_config):
+        calls.append("apply")
+        cfg = {k: getattr(model_config.hf_text_config, k) for k in
+               ("num_attention_heads", "o_groups", "moe_intermediate_size", "n_shared_experts", "vocab_size")}
+        model_config.hf_text_config.vllm_virtual_tp_plan = sf.fork_plan(cfg, parallel_config.tensor_parallel_size,
+                                                                         moe_align)
+
+    return patches.make_policy_wrapper(original, apply)
+
+
+def _refusal(e, *needles):
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("lucifer_tp3: "), msg
+    for n in needles:
+        assert n in msg, f"{n!r} not in {msg!r}"
+
+
+@pytest.fixture
+def sm120(monkeypatch, shim):
+    from lucifer_shard.runtime_shim import patches
+
+    monkeypatch.setattr(patches, "device_arch", lambda: ("sm120", "12.0"))
+
+
+def test_policy_accepts_lucifer_tuple_and_plan_equals_manifest(out_kernel, sm120):
+    calls = []
+    cfg = _vllm_config(out_kernel)
+    _policy(calls)(cfg)
+    assert calls == ["apply"]  # the B12X-gated original is bypassed
+    assert cfg.model_config.hf_text_config.vllm_virtual_tp_plan["attention_heads"]["padded_size"] == 72
+
+
+def test_policy_refuses_plan_mismatch(out_kernel, sm120):
+    with pytest.raises(ValueError) as e:
+        _policy([], moe_align=48)(_vllm_config(out_kernel))
+    _refusal(e, "virtual-TP plan mismatch on axis moe_intermediate_size", "B12X_MOE_FORCE_A8")
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"moe": "b12x"}, "MoE backend 'b12x' (pass --moe-backend flashinfer_cutlass"),
+    ({"attn": "FLASHMLA_SPARSE"}, "attention backend FLASHMLA_SPARSE (pass --attention-backend FLASHINFER_MLA_SPARSE_DSV4)"),
+    ({"tp": 4}, "tensor_parallel_size 4 (files were built for 3"),
+    ({"data_parallel_size": 2}, "data_parallel_size=2"),
+    ({"enable_expert_parallel": True}, "expert parallel on"),
+])
+def test_policy_refuses_other_tuples_with_lucifer_load_format(out_kernel, sm120, kw, needle):
+    with pytest.raises(ValueError) as e:
+        _policy([])(_vllm_config(out_kernel, **kw))
+    _refusal(e, "serves only the Lucifer tuple", needle)
+
+
+def test_policy_refuses_wrong_gpu_arch(out_kernel, monkeypatch, shim):
+    from lucifer_shard.runtime_shim import patches
+
+    monkeypatch.setattr(patches, "device_arch", lambda: ("sm90", "9.0"))
+    with pytest.raises(ValueError) as e:
+        _policy([])(_vllm_config(out_kernel))
+    _refusal(e, "GPU capability 9.0 (files were laid out for sm120")
+
+
+def test_policy_refuses_lucifer_tuple_with_stock_load_format(out_kernel, shim):
+    for lf in ("auto", "sharded_state", "safetensors"):
+        with pytest.raises(ValueError) as e:
+            _policy([])(_vllm_config(out_kernel, load_format=lf))
+        _refusal(e, f"found --load-format {lf}", "only supported with --load-format lucifer_tp3", "mis-slices W2")
+
+
+def test_policy_passes_everything_else_to_the_original(out_kernel, shim):
+    calls = []
+    tp4 = _vllm_config(out_kernel, load_format="auto", tp=4)
+    tp4.model_config.hf_text_config.vocab_size = 129280  # Flash's vocabulary: TP4 pads nothing
+    _policy(calls)(tp4)
+    _policy(calls)(_vllm_config(out_kernel, load_format="auto", moe="b12x"))  # the fork's own B12X path
+    _policy(calls)(SimpleNamespace(model_config=None))
+    assert calls == ["original", "original", "original"]
+
+
+def _tagged_layer(variant="FLASHINFER_CUTLASS_MXFP4_MXFP8"):
+    from lucifer_shard.runtime_shim import patches
+
+    layer = torch.nn.Module()
+    for n in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
+        layer.register_parameter(n, torch.nn.Parameter(torch.zeros(2, 4, dtype=torch.uint8), requires_grad=False))
+    tag = patches.ExpertTag("model.layers.0.ffn.experts.routed_experts", variant, {})
+    tag.data_ptrs = {n: getattr(layer, n).data_ptr() for n in ("w13_weight", "w2_weight")}
+    setattr(layer, patches.TAG_ATTR, tag)
+    return layer, tag
+
+
+def _call(wrapper, layer, backend):
+    return wrapper(mxfp4_backend=backend, layer=layer, w13_weight=layer.w13_weight, w2_weight=layer.w2_weight,
+                   w13_weight_scale=layer.w13_weight_scale, w2_weight_scale=layer.w2_weight_scale,
+                   w13_bias=None, w2_bias=None, _cache_permute_indices={})
+
+
+def _fake_convert(mxfp4_backend, layer, w13_weight, w2_weight, w13_weight_scale, w2_weight_scale, w13_bias=None,
+                  w2_bias=None, _cache_permute_indices=None):
+    return ("relaid-out",)
+
+
+def test_relayout_is_identity_for_tagged_layers_and_refuses_wrong_backend(shim):
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+
+    from lucifer_shard.runtime_shim import patches
+
+    wrapper = patches.make_relayout_wrapper(_fake_convert)
+    layer, tag = _tagged_layer()
+    got = _call(wrapper, layer, Mxfp4MoeBackend.FLASHINFER_CUTLASS_MXFP4_MXFP8)
+    assert got[0].data_ptr() == layer.w13_weight.data_ptr() and got[1].data_ptr() == layer.w2_weight.data_ptr()
+    assert tag.relayout_calls == 1
+    with pytest.raises(ValueError) as e:
+        _call(wrapper, layer, Mxfp4MoeBackend.FLASHINFER_CUTLASS_MXFP4_BF16)
+    _refusal(e, "MoE backend resolved to FLASHINFER_CUTLASS_MXFP4_BF16 on layer model.layers.0.ffn.experts",
+             "files require FLASHINFER_CUTLASS_MXFP4_MXFP8")
+    plain, _ = _tagged_layer()
+    delattr(plain, patches.TAG_ATTR)  # untagged layers get the original re-layout
+    assert _call(wrapper, plain, Mxfp4MoeBackend.FLASHINFER_CUTLASS_MXFP4_MXFP8) == ("relaid-out",)
+
+
+FAKE_VTP = '''
+def maybe_apply_b12x_virtual_tp_padding(vllm_config):
+    vllm_config.calls.append("original")
+
+
+def apply_b12x_virtual_tp_padding_to_model_config(model_config, parallel_config):
+    model_config.calls.append("apply")
+'''
+
+
+def _fake_fork(tmp_path, monkeypatch):
+    import vllm.config
+
+    from lucifer_shard.runtime_shim import patches
+
+    path = tmp_path / "fake_virtual_tp.py"
+    path.write_text(textwrap.dedent(FAKE_VTP))
+    spec = importlib.util.spec_from_file_location("vllm.config.virtual_tp", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setitem(sys.modules, "vllm.config.virtual_tp", mod)
+    monkeypatch.setattr(vllm.config, "virtual_tp", mod, raising=False)
+    monkeypatch.setattr(patches, "VERDICTS", {})
+    return mod
+
+
+def test_policy_wrapper_installed_only_when_signature_and_hash_match(tmp_path, monkeypatch, shim):
+    from lucifer_shard.runtime_shim import compat, patches
+
+    mod = _fake_fork(tmp_path, monkeypatch)
+    text = (tmp_path / "fake_virtual_tp.py").read_text()
+    hashes = {k: compat.source_hash(compat.source_from_module_text(text, compat.SYMBOLS[k].qualname))
+              for k in compat.WRAPPER_SYMBOLS[compat.POLICY]}
+    good = compat.Build("fake0001", "fake fork", hashes, True, "0.6.14")
+    bad = compat.Build("fake0002", "other fork", {k: "sha256:" + "0" * 64 for k in hashes}, True, "0.6.14")
+    original = mod.maybe_apply_b12x_virtual_tp_padding
+
+    patches.install(builds=(bad,))
+    assert not patches.installed(compat.POLICY)
+    assert "match no supported build (fake0002)" in patches.why_not_installed(compat.POLICY)
+    assert mod.maybe_apply_b12x_virtual_tp_padding is original
+
+    patches.install(builds=(good,))
+    assert patches.installed(compat.POLICY) and patches.VERDICTS[compat.POLICY].build.commit == "fake0001"
+    wrapped = mod.maybe_apply_b12x_virtual_tp_padding
+    assert wrapped is not original and wrapped.__lucifer_wrapped__ is original
+    patches.install(builds=(good,))  # idempotent: hashes the original behind the wrapper, wraps once
+    assert mod.maybe_apply_b12x_virtual_tp_padding is wrapped
+    assert not patches.installed(compat.RELAYOUT)  # vLLM 0.33.0's convert function has another signature
+    assert "signature" in patches.why_not_installed(compat.RELAYOUT)
+
+    # the installed wrapper delegates non-Lucifer configs to the fork's function
+    cfg = SimpleNamespace(model_config=None, calls=[])
+    wrapped(cfg)
+    assert cfg.calls == ["original"]
+
+
+def test_policy_wrapper_refuses_changed_signature(tmp_path, monkeypatch, shim):
+    from lucifer_shard.runtime_shim import compat, patches
+
+    mod = _fake_fork(tmp_path, monkeypatch)
+
+    def maybe_apply_b12x_virtual_tp_padding(vllm_config, strict=True):
+        pass
+
+    monkeypatch.setattr(mod, "maybe_apply_b12x_virtual_tp_padding", maybe_apply_b12x_virtual_tp_padding)
+    patches.install(builds=compat.SUPPORTED_BUILDS)
+    assert not patches.installed(compat.POLICY)
+    assert "signature (vllm_config, strict) != expected (vllm_config)" in patches.why_not_installed(compat.POLICY)
+
+
+def test_load_model_refuses_kernel_layout_on_vllm_without_relayout_wrapper(out_kernel, shim):
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    loader = get_model_loader(LoadConfig(load_format="lucifer_tp3"))
+    vcfg = _vllm_config(out_kernel)
+    vcfg.speculative_config = None
+    with pytest.raises(ValueError) as e:
+        loader.load_model(vcfg, vcfg.model_config)
+    _refusal(e, "routed experts in kernel layout (FLASHINFER_CUTLASS_MXFP4_MXFP8)", "wrapper is not installed",
+             "--expert-layout model")
+    vcfg.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ValueError) as e:
+        loader.load_model(vcfg, vcfg.model_config)
+    _refusal(e, "built for tensor_parallel_size=3, vLLM was started with 2")
