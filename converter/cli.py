@@ -154,10 +154,12 @@ def parse_size(text: str) -> int:
     return int(float(num) * units[unit])
 
 
-from .serve_cli import doctor, serve  # noqa: E402  (click only; vLLM is imported inside the commands)
+# Commands defined beside their logic (each module imports only click at import time).
+from .cmd_numerics import check_numerics  # noqa: E402
+from .serve_cli import doctor, serve  # noqa: E402  (vLLM is imported inside the commands)
 
-cli.add_command(doctor)
-cli.add_command(serve)
+for _command in (check_numerics, doctor, serve):
+    cli.add_command(_command)
 
 
 def main() -> None:

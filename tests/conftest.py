@@ -11,7 +11,7 @@ from lucifer_shard.convert import convert
 from lucifer_shard.manifest import Options
 from lucifer_shard.synth import preset_config, synth
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+from helpers import CONFIGS
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
 
 def raw(t: torch.Tensor) -> np.ndarray:
     """A tensor's bytes as uint8, last dim in bytes."""

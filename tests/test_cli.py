@@ -10,7 +10,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from conftest import CONFIGS
+from helpers import CONFIGS
 from lucifer_shard.cli import cli
 
 
