@@ -6,13 +6,13 @@ engine core, each worker). It is idempotent, imports vLLM only when called, and 
 vLLM merely logs plugin exceptions, so a failure here is logged and surfaces later as
 "Load format `lucifer_tp3` is not supported" — run `lucifer-shard doctor` to see why.
 
-Importing this package imports neither vLLM nor torch.
+Importing this package imports neither vLLM nor torch (nor numpy): everything, the converter
+modules included, is imported inside `register()`.
 """
 from __future__ import annotations
 
 import logging
 
-LOAD_FORMAT = "lucifer_tp3"
 logger = logging.getLogger("lucifer_shard.runtime_shim")
 
 _state = {"registered": False, "error": None}
@@ -32,8 +32,8 @@ def register() -> None:
         from vllm.model_executor import model_loader as ml
 
         registry = getattr(ml, "_LOAD_FORMAT_TO_MODEL_LOADER", {})
-        if registry.get(LOAD_FORMAT) is not LuciferTP3Loader:
-            register_model_loader(LOAD_FORMAT)(LuciferTP3Loader)
+        if registry.get(patches.LOAD_FORMAT) is not LuciferTP3Loader:
+            register_model_loader(patches.LOAD_FORMAT)(LuciferTP3Loader)
         _state["registered"] = True
         _state["error"] = None
     except Exception as e:  # noqa: BLE001 - a plugin must never raise into vLLM

@@ -142,8 +142,10 @@ def doctor_report(out_dir: str | Path | None = None) -> list[Check]:
         checks.append(Check("expert re-layout wrapper", WARN, f"not installed: {rel.reason}; only "
                             f"--expert-layout model outputs can be loaded by this vLLM",
                             "convert with --expert-layout model, or use a vetted build"))
-    b12x = os.environ.get("VLLM_USE_B12X_MOE")
-    if b12x and b12x.strip().lower() not in ("0", "false", "no", "off"):
+    from . import patches
+
+    b12x = patches.b12x_moe_env()
+    if b12x is not None:
         checks.append(Check("env VLLM_USE_B12X_MOE", FAIL, f"set to {b12x!r}: the MoE backend would resolve to B12X",
                             "unset VLLM_USE_B12X_MOE"))
     checks.append(_gpu_check())
@@ -179,14 +181,14 @@ def _plugin_checks() -> list[Check]:
     if plugins is not None and ENTRY_NAME not in [p.strip() for p in plugins.split(",")]:
         out.append(Check("env VLLM_PLUGINS", FAIL, f"{plugins!r} excludes {ENTRY_NAME}",
                          f"add {ENTRY_NAME} to VLLM_PLUGINS or unset it"))
-    from . import register, registration_error
+    from . import patches, register, registration_error
 
     register()
     err = registration_error()
     try:
         from vllm.model_executor import model_loader as ml
 
-        registered = ENTRY_NAME in getattr(ml, "_LOAD_FORMAT_TO_MODEL_LOADER", {})
+        registered = patches.LOAD_FORMAT in getattr(ml, "_LOAD_FORMAT_TO_MODEL_LOADER", {})
     except Exception:  # noqa: BLE001
         registered = False
     out.append(Check("load format lucifer_tp3", OK if registered else FAIL,
@@ -246,6 +248,7 @@ def serve_argv(out_dir: str | Path, extra_args: list[str] | tuple[str, ...] = ()
                vllm: str = "vllm") -> tuple[list[str], list[Check]]:
     """(argv of `vllm serve`, preflight checks). Raises ShimError if the output or preflight fails
     (unless dry_run, which returns the checks for printing)."""
+    from . import patches
     from .manifest import load_manifest
 
     m = load_manifest(out_dir)  # manifest + COMPLETE are hard requirements even for --dry-run
@@ -255,8 +258,8 @@ def serve_argv(out_dir: str | Path, extra_args: list[str] | tuple[str, ...] = ()
         if any(a == flag or a.startswith(flag + "=") or (short and a == short) for a in extra):
             raise ShimError(f"{flag} is set by lucifer-shard serve from the manifest; remove it from the extra args")
     argv = [vllm, "serve", str(Path(out_dir)), "--tensor-parallel-size", str(m.tp_size),
-            "--load-format", "lucifer_tp3", "--attention-backend", "FLASHINFER_MLA_SPARSE_DSV4",
-            "--moe-backend", "flashinfer_cutlass", *extra]
+            "--load-format", patches.LOAD_FORMAT, "--attention-backend", patches.ATTENTION_BACKEND,
+            "--moe-backend", patches.MOE_BACKEND, *extra]
     checks = doctor_report(out_dir)
     failed = [c for c in checks if c.status == FAIL]
     if failed and not dry_run:

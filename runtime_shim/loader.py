@@ -12,14 +12,20 @@ import torch
 from torch import nn
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
+from lucifer_shard.config import ARCHITECTURE
+from lucifer_shard.layouts import EXPERT_TENSORS
+from lucifer_shard.manifest import file_metadata
+from lucifer_shard.outdir import TORCH_DTYPE as TORCH_DTYPES
+from lucifer_shard.stwriter import file_digest
+
 from . import compat, patches
 from .errors import ShimError, ShimRuntimeError
 from .manifest import (
     DRAFT_RUNTIME_OWNED,
     DRAFT_RUNTIME_OWNED_SUFFIXES,
-    EXPERT_TENSORS,
     Manifest,
     compare_plan,
+    header_block,
     load_manifest,
     read_header,
 )
@@ -30,19 +36,13 @@ EXTRA_CONFIG_KEYS = {
     "verify": ("header", "full"),  # full: file digests (blake3) and zero regions
     "role": ("auto", "target", "draft"),
 }
-TARGET_CLASSES = ("DeepseekV4ForCausalLM",)
+TARGET_CLASSES = (ARCHITECTURE,)
 DRAFT_CLASSES = ("DeepSeekV4MTP",)
 # Post-load hooks `model.load_weights` runs after copying (vllm-runtime.md §3.2.4); replayed in order.
 TARGET_LAYER_HOOK = "refresh_b12x_mhc_bf16_weights"
 TARGET_MODEL_HOOKS = ("finalize_mega_moe_weights", "finalize_mhc_broadcast_weights", "setup_b12x_wo_projection")
 DRAFT_HOOKS = ("finalize_mega_moe_weights",)
 
-TORCH_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "F8_E8M0": torch.float8_e8m0fnu,
-}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 # The only reinterpretation allowed, and only where the manifest declares it (`view_as`).
 VIEW_PAIRS = {frozenset((torch.uint8, torch.float8_e8m0fnu))}
@@ -55,6 +55,11 @@ def dtype_name(dt: torch.dtype) -> str:
 
 def _shape(s) -> str:
     return "(" + ",".join(str(int(x)) for x in s) + ")"
+
+
+def _tp_mismatch(manifest: Manifest, tp) -> ShimError:
+    return ShimError(f"rank files were built for tensor_parallel_size={manifest.tp_size}, vLLM was started with "
+                     f"{tp}; rebuild with lucifer-shard convert --tp {tp} or start with -tp {manifest.tp_size}")
 
 
 def _few(names, n=5) -> str:
@@ -112,16 +117,14 @@ class LuciferTP3Loader(BaseModelLoader):
         manifest = load_manifest(self._dir(model_config))
         tp, rank = self._tp_rank()
         if tp != manifest.tp_size:
-            raise ShimError(f"rank files were built for tensor_parallel_size={manifest.tp_size}, vLLM was started "
-                            f"with {tp}; rebuild with lucifer-shard convert --tp {tp} or start with "
-                            f"-tp {manifest.tp_size}")
+            raise _tp_mismatch(manifest, tp)
         role = self._role(model)
         self._check_model_class(model, role)
         entry = manifest.rank_entry(role, rank)
         files = self._check_files(manifest, role, rank, entry)
         params, buffers = self._targets(model)
         self._check_keys(manifest, role, rank, entry, params, buffers)
-        diff = compare_plan(self._runtime_plan(model_config), manifest.plan)
+        diff = compare_plan(patches.runtime_plan(model_config), manifest.plan)
         if diff:
             raise ShimError(f"{diff}; start vLLM through lucifer-shard serve (the virtual-TP policy wrapper must be "
                             f"active) and check B12X_MOE_FORCE_A8 / NVFP4 env")
@@ -160,7 +163,7 @@ class LuciferTP3Loader(BaseModelLoader):
     # ------------------------------------------------------------------ pieces
 
     def _dir(self, model_config) -> Path:
-        return Path(getattr(model_config, "model_weights", None) or model_config.model)
+        return Path(patches.model_dir(model_config))
 
     def _tp_rank(self) -> tuple[int, int]:
         from vllm.distributed import parallel_state as ps
@@ -183,18 +186,14 @@ class LuciferTP3Loader(BaseModelLoader):
         return tp, rank
 
     def _check_parallel_config(self, pc, manifest: Manifest) -> None:
-        for attr, flag in (("pipeline_parallel_size", "--pipeline-parallel-size"),
-                           ("data_parallel_size", "--data-parallel-size"),
-                           ("prefill_context_parallel_size", "--prefill-context-parallel-size")):
+        for attr, flag in patches.PARALLEL_SIZES:
             v = int(getattr(pc, attr, 1) or 1)
             if v != 1:
                 raise ShimError(f"{attr}={v}; lucifer_tp3 rank files are per TP rank only, start with {flag} 1")
         if getattr(pc, "enable_expert_parallel", False):
             raise ShimError("expert parallel is on; lucifer_tp3 files shard experts by TP, drop --enable-expert-parallel")
         if int(pc.tensor_parallel_size) != manifest.tp_size:
-            raise ShimError(f"rank files were built for tensor_parallel_size={manifest.tp_size}, vLLM was started "
-                            f"with {pc.tensor_parallel_size}; rebuild with lucifer-shard convert "
-                            f"--tp {pc.tensor_parallel_size} or start with -tp {manifest.tp_size}")
+            raise _tp_mismatch(manifest, pc.tensor_parallel_size)
 
     @staticmethod
     def _role_from_config(vllm_config, model_config) -> str:
@@ -239,10 +238,9 @@ class LuciferTP3Loader(BaseModelLoader):
                 raise ShimError(f"{path} is {path.stat().st_size} bytes, the manifest says {f['bytes']}; the copy is "
                                 f"truncated or from another conversion, re-copy it")
             header, meta = read_header(path)
-            want_meta = {"lucifer.conversion_id": manifest.conversion_id, "lucifer.role": role,
-                         "lucifer.rank": str(rank), "lucifer.tp_size": str(manifest.tp_size)}
+            want_meta = file_metadata(manifest.conversion_id, role, rank, 0, manifest.tp_size)
             for k, v in want_meta.items():
-                if meta.get(k) != v:
+                if k != "lucifer.part" and meta.get(k) != v:  # the part index is the file's name
                     what = "from another conversion" if k == "lucifer.conversion_id" else "misplaced"
                     raise ShimError(f"{path} metadata {k}={meta.get(k)!r}, manifest expects {v!r}: the file is {what}; "
                                     f"do not mix outputs, re-run lucifer-shard convert into a fresh directory")
@@ -315,11 +313,6 @@ class LuciferTP3Loader(BaseModelLoader):
         if tuple(p.shape) != shape:
             raise ShimError(f"shape mismatch: tensor {name} shape {_shape(shape)} != param {_shape(p.shape)}; no "
                             f"narrowing is performed, re-convert for this vLLM build and attention backend")
-
-    @staticmethod
-    def _runtime_plan(model_config):
-        text = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
-        return getattr(text, "vllm_virtual_tp_plan", None)
 
     def _expert_modules(self, manifest: Manifest, entry: dict, model: nn.Module) -> dict[str, list[str]]:
         """Prefixes of the MoE modules whose routed experts arrive in kernel layout (expert_layout=kernel).
@@ -412,19 +405,14 @@ class LuciferTP3Loader(BaseModelLoader):
 
     def _verify_full(self, manifest: Manifest, entry: dict, targets: dict) -> None:
         """Digests of the loaded parameters (blake3 of each tensor's bytes, then each file's
-        blake3(header + tensor digests), as lucifer-shard writes them) and the zero regions."""
-        import struct
-
+        `lucifer_shard.stwriter.file_digest` over its header and those digests, as lucifer-shard
+        writes them) and the zero regions."""
         from blake3 import blake3
 
         for f in entry["files"]:
             path = manifest.out / f["path"]
-            header, _ = read_header(path)
-            with open(path, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                fh.seek(0)
-                head = fh.read(8 + n)
-            h = blake3(head)
+            head, header, _ = header_block(path)
+            digests = []
             for name in sorted(header, key=lambda k: header[k]["data_offsets"][0]):
                 t = entry["tensors"][name]
                 p = targets[name].data
@@ -435,10 +423,11 @@ class LuciferTP3Loader(BaseModelLoader):
                 if want and got != want:
                     raise ShimError(f"verify=full: loaded {name} digest {got[:16]}... != manifest {want[:16]}...; "
                                     f"the rank file {path} is corrupt or tampered with, re-run lucifer-shard convert")
-                h.update(bytes.fromhex(got))
+                digests.append(got)
+            got_file = file_digest(head, digests)
             want_file = str(f.get("digest", "")).removeprefix("blake3:")
-            if want_file and h.hexdigest() != want_file:
-                raise ShimError(f"verify=full: {path} digest {h.hexdigest()[:16]}... != manifest {want_file[:16]}...; "
+            if want_file and got_file != want_file:
+                raise ShimError(f"verify=full: {path} digest {got_file[:16]}... != manifest {want_file[:16]}...; "
                                 f"the file header differs from the conversion, re-copy it or re-run lucifer-shard convert")
         for name, t in entry["tensors"].items():
             regions = t.get("zero_regions") or []

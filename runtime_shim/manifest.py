@@ -1,26 +1,29 @@
 """The shim's view of a lucifer-shard output directory: manifest, rank files, plan comparison.
 
-Pure Python (reads JSON and safetensors headers); imports neither vLLM nor torch.
+The output contract (manifest format and self-digest, file identity metadata, safetensors
+headers, roles, the virtual-TP plan) is the converter's: this module reads it through
+`lucifer_shard.manifest`, `.stwriter`, `.plan` and `.rules` and only turns their errors into the
+shim's one-line `ShimError`. Imports neither vLLM nor torch.
 """
 from __future__ import annotations
 
 import json
-import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lucifer_shard import stwriter
+from lucifer_shard.config import ModelConfig
+from lucifer_shard.errors import OutputError, PlanError
+from lucifer_shard.manifest import COMPLETE_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME
+from lucifer_shard.manifest import load_manifest as _load_manifest_doc
+from lucifer_shard.plan import MOE_VARIANT, make_plan
+from lucifer_shard.rules import ROLES
+
 from .errors import ShimError
 
-MANIFEST_NAME = "lucifer-manifest.json"
-COMPLETE_NAME = "COMPLETE"
-FORMAT = "lucifer-shard/manifest"
-FORMAT_VERSION = 1
-ROLES = ("target", "draft")
-EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 ARCH_CAPABILITY_MAJOR = {"sm120": 12, "sm100": 10, "sm90": 9}
-MOE_VARIANTS = ("FLASHINFER_CUTLASS_MXFP4_MXFP8", "FLASHINFER_CUTLASS_MXFP4_BF16")
+MOE_VARIANTS = tuple(dict.fromkeys(MOE_VARIANT.values()))
 # manifest plan axis -> key of vLLM's `hf_text_config.vllm_virtual_tp_plan`
 PLAN_AXES = {
     "heads": "attention_heads",
@@ -80,7 +83,7 @@ class Manifest:
         return tuple(r for r in ROLES if r in self.doc.get("roles", {}))
 
     def needs_virtual_tp(self) -> bool:
-        return any(int(a["padded"]) != int(a["original"]) for a in self.plan["axes"].values())
+        return pads_virtually(self.plan)
 
     def rank_entry(self, role: str, rank: int) -> dict:
         roles = self.doc.get("roles", {})
@@ -99,23 +102,21 @@ class Manifest:
 
 
 def load_manifest(out: str | Path, require_complete: bool = True) -> Manifest:
-    """Read and sanity-check OUT/lucifer-manifest.json (and OUT/COMPLETE)."""
+    """Read and sanity-check OUT/lucifer-manifest.json (and OUT/COMPLETE) with the converter's reader."""
     out = Path(out)
     path = out / MANIFEST_NAME
     if not out.is_dir():
         raise ShimError(f"model path {out} is not a local directory; --load-format lucifer_tp3 needs the output "
                         f"directory of lucifer-shard convert")
     try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ShimError(f"{path} not found: {out} is not a lucifer-shard output; run lucifer-shard convert, or "
-                        f"drop --load-format lucifer_tp3") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise ShimError(f"{path} unreadable ({e}); re-run lucifer-shard convert --force") from None
-    if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
-        raise ShimError(f"{path}: format {doc.get('format')!r} v{doc.get('format_version')!r}, this shim reads "
-                        f"{FORMAT!r} v{FORMAT_VERSION}; use the lucifer-shard version that wrote it")
-    _check_digest(path, doc)
+        doc = _load_manifest_doc(out)
+    except OutputError as e:
+        if not path.exists():
+            raise ShimError(f"{path} not found: {out} is not a lucifer-shard output; run lucifer-shard convert, or "
+                            f"drop --load-format lucifer_tp3") from None
+        hint = ("; use the lucifer-shard version that wrote it"
+                if f"expected {FORMAT!r} v{FORMAT_VERSION}" in str(e) else "")
+        raise ShimError(f"{e}{hint}") from None
     for key in ("conversion_id", "tp_size", "plan", "roles"):
         if key not in doc:
             raise ShimError(f"{path}: key {key!r} missing; re-run lucifer-shard convert --force")
@@ -128,36 +129,22 @@ def load_manifest(out: str | Path, require_complete: bool = True) -> Manifest:
     return m
 
 
-def _check_digest(path: Path, doc: dict) -> None:
-    """The manifest's self-digest (blake3 of the canonical JSON without `manifest_digest`), when present."""
-    want = doc.get("manifest_digest")
-    if want is None:
-        return
+def header_block(path: Path) -> tuple[bytes, dict[str, dict], dict[str, str]]:
+    """(raw header block, tensors {name: {dtype, shape, data_offsets}}, __metadata__) of a safetensors
+    file, read by `lucifer_shard.stwriter.read_header`; one-line ShimErrors."""
     try:
-        from blake3 import blake3
-    except ImportError:  # pragma: no cover - blake3 is a dependency of lucifer-shard
-        return
-    body = {k: v for k, v in doc.items() if k != "manifest_digest"}
-    got = "blake3:" + blake3(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    if got != want:
-        raise ShimError(f"{path}: manifest_digest {want[:20]}... does not match its content ({got[:20]}...): the "
-                        f"manifest was edited after conversion; re-run lucifer-shard convert --force")
+        raw, header = stwriter.read_header(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ShimError(f"{path}: header is not JSON ({e}); the file is corrupt, re-run lucifer-shard convert") from None
+    except ValueError as e:
+        raise ShimError(f"{e}; the file is corrupt, re-run lucifer-shard convert") from None
+    meta = header.pop("__metadata__", None) or {}
+    return raw, header, meta
 
 
 def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str]]:
     """(tensors {name: {dtype, shape, data_offsets}}, __metadata__) of a safetensors file."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ShimError(f"{path}: not a safetensors file (shorter than 8 bytes); re-run lucifer-shard convert")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 1 << 30:
-            raise ShimError(f"{path}: header length {n} is not plausible; the file is corrupt")
-        try:
-            header = json.loads(f.read(n))
-        except json.JSONDecodeError as e:
-            raise ShimError(f"{path}: header is not JSON ({e}); the file is corrupt") from None
-    meta = header.pop("__metadata__", None) or {}
+    _, header, meta = header_block(path)
     return header, meta
 
 
@@ -169,7 +156,7 @@ def compare_plan(runtime_plan: dict | None, manifest_plan: dict) -> str | None:
     axes = manifest_plan["axes"]
     tp = int(manifest_plan["tp"])
     if runtime_plan is None:
-        padded = [n for n in PLAN_AXES if n in axes and int(axes[n]["padded"]) != int(axes[n]["original"])]
+        padded = [n for n in PLAN_AXES if n in axes and axis_pads(axes[n])]
         if padded:
             a = axes[padded[0]]
             return (f"virtual-TP plan missing at runtime, but the files pad axis {PLAN_AXES.get(padded[0], padded[0])} "
@@ -181,7 +168,7 @@ def compare_plan(runtime_plan: dict | None, manifest_plan: dict) -> str | None:
         want = axes[name]
         got = runtime_plan.get(key)
         if got is None:
-            if name in ("groups", "shared") and int(want["padded"]) == int(want["original"]):
+            if name in ("groups", "shared") and not axis_pads(want):
                 continue
             return f"virtual-TP plan mismatch: runtime plan has no axis {key} (manifest {want['original']} -> {want['padded']})"
         for mk, rk in (("original", "original_size"), ("padded", "padded_size"), ("local", "local_size")):
@@ -192,15 +179,24 @@ def compare_plan(runtime_plan: dict | None, manifest_plan: dict) -> str | None:
     return None
 
 
-def _align_up(x: int, a: int) -> int:
-    return -(-x // a) * a
+def axis_pads(axis: dict) -> bool:
+    """Whether one axis of a plan dict is padded by virtual TP (padded != original)."""
+    return int(axis["padded"]) != int(axis["original"])
 
 
-def virtual_tp_needed(heads: int, moe: int, n_shared: int, vocab: int, tp: int) -> bool:
-    """Whether vLLM's DeepSeek-V4 plan at `tp` pads any axis (heads 8, routed 32, shared 128, vocab lcm(64, tp))."""
-    if tp <= 0:
-        return False
-    for orig, a in ((heads, 8), (moe, 32), (moe * max(n_shared, 0), 128)):
-        if orig and _align_up(-(-orig // tp), a) * tp != orig:
-            return True
-    return bool(vocab) and _align_up(vocab, math.lcm(64, tp)) != vocab
+def pads_virtually(plan: dict) -> bool:
+    """Whether a plan dict (`Plan.to_dict()`, the manifest's `plan`) pads any axis the way vLLM's
+    virtual TP does. Not `Plan.pads`: that also counts the FlashInfer kernel's rounding of the
+    routed width (`kernel_local`), which is not virtual TP."""
+    return any(axis_pads(a) for a in plan["axes"].values())
+
+
+def virtual_tp_needed(cfg: ModelConfig, tp: int) -> bool:
+    """Whether vLLM's DeepSeek-V4 plan at `tp` pads any axis (`lucifer_shard.plan.make_plan`)."""
+    try:
+        plan = make_plan(cfg, tp)
+    except PlanError:
+        # a TP size the virtual-TP plan cannot serve (outside 1..8, or heads that do not fill whole
+        # output groups) is not a plain split either
+        return tp > 0
+    return pads_virtually(plan.to_dict())

@@ -18,17 +18,27 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from lucifer_shard.config import MODEL_TYPE, ModelConfig, parse_config
+from lucifer_shard.errors import SourceError
+from lucifer_shard.layouts import EXPERT_TENSORS
+from lucifer_shard.manifest import RUNTIME
+
 from . import compat
 from .errors import ShimError, ShimRuntimeError
 from .manifest import arch_of_capability, compare_plan, load_manifest, virtual_tp_needed
 
 logger = logging.getLogger("lucifer_shard.runtime_shim")
 
-LOAD_FORMAT = "lucifer_tp3"
-ATTENTION_BACKEND = "FLASHINFER_MLA_SPARSE_DSV4"
-MOE_BACKEND = "flashinfer_cutlass"
-MODEL_TYPE = "deepseek_v4"
+LOAD_FORMAT = RUNTIME["load_format"]
+ATTENTION_BACKEND = RUNTIME["attention_backend"]
+MOE_BACKEND = RUNTIME["moe_backend"]
+# hf config keys the fork's virtual TP overwrites with the padded size, keeping `original_<key>`
+VTP_PADDED_KEYS = ("num_attention_heads", "o_groups", "moe_intermediate_size")
 TAG_ATTR = "_lucifer_tp3_tag"
+# parallel sizes the per-TP-rank files require to be 1: (ParallelConfig attribute, vLLM flag)
+PARALLEL_SIZES = (("pipeline_parallel_size", "--pipeline-parallel-size"),
+                  ("data_parallel_size", "--data-parallel-size"),
+                  ("prefill_context_parallel_size", "--prefill-context-parallel-size"))
 
 # wrapper name -> WrapperVerdict of the last install attempt in this process
 VERDICTS: dict[str, compat.WrapperVerdict] = {}
@@ -84,10 +94,18 @@ def _text_config(model_config):
     return getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
 
 
-def tuple_problems(vllm_config, manifest=None) -> list[str]:
-    """Each way `vllm_config` differs from the Lucifer tuple (empty = it is the tuple)."""
+def runtime_plan(model_config) -> dict | None:
+    """vLLM's live virtual-TP plan (`hf_text_config.vllm_virtual_tp_plan`), None without one."""
+    return getattr(_text_config(model_config), "vllm_virtual_tp_plan", None)
+
+
+def model_dir(model_config) -> str:
+    return getattr(model_config, "model_weights", None) or model_config.model
+
+
+def _model_problems(vllm_config) -> list[str]:
+    """How the model and the two backends differ from the Lucifer tuple (empty = they are the tuple)."""
     mc = vllm_config.model_config
-    pc = vllm_config.parallel_config
     text = _text_config(mc)
     problems = []
     model_type = getattr(getattr(mc, "hf_config", None), "model_type", None)
@@ -102,12 +120,15 @@ def tuple_problems(vllm_config, manifest=None) -> list[str]:
     moe = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)
     if moe != MOE_BACKEND:
         problems.append(f"MoE backend {moe!r} (pass --moe-backend {MOE_BACKEND}, unset VLLM_USE_B12X_MOE)")
-    sizes = {
-        "pipeline_parallel_size": getattr(pc, "pipeline_parallel_size", 1),
-        "data_parallel_size": getattr(pc, "data_parallel_size", 1),
-        "prefill_context_parallel_size": getattr(pc, "prefill_context_parallel_size", 1),
-    }
-    for k, v in sizes.items():
+    return problems
+
+
+def tuple_problems(vllm_config, manifest=None) -> list[str]:
+    """Each way `vllm_config` differs from the Lucifer tuple (empty = it is the tuple)."""
+    pc = vllm_config.parallel_config
+    problems = _model_problems(vllm_config)
+    for k, _flag in PARALLEL_SIZES:
+        v = getattr(pc, k, 1)
         if int(v) != 1:
             problems.append(f"{k}={v} (rank files are per TP rank: use 1)")
     if getattr(pc, "enable_expert_parallel", False):
@@ -128,37 +149,33 @@ def tuple_problems(vllm_config, manifest=None) -> list[str]:
     return problems
 
 
+def source_config(model_config) -> ModelConfig | None:
+    """The converter's view (`lucifer_shard.config.parse_config`) of vLLM's hf config, with any
+    virtual-TP padding the fork applied undone; None when it is not a config lucifer-shard converts."""
+    text = _text_config(model_config)
+    to_dict = getattr(text, "to_dict", None)
+    raw = dict(to_dict() if callable(to_dict) else vars(text))
+    for key in VTP_PADDED_KEYS:
+        if raw.get(f"original_{key}") is not None:
+            raw[key] = raw[f"original_{key}"]
+    try:
+        return parse_config(raw, "vLLM's model config")
+    except SourceError:
+        return None
+
+
 def is_lucifer_request(vllm_config) -> bool:
     """DeepSeek-V4 fp4 + the two Lucifer backends at a TP size that needs virtual padding."""
     mc = vllm_config.model_config
-    if mc is None:
+    if mc is None or _model_problems(vllm_config):
         return False
-    text = _text_config(mc)
-    model_type = getattr(getattr(mc, "hf_config", None), "model_type", None)
-    if MODEL_TYPE not in (model_type, getattr(text, "model_type", None)):
-        return False
-    if getattr(text, "expert_dtype", "fp4") != "fp4":
-        return False
-    attn = _backend_name(getattr(getattr(vllm_config, "attention_config", None), "backend", None))
-    moe = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)
-    if attn != ATTENTION_BACKEND or moe != MOE_BACKEND:
-        return False
-    pc = vllm_config.parallel_config
-    tp = int(pc.tensor_parallel_size)
-    heads = int(getattr(text, "original_num_attention_heads", None) or getattr(text, "num_attention_heads", 0) or 0)
-    moe_i = int(getattr(text, "original_moe_intermediate_size", None) or getattr(text, "moe_intermediate_size", 0) or 0)
-    n_shared = int(getattr(text, "n_shared_experts", 0) or 0)
-    vocab = int(getattr(text, "vocab_size", 0) or 0)
-    return virtual_tp_needed(heads, moe_i, n_shared, vocab, tp)
+    cfg = source_config(mc)
+    return cfg is not None and virtual_tp_needed(cfg, int(vllm_config.parallel_config.tensor_parallel_size))
 
 
 def _load_format(vllm_config) -> str:
     lc = getattr(vllm_config, "load_config", None)
     return str(getattr(lc, "load_format", "auto") or "auto").lower()
-
-
-def _model_dir(model_config) -> str:
-    return getattr(model_config, "model_weights", None) or model_config.model
 
 
 # ------------------------------------------------------------------------ (a) policy wrapper
@@ -178,13 +195,12 @@ def make_policy_wrapper(original, apply_to_model_config):
                     f"--load-format {LOAD_FORMAT} (found --load-format {lf}; the stock MXFP4 loader mis-slices W2); "
                     f"convert with lucifer-shard convert and start with lucifer-shard serve OUT")
             return original(vllm_config)
-        manifest = load_manifest(_model_dir(mc))
+        manifest = load_manifest(model_dir(mc))
         problems = tuple_problems(vllm_config, manifest)
         if problems:
             raise ShimError(f"--load-format {LOAD_FORMAT} serves only the Lucifer tuple; found " + "; ".join(problems))
         apply_to_model_config(mc, vllm_config.parallel_config)
-        plan = getattr(_text_config(mc), "vllm_virtual_tp_plan", None)
-        diff = compare_plan(plan, manifest.plan)
+        diff = compare_plan(runtime_plan(mc), manifest.plan)
         if diff:
             raise ShimError(f"{diff}; check B12X_MOE_FORCE_A8 / NVFP4 env and that {manifest.out} was converted for "
                             f"this model with --tp {manifest.tp_size}")
@@ -212,7 +228,7 @@ def make_relayout_wrapper(original):
             raise ShimError(f"MoE backend resolved to {backend} on layer {tag.prefix}; files require "
                             f"{tag.moe_variant} (--moe-backend {MOE_BACKEND}, unset VLLM_USE_B12X_MOE)")
         a = bound.arguments
-        for name in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
+        for name in EXPERT_TENSORS:
             t = a.get(name)
             want = tag.data_ptrs.get(name)
             if want is not None and (t is None or t.data_ptr() != want):

@@ -16,10 +16,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-TORCH_DTYPES = {
-    "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
-    "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu,
-}
+from lucifer_shard.outdir import TORCH_DTYPE as TORCH_DTYPES
+
 SINK_PARAM_LEN = 32  # DeepseekV4FlashInferSM120Attention pads 24 local heads to 32
 
 
