@@ -162,11 +162,16 @@ def _check_out(out: Path, root: Path, job: Job, resume: bool, force: bool) -> di
     if not resume:
         raise OutputError(f"{out} holds an unfinished conversion; pass --resume to finish it or --force to restart")
     record = json.loads((state / RECORD).read_text()) if (state / RECORD).exists() else {}
+    now = _record(job)
+    changed = [n for n, st in now["source_files"].items() if record.get("source_files", {}).get(n) != st]
+    if record.get("conversion_id") == job.cid and changed:
+        # Same headers and sizes, other bytes (a re-download or fine-tune): finished parts are stale.
+        raise OutputError(f"--resume: source checkpoint changed since {out} was started ({changed[0]} was "
+                          f"modified); pass --force to restart")
     if record.get("conversion_id") != job.cid:
-        differs = [k for k in ("source_fingerprint", "options", "tool_version")
-                   if record.get(k) != _record(job).get(k)]
+        differs = [k for k in ("source_fingerprint", "options", "tool_version") if record.get(k) != now.get(k)]
         raise OutputError(f"--resume: {out} was started with a different "
-                          f"{', '.join(differs) or 'conversion'} ({_describe_diff(record, _record(job))}); "
+                          f"{', '.join(differs) or 'conversion'} ({_describe_diff(record, now)}); "
                           f"pass --force to restart")
     entries = {}
     journal = state / JOURNAL
@@ -197,8 +202,9 @@ def _clear(out: Path) -> None:
 
 
 def _record(job: Job) -> dict:
+    stats = {n: [(job.ckpt.root / n).stat().st_size, (job.ckpt.root / n).stat().st_mtime_ns] for n in job.ckpt.files}
     return {"conversion_id": job.cid, "source_fingerprint": job.ckpt.fingerprint,
-            "options": job.options.to_dict(), "tool_version": __version__}
+            "options": job.options.to_dict(), "tool_version": __version__, "source_files": stats}
 
 
 def _part_valid(out: Path, entry: dict) -> bool:
@@ -216,17 +222,23 @@ def _part_valid(out: Path, entry: dict) -> bool:
 
 
 class _RankSink:
-    """One rank's writer; with workers, layout + hash + write run on its own thread, in order."""
+    """One rank's writer. Layout + hash + write run on a worker thread in submission order (the
+    rank's own thread with --workers > 1, otherwise one thread shared by all ranks), so reading and
+    assembling the next chunk overlaps writing this one; at most two chunks per rank are in
+    flight. Written chunk buffers go back to `buffers`."""
 
-    def __init__(self, writer: StreamWriter, pool: ThreadPoolExecutor | None):
+    def __init__(self, writer: StreamWriter, pool: ThreadPoolExecutor | None, buffers=None):
         self.writer = writer
         self.pool = pool
+        self.buffers = buffers
         self.pending: list[Future] = []
 
     def put(self, name: str, buf: np.ndarray, layout: Layout | None) -> None:
         def work():
             data = layout.forward(buf) if layout is not None else buf
             self.writer.write(name, np.ascontiguousarray(data))
+            if self.buffers is not None:
+                self.buffers.give(buf)
         if self.pool is None:
             work()
             return
@@ -241,27 +253,42 @@ class _RankSink:
 
 
 def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPoolExecutor | None]) -> tuple[list[WrittenFile], int]:
+    from .assemble import Assembler, BufferPool, swap_folded
+    from .stwriter import partial_path
+
     specs_by_name = [{s.name: s for s in rank_specs} for rank_specs in job.specs[part.role]]
-    sinks = []
-    for rank in range(job.plan.tp):
-        headers = []
-        for name in part.names:
-            spec = specs_by_name[rank][name]
-            headers.append(TensorHeader(name, spec.dtype, stored_shape(spec, job.layouts)))
-        path = out / part_path(part.role, rank, part.index)
-        meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp)
-        sinks.append(_RankSink(StreamWriter(path, headers, meta), pools[rank]))
+    shared = ThreadPoolExecutor(1, thread_name_prefix="lucifer-write") if all(p is None for p in pools) else None
+    buffers = BufferPool()
+    asm = Assembler(job.ckpt, buffers)
+    sinks: list[_RankSink] = []
     read = 0
     try:
+        for rank in range(job.plan.tp):
+            headers = []
+            for name in part.names:
+                spec = specs_by_name[rank][name]
+                headers.append(TensorHeader(name, spec.dtype, stored_shape(spec, job.layouts)))
+            path = out / part_path(part.role, rank, part.index)
+            meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp)
+            sinks.append(_RankSink(StreamWriter(path, headers, meta), pools[rank] or shared, buffers))
+        work = []
         for name in part.names:
             specs = [specs_by_name[r][name] for r in range(job.plan.tp)]
             layout = job.layouts[specs[0].expert_tensor] if specs[0].expert_tensor else None
-            for a, b in chunks(specs[0]):
-                bufs = assemble(job.ckpt, specs, a, b)
-                for sink, buf in zip(sinks, bufs):
-                    sink.put(name, buf, layout)
-                bar.update(sum(buf.nbytes for buf in bufs))
+            if layout is not None and layout.steps[:1] == ("swap_halves",):
+                swapped = [swap_folded(s) for s in specs]
+                if all(swapped):  # place the halves swapped while assembling: one copy less
+                    specs = swapped
+                    layout = Layout(layout.name, layout.steps[1:], layout.version)
+            if layout is not None and not layout.steps:
+                layout = None
+            work.extend(((name, layout), specs, a, b) for a, b in chunks(specs[0]))
             read += sum(job.ckpt.tensors[k].offsets[1] - job.ckpt.tensors[k].offsets[0] for k in specs[0].sources())
+        # The reader thread runs ahead of assembly; writers run behind it.
+        for (name, layout), bufs in asm.stream(work):
+            for sink, buf in zip(sinks, bufs):
+                sink.put(name, buf, layout)
+            bar.update(sum(buf.nbytes for buf in bufs))
         for sink in sinks:
             sink.drain()
         return [sink.writer.close() for sink in sinks], read
@@ -272,7 +299,13 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
             except BaseException:
                 pass
             sink.writer.abort()
+        for rank in range(job.plan.tp):  # also a writer interrupted while it was being opened
+            partial_path(out / part_path(part.role, rank, part.index)).unlink(missing_ok=True)
         raise
+    finally:
+        asm.close()
+        if shared is not None:
+            shared.shutdown(wait=True)
 
 
 def _remove_partials(out: Path) -> None:

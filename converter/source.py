@@ -12,14 +12,17 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from safetensors import safe_open
 
 from .config import ModelConfig, load_config
 from .errors import SourceError
 from .rules import DTYPE_SIZE, ROLES, check_source_keys
+
+if TYPE_CHECKING:  # torch is loaded by safetensors' "pt" framework when data is read
+    import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

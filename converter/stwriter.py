@@ -6,11 +6,30 @@ spaces to 8 bytes; bytes go to a temporary name, are flushed and fsynced, and th
 renamed into place only when every byte was written. Each tensor is digested with BLAKE3 while
 it streams; the file digest is BLAKE3 over the header and the tensor digests (so verifying a
 file costs one pass over its data).
+
+How bytes reach the disk (docs/performance.md has the measurements):
+
+* Direct I/O first: the file is opened with O_DIRECT and bytes are staged in a page-aligned
+  STAGE_BYTES buffer that is written whole, so the page cache (which on the 2-core box cost
+  1-2 CPU-seconds per GB written, more than the disk time) is bypassed. The last block is padded
+  to ALIGN and the file truncated to its exact size before the fsync.
+* Where O_DIRECT is refused (tmpfs, some network filesystems: EINVAL at open or at a write), the
+  writer falls back to buffered writes with write-behind: every WRITE_BEHIND bytes the kernel is
+  told to start writing that window back (`sync_file_range`), so the disk works from the first
+  window instead of when the dirty-page threshold is reached, and the fsync at close has little
+  left to do; windows older than WRITE_DEPTH are waited for and dropped from the page cache
+  (POSIX_FADV_DONTNEED), bounding dirty memory per file.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
+import fcntl
 import json
+import mmap
 import os
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +39,27 @@ from blake3 import blake3
 from .errors import OutputError
 from .fsutil import fsync_dir
 from .rules import DTYPE_SIZE
+
+DIRECT = True  # try O_DIRECT first (module switch for experiments and tests)
+ALIGN = 4096  # O_DIRECT offset, length and address alignment (covers 512 B and 4 KiB sectors)
+STAGE_BYTES = 16 << 20  # direct-I/O staging buffer per open file
+WRITE_BEHIND = 64 << 20  # buffered fallback: start writeback of every window of this many bytes
+WRITE_DEPTH = 4  # windows in flight per file before the oldest is waited for and dropped
+_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
+
+
+def _sync_file_range():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SFR = _sync_file_range()
 
 
 @dataclass(frozen=True)
@@ -67,18 +107,104 @@ class WrittenFile:
 class StreamWriter:
     """Write one safetensors file tensor by tensor; `close()` publishes it atomically."""
 
-    def __init__(self, path: Path, tensors: list[TensorHeader], metadata: dict[str, str]):
+    def __init__(self, path: Path, tensors: list[TensorHeader], metadata: dict[str, str],
+                 write_behind: int | None = None, direct: bool | None = None):
         self.path = Path(path)
         self.tensors = tensors
         self.header = encode_header(tensors, metadata)
         self.size = len(self.header) + sum(t.nbytes for t in tensors)
         self._tmp = partial_path(self.path)
-        self._f = open(self._tmp, "wb")
-        self._f.write(self.header)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self._fd: int | None = None
+        self._direct = False
+        self._stage = None
+        try:
+            if (DIRECT if direct is None else direct) and hasattr(os, "O_DIRECT"):
+                try:
+                    self._fd = os.open(self._tmp, flags | os.O_DIRECT, 0o666)
+                    self._direct = True
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+            if self._fd is None:
+                self._fd = os.open(self._tmp, flags, 0o666)
+            self._was_direct = self._direct
+            self._stage = np.frombuffer(mmap.mmap(-1, STAGE_BYTES), np.uint8) if self._direct else None
+            self._fill = 0  # staged bytes not yet written
+            self._pos = 0  # bytes handed to the file
+            self._behind = WRITE_BEHIND if write_behind is None else write_behind
+            self._started = 0  # buffered: bytes before this offset were handed to writeback
+            self._windows: deque[tuple[int, int]] = deque()
+            self._emit(memoryview(self.header))
+        except BaseException:  # nothing half-made stays behind (an error, or Ctrl-C right here)
+            self.abort()
+            raise
         self._index = 0
         self._left = tensors[0].nbytes if tensors else 0
-        self._hash = blake3(max_threads=blake3.AUTO)
+        self._hash = blake3()
         self.digests: dict[str, str] = {}
+
+    def _emit(self, view: memoryview) -> None:
+        """Append bytes to the file: through the stage with direct I/O, else straight away."""
+        if not self._direct:
+            return self._raw_write(view)
+        src = np.frombuffer(view, np.uint8)
+        i = 0
+        while i < len(src):
+            n = min(len(src) - i, STAGE_BYTES - self._fill)
+            self._stage[self._fill:self._fill + n] = src[i:i + n]
+            self._fill += n
+            i += n
+            if self._fill == STAGE_BYTES:
+                self._flush_stage(STAGE_BYTES)
+                if not self._direct:  # fell back to buffered writes: no more staging
+                    return self._raw_write(view[i:])
+
+    def _flush_stage(self, n: int) -> None:
+        view = memoryview(self._stage)[:n]
+        self._fill = 0
+        self._raw_write(view)
+
+    def _buffered(self) -> None:
+        """Leave direct I/O for the rest of the file (the filesystem refused it, or a short write
+        left the offset unaligned); the next write then fails with the filesystem's own error."""
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self._direct = False
+        if self._fill:  # staged bytes go first
+            self._flush_stage(self._fill)
+
+    def _raw_write(self, view: memoryview) -> None:
+        done = 0
+        try:
+            while done < len(view):
+                try:
+                    n = os.write(self._fd, view[done:])
+                except OSError as e:
+                    if self._direct and e.errno == errno.EINVAL:
+                        self._buffered()
+                        continue
+                    raise
+                done += n
+                if self._direct and n % ALIGN and done < len(view):
+                    self._buffered()
+        except OSError as e:
+            self._pos += done
+            raise OutputError(f"{self._tmp}: write failed after {self._pos} of {self.size} bytes "
+                              f"({e.strerror}); free at least {self.size - self._pos} bytes and run with --resume") from None
+        self._pos += done
+        if not self._direct and self._behind and _SFR is not None and self._pos - self._started >= self._behind:
+            self._write_behind()
+
+    def _write_behind(self) -> None:
+        start, end = self._started, self._pos
+        self._started = end
+        if _SFR(self._fd, start, end - start, _SFR_WRITE) != 0:
+            return  # not supported here: the fsync at close does all the work
+        self._windows.append((start, end))
+        while len(self._windows) > WRITE_DEPTH:
+            s, e = self._windows.popleft()
+            if _SFR(self._fd, s, e - s, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER) == 0:
+                os.posix_fadvise(self._fd, s, e - s, os.POSIX_FADV_DONTNEED)
 
     def write(self, name: str, data: np.ndarray | bytes | memoryview) -> None:
         """Append bytes of tensor `name`, which must be the tensor being written."""
@@ -86,16 +212,12 @@ class StreamWriter:
         current = self.tensors[self._index] if self._index < len(self.tensors) else None
         if current is None or current.name != name or len(view) > self._left:
             raise AssertionError(f"{self.path.name}: write of {len(view)} bytes for {name!r} out of order")
-        try:
-            self._f.write(view)
-        except OSError as e:
-            raise OutputError(f"{self._tmp}: write failed after {self._f.tell()} of {self.size} bytes "
-                              f"({e.strerror}); free at least {self.size - self._f.tell()} bytes and run with --resume") from None
         self._hash.update(view)
+        self._emit(view)
         self._left -= len(view)
         while self._left == 0 and self._index < len(self.tensors):
             self.digests[current.name] = self._hash.hexdigest()
-            self._hash = blake3(max_threads=blake3.AUTO)
+            self._hash = blake3()
             self._index += 1
             if self._index < len(self.tensors):
                 current = self.tensors[self._index]
@@ -104,20 +226,31 @@ class StreamWriter:
     def close(self) -> WrittenFile:
         if self._index != len(self.tensors):
             raise AssertionError(f"{self.path.name}: closed before {self.tensors[self._index].name} was written")
+        if self._fill:  # direct I/O: the last block, zero-padded to ALIGN, then cut to the real size
+            n = -(-self._fill // ALIGN) * ALIGN
+            self._stage[self._fill:n] = 0
+            self._flush_stage(n)
         try:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
+            if self._was_direct:
+                os.ftruncate(self._fd, self.size)
+            os.fsync(self._fd)
         except OSError as e:
             raise OutputError(f"{self._tmp}: flush failed ({e.strerror}); free space and run with --resume") from None
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written and synced: clean, droppable
+        os.close(self._fd)
+        self._fd = None
+        self._stage = None
         os.replace(self._tmp, self.path)
         fsync_dir(self.path.parent)
         digests = [self.digests[t.name] for t in self.tensors]
         return WrittenFile(self.path, self.size, file_digest(self.header, digests), dict(self.digests))
 
     def abort(self) -> None:
-        if not self._f.closed:
-            self._f.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._stage = None
         self._tmp.unlink(missing_ok=True)
 
 

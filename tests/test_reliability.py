@@ -328,3 +328,16 @@ def test_resume_with_other_options_or_source(tiny_pattern, tmp_path):
     changed = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", "--resume", src, out)
     msg = one_line_error(changed, "--resume", "source checkpoint changed")
     record("--resume against a changed source", "refused, names what differs", changed, msg)
+    same_shapes = tmp_path / "retrained"  # same headers and sizes, other bytes: a fine-tune
+    shutil.copytree(tiny_pattern, same_shapes)
+    os.replace(out, tmp_path / "out2")
+    proc = _start(same_shapes, out)
+    _wait_for(lambda: _journal_lines(out) >= 3, proc)
+    proc.kill()
+    proc.wait()
+    raw = bytearray((same_shapes / SHARD).read_bytes())
+    raw[-1] ^= 0x01
+    (same_shapes / SHARD).write_bytes(bytes(raw))
+    stale = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", "--resume", same_shapes, out)
+    msg = one_line_error(stale, "--resume", "source checkpoint changed", SHARD)
+    record("--resume after the source bytes changed (same shapes)", "refused, names the file", stale, msg)

@@ -1,0 +1,215 @@
+"""The checking commands: `diff OUT MODEL`, `verify OUT`, `inspect OUT`.
+
+Register them on the `lucifer-shard` group with `cli.add_command(diff)` etc. Findings make the
+command raise MismatchError (exit 1) after the report is printed; an OUT or MODEL that cannot be
+opened at all raises OutputError / SourceError (exit 2), like `diff(1)`'s "trouble".
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .errors import LuciferError, MismatchError, OutputError
+from .manifest import COMPLETE_NAME, load_manifest
+from .rules import DTYPE_SIZE
+
+MAX_MISMATCHES = click.option("--max-mismatches", type=click.IntRange(1), default=10, show_default=True,
+                              help="How many findings to report in full (all are counted).")
+JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout.")
+QUIET = click.option("--quiet", is_flag=True, help="No progress bar.")
+
+
+def _fail(report, noun: str, fix: str) -> None:
+    first = report.first()
+    p = report.problems[0] if report.problems else None
+    where = ""
+    if p is not None and p.file and p.file not in first:
+        offs = p.detail.get("file_offset")
+        where = f" [{p.file}" + (f" byte {offs[0]}" if offs else "") + "]"
+    raise MismatchError(f"{report.command}: {report.count} {noun}; first: {first}{where}; {fix}")
+
+
+def _malformed(out: Path, e: Exception) -> None:
+    """A manifest whose structure a hand edit broke is an OutputError; anything else is a bug: re-raise."""
+    try:
+        load_manifest(out)
+    except LuciferError:
+        raise OutputError(f"{out / 'lucifer-manifest.json'}: malformed and edited after conversion "
+                          f"({type(e).__name__}: {e}); re-run convert --force") from None
+    raise e
+
+
+@click.command("diff")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("model")
+@MAX_MISMATCHES
+@click.option("--workers", type=click.IntRange(1), default=None,
+              help="Threads for reading, layout inversion and comparison  [default: min(CPUs, 2 x TP, 16)]")
+@JSON
+@QUIET
+def diff(out: Path, model: str, max_mismatches: int, workers: int | None, as_json: bool, quiet: bool) -> None:
+    """Prove, byte for byte, that the rank files in OUT are the checkpoint MODEL.
+
+    For every tensor of every role and rank: apply the inverse of its declared layout, check
+    every pad byte, re-assemble its logical slices (fused parameters un-fused) and compare them
+    with the source tensors; check every source tensor is accounted for exactly once (or
+    dropped for a stated reason) and the source fingerprint is the one converted. Streams with
+    bounded memory. Exit 0 only if everything matches; mismatches are reported with the source
+    tensor and logical index, the rank tensor, and the byte offset in the rank file.
+    """
+    from .diff import diff as run, diff_lines
+
+    try:
+        report = run(out, model, max_mismatches=max_mismatches, progress=not quiet, workers=workers)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        _malformed(out, e)
+    click.echo(json.dumps(report.to_dict(), indent=1) if as_json else "\n".join(diff_lines(report)))
+    if not report.ok:
+        _fail(report, "difference(s)", "OUT is not MODEL: re-run convert --force (or pass the MODEL it was "
+                                       "converted from)")
+
+
+@click.command("verify")
+@click.argument("out", type=click.Path(path_type=Path))
+@MAX_MISMATCHES
+@JSON
+@QUIET
+def verify(out: Path, max_mismatches: int, as_json: bool, quiet: bool) -> None:
+    """Check OUT without the source: manifest, files, digests, zero regions, replicas.
+
+    \b
+    - manifest self-digest, COMPLETE equal to the conversion id, entries equal to the rule table
+    - every file: present, recorded size and BLAKE3 digest, __metadata__ identity, header
+    - zero regions zero (-inf for attn_sink) after the inverse layout; no E8M0 scale byte 0xFF
+    - replicated tensors identical on every rank; no stray files in rank folders
+    Exit 1 on any problem; 2 when OUT is no lucifer-shard output at all (no manifest).
+    """
+    from .verify import verify as run, verify_lines
+
+    try:
+        report = run(out, max_problems=max_mismatches, progress=not quiet)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        _malformed(out, e)
+    click.echo(json.dumps(report.to_dict(), indent=1) if as_json else "\n".join(verify_lines(report)))
+    if not report.ok:
+        _fail(report, "problem(s)", "OUT is damaged or mixed: re-run convert --force (diff OUT MODEL locates "
+                                    "every byte)")
+
+
+@click.command("inspect")
+@click.argument("out", type=click.Path(path_type=Path))
+@JSON
+def inspect(out: Path, as_json: bool) -> None:
+    """Summarize OUT's manifest: source, plan, arch and layouts, files and bytes per rank."""
+    try:
+        doc = summarize(out)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        _malformed(out, e)
+    click.echo(json.dumps(doc, indent=1) if as_json else "\n".join(summary_lines(doc)))
+
+
+def summarize(out: Path) -> dict:
+    out = Path(out)
+    if not out.is_dir():
+        raise OutputError(f"{out}: no such output directory")
+    m = load_manifest(out, check_digest=False)
+    try:
+        load_manifest(out)
+        digest_ok = True
+    except LuciferError:
+        digest_ok = False
+    complete = out / COMPLETE_NAME
+    roles = {}
+    for role, rdoc in (m.get("roles") or {}).items():
+        ranks = []
+        for entry in rdoc.get("ranks") or []:
+            tensors = entry.get("tensors") or {}
+            data = pad = 0
+            for info in tensors.values():
+                item = DTYPE_SIZE.get(info.get("dtype"), 1)
+                mshape = list(info.get("model_shape") or [])
+                n = item
+                for d in mshape:
+                    n *= d
+                data += n
+                matrix = mshape[1:] if info.get("experts") else mshape
+                per = item * (info.get("experts") or 1)
+                for dim, lo, hi in info.get("zero_regions") or []:
+                    k = per * (hi - lo)
+                    for d, size in enumerate(matrix):
+                        if d != dim:
+                            k *= size
+                    pad += k
+            files = entry.get("files") or []
+            ranks.append({"rank": entry.get("rank"), "files": len(files),
+                          "bytes": sum(f.get("bytes", 0) for f in files), "tensors": len(tensors),
+                          "tensor_bytes": data, "padding_bytes": pad,
+                          "paths": [f.get("path") for f in files]})
+        roles[role] = ranks
+    src = m.get("source") or {}
+    return {
+        "out": str(out),
+        "complete": complete.is_file() and complete.read_text().strip() == m.get("conversion_id"),
+        "manifest_digest_ok": digest_ok,
+        "conversion_id": m.get("conversion_id"),
+        "tool_version": m.get("tool_version"),
+        "format_version": m.get("format_version"),
+        "source": {"path": src.get("path"), "fingerprint": src.get("fingerprint"),
+                   "files": len(src.get("files") or {}), "bytes": sum((src.get("files") or {}).values())},
+        "tp_size": m.get("tp_size"),
+        "plan": m.get("plan"),
+        "options": m.get("options"),
+        "arch": m.get("arch"),
+        "moe_variant": m.get("moe_variant"),
+        "expert_layout": m.get("expert_layout"),
+        "flashinfer_layout": m.get("flashinfer_layout"),
+        "layouts": {t: v.get("name") for t, v in (m.get("layouts") or {}).items()},
+        "layout_version": m.get("layout_version"),
+        "runtime": m.get("runtime"),
+        "dropped": len(m.get("dropped") or {}),
+        "roles": roles,
+    }
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def summary_lines(d: dict) -> list[str]:
+    src = d["source"]
+    lines = [
+        f"output         {d['out']}",
+        f"conversion     {d['conversion_id']}  "
+        f"({'complete' if d['complete'] else 'NOT complete'}, manifest digest "
+        f"{'ok' if d['manifest_digest_ok'] else 'MISMATCH'})",
+        f"tool           lucifer-shard {d['tool_version']}, manifest format v{d['format_version']}",
+        f"source         {src['path']}",
+        f"fingerprint    {src['fingerprint']}  ({src['files']} file(s), {_gb(src['bytes'])})",
+        f"tp             {d['tp_size']}",
+        f"arch           {d['arch']}  MoE variant {d['moe_variant']}",
+        f"experts        {d['expert_layout']} layout"
+        + (f", FlashInfer {d['flashinfer_layout']} generation" if d.get("flashinfer_layout") else "")
+        + f" (layout version {d['layout_version']})",
+    ]
+    for t, name in (d.get("layouts") or {}).items():
+        lines.append(f"  {t:<18} {name}")
+    rt = d.get("runtime") or {}
+    if rt:
+        lines.append(f"runtime        {rt.get('vllm_line')}; load format {rt.get('load_format')}, "
+                     f"MoE {rt.get('moe_backend')}, FlashInfer {rt.get('flashinfer')}")
+    axes = ((d.get("plan") or {}).get("axes") or {})
+    if axes:
+        lines += ["", f"{'axis':<8} {'original':>9} {'padded':>9} {'per rank':>9} {'kernel-local':>13}"]
+        for a in axes.values():
+            lines.append(f"{a['name']:<8} {a['original']:>9} {a['padded']:>9} {a['local']:>9} {a['kernel_local']:>13}")
+    lines += ["", f"{'role':<7} {'rank':>4} {'files':>5} {'tensors':>7} {'bytes':>14} {'padding':>14} {'pad %':>6}"]
+    for role, ranks in d["roles"].items():
+        for r in ranks:
+            pct = 100.0 * r["padding_bytes"] / r["tensor_bytes"] if r["tensor_bytes"] else 0.0
+            lines.append(f"{role:<7} {r['rank']:>4} {r['files']:>5} {r['tensors']:>7} {r['bytes']:>14,} "
+                         f"{r['padding_bytes']:>14,} {pct:>5.2f}%")
+    if d["dropped"]:
+        lines.append(f"dropped        {d['dropped']} source tensor(s) (see the manifest's \"dropped\" for reasons)")
+    return lines

@@ -1,0 +1,567 @@
+"""`diff OUT MODEL`: proof, byte for byte, that the rank files are the source checkpoint.
+
+This goes the other way from the engine and shares none of its code path (`assemble`): every rank
+file is opened through its own header, each chunk of a rank tensor is read raw, the inverse of its
+declared layout is applied, every pad byte is checked against its pad value, and each logical slice
+(un-fused: one piece per source key) is compared with the matching region of the source tensor,
+read raw from its shard. The rule table, not the manifest, says what every tensor must hold (the
+manifest only says where it is, and is itself checked against the rule table), and independently
+of that: every source tensor is consumed exactly once (or dropped for a stated reason), the
+sharded pieces of every source tensor tile its sharded dim exactly across the ranks, and
+replicated pieces are whole on every rank.
+
+Work goes in groups (the four routed-expert tensors of a layer together, since their source
+tensors lie together expert by expert; every other tensor alone) and chunks of dim 0 (a few
+experts, or a row block) of about 32 MiB per rank, at most two chunks in flight: memory stays
+bounded like `convert`. A chunk's source rows are read once, in few large requests (regions of a
+shard that lie together are coalesced), and shared by the ranks' tasks, which run on a thread
+pool. Comparisons run on whole chunks with numpy; positions are only computed for the first
+mismatches, which are reported with the source tensor and its logical index, the rank tensor and
+its index, and the absolute byte offset(s) in the rank file (through the forward layout for
+kernel-layout experts).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from .errors import OutputError
+from .rules import DTYPE_SIZE, TensorSpec
+from .source import Checkpoint, open_checkpoint, resolve_model
+from .stwriter import read_header
+from .verify import (CHUNK_BYTES, HeaderTensor, Problem, RankFile, Report, byte_shape, check_manifest_rules,
+                     check_pads, check_scales, chunk_slices, element_index, file_offsets, first_positions, hexbytes,
+                     human_bytes, is_scale, open_files, open_sequential, pread_into, read_manifest, read_rows,
+                     row_chunks, scratch, slice_starts, to_model, usable)
+
+
+class NarrowingError(ValueError):
+    """A source I64 value does not fit the I32 the output stores."""
+
+
+COALESCE_GAP = 256 << 10  # source regions closer than this are read with one request
+MAX_BLOCK = 64 << 20
+
+
+class SourceReader:
+    """Raw reads of source tensor rows, straight from the shards (no safetensors, no engine code)."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self._fds: dict[str, int] = {}
+        self._base: dict[str, int] = {}
+        self.bytes_needed = 0  # bytes of source tensors compared
+        self.bytes_read = 0  # bytes read from disk (needed bytes plus small gaps between them)
+        self.keys_read: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _fd(self, file: str) -> int:
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                path = self.ckpt.root / file
+                header, _ = read_header(path)
+                self._base[file] = len(header)
+                fd = self._fds[file] = open_sequential(path)
+            return fd
+
+    def span(self, key: str, r0: int, r1: int) -> tuple[str, int, int]:
+        """(file, absolute start, end) of rows [r0, r1) of `key`."""
+        entry = self.ckpt.tensors[key]
+        self._fd(entry.file)
+        row = _row_bytes(entry.shape, DTYPE_SIZE[entry.dtype])
+        start = self._base[entry.file] + entry.offsets[0] + r0 * row
+        return entry.file, start, start + (r1 - r0) * row
+
+    def read_block(self, file: str, start: int, end: int, needed: int, keys: list[str]) -> np.ndarray:
+        buf = np.empty(end - start, np.uint8)
+        pread_into(self._fd(file), buf, start)
+        with self._lock:
+            self.bytes_read += buf.nbytes
+            self.bytes_needed += needed
+            self.keys_read.update(keys)
+        return buf
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _row_bytes(shape: tuple[int, ...], item: int) -> int:
+    n = item
+    for d in shape[1:]:
+        n *= d
+    return n
+
+
+def diff(out: Path, model: str, max_mismatches: int = 10, progress: bool = True,
+         chunk_bytes: int = CHUNK_BYTES, workers: int | None = None) -> Report:
+    """Compare OUT with the source checkpoint MODEL; see the module docstring."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    if not out.is_dir():
+        raise OutputError(f"{out}: no such output directory")
+    report = Report("diff", max_mismatches)
+    manifest = read_manifest(report, out)
+    root = resolve_model(model)
+    roles = tuple(manifest.get("roles") or ("target",))
+    ckpt = open_checkpoint(root, roles)
+    report.info.update({"out": str(out), "model": str(root), "conversion_id": manifest.get("conversion_id"),
+                        "fingerprint": ckpt.fingerprint, "tp_size": manifest.get("tp_size"),
+                        "arch": manifest.get("arch"), "expert_layout": manifest.get("expert_layout")})
+    recorded = (manifest.get("source") or {}).get("fingerprint")
+    if recorded != ckpt.fingerprint:
+        report.add(Problem("source", f"source fingerprint {ckpt.fingerprint[:16]}... differs from the manifest's "
+                           f"{str(recorded)[:16]}...: OUT was converted from another checkpoint (or the checkpoint "
+                           f"changed); pass the MODEL it was converted from, or re-run convert"))
+    for name in (manifest.get("source") or {}).get("side_files") or []:
+        a, b = out / name, root / name
+        if not a.is_file() or not b.is_file() or a.read_bytes() != b.read_bytes():
+            report.add(Problem("file", f"{name}: not a byte-identical copy of the source's {name}", file=name))
+    rules = check_manifest_rules(report, manifest, ckpt.config)
+    stats = {"rank_tensors": 0, "source_tensors": 0, "rank_bytes": 0, "source_bytes": 0, "source_bytes_read": 0,
+             "pad_bytes": 0}
+    if rules is None:
+        _finish(report, stats, t0)
+        return report
+    specs: dict[str, list[list[TensorSpec]]] = rules["specs"]
+    entries = rules["entries"]["roles"]
+    _check_accounting(report, ckpt, specs, manifest.get("dropped") or {})
+    _check_coverage(report, ckpt, specs)
+    files = open_files(report, out, manifest, check_size=False)
+    reader = SourceReader(ckpt)
+    total = sum(t.end - t.start for rf in files.values() for t in rf.tensors.values()) + sum(
+        ckpt.tensors[k].offsets[1] - ckpt.tensors[k].offsets[0]
+        for role in specs for s in specs[role][0] for k in s.sources() if k in ckpt.tensors)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="diff", disable=not progress)
+    work = _plan_groups(manifest, specs, entries, files)
+    if workers is None:
+        workers = min(os.cpu_count() or 1, 2 * len(next(iter(specs.values()))), 16)
+    try:
+        _diff_data(report, reader, work, stats, bar, chunk_bytes, workers)
+    finally:
+        bar.close()
+        reader.close()
+        for rf in files.values():
+            rf.close()
+    stats["source_tensors"] = len(reader.keys_read)
+    stats["source_bytes"] = reader.bytes_needed
+    stats["source_bytes_read"] = reader.bytes_read
+    stats["dropped"] = len(manifest.get("dropped") or {})
+    stats["source_total"] = len(ckpt.tensors)
+    _finish(report, stats, t0)
+    return report
+
+
+def _finish(report: Report, stats: dict, t0: float) -> None:
+    seconds = time.perf_counter() - t0
+    moved = stats["rank_bytes"] + stats["source_bytes"]
+    report.stats.update(stats)
+    report.stats.update({"seconds": round(seconds, 3),
+                         "throughput_mb_s": round(moved / seconds / 1e6, 1) if seconds else 0.0})
+
+
+# ---------------------------------------------------------------- structure
+
+
+def _check_accounting(report: Report, ckpt: Checkpoint, specs: dict, dropped: dict) -> None:
+    """Every source tensor is consumed by exactly one rank tensor, or dropped with a stated reason."""
+    consumed: dict[str, list[str]] = {}
+    for role, rank_specs in specs.items():
+        for spec in rank_specs[0]:
+            for k in dict.fromkeys(spec.sources()):
+                consumed.setdefault(k, []).append(f"{role} {spec.name}")
+    for key in sorted(set(ckpt.tensors) | set(consumed) | set(dropped)):
+        uses = consumed.get(key, [])
+        if key not in ckpt.tensors:
+            report.add(Problem("coverage", f"source tensor {key!r} is read by {uses[0] if uses else 'the manifest'} "
+                               f"but the checkpoint does not hold it", file=key))
+        elif key in dropped:
+            if uses:
+                report.add(Problem("coverage", f"source tensor {key!r} is listed as dropped but {uses[0]} holds it",
+                                   file=key))
+            elif not str(dropped[key]).strip():
+                report.add(Problem("coverage", f"source tensor {key!r} was dropped without a reason", file=key))
+        elif not uses:
+            report.add(Problem("coverage", f"source tensor {key!r} is in no rank file and not listed as dropped "
+                               f"(the output lost it; re-run convert)", file=key))
+        elif len(uses) > 1:
+            report.add(Problem("coverage", f"source tensor {key!r} feeds {len(uses)} tensors: {', '.join(uses)}",
+                               file=key))
+
+
+def _check_coverage(report: Report, ckpt: Checkpoint, specs: dict) -> None:
+    """Sharded pieces tile the source dim exactly across ranks; replicated pieces are whole on every rank."""
+    for role, rank_specs in specs.items():
+        tp = len(rank_specs)
+        for i, spec0 in enumerate(rank_specs[0]):
+            for j, p0 in enumerate(spec0.pieces):
+                key = p0.source.format(e=0) if spec0.experts else p0.source
+                entry = ckpt.tensors.get(key)
+                if entry is None:
+                    continue  # reported by the accounting
+                ps = [rank_specs[r][i].pieces[j] for r in range(tp)]
+                size = entry.shape[p0.dim]
+                mshape = spec0.matrix_shape
+                other = [d for d in range(len(mshape)) if d != p0.dim]
+                if len(mshape) != len(entry.shape) or any(mshape[d] != entry.shape[d] for d in other):
+                    report.add(Problem("coverage", f"source {key} is {list(entry.shape)}, which does not fit the rank "
+                                       f"tensor's {list(mshape)} outside dim {p0.dim}", role, None, spec0.name))
+                    continue
+                if all(p.src_start == 0 and p.length == size for p in ps):
+                    continue  # replicated: whole on every rank
+                spans = sorted((p.src_start, p.src_start + p.length) for p in ps if p.length)
+                at = 0
+                for lo, hi in spans:
+                    if lo != at:
+                        what = "overlap" if lo < at else "gap"
+                        report.add(Problem("coverage", f"source {key} dim {p0.dim}: ranks' slices leave a {what} at "
+                                           f"{min(lo, at)}:{max(lo, at)} (slices {spans})", role, None, spec0.name))
+                        break
+                    at = hi
+                else:
+                    if at != size:
+                        report.add(Problem("coverage", f"source {key} dim {p0.dim}: ranks' slices cover 0:{at} of "
+                                           f"{size}", role, None, spec0.name))
+
+
+# ---------------------------------------------------------------- data
+
+
+Member = tuple  # (TensorSpec, info: dict, RankFile, HeaderTensor): one tensor of one rank
+
+
+def _plan_groups(manifest: dict, specs: dict, entries: dict, files: dict) -> list[tuple[str, list[list[Member]]]]:
+    """Work groups: the four routed-expert tensors of a layer go together (their source tensors lie
+    together, expert by expert), every other tensor alone. Per group and rank, the usable members."""
+    work = []
+    for role, rank_specs in specs.items():
+        recorded = (manifest.get("roles") or {}).get(role, {}).get("ranks") or []
+        groups: list[list[int]] = []
+        for i, spec in enumerate(rank_specs[0]):
+            prev = rank_specs[0][groups[-1][0]] if groups else None
+            if (spec.experts and prev is not None and prev.experts == spec.experts
+                    and prev.name.rsplit(".", 1)[0] == spec.name.rsplit(".", 1)[0]):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        for idx in groups:
+            per_rank = []
+            for r, specs_r in enumerate(rank_specs):
+                members = []
+                for i in idx:
+                    spec = specs_r[i]
+                    rec = recorded[r]["tensors"].get(spec.name) if r < len(recorded) else None
+                    if rec is None:
+                        continue  # reported by the manifest check
+                    info = {**entries[role][r][spec.name], "file": rec.get("file")}
+                    rf = files.get(rec.get("file"))
+                    if usable(rf, spec.name, info):  # else reported by the file checks
+                        members.append((spec, info, rf, rf.tensors[spec.name]))
+                per_rank.append(members)
+            if any(per_rank):
+                work.append((role, per_rank))
+    return work
+
+
+def _group_chunks(reader: SourceReader, per_rank: list[list[Member]], chunk_bytes: int) -> list[tuple[int, int]]:
+    """Ranges of dim 0 (experts, or rows) whose rank bytes (per rank) and source bytes stay near chunk_bytes."""
+    spec0 = next(m for ms in per_rank for m in ms)[0]
+    ckpt = reader.ckpt
+    n0 = spec0.experts or spec0.shape[0]
+    rank_row = max(sum((ht.end - ht.start) // max(1, ht.shape[0]) for _, _, _, ht in ms) for ms in per_rank)
+    keys = {}
+    for ms in per_rank:
+        for spec, _, _, _ in ms:
+            for p in spec.pieces:
+                key = p.source.format(e=0) if spec.experts else p.source
+                if key in ckpt.tensors:
+                    e = ckpt.tensors[key]
+                    keys[key] = (e.offsets[1] - e.offsets[0]) // (1 if spec.experts else max(1, e.shape[0]))
+    src_row = sum(keys.values())
+    return row_chunks(n0, max(rank_row, src_row), chunk_bytes)
+
+
+def _regions(reader: SourceReader, per_rank: list[list[Member]], a: int, b: int) -> list[tuple[str, int, int]]:
+    """Every source region (key, first row, end row) the chunk [a, b) of the group compares against."""
+    out: dict[tuple[str, int, int], None] = {}
+    tensors = reader.ckpt.tensors
+    for ms in per_rank:
+        for spec, _, _, _ in ms:
+            for p in spec.pieces:
+                if spec.experts:
+                    for e in range(a, b):
+                        key = p.source.format(e=e)
+                        if key in tensors:
+                            out[(key, 0, tensors[key].shape[0])] = None
+                elif p.source not in tensors:
+                    continue
+                elif p.dim == 0:
+                    lo, hi = max(a, p.dst_start), min(b, p.dst_start + p.length)
+                    if lo < hi:
+                        s0 = p.src_start + lo - p.dst_start
+                        out[(p.source, s0, s0 + hi - lo)] = None
+                else:
+                    out[(p.source, a, b)] = None
+    return list(out)
+
+
+class ChunkSources:
+    """The source regions of one chunk, read in few large requests (regions of a file that lie
+    together are coalesced), each byte once, shared by all ranks' tasks."""
+
+    def __init__(self, reader: SourceReader, regions: list[tuple[str, int, int]]):
+        self.reader = reader
+        self._where: dict[tuple[str, int, int], tuple[Future, int]] = {}
+        self._converted: dict[tuple[str, int, int], np.ndarray] = {}
+        self._lock = threading.Lock()
+        spans = sorted((reader.span(*r), r) for r in regions)
+        self.blocks: list[tuple[Future, str, int, int, int, list[str]]] = []
+        cur = None
+        for (file, start, end), region in spans:
+            if cur is not None and cur[1] == file and start - cur[3] <= COALESCE_GAP and end - cur[2] <= MAX_BLOCK:
+                cur[3] = max(cur[3], end)
+                cur[4] += end - start
+                cur[5].append(region)
+                continue
+            cur = [Future(), file, start, end, end - start, [region]]
+            self.blocks.append(cur)
+        for fut, file, start, end, needed, members in self.blocks:
+            for region in members:
+                self._where[region] = (fut, reader.span(*region)[1] - start)
+
+    def read(self, i: int) -> None:
+        """Read block `i` (run on the pool before any rank task of the chunk)."""
+        fut, file, start, end, needed, members = self.blocks[i]
+        try:
+            fut.set_result(self.reader.read_block(file, start, end, needed, [r[0] for r in members]))
+        except BaseException as e:
+            fut.set_exception(e)
+
+    def get(self, key: str, r0: int, r1: int, out_dtype: str) -> np.ndarray:
+        """Rows [r0, r1) of source `key` as bytes of the output dtype (last dim in bytes)."""
+        fut, off = self._where[(key, r0, r1)]
+        block = fut.result()
+        entry = self.reader.ckpt.tensors[key]
+        item = DTYPE_SIZE[entry.dtype]
+        n = (r1 - r0) * _row_bytes(entry.shape, item)
+        shape = byte_shape((r1 - r0, *entry.shape[1:]), item) if len(entry.shape) > 1 else (n,)
+        raw = block[off:off + n].reshape(shape)
+        if entry.dtype == "I64" and out_dtype == "I32":
+            with self._lock:
+                got = self._converted.get((key, r0, r1))
+            if got is None:
+                v = raw.view(np.int64)
+                narrow = v.astype(np.int32)
+                if not np.array_equal(narrow.astype(np.int64), v):
+                    raise NarrowingError(f"source tensor {key!r} holds values outside int32; the I32 rank tensor "
+                                         f"cannot equal it")
+                got = narrow.view(np.uint8).reshape(*raw.shape[:-1], raw.shape[-1] // 2)
+                with self._lock:
+                    self._converted[(key, r0, r1)] = got
+            return got
+        return raw
+
+
+def _same(got: np.ndarray, want: np.ndarray, block: int = 4 << 20) -> bool:
+    """Byte equality of two equally shaped views, on 8-byte words where the layout allows it, in blocks
+    of rows so the comparison buffer stays small and hot."""
+    if got.ndim and got.shape[-1] % 8 == 0 and got.strides[-1] == 1 and want.strides[-1] == 1:
+        try:
+            got, want = got.view(np.uint64), want.view(np.uint64)
+        except ValueError:
+            pass
+    if got.ndim == 0 or got.size == 0:
+        return bool(np.array_equal(got, want))
+    row = max(1, got.size // got.shape[0])
+    step = max(1, block // (row * got.itemsize))
+    for i in range(0, got.shape[0], step):
+        g, w = got[i:i + step], want[i:i + step]
+        out = scratch("cmp", g.size).view(bool).reshape(g.shape)
+        np.equal(g, w, out=out)
+        if not out.all():
+            return False
+    return True
+
+
+def _diff_data(report: Report, reader: SourceReader, work: list[tuple[str, list[list[Member]]]], stats: dict,
+               bar: tqdm, chunk_bytes: int, workers: int) -> None:
+    """Every (group, chunk): the chunk's source blocks, then one task per rank, on a thread pool (numpy
+    and preadv release the GIL); at most two chunks in flight; findings merged in (group, chunk, rank)
+    order, so reports are stable. A task details at most the findings the report still had room for
+    when it was submitted. Block reads are queued before the rank tasks that wait for them, so a
+    waiting task never waits for a read that has not started."""
+    inflight: deque[list[Future]] = deque()
+    seen = 0
+
+    def merge(futs: list[Future]) -> None:
+        nonlocal seen
+        for fut in futs:
+            sub, rank_bytes, pad_bytes = fut.result()
+            report.merge(sub)
+            stats["rank_bytes"] += rank_bytes
+            stats["pad_bytes"] += pad_bytes
+            bar.update(rank_bytes)
+        now = reader.bytes_needed
+        bar.update(now - seen)
+        seen = now
+
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="diff") as pool:
+        try:
+            for role, per_rank in work:
+                stats["rank_tensors"] += sum(len(ms) for ms in per_rank)
+                for a, b in _group_chunks(reader, per_rank, chunk_bytes):
+                    sources = ChunkSources(reader, _regions(reader, per_rank, a, b))
+                    for i in range(len(sources.blocks)):
+                        pool.submit(sources.read, i)  # its outcome reaches the rank tasks through the block
+                    inflight.append([pool.submit(_diff_rank_chunk, report.room, sources, role, ms, a, b)
+                                     for ms in per_rank if ms])
+                    while len(inflight) > 1:
+                        merge(inflight.popleft())
+            while inflight:
+                merge(inflight.popleft())
+        finally:
+            for futs in inflight:
+                for fut in futs:
+                    fut.cancel()
+
+
+def _diff_rank_chunk(limit: int, sources: ChunkSources, role: str, members: list[Member], a: int,
+                     b: int) -> tuple[Report, int, int]:
+    """One rank's rows (or experts) [a, b) of a group's tensors: pads, scales, every piece against its source."""
+    sub = Report("diff", limit)
+    read = pads = 0
+    for spec, info, rf, ht in members:
+        item = DTYPE_SIZE[spec.dtype]
+        row = (ht.end - ht.start) // max(1, ht.shape[0])
+        stored = read_rows(rf.fd(), ht.start, ht.shape, ht.item, a, b, scratch("rank", (b - a) * row))
+        read += stored.nbytes
+        if spec.experts:
+            model = to_model(stored, info["layout"]).reshape(b - a, *byte_shape(info["model_shape"][1:], item))
+        else:
+            model = stored
+        pads += check_pads(sub, model, info, ht, rf, role, spec.rank, spec.name, a, b)
+        if is_scale(info):
+            check_scales(sub, model, info, ht, rf, role, spec.rank, spec.name, a)
+        for p in spec.pieces:
+            if p.source.format(e=a) not in sources.reader.ckpt.tensors:
+                continue  # reported by the accounting
+            if spec.experts:
+                for e in range(a, b):
+                    key = p.source.format(e=e)
+                    src = sources.get(key, 0, sources.reader.ckpt.tensors[key].shape[0], spec.dtype)
+                    nd = src.ndim
+                    dst_sl = chunk_slices(p.dim, p.dst_start, p.dst_start + p.length, nd, item)
+                    src_sl = chunk_slices(p.dim, p.src_start, p.src_start + p.length, nd, item)
+                    _compare(sub, model[e - a], dst_sl, (e,), src, src_sl, 0, key, spec, info, rf, ht, role)
+                continue
+            nd = model.ndim
+            if p.dim == 0:
+                lo, hi = max(a, p.dst_start), min(b, p.dst_start + p.length)
+                if lo >= hi:
+                    continue
+                s0 = p.src_start + lo - p.dst_start
+                s1, dst_sl, src_sl, origin = s0 + hi - lo, chunk_slices(0, lo - a, hi - a, nd, item), \
+                    chunk_slices(0, 0, hi - lo, nd, item), s0
+            else:
+                s0, s1, origin = a, b, a
+                dst_sl = chunk_slices(p.dim, p.dst_start, p.dst_start + p.length, nd, item)
+                src_sl = chunk_slices(p.dim, p.src_start, p.src_start + p.length, nd, item)
+            try:
+                src = sources.get(p.source, s0, s1, spec.dtype)
+            except NarrowingError as e:
+                sub.add(Problem("data", str(e), role, spec.rank, spec.name, rf.rel, {"source": p.source}))
+                continue
+            _compare(sub, model, dst_sl, a, src, src_sl, origin, p.source, spec, info, rf, ht, role)
+    return sub, read, pads
+
+
+def _compare(report: Report, model: np.ndarray, dst_sl: tuple[slice, ...], dst_origin, src: np.ndarray,
+             src_sl: tuple[slice, ...], src_row0: int, key: str, spec: TensorSpec, info: dict, rf: RankFile,
+             ht: HeaderTensor, role: str) -> None:
+    """Compare one piece of a chunk with its source region; record the first mismatches in full.
+
+    `dst_origin`: the chunk's first row (int) or, for one expert's matrix, the expert index as a 1-tuple
+    (B-coords of the full rank tensor are then (e, *matrix coords)). `src_row0`: source row of the
+    source array's row 0."""
+    got, want = model[dst_sl], src[src_sl]
+    if got.shape != want.shape:
+        report.add(Problem("structure", f"slice of {list(got.shape)} bytes cannot hold source {key} region of "
+                           f"{list(want.shape)} bytes", role, spec.rank, spec.name, rf.rel))
+        return
+    if _same(got, want):
+        return
+    item = DTYPE_SIZE[spec.dtype]
+    bad = got != want
+    total = int(np.count_nonzero(bad))
+    dst_local = slice_starts(dst_sl)
+    src_local = slice_starts(src_sl)
+    if isinstance(dst_origin, tuple):
+        dst_prefix = dst_origin
+        dst_base = dst_local
+    else:
+        dst_prefix = ()
+        dst_base = dst_local.copy()
+        dst_base[0] += dst_origin * (item if model.ndim == 1 else 1)
+    src_base = src_local.copy()
+    src_base[0] += src_row0 * (item if src.ndim == 1 else 1)
+    found: list[Problem] = []
+    seen: set[tuple[int, ...]] = set()
+    for pos in first_positions(bad, report.room * item):
+        if len(found) >= report.room:
+            break
+        sidx = tuple(element_index(tuple(int(x) for x in src_base + pos), item))
+        if sidx in seen:
+            continue  # another byte of an element already reported
+        seen.add(sidx)
+        dst_bc = (*dst_prefix, *(int(x) for x in dst_base + pos))
+        tidx = element_index(dst_bc, item)
+        lo = int(pos[-1]) - int(pos[-1]) % item  # views start on an element boundary
+        cell = tuple(int(x) for x in pos[:-1])
+        exp = want[(*cell, slice(lo, lo + item))]
+        fnd = got[(*cell, slice(lo, lo + item))]
+        found.append(Problem(
+            "data", f"differs from source {key}{_fmt(sidx)}: expected {hexbytes(exp)} found {hexbytes(fnd)} "
+            f"({total} differing byte(s) in this slice)", role, spec.rank, spec.name, rf.rel,
+            {"source": key, "source_index": list(sidx), "tensor_index": tidx,
+             "file_offset": file_offsets(ht, info, dst_bc), "expected": hexbytes(exp), "found": hexbytes(fnd)}))
+    report.add_many(found, total, Problem("data", "", role, spec.rank, spec.name, rf.rel))
+
+
+def _fmt(index) -> str:
+    return "[" + ", ".join(str(i) for i in index) + "]"
+
+
+def diff_lines(report: Report) -> list[str]:
+    s, i = report.stats, report.info
+    match = "matches the manifest" if not any(p.kind == "source" for p in report.problems) else "DIFFERS"
+    lines = [
+        f"diff {i.get('out')} against {i.get('model')}",
+        f"  source fingerprint  {str(i.get('fingerprint'))[:16]}... ({match})",
+        f"  conversion          {str(i.get('conversion_id'))[:16]}...  tp {i.get('tp_size')}  arch {i.get('arch')}  "
+        f"experts {i.get('expert_layout')} layout",
+        "",
+        f"  rank tensors checked   {s.get('rank_tensors', 0)}",
+        f"  source tensors         {s.get('source_tensors', 0)} compared of {s.get('source_total', 0)} "
+        f"({s.get('dropped', 0)} dropped)",
+        f"  source bytes compared  {human_bytes(s.get('source_bytes', 0))}",
+        f"  rank bytes read        {human_bytes(s.get('rank_bytes', 0))} (pad bytes checked "
+        f"{human_bytes(s.get('pad_bytes', 0))})",
+        f"  time                   {s.get('seconds', 0):.2f} s",
+        f"  throughput             {s.get('throughput_mb_s', 0):.0f} MB/s (source + rank bytes)",
+        "",
+    ]
+    if report.ok:
+        lines.append("OK: every rank tensor is its source slices, byte for byte; every pad byte is pad")
+    else:
+        lines += report.problem_lines()
+        lines.append(f"FAILED: {report.count} difference(s)")
+    return lines
