@@ -27,6 +27,9 @@ demo:
 	lucifer-shard synth tiny $(DEMO)/model --fill random --quiet
 	lucifer-shard plan --tp 3 $(DEMO)/model
 	lucifer-shard convert --tp 3 $(DEMO)/model $(DEMO)/out --quiet
+	lucifer-shard diff $(DEMO)/out $(DEMO)/model --quiet
+	lucifer-shard verify $(DEMO)/out --quiet
+	lucifer-shard check-numerics $(DEMO)/out $(DEMO)/model --quiet
 	@echo "demo output: $(DEMO)/out (source: $(DEMO)/model)"
 
 clean:

@@ -169,9 +169,10 @@ def _check_out(out: Path, root: Path, job: Job, resume: bool, force: bool) -> di
         raise OutputError(f"--resume: source checkpoint changed since {out} was started ({changed[0]} was "
                           f"modified); pass --force to restart")
     if record.get("conversion_id") != job.cid:
-        differs = [k for k in ("source_fingerprint", "options", "tool_version") if record.get(k) != now.get(k)]
-        raise OutputError(f"--resume: {out} was started with a different "
-                          f"{', '.join(differs) or 'conversion'} ({_describe_diff(record, now)}); "
+        differs = [label for k, label in (("source_fingerprint", "source"), ("options", "options"),
+                                          ("tool_version", "tool version")) if record.get(k) != now.get(k)]
+        raise OutputError(f"--resume: {out} was started with other {' and '.join(differs) or 'settings'} "
+                          f"({_describe_diff(record, now)}); "
                           f"pass --force to restart")
     entries = {}
     journal = state / JOURNAL
