@@ -42,6 +42,8 @@ CHUNK_BYTES = 16 << 20
 DIRECT = True  # read with O_DIRECT where the filesystem allows it
 ALIGN = 4096  # O_DIRECT offset, length and address alignment
 PREFETCH = 2  # chunks whose reads run ahead of assembly
+READERS = 4  # reader threads: concurrent requests keep a virtio/NVMe queue busy
+READ_BLOCK = 8 << 20  # largest single read
 _FADVISE = hasattr(os, "posix_fadvise")
 
 
@@ -57,17 +59,10 @@ def chunks(spec: TensorSpec, chunk_bytes: int | None = None) -> list[tuple[int, 
 # ---------------------------------------------------------------- boxes
 
 
-@dataclass(frozen=True)
-class Request:
-    rank: int
-    key: str
-    src: tuple[slice, ...]  # element box in the source tensor
-    dst: tuple[slice | int, ...]  # element box in the chunk buffer (dim 0 relative to the chunk)
-
-
 def _boxes(spec: TensorSpec, a: int, b: int, tail: bool) -> list[tuple[str, tuple, tuple]]:
-    """(source key, source box, chunk box) of each piece for chunk [a, b), or with `tail` the pad
-    boxes (source box None). Boxes are in elements; stacked experts have an int expert index."""
+    """(source key, source box, chunk box) of each piece for chunk [a, b), or with `tail` of each
+    piece's pad tail (its source box then means nothing). Boxes are in elements; stacked experts
+    have an int expert index first in the chunk box."""
     out = []
     for p in spec.pieces:
         d0, d1 = (p.dst_start + p.length, p.dst_start + p.seg_len) if tail else (p.dst_start, p.dst_start + p.length)
@@ -99,10 +94,6 @@ def _boxes(spec: TensorSpec, a: int, b: int, tail: bool) -> list[tuple[str, tupl
             dst[p.dim] = slice(d0, d1)
         out.append((p.source, tuple(src), tuple(dst)))
     return out
-
-
-def _requests(spec: TensorSpec, a: int, b: int) -> list[Request]:
-    return [Request(spec.rank, k, s, d) for k, s, d in _boxes(spec, a, b, tail=False)]
 
 
 def _norm(box: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -192,7 +183,10 @@ class ReadBuffers:
             fits = [i for i, b in enumerate(self._free) if b.nbytes >= n]
             if fits:
                 return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
-        return np.frombuffer(mmap.mmap(-1, max(ALIGN, -(-n // (1 << 20)) * (1 << 20))), np.uint8)
+        m = mmap.mmap(-1, max(ALIGN, -(-n // (2 << 20)) * (2 << 20)))
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            m.madvise(mmap.MADV_HUGEPAGE)  # bigger physically contiguous segments per disk request
+        return np.frombuffer(m, np.uint8)
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
@@ -232,14 +226,15 @@ class _Plan:
 
 
 class SourceReader:
-    """Positional reads of source byte ranges, one descriptor per shard, O_DIRECT where allowed."""
+    """Positional reads of source byte ranges, one descriptor per shard, O_DIRECT where allowed.
+    Thread-safe: the reads of one chunk run on several threads at once."""
 
     def __init__(self, ckpt: Checkpoint, direct: bool | None = None):
         self.ckpt = ckpt
         self.direct = (DIRECT if direct is None else direct) and hasattr(os, "O_DIRECT")
         self._fds: dict[str, tuple[int, int, bool]] = {}
+        self._retired: list[int] = []  # descriptors replaced while other threads may still use them
         self._lock = threading.Lock()
-        self.bytes_read = 0
 
     def _open(self, file: str, direct: bool) -> tuple[int, int, bool]:
         path = self.ckpt.root / file
@@ -267,50 +262,62 @@ class SourceReader:
                 got = self._fds[file] = self._open(file, self.direct)
             return got
 
-    def _buffered(self, file: str) -> tuple[int, int, bool]:
+    def _buffered(self, file: str, fd: int) -> None:
         """The filesystem refused a direct read: this shard is read through the page cache."""
         with self._lock:
-            fd, _, _ = self._fds.pop(file)
-            os.close(fd)
-            got = self._fds[file] = self._open(file, False)
-            return got
+            if self._fds[file][0] == fd and self._fds[file][2]:
+                self._retired.append(fd)
+                self._fds[file] = self._open(file, False)
 
     def base(self, file: str) -> int:
         """File offset of the shard's data section."""
         return self._fd(file)[1]
 
-    def read(self, seg: _Segment, buf: np.ndarray) -> None:
-        """Segment `seg` into `buf` at its place (see `_Segment`)."""
+    def jobs(self, seg: _Segment, buf: np.ndarray) -> list[tuple]:
+        """`seg` as reads of at most READ_BLOCK bytes (arguments of `read_range`): its aligned span
+        lands at buf[seg.at:], so file byte x goes to buf[seg.at + x - lo]."""
         file = self.ckpt.tensors[seg.key].file
-        fd, _, direct = self._fd(file)
         lo = seg.pos - seg.pos % ALIGN
-        if direct:  # the whole aligned span (a short read at the end of the file is fine)
-            view, off, need = memoryview(buf)[seg.at:seg.at + seg.span], lo, seg.pos + seg.end - seg.start - lo
-        else:
-            at = seg.at + seg.pos - lo
-            view, off, need = memoryview(buf)[at:at + seg.end - seg.start], seg.pos, seg.end - seg.start
+        hi = lo + seg.span
+        stop = seg.pos + seg.end - seg.start
+        out = []
+        for x0 in range(lo, hi, READ_BLOCK):
+            x1 = min(hi, x0 + READ_BLOCK)
+            out.append((file, seg.key, x0, x1, max(x0, seg.pos), min(x1, stop), buf, seg.at + x0 - lo))
+        return out
+
+    def read_range(self, file: str, key: str, x0: int, x1: int, need0: int, need1: int, buf: np.ndarray,
+                   at: int) -> None:
+        """File bytes [x0, x1) (ALIGN-aligned) into buf[at:]; [need0, need1) must arrive (the rest is
+        alignment slop, and may lie past the end of the file). Buffered reads fetch just the need."""
+        fd, _, direct = self._fd(file)
+        if not direct:
+            at += need0 - x0
+            x0, x1 = need0, need1
+        view = memoryview(buf)[at:at + x1 - x0]
+        need = need1 - x0
         got = 0
         while got < need:
             try:
-                n = os.preadv(fd, [view[got:]], off + got)
+                n = os.preadv(fd, [view[got:]], x0 + got)
             except OSError as e:
                 if direct and e.errno == errno.EINVAL:
-                    self._buffered(file)
-                    return self.read(seg, buf)
-                raise SourceError(f"{file}: reading tensor {seg.key!r} failed ({e.strerror})") from None
+                    self._buffered(file, fd)
+                    return self.read_range(file, key, x0, x1, need0, need1, buf, at)
+                raise SourceError(f"{file}: reading tensor {key!r} failed ({e.strerror})") from None
             if n == 0:
-                raise SourceError(f"{file}: truncated inside tensor {seg.key!r}; re-download this shard")
+                raise SourceError(f"{file}: truncated inside tensor {key!r}; re-download this shard")
             got += n
-            if direct and n % ALIGN and got < need:  # a short direct read at an odd size: finish buffered
-                self._buffered(file)
-                return self.read(seg, buf)
-        self.bytes_read += seg.end - seg.start
+            if direct and n % ALIGN and got < need:  # a short direct read at an odd size: redo it buffered
+                self._buffered(file, fd)
+                return self.read_range(file, key, x0, x1, need0, need1, buf, at)
 
     def close(self) -> None:
         with self._lock:
-            for fd, _, _ in self._fds.values():
+            for fd in [f for f, _, _ in self._fds.values()] + self._retired:
                 os.close(fd)
             self._fds.clear()
+            self._retired.clear()
 
 
 def _check_scales(data: np.ndarray, key: str, entry, start: int) -> None:
@@ -347,8 +354,8 @@ def swap_folded(spec: TensorSpec) -> TensorSpec | None:
 
 
 class Assembler:
-    """Plans each chunk's reads, runs them on a reader thread ahead of time, and builds every
-    rank's chunk buffer from them."""
+    """Plans each chunk's reads, runs them on reader threads ahead of time, and builds every
+    rank's chunk buffer from them (one copy out of the read buffer, or a strided gather)."""
 
     def __init__(self, ckpt: Checkpoint, pool: BufferPool | None = None, direct: bool | None = None,
                  prefetch: int | None = None):
@@ -357,7 +364,8 @@ class Assembler:
         self.pool = pool or BufferPool()
         self.reads = ReadBuffers()
         self.prefetch = PREFETCH if prefetch is None else prefetch
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="lucifer-read") if self.prefetch else None
+        self._thread = (ThreadPoolExecutor(READERS, thread_name_prefix="lucifer-read") if self.prefetch
+                        else None)
 
     def close(self) -> None:
         if self._thread is not None:
@@ -414,15 +422,35 @@ class Assembler:
 
     # -- reading
 
-    def _fetch(self, plan: _Plan) -> np.ndarray:
+    def _start(self, plan: _Plan) -> tuple[np.ndarray, list]:
+        """Begin the chunk's reads (on the reader threads, or here without prefetching)."""
         buf = self.reads.take(plan.size)
+        jobs = [j for seg in plan.segments for j in self.reader.jobs(seg, buf)]
+        if self._thread is None:
+            try:
+                for j in jobs:
+                    self.reader.read_range(*j)
+            except BaseException:
+                self.reads.give(buf)
+                raise
+            return buf, []
+        return buf, [self._thread.submit(self.reader.read_range, *j) for j in jobs]
+
+    def _wait(self, buf: np.ndarray, futs: list) -> None:
+        """Wait for a chunk's reads; on failure wait for all of them, free the buffer, raise."""
         try:
-            for seg in plan.segments:
-                self.reader.read(seg, buf)
+            for f in futs:
+                f.result()
         except BaseException:
+            for f in futs:
+                f.cancel()
+            for f in futs:
+                try:
+                    f.result()
+                except BaseException:
+                    pass
             self.reads.give(buf)
             raise
-        return buf
 
     @staticmethod
     def _data(plan: _Plan, buf: np.ndarray, j: int) -> np.ndarray:
@@ -477,7 +505,8 @@ class Assembler:
     def chunk(self, specs: list[TensorSpec], a: int, b: int) -> list[np.ndarray]:
         """Model-layout bytes of rows [a, b) of the same tensor on every rank."""
         plan = self.plan(specs, a, b)
-        buf = self._fetch(plan)
+        buf, futs = self._start(plan)
+        self._wait(buf, futs)
         try:
             return self.build(plan, buf)
         finally:
@@ -485,40 +514,37 @@ class Assembler:
 
     def stream(self, items):
         """For (tag, specs, a, b) items in order, yield (tag, rank buffers); the reads of the next
-        PREFETCH items run on the reader thread meanwhile."""
+        PREFETCH items run on the reader threads meanwhile."""
         items = iter(items)
         ahead: deque = deque()
 
-        def submit() -> bool:
+        def submit() -> None:
             item = next(items, None)
-            if item is None:
-                return False
-            tag, specs, a, b = item
-            plan = self.plan(specs, a, b)
-            fut = self._thread.submit(self._fetch, plan) if self._thread is not None else None
-            ahead.append((tag, plan, fut))
-            return True
+            if item is not None:
+                tag, specs, a, b = item
+                plan = self.plan(specs, a, b)
+                ahead.append((tag, plan, *self._start(plan)))
 
         for _ in range(max(1, self.prefetch)):
-            if not submit():
-                break
+            submit()
         try:
             while ahead:
-                tag, plan, fut = ahead.popleft()
+                tag, plan, buf, futs = ahead.popleft()
                 submit()
-                buf = fut.result() if fut is not None else self._fetch(plan)
+                self._wait(buf, futs)
                 try:
                     bufs = self.build(plan, buf)
                 finally:
                     self.reads.give(buf)
                 yield tag, bufs
         finally:
-            for _, _, fut in ahead:  # stopped early (an error): let queued reads finish, free them
-                if fut is not None:
-                    try:
-                        self.reads.give(fut.result())
-                    except BaseException:
-                        pass
+            while ahead:  # stopped early (an error): let queued reads finish, free their buffers
+                _, _, buf, futs = ahead.popleft()
+                try:
+                    self._wait(buf, futs)
+                    self.reads.give(buf)
+                except BaseException:
+                    pass
 
 
 def assemble(ckpt: Checkpoint, specs: list[TensorSpec], a: int, b: int) -> list[np.ndarray]:

@@ -93,12 +93,15 @@ def plan(tp: int, model: str, arch: str, expert_layout: str, flashinfer_layout: 
 @click.option("--workers", type=int, default=1, show_default=True,
               help="Threads for layout, hashing and writing (one per rank is the useful maximum).")
 @click.option("--max-file-size", type=str, default="4GiB", show_default=True, help="Largest rank file part.")
+@click.option("--align", type=int, default=8, show_default=True,
+              help="Start the data section and every tensor whose size is a multiple of ALIGN at a multiple "
+                   "of ALIGN bytes (e.g. 4096 for O_DIRECT loaders); a power of two >= 8.")
 @click.option("--resume", is_flag=True, help="Finish an interrupted conversion, keeping verified files.")
 @click.option("--force", is_flag=True, help="Replace an existing lucifer-shard output in OUT.")
 @click.option("--no-mtp", is_flag=True, help="Do not write the MTP draft model (draft/).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def convert(tp: int, model: str, out: Path, arch: str, expert_layout: str, flashinfer_layout: str, workers: int,
-            max_file_size: str, resume: bool, force: bool, no_mtp: bool, quiet: bool) -> None:
+            max_file_size: str, align: int, resume: bool, force: bool, no_mtp: bool, quiet: bool) -> None:
     """Write per-rank safetensors of MODEL into OUT: sliced, zero-padded, experts laid out.
 
     \b
@@ -114,8 +117,10 @@ def convert(tp: int, model: str, out: Path, arch: str, expert_layout: str, flash
     """
     from .convert import convert as run
 
+    if align < 8 or align & (align - 1):
+        raise click.BadParameter(f"{align} is not a power of two >= 8", param_hint="--align")
     options = Options(tp=tp, arch=check_arch(arch), expert_layout=expert_layout, flashinfer_layout=flashinfer_layout,
-                      mtp=not no_mtp, max_file_bytes=parse_size(max_file_size))
+                      mtp=not no_mtp, max_file_bytes=parse_size(max_file_size), align=align)
     summary = run(model, out, options, resume=resume, force=force, workers=workers, progress=not quiet)
     click.echo("\n".join(summary.lines()))
 

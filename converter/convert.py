@@ -82,19 +82,31 @@ def layout_name(spec: TensorSpec, layouts: dict[str, Layout]) -> str:
     return layouts[spec.expert_tensor].name if spec.expert_tensor else "model"
 
 
-def plan_parts(role: str, specs: list[TensorSpec], max_bytes: int) -> list[Part]:
-    """Split a rank's sorted tensors into parts of at most `max_bytes` (a larger tensor stands alone)."""
+def plan_parts(role: str, specs: list[TensorSpec], max_bytes: int, align: int = 8) -> list[Part]:
+    """Split a rank's sorted tensors into parts of at most `max_bytes` (a larger tensor stands alone).
+
+    Safetensors forbids gaps between tensors, so alignment is had by order: within a part, the
+    tensors whose size is a multiple of `align` come first (by name) and therefore all start
+    aligned once the header pads the data section to `align`.
+    """
     parts: list[Part] = []
     names: list[str] = []
     size = 0
+    sizes = {s.name: s.nbytes for s in specs}
+
+    def close() -> None:
+        if align > 8:  # the default keeps plain name order
+            names.sort(key=lambda n: (sizes[n] % align != 0, n))
+        parts.append(Part(role, len(parts), list(names), size))
+
     for spec in specs:
         if names and size + spec.nbytes > max_bytes:
-            parts.append(Part(role, len(parts), names, size))
+            close()
             names, size = [], 0
         names.append(spec.name)
         size += spec.nbytes
     if names:
-        parts.append(Part(role, len(parts), names, size))
+        close()
     return parts
 
 
@@ -127,7 +139,7 @@ def prepare(model: str, options: Options) -> Job:
         if role == "draft" and not ckpt.config.num_mtp:
             continue
         specs[role] = build_specs(ckpt.config, plan, role)
-    parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes)]
+    parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align)]
     dropped = {}
     if not options.mtp:
         dropped = {k: "--no-mtp: the MTP draft model was not converted" for k in ckpt.tensors if k.startswith("mtp.")}
@@ -262,6 +274,7 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
     buffers = BufferPool()
     asm = Assembler(job.ckpt, buffers)
     sinks: list[_RankSink] = []
+    stream = None
     read = 0
     try:
         for rank in range(job.plan.tp):
@@ -271,7 +284,7 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
                 headers.append(TensorHeader(name, spec.dtype, stored_shape(spec, job.layouts)))
             path = out / part_path(part.role, rank, part.index)
             meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp)
-            sinks.append(_RankSink(StreamWriter(path, headers, meta), pools[rank] or shared, buffers))
+            sinks.append(_RankSink(StreamWriter(path, headers, meta, align=job.options.align), pools[rank] or shared, buffers))
         work = []
         for name in part.names:
             specs = [specs_by_name[r][name] for r in range(job.plan.tp)]
@@ -285,8 +298,9 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
                 layout = None
             work.extend(((name, layout), specs, a, b) for a, b in chunks(specs[0]))
             read += sum(job.ckpt.tensors[k].offsets[1] - job.ckpt.tensors[k].offsets[0] for k in specs[0].sources())
-        # The reader thread runs ahead of assembly; writers run behind it.
-        for (name, layout), bufs in asm.stream(work):
+        # The reader threads run ahead of assembly; the writers run behind it.
+        stream = asm.stream(work)
+        for (name, layout), bufs in stream:
             for sink, buf in zip(sinks, bufs):
                 sink.put(name, buf, layout)
             bar.update(sum(buf.nbytes for buf in bufs))
@@ -304,6 +318,8 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
             partial_path(out / part_path(part.role, rank, part.index)).unlink(missing_ok=True)
         raise
     finally:
+        if stream is not None:
+            stream.close()  # an early exit: let its queued reads finish before the reader stops
         asm.close()
         if shared is not None:
             shared.shutdown(wait=True)

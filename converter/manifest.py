@@ -45,6 +45,7 @@ class Options:
     flashinfer_layout: str = "folded"
     mtp: bool = True
     max_file_bytes: int = 4 << 30
+    align: int = 8  # data-section and tensor alignment for direct-I/O loaders (a power of two >= 8)
 
     def to_dict(self) -> dict:
         return asdict(self)

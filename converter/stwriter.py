@@ -73,15 +73,16 @@ class TensorHeader:
         return DTYPE_SIZE[self.dtype] * int(np.prod(self.shape, dtype=np.int64))
 
 
-def encode_header(tensors: list[TensorHeader], metadata: dict[str, str]) -> bytes:
-    """The 8-byte length prefix and JSON header, deterministic for the same input."""
+def encode_header(tensors: list[TensorHeader], metadata: dict[str, str], align: int = 8) -> bytes:
+    """The 8-byte length prefix and JSON header, deterministic for the same input; padded with
+    spaces so the data section starts at a multiple of `align` bytes."""
     header: dict = {"__metadata__": dict(sorted(metadata.items()))}
     offset = 0
     for t in tensors:
         header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    raw += b" " * (-(8 + len(raw)) % align)
     return len(raw).to_bytes(8, "little") + raw
 
 
@@ -108,10 +109,10 @@ class StreamWriter:
     """Write one safetensors file tensor by tensor; `close()` publishes it atomically."""
 
     def __init__(self, path: Path, tensors: list[TensorHeader], metadata: dict[str, str],
-                 write_behind: int | None = None, direct: bool | None = None):
+                 write_behind: int | None = None, direct: bool | None = None, align: int = 8):
         self.path = Path(path)
         self.tensors = tensors
-        self.header = encode_header(tensors, metadata)
+        self.header = encode_header(tensors, metadata, align)
         self.size = len(self.header) + sum(t.nbytes for t in tensors)
         self._tmp = partial_path(self.path)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)

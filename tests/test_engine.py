@@ -53,6 +53,7 @@ def test_tiny_chunks_poisoned_buffers_and_write_paths(tiny_pattern, tmp_path, mo
     monkeypatch.setattr(stwriter, "DIRECT", direct)
     monkeypatch.setattr(assemble, "DIRECT", direct)
     monkeypatch.setattr(assemble, "PREFETCH", prefetch)
+    monkeypatch.setattr(assemble, "READ_BLOCK", 2 * assemble.ALIGN)
     out = tmp_path / "out"
     convert(str(tiny_pattern), out, Options(tp=3, arch=arch), workers=workers, progress=False)
     assert _tree(out) == _tree(reference(arch))
@@ -130,3 +131,27 @@ def test_direct_writer_matches_buffered_and_falls_back(tmp_path, monkeypatch, fa
     assert stwriter.hash_file(tmp_path / "a.safetensors") == (a.digest, a.tensor_digests)
     back = load_file(str(tmp_path / "a.safetensors"))
     assert all(np.array_equal(back[k], v) for k, v in arrays.items())
+
+
+def test_reads_fall_back_when_direct_io_is_refused(tiny_pattern, tmp_path, monkeypatch, reference):
+    """A filesystem that opens with O_DIRECT but refuses the reads (EINVAL): every shard is then read
+    buffered and the output does not change."""
+    import errno
+    import fcntl
+    import os
+
+    real = os.preadv
+    refused = []
+
+    def preadv(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(stwriter, "DIRECT", False)
+    out = tmp_path / "out"
+    convert(str(tiny_pattern), out, Options(tp=3, arch="sm120"), progress=False)
+    assert refused, "the test did not exercise direct reads"
+    assert _tree(out) == _tree(reference("sm120"))
