@@ -46,7 +46,7 @@ def _malformed(out: Path, e: Exception) -> None:
 @click.argument("model")
 @MAX_MISMATCHES
 @click.option("--workers", type=click.IntRange(1), default=None,
-              help="Threads for reading, layout inversion and comparison  [default: min(CPUs, 2 x TP, 16)]")
+              help="Threads for reading, layout inversion and comparison  [default: min(max(CPUs, 2 x TP), 16)]")
 @JSON
 @QUIET
 def diff(out: Path, model: str, max_mismatches: int, workers: int | None, as_json: bool, quiet: bool) -> None:

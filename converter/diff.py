@@ -15,7 +15,10 @@ tensors lie together expert by expert; every other tensor alone) and chunks of d
 experts, or a row block) of about 32 MiB per rank, at most two chunks in flight: memory stays
 bounded like `convert`. A chunk's source rows are read once, in few large requests (regions of a
 shard that lie together are coalesced), and shared by the ranks' tasks, which run on a thread
-pool. Comparisons run on whole chunks with numpy; positions are only computed for the first
+pool. Source and rank bytes are read with positional O_DIRECT reads (page cache only where the
+filesystem refuses direct I/O) into reused page-aligned buffers: no page-cache copy, none of its
+page faults, so the run is bound by the disk rather than the kernel's CPU time. A `swap_halves`
+expert chunk is compared through views of its halves, without an inverse copy. Comparisons run on whole chunks with numpy; positions are only computed for the first
 mismatches, which are reported with the source tensor and its logical index, the rank tensor and
 its index, and the absolute byte offset(s) in the rank file (through the forward layout for
 kernel-layout experts).
@@ -36,9 +39,9 @@ from .errors import OutputError
 from .rules import DTYPE_SIZE, TensorSpec
 from .source import Checkpoint, open_checkpoint, resolve_model
 from .stwriter import read_header
-from .verify import (CHUNK_BYTES, HeaderTensor, Problem, RankFile, Report, byte_shape, check_manifest_rules,
-                     check_pads, check_scales, chunk_slices, element_index, file_offsets, first_positions, hexbytes,
-                     human_bytes, is_scale, open_files, open_sequential, pread_into, read_manifest, read_rows,
+from .verify import (CHUNK_BYTES, BufferPool, DirectFile, HeaderTensor, Problem, RankFile, Report, byte_shape,
+                     check_manifest_rules, check_pads, check_scales, chunk_slices, element_index, file_offsets,
+                     first_positions, hexbytes, human_bytes, is_scale, open_files, read_manifest, read_rows_direct,
                      row_chunks, scratch, slice_starts, to_model, usable)
 
 
@@ -51,48 +54,52 @@ MAX_BLOCK = 64 << 20
 
 
 class SourceReader:
-    """Raw reads of source tensor rows, straight from the shards (no safetensors, no engine code)."""
+    """Raw reads of source tensor rows, straight from the shards (no safetensors, no engine code):
+    positional O_DIRECT reads (where the filesystem allows) into reused page-aligned buffers."""
 
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
-        self._fds: dict[str, int] = {}
+        self._files: dict[str, DirectFile] = {}
         self._base: dict[str, int] = {}
         self.bytes_needed = 0  # bytes of source tensors compared
         self.bytes_read = 0  # bytes read from disk (needed bytes plus small gaps between them)
         self.keys_read: set[str] = set()
+        self.pool = BufferPool()
         self._lock = threading.Lock()
 
-    def _fd(self, file: str) -> int:
+    def _file(self, file: str) -> DirectFile:
         with self._lock:
-            fd = self._fds.get(file)
-            if fd is None:
+            f = self._files.get(file)
+            if f is None:
                 path = self.ckpt.root / file
                 header, _ = read_header(path)
                 self._base[file] = len(header)
-                fd = self._fds[file] = open_sequential(path)
-            return fd
+                f = self._files[file] = DirectFile(path)
+            return f
 
     def span(self, key: str, r0: int, r1: int) -> tuple[str, int, int]:
         """(file, absolute start, end) of rows [r0, r1) of `key`."""
         entry = self.ckpt.tensors[key]
-        self._fd(entry.file)
+        if entry.file not in self._base:
+            self._file(entry.file)
         row = _row_bytes(entry.shape, DTYPE_SIZE[entry.dtype])
         start = self._base[entry.file] + entry.offsets[0] + r0 * row
         return entry.file, start, start + (r1 - r0) * row
 
-    def read_block(self, file: str, start: int, end: int, needed: int, keys: list[str]) -> np.ndarray:
-        buf = np.empty(end - start, np.uint8)
-        pread_into(self._fd(file), buf, start)
+    def read_block(self, file: str, start: int, end: int, needed: int, keys: list[str],
+                   buf: np.ndarray) -> np.ndarray:
+        """File bytes [start, end) into `buf` (page-aligned, DirectFile.span bytes); the view of them."""
+        got = self._file(file).read(start, end - start, buf)
         with self._lock:
-            self.bytes_read += buf.nbytes
+            self.bytes_read += end - start
             self.bytes_needed += needed
             self.keys_read.update(keys)
-        return buf
+        return got
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
 
 def _row_bytes(shape: tuple[int, ...], item: int) -> int:
@@ -144,7 +151,9 @@ def diff(out: Path, model: str, max_mismatches: int = 10, progress: bool = True,
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="diff", disable=not progress)
     work = _plan_groups(manifest, specs, entries, files)
     if workers is None:
-        workers = min(os.cpu_count() or 1, 2 * len(next(iter(specs.values()))), 16)
+        # threads mostly wait on direct reads (little CPU each), so the disk's queue depth, not the
+        # CPU count, bounds them: two per rank
+        workers = min(max(os.cpu_count() or 1, 2 * len(next(iter(specs.values())))), 16)
     try:
         _diff_data(report, reader, work, stats, bar, chunk_bytes, workers)
     finally:
@@ -324,27 +333,39 @@ class ChunkSources:
         self._converted: dict[tuple[str, int, int], np.ndarray] = {}
         self._lock = threading.Lock()
         spans = sorted((reader.span(*r), r) for r in regions)
-        self.blocks: list[tuple[Future, str, int, int, int, list[str]]] = []
+        self.blocks: list[list] = []  # [Future, file, start, end, needed, regions, offset in self.buf]
         cur = None
         for (file, start, end), region in spans:
             if cur is not None and cur[1] == file and start - cur[3] <= COALESCE_GAP and end - cur[2] <= MAX_BLOCK:
                 cur[3] = max(cur[3], end)
                 cur[4] += end - start
-                cur[5].append(region)
+                cur[5].append((region, start))
                 continue
-            cur = [Future(), file, start, end, end - start, [region]]
+            cur = [Future(), file, start, end, end - start, [(region, start)], 0]
             self.blocks.append(cur)
-        for fut, file, start, end, needed, members in self.blocks:
-            for region in members:
-                self._where[region] = (fut, reader.span(*region)[1] - start)
+        size = 0
+        for blk in self.blocks:
+            blk[6] = size
+            size += DirectFile.span(blk[2], blk[3] - blk[2])
+        self.buf = reader.pool.take(size) if size else None
+        for fut, file, start, end, needed, members, at in self.blocks:
+            for region, rstart in members:
+                self._where[region] = (fut, rstart - start)
 
     def read(self, i: int) -> None:
         """Read block `i` (run on the pool before any rank task of the chunk)."""
-        fut, file, start, end, needed, members = self.blocks[i]
+        fut, file, start, end, needed, members, at = self.blocks[i]
         try:
-            fut.set_result(self.reader.read_block(file, start, end, needed, [r[0] for r in members]))
+            fut.set_result(self.reader.read_block(file, start, end, needed, [r[0][0] for r in members],
+                                                  self.buf[at:]))
         except BaseException as e:
             fut.set_exception(e)
+
+    def release(self) -> None:
+        """Give the chunk's buffer back (every task that reads it is done)."""
+        if self.buf is not None:
+            self.reader.pool.give(self.buf)
+            self.buf = None
 
     def get(self, key: str, r0: int, r1: int, out_dtype: str) -> np.ndarray:
         """Rows [r0, r1) of source `key` as bytes of the output dtype (last dim in bytes)."""
@@ -369,6 +390,39 @@ class ChunkSources:
                     self._converted[(key, r0, r1)] = got
             return got
         return raw
+
+
+class SwappedHalves:
+    """The model layout of a stored `swap_halves` array (halves of axis `axis` exchanged) without a copy:
+    a slice inside one half of that axis is a view of the other half of the stored array; anything else
+    (only needed to report a mismatch) is the copied inverse."""
+
+    def __init__(self, stored: np.ndarray, axis: int):
+        self.stored, self.axis = stored, axis
+        self.shape, self.ndim = stored.shape, stored.ndim
+
+    def _full(self) -> np.ndarray:
+        i = self.shape[self.axis] // 2
+        lo = (slice(None),) * self.axis
+        return np.concatenate([self.stored[(*lo, slice(i, None))], self.stored[(*lo, slice(0, i))]], axis=self.axis)
+
+    def __array__(self, dtype=None, copy=None):
+        full = self._full()
+        return full if dtype is None else full.astype(dtype)
+
+    def __getitem__(self, key):
+        if isinstance(key, (int, np.integer)) and self.axis > 0:
+            return SwappedHalves(self.stored[key], self.axis - 1)
+        if isinstance(key, tuple) and len(key) > self.axis and all(isinstance(k, slice) for k in key):
+            s = key[self.axis]
+            n = self.shape[self.axis]
+            lo, hi, step = s.indices(n)
+            i = n // 2
+            if step == 1 and hi <= i:
+                return self.stored[(*key[:self.axis], slice(lo + i, hi + i), *key[self.axis + 1:])]
+            if step == 1 and lo >= i:
+                return self.stored[(*key[:self.axis], slice(lo - i, hi - i), *key[self.axis + 1:])]
+        return self._full()[key]
 
 
 def _same(got: np.ndarray, want: np.ndarray, block: int = 4 << 20) -> bool:
@@ -399,17 +453,19 @@ def _diff_data(report: Report, reader: SourceReader, work: list[tuple[str, list[
     order, so reports are stable. A task details at most the findings the report still had room for
     when it was submitted. Block reads are queued before the rank tasks that wait for them, so a
     waiting task never waits for a read that has not started."""
-    inflight: deque[list[Future]] = deque()
+    inflight: deque[tuple[ChunkSources, list[Future]]] = deque()
     seen = 0
 
-    def merge(futs: list[Future]) -> None:
+    def merge(item: tuple[ChunkSources, list[Future]]) -> None:
         nonlocal seen
+        sources, futs = item
         for fut in futs:
             sub, rank_bytes, pad_bytes = fut.result()
             report.merge(sub)
             stats["rank_bytes"] += rank_bytes
             stats["pad_bytes"] += pad_bytes
             bar.update(rank_bytes)
+        sources.release()
         now = reader.bytes_needed
         bar.update(now - seen)
         seen = now
@@ -422,14 +478,14 @@ def _diff_data(report: Report, reader: SourceReader, work: list[tuple[str, list[
                     sources = ChunkSources(reader, _regions(reader, per_rank, a, b))
                     for i in range(len(sources.blocks)):
                         pool.submit(sources.read, i)  # its outcome reaches the rank tasks through the block
-                    inflight.append([pool.submit(_diff_rank_chunk, report.room, sources, role, ms, a, b)
-                                     for ms in per_rank if ms])
+                    inflight.append((sources, [pool.submit(_diff_rank_chunk, report.room, sources, role, ms, a, b)
+                                               for ms in per_rank if ms]))
                     while len(inflight) > 1:
                         merge(inflight.popleft())
             while inflight:
                 merge(inflight.popleft())
         finally:
-            for futs in inflight:
+            for _, futs in inflight:
                 for fut in futs:
                     fut.cancel()
 
@@ -441,11 +497,14 @@ def _diff_rank_chunk(limit: int, sources: ChunkSources, role: str, members: list
     read = pads = 0
     for spec, info, rf, ht in members:
         item = DTYPE_SIZE[spec.dtype]
-        row = (ht.end - ht.start) // max(1, ht.shape[0])
-        stored = read_rows(rf.fd(), ht.start, ht.shape, ht.item, a, b, scratch("rank", (b - a) * row))
+        stored = read_rows_direct(rf.direct(), ht.start, ht.shape, ht.item, a, b, "rank")
         read += stored.nbytes
         if spec.experts:
-            model = to_model(stored, info["layout"]).reshape(b - a, *byte_shape(info["model_shape"][1:], item))
+            mshape = (b - a, *byte_shape(info["model_shape"][1:], item))
+            if info["layout"] == "swap_halves" and stored.shape == mshape:
+                model = SwappedHalves(stored, 1)  # the inverse as views: no copy of the chunk
+            else:
+                model = to_model(stored, info["layout"]).reshape(mshape)
         else:
             model = stored
         pads += check_pads(sub, model, info, ht, rf, role, spec.rank, spec.name, a, b)
