@@ -32,5 +32,11 @@ demo:
 	lucifer-shard check-numerics $(DEMO)/out $(DEMO)/model --quiet
 	@echo "demo output: $(DEMO)/out (source: $(DEMO)/model)"
 
+# Not part of `make test`: ~45 GB of scratch (BENCH_DIR) and about 10 minutes; writes
+# bench/results.{json,md}, the figures docs/performance.md quotes.
+BENCH_DIR ?= /tmp/lucifer-bench
+bench:
+	$(PY) bench/bench.py --dir $(BENCH_DIR) --reps 3 --json bench/results.json --md bench/results.md
+
 clean:
 	rm -rf $(DEMO) .pytest_cache build *.egg-info
