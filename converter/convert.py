@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import __version__
-from .assemble import assemble, chunks
+from .assemble import chunks
 from .errors import OutputError, SourceError
 from .fsutil import atomic_copy, atomic_write_text
 from .layouts import EXPERT_TENSORS, LAYOUT_VERSION, Layout, expert_layout
