@@ -31,6 +31,17 @@ def _fail(report, noun: str, fix: str) -> None:
     raise MismatchError(f"{report.command}: {report.count} {noun}; first: {first}{where}; {fix}")
 
 
+def _report(out: Path, run, lines, noun: str, fix: str, as_json: bool) -> None:
+    """Run a check, print its report (text or JSON), and fail with one line when it found anything."""
+    try:
+        report = run()
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        _malformed(out, e)
+    click.echo(json.dumps(report.to_dict(), indent=1) if as_json else "\n".join(lines(report)))
+    if not report.ok:
+        _fail(report, noun, fix)
+
+
 def _malformed(out: Path, e: Exception) -> None:
     """A manifest whose structure a hand edit broke is an OutputError; anything else is a bug: re-raise."""
     try:
@@ -61,14 +72,9 @@ def diff(out: Path, model: str, max_mismatches: int, workers: int | None, as_jso
     """
     from .diff import diff as run, diff_lines
 
-    try:
-        report = run(out, model, max_mismatches=max_mismatches, progress=not quiet, workers=workers)
-    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
-        _malformed(out, e)
-    click.echo(json.dumps(report.to_dict(), indent=1) if as_json else "\n".join(diff_lines(report)))
-    if not report.ok:
-        _fail(report, "difference(s)", "OUT is not MODEL: re-run convert --force (or pass the MODEL it was "
-                                       "converted from)")
+    _report(out, lambda: run(out, model, max_mismatches=max_mismatches, progress=not quiet, workers=workers),
+            diff_lines, "difference(s)",
+            "OUT is not MODEL: re-run convert --force (or pass the MODEL it was converted from)", as_json)
 
 
 @click.command("verify")
@@ -88,14 +94,8 @@ def verify(out: Path, max_mismatches: int, as_json: bool, quiet: bool) -> None:
     """
     from .verify import verify as run, verify_lines
 
-    try:
-        report = run(out, max_problems=max_mismatches, progress=not quiet)
-    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
-        _malformed(out, e)
-    click.echo(json.dumps(report.to_dict(), indent=1) if as_json else "\n".join(verify_lines(report)))
-    if not report.ok:
-        _fail(report, "problem(s)", "OUT is damaged or mixed: re-run convert --force (diff OUT MODEL locates "
-                                    "every byte)")
+    _report(out, lambda: run(out, max_problems=max_mismatches, progress=not quiet), verify_lines, "problem(s)",
+            "OUT is damaged or mixed: re-run convert --force (diff OUT MODEL locates every byte)", as_json)
 
 
 @click.command("inspect")

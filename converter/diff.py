@@ -618,9 +618,5 @@ def diff_lines(report: Report) -> list[str]:
         f"  throughput             {s.get('throughput_mb_s', 0):.0f} MB/s (source + rank bytes)",
         "",
     ]
-    if report.ok:
-        lines.append("OK: every rank tensor is its source slices, byte for byte; every pad byte is pad")
-    else:
-        lines += report.problem_lines()
-        lines.append(f"FAILED: {report.count} difference(s)")
-    return lines
+    return lines + report.outcome_lines("every rank tensor is its source slices, byte for byte; every pad byte is pad",
+                                        "difference(s)")

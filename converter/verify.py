@@ -117,6 +117,12 @@ class Report:
         for k, n in other.by_tensor.items():
             self.by_tensor[k] = self.by_tensor.get(k, 0) + n
 
+    def outcome_lines(self, ok_text: str, noun: str) -> list[str]:
+        """The closing lines of a text report: the OK sentence, or every problem and the count."""
+        if self.ok:
+            return [f"OK: {ok_text}"]
+        return [*self.problem_lines(), f"FAILED: {self.count} {noun}"]
+
     def to_dict(self) -> dict:
         return {"command": self.command, "ok": self.ok, "problem_count": self.count, **self.info,
                 "summary": self.stats, "problems": [p.to_dict() for p in self.problems],
@@ -1015,9 +1021,5 @@ def verify_lines(report: Report) -> list[str]:
         f"  throughput         {s.get('throughput_mb_s', 0):.0f} MB/s",
         "",
     ]
-    if report.ok:
-        lines.append("OK: manifest, files, digests, zero regions, scales and replicas all check out")
-    else:
-        lines += report.problem_lines()
-        lines.append(f"FAILED: {report.count} problem(s)")
-    return lines
+    return lines + report.outcome_lines("manifest, files, digests, zero regions, scales and replicas all check out",
+                                        "problem(s)")
