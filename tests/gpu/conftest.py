@@ -90,44 +90,51 @@ def fi():
     Also pins fp32 matmuls to IEEE (no TF32) so the reference on the GPU is a true fp32 reference."""
     mods = H.flashinfer_moe()
     torch.set_float32_matmul_precision("highest")
-    H.record("device", **H.device_info(mods[0]))
+    if not H.DRYRUN:
+        H.record("device", **H.device_info(mods[0]))
     return mods
 
 
 @pytest.fixture(scope="session")
-def ckpt(tmp_path_factory) -> H.Checkpoint:
-    """synth flash-moe --fill random, converted --tp 3 --arch sm90 (folded), once per session."""
-    ck = H.make_checkpoint(tmp_path_factory.mktemp("flash-moe"))
-    man = H.manifest(ck.out)
-    shapes = {n: man["roles"][H.ROLE]["ranks"][0]["tensors"][H.PREFIX + n]["shape"] for n in H.NAMES}
-    H.record("fixture", synth_s=round(ck.synth_s, 2), convert_s=round(ck.convert_s, 2), hidden=ck.hidden,
-             inter=ck.inter, experts=ck.experts, top_k=ck.top_k, swiglu_limit=ck.swiglu_limit,
-             arch=man.get("arch"), flashinfer_layout=man.get("flashinfer_layout"),
-             moe_variant=man.get("moe_variant"), layouts={k: v["name"] for k, v in man.get("layouts", {}).items()},
-             rank_shapes=shapes, tool_version=man.get("tool_version"))
-    return ck
+def checkpoints(tmp_path_factory):
+    """preset -> H.Checkpoint: synth PRESET --fill random, converted --tp 3 --arch sm90 (folded),
+    made once per session on first use (flash-layer: ~5.7 GB of source, ~6.2 GB of rank files)."""
+    made: dict[str, H.Checkpoint] = {}
+
+    def get(preset: str) -> H.Checkpoint:
+        if preset not in made:
+            ck = made[preset] = H.make_checkpoint(tmp_path_factory.mktemp(preset), preset)
+            man = H.manifest(ck.out)
+            shapes = {n: man["roles"][H.ROLE]["ranks"][0]["tensors"][H.PREFIX + n]["shape"] for n in H.NAMES}
+            H.record("fixture", preset=preset, synth_s=round(ck.synth_s, 2), convert_s=round(ck.convert_s, 2),
+                     hidden=ck.hidden, inter=ck.inter, experts=ck.experts, top_k=ck.top_k,
+                     swiglu_limit=ck.swiglu_limit, arch=man.get("arch"), flashinfer_layout=man.get("flashinfer_layout"),
+                     moe_variant=man.get("moe_variant"), layouts={k: v["name"] for k, v in man.get("layouts", {}).items()},
+                     rank_shapes=shapes, tool_version=man.get("tool_version"))
+        return made[preset]
+    return get
 
 
 @pytest.fixture(scope="session")
-def srcx(ckpt):
-    """Source experts as uint8 numpy (w1, w3, w2 and their scales, stacked over experts)."""
-    return H.source_experts(ckpt.src, ckpt.experts)
+def geometry(fi, checkpoints):
+    """preset -> H.Geometry (source experts, rank tensors as written and in model layout, on the device)."""
+    loaded: dict[str, H.Geometry] = {}
+
+    def get(preset: str) -> H.Geometry:
+        if preset not in loaded:
+            t0 = time.perf_counter()
+            loaded[preset] = H.load_geometry(checkpoints(preset), H.DEVICE)
+            H.record("geometry_load", preset=preset, load_s=round(time.perf_counter() - t0, 2))
+        return loaded[preset]
+    return get
 
 
 @pytest.fixture(scope="session")
-def full_cuda(fi, srcx):
-    """Unsharded experts, model layout [w1 ; w3] with I = 2048 unpadded, on the GPU."""
-    return H.source_unsharded(srcx, H.DEVICE)
+def ckpt(checkpoints) -> H.Checkpoint:
+    """The 8-expert flash-moe checkpoint."""
+    return checkpoints(H.MOE)
 
 
 @pytest.fixture(scope="session")
-def stored_cuda(fi, ckpt):
-    """Per rank, the four expert tensors exactly as written in its rank file, on the GPU."""
-    man = H.manifest(ckpt.out)
-    return [H.load_rank_stored(ckpt.out, r, H.DEVICE, man=man) for r in range(H.TP)]
-
-
-@pytest.fixture(scope="session")
-def model_cuda(fi, ckpt):
-    """Per rank, the four expert tensors in model layout (Output.model_tensor), on the GPU."""
-    return [H.load_rank_model(ckpt.out, r, H.DEVICE) for r in range(H.TP)]
+def moe(geometry) -> H.Geometry:
+    return geometry(H.MOE)

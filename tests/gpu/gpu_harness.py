@@ -5,15 +5,23 @@ deselects them with -m 'not gpu'), so this module must import on a CPU box. Flas
 imported inside `flashinfer_moe()`, which only GPU tests and tp3_nccl.py call.
 
 What it provides:
-  * the checkpoint: `lucifer-shard synth flash-moe --fill random` + `convert --tp 3 --arch sm90`
-    run as subprocesses (`make_checkpoint`);
+  * the checkpoints: `lucifer-shard synth flash-moe` (8 experts) or `flash-layer --layers 1` (one
+    real Flash MoE layer, 256 experts) with `--fill random`, then `convert --tp 3 --arch sm90`, run
+    as subprocesses (`make_checkpoint`), and their tensors on the device (`load_geometry`);
   * rank tensors as written (`load_rank_stored`, straight from the rank file named in the
     manifest) and in model layout (`load_rank_model`, through `Output.model_tensor`);
   * the unsharded source experts assembled as [w1 ; w3] with I = 2048, unpadded (`source_unsharded`);
   * rank tensors rebuilt from the source with numpy at the correct or the stock unit-blind
     offsets (`build_rank_model`, `lay_out`);
   * routing inputs, the kernel call, the reference, the metrics of kernel-layouts.md §5.4;
+  * the load side: a rank's experts from its rank file vs prepared from the source as a runtime
+    would (`runtime_prepare`), page-cache dropping and I/O counters;
   * the results JSON every GPU test appends to (`record`).
+
+CPU dry run (LUCIFER_GPU_DRYRUN=1): DEVICE is "cpu" and `flashinfer_moe()` imports the stand-in
+in tests/gpu/fake_flashinfer (our inverse layouts + `moe_reference` in place of the kernel). It
+checks plumbing, shapes and tolerances, never the kernel, and records no `device`, so the
+report's verdict of a dry run is always NO-GO.
 """
 from __future__ import annotations
 
@@ -30,14 +38,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# ---------------------------------------------------------------- constants of the flash-moe synth
-DEVICE = "cuda"             # where the GPU tests put tensors (a CPU dry run with a fake FlashInfer swaps it)
+# ---------------------------------------------------------------- constants of the checkpoints
+DRYRUN = os.environ.get("LUCIFER_GPU_DRYRUN") == "1"
+DEVICE = "cpu" if DRYRUN else "cuda"   # where the GPU tests put tensors
+FAKE_FLASHINFER = Path(__file__).resolve().parent / "fake_flashinfer"
 ROLE = "target"
 TP = 3
 ARCH = "sm90"
 FI_LAYOUT = "folded"
 SEED = 1234                  # synth seed
-MS = (1, 8, 16, 64)          # token counts of the world-size-3 test
+MOE, FLASH = "flash-moe", "flash-layer"
+MS = {MOE: (1, 8, 16, 64),   # token counts of the world-size-3 test per checkpoint; at the largest M
+      FLASH: (1, 8, 64, 256)}  # of FLASH every one of the 256 experts is routed (make_routing cover)
+SYNTH_ARGS = {MOE: (MOE,), FLASH: (FLASH, "--layers", "1", "--no-mtp")}
+if DRYRUN and os.environ.get("LUCIFER_GPU_DRYRUN_FLASH") != "full":
+    SYNTH_ARGS[FLASH] = SYNTH_ARGS[MOE]  # 256 experts on the CPU would hold ~14 GB of host memory
 PREFIX = "model.layers.0.ffn.experts.routed_experts."
 NAMES = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 SRC = "layers.0.ffn.experts.{e}.{w}.{kind}"  # source key: w in w1/w2/w3, kind in weight/scale
@@ -119,6 +134,7 @@ def cli(*args: str, timeout: int = 600) -> float:
 
 @dataclass
 class Checkpoint:
+    preset: str
     src: Path
     out: Path
     synth_s: float
@@ -130,22 +146,22 @@ class Checkpoint:
     swiglu_limit: float
 
 
-def make_checkpoint(base: Path, seed: int = SEED) -> Checkpoint:
-    """synth flash-moe (random fill) into BASE/src and convert --tp 3 --arch sm90 (folded) into BASE/out."""
+def make_checkpoint(base: Path, preset: str = MOE, seed: int = SEED) -> Checkpoint:
+    """synth PRESET (random fill) into BASE/src and convert --tp 3 --arch sm90 (folded) into BASE/out."""
     base = Path(base)
     src, out = base / "src", base / "out"
     if (out / "COMPLETE").exists():
         synth_s = convert_s = 0.0
     else:
-        synth_s = cli("synth", "flash-moe", str(src), "--fill", "random", "--seed", str(seed), "--quiet")
-        convert_s = cli("convert", "--tp", str(TP), "--arch", ARCH, "--flashinfer-layout", FI_LAYOUT,
-                        str(src), str(out), "--quiet")
-    return checkpoint_info(src, out, synth_s, convert_s)
+        synth_s = cli("synth", *SYNTH_ARGS[preset], str(src), "--fill", "random", "--seed", str(seed), "--quiet")
+        convert_s = cli("convert", "--tp", str(TP), "--arch", ARCH, "--flashinfer-layout", FI_LAYOUT, "--no-mtp",
+                        "--workers", str(TP), str(src), str(out), "--quiet")
+    return checkpoint_info(src, out, synth_s, convert_s, preset)
 
 
-def checkpoint_info(src: Path, out: Path, synth_s: float = 0.0, convert_s: float = 0.0) -> Checkpoint:
+def checkpoint_info(src: Path, out: Path, synth_s: float = 0.0, convert_s: float = 0.0, preset: str = MOE) -> Checkpoint:
     cfg = json.loads((Path(src) / "config.json").read_text())
-    return Checkpoint(Path(src), Path(out), synth_s, convert_s, int(cfg["hidden_size"]),
+    return Checkpoint(preset, Path(src), Path(out), synth_s, convert_s, int(cfg["hidden_size"]),
                       int(cfg["moe_intermediate_size"]), int(cfg["n_routed_experts"]),
                       int(cfg["num_experts_per_tok"]), float(cfg["swiglu_limit"]))
 
@@ -184,6 +200,25 @@ def load_rank_model(out: Path, rank: int, device: str | torch.device = "cpu") ->
     res = {n: o.model_tensor(ROLE, rank, PREFIX + n).view(torch.uint8).contiguous().to(device) for n in NAMES}
     o.close()
     return res
+
+
+@dataclass
+class Geometry:
+    """One converted checkpoint with its routed experts on the device: the unsharded source experts
+    (model layout, I unpadded), and per rank the tensors as written and in model layout."""
+    ck: Checkpoint
+    srcx: dict[str, np.ndarray]
+    full: dict[str, torch.Tensor]
+    stored: list[dict[str, torch.Tensor]]
+    model: list[dict[str, torch.Tensor]]
+
+
+def load_geometry(ck: Checkpoint, device: str | torch.device) -> Geometry:
+    man = manifest(ck.out)
+    srcx = source_experts(ck.src, ck.experts)
+    return Geometry(ck, srcx, source_unsharded(srcx, device),
+                    [load_rank_stored(ck.out, r, device, man=man) for r in range(TP)],
+                    [load_rank_model(ck.out, r, device) for r in range(TP)])
 
 
 # ---------------------------------------------------------------- source experts
@@ -275,14 +310,107 @@ def to_torch(d: dict[str, np.ndarray], device: str | torch.device = "cpu") -> di
     return {n: torch.from_numpy(np.ascontiguousarray(a)).to(device) for n, a in d.items()}
 
 
+# ---------------------------------------------------------------- the load side
+def runtime_prepare(src: Path, rank: int, fmoe, device: str | torch.device, tp: int = TP) -> tuple[dict[str, torch.Tensor], int]:
+    """One rank's routed experts made kernel-ready from the ORIGINAL checkpoint, as a runtime without
+    pre-sharding does it: read every source tensor of the routed experts whole (safetensors), narrow
+    it to this rank on the host, copy the slice into zeroed, padded device parameters in vLLM model
+    layout ([w1|0 ; w3|0] rows, W2 bytes and scale groups at element offset / 2 and / 32), then on
+    the device swap the halves to [w3 ; w1] and apply FlashInfer's own SM90 interleave helpers.
+    Returns (the four tensors, bytes of the source tensors read)."""
+    from safetensors import safe_open
+
+    src = Path(src)
+    cfg = json.loads((src / "config.json").read_text())
+    experts, hidden, inter = int(cfg["n_routed_experts"]), int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
+    logical, kernel, real = rank_geometry(inter, tp, rank)
+    r0 = logical * rank
+    u8 = dict(dtype=torch.uint8, device=device)
+    w13 = torch.zeros(experts, 2 * kernel, hidden // 2, **u8)
+    w13s = torch.zeros(experts, 2 * kernel, hidden // 32, **u8)
+    w2 = torch.zeros(experts, hidden, kernel // 2, **u8)
+    w2s = torch.zeros(experts, hidden, kernel // 32, **u8)
+    # (source weight, kind) -> (destination, dim narrowed, this rank's start and length there, row offset)
+    dest = {("w1", "weight"): (w13, 0, r0, real, 0), ("w3", "weight"): (w13, 0, r0, real, kernel),
+            ("w1", "scale"): (w13s, 0, r0, real, 0), ("w3", "scale"): (w13s, 0, r0, real, kernel),
+            ("w2", "weight"): (w2, 1, r0 // 2, real // 2, 0), ("w2", "scale"): (w2s, 1, r0 // 32, real // 32, 0)}
+    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    by_file: dict[str, list[tuple[str, int, tuple]]] = {}
+    for e in range(experts):
+        for (w, kind), d in dest.items():
+            key = SRC.format(e=e, w=w, kind=kind)
+            by_file.setdefault(weight_map[key], []).append((key, e, d))
+    nbytes = 0
+    for fname, items in sorted(by_file.items()):
+        with safe_open(str(src / fname), framework="pt") as f:
+            for key, e, (param, dim, start, length, row0) in items:
+                t = f.get_tensor(key).view(torch.uint8)
+                nbytes += t.numel()
+                part = t.narrow(dim, start, length)
+                if dim == 0:
+                    param[e, row0:row0 + length].copy_(part)
+                else:
+                    param[e, :, :length].copy_(part)
+    swap = lambda t: torch.cat([t[:, kernel:], t[:, :kernel]], dim=1)  # noqa: E731
+    out = {"w13_weight": fmoe.interleave_moe_weights_for_sm90_mixed_gemm(swap(w13).contiguous(), "fp4"),
+           "w13_weight_scale": fmoe.interleave_moe_scales_for_sm90_mixed_gemm(swap(w13s).contiguous()),
+           "w2_weight": fmoe.interleave_moe_weights_for_sm90_mixed_gemm(w2, "fp4"),
+           "w2_weight_scale": fmoe.interleave_moe_scales_for_sm90_mixed_gemm(w2s)}
+    sync()
+    return out, nbytes
+
+
+def drop_page_cache(paths: list[Path]) -> str:
+    """Evict PATHS from the page cache: sync, then /proc/sys/vm/drop_caches (root on the GPU machine;
+    never in a dry run, which runs on shared boxes) and posix_fadvise(DONTNEED) on every file.
+    Returns what was done."""
+    os.sync()
+    how = []
+    if not DRYRUN:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            how.append("drop_caches")
+        except OSError:
+            pass
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    how.append("fadvise")
+    return "+".join(how)
+
+
+def io_counters() -> dict[str, int]:
+    """This process's /proc/self/io (rchar: bytes asked of read(); read_bytes: bytes fetched from
+    storage, page faults of mmap included); empty where the kernel has none."""
+    try:
+        return {k: int(v) for k, v in (line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())}
+    except OSError:
+        return {}
+
+
 # ---------------------------------------------------------------- inputs, reference, metrics
-def make_routing(m: int, hidden: int, experts: int, top_k: int, seed: int,
-                 device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_routing(m: int, hidden: int, experts: int, top_k: int, seed: int, device: str | torch.device = "cpu",
+                 cover: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x bf16 [M, H] ~ N(0, 1); distinct top-k expert ids per token (int32); softmax weights (fp32, > 0).
-    Drawn on the CPU from `seed`, so every process and device sees the same inputs."""
+    Drawn on the CPU from `seed`, so every process and device sees the same inputs. cover: every
+    expert is routed at least once (the first ceil(E/k) tokens take a random permutation of the
+    experts, the rest stay random), which needs M * k >= E."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, hidden, generator=g).to(torch.bfloat16)
-    ids = torch.rand(m, experts, generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
+    ids = torch.rand(m, experts, generator=g).argsort(dim=1)[:, :top_k]
+    if cover:
+        n = -(-experts // top_k)
+        if n > m:
+            raise ValueError(f"cover: M={m} tokens of top-{top_k} cannot route all {experts} experts")
+        perm = torch.randperm(experts, generator=g)
+        # rows of consecutive permutation entries; the last row is completed from the permutation's
+        # start, which cannot repeat one of its own ids since top_k <= experts
+        rows = torch.cat([perm, perm[: n * top_k - experts]]).view(n, top_k)
+        ids[:n] = rows
+    ids = ids.to(torch.int32)
     w = torch.softmax(torch.randn(m, top_k, generator=g), dim=1).to(torch.float32)
     return x.to(device), ids.contiguous().to(device), w.contiguous().to(device)
 
@@ -332,7 +460,17 @@ def fmt(m: dict) -> str:
 
 # ---------------------------------------------------------------- FlashInfer (GPU only)
 def flashinfer_moe():
-    """(flashinfer module, flashinfer.fused_moe) after checking for an SM90 GPU. GPU tests only."""
+    """(flashinfer module, flashinfer.fused_moe) after checking for an SM90 GPU. GPU tests only.
+    In a dry run, the CPU stand-in of tests/gpu/fake_flashinfer instead."""
+    if DRYRUN:
+        if str(FAKE_FLASHINFER) not in sys.path:
+            sys.path.insert(0, str(FAKE_FLASHINFER))
+        import flashinfer
+        import flashinfer.fused_moe as fmoe
+
+        if not getattr(flashinfer, "IS_CPU_STAND_IN", False):
+            raise RuntimeError(f"LUCIFER_GPU_DRYRUN=1 but `flashinfer` is the real one ({flashinfer.__file__})")
+        return flashinfer, fmoe
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: the gpu-marked tests need an NVIDIA H100/H200 (SM90)")
     cap = torch.cuda.get_device_capability()
@@ -342,6 +480,27 @@ def flashinfer_moe():
     import flashinfer.fused_moe as fmoe
 
     return flashinfer, fmoe
+
+
+def sync() -> None:
+    if not DRYRUN:
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, reps: int) -> float:
+    """Mean ms per call of fn over reps calls (CUDA events; wall clock in a dry run)."""
+    if DRYRUN:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / reps
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / reps
 
 
 def device_info(flashinfer) -> dict:

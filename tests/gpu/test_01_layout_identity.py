@@ -51,7 +51,7 @@ def test_cpu_layout_equals_flashinfer(case, fi):
     x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
     t0 = time.perf_counter()
     want = _flashinfer(fi, helper, x.to(H.DEVICE).contiguous())
-    torch.cuda.synchronize()
+    H.sync()
     fi_s = time.perf_counter() - t0
     want = want.cpu().contiguous().numpy()
     t0 = time.perf_counter()

@@ -15,19 +15,9 @@ M = 64
 RANK = 1
 
 
-def _events_ms(fn, reps: int) -> float:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / reps
-
-
-def test_cuda_graph_replay_equals_eager(fi, ckpt, stored_cuda):
+def test_cuda_graph_replay_equals_eager(fi, moe):
     _, fmoe = fi
-    t = stored_cuda[RANK]
+    ckpt, t = moe.ck, moe.stored[RANK]
     e_local, hidden = t["w2_weight"].shape[0], t["w2_weight"].shape[1]
     inter = t["w2_weight"].shape[2] * 2
     dev = torch.device(H.DEVICE)
@@ -78,8 +68,8 @@ def test_cuda_graph_replay_equals_eager(fi, ckpt, stored_cuda):
 
     for _ in range(10):
         g.replay()
-    replay_ms = _events_ms(g.replay, 100)
-    eager_ms = _events_ms(lambda: call(sx, sids, sw, out), 20)
+    replay_ms = H.time_ms(g.replay, 100)
+    eager_ms = H.time_ms(lambda: call(sx, sids, sw, out), 20)
     H.record("cuda_graph", M=M, rank=RANK, workspace_bytes=ws_bytes, workspace_api=ws is not None,
              bit_identical=same1, bit_identical_new_input=same2, max_abs_diff=[maxd1, maxd2], finite=finite,
              replay_ms=round(replay_ms, 4), eager_ms=round(eager_ms, 4))

@@ -44,9 +44,26 @@ def _good_records() -> list[tuple[str, dict]]:
     for case in report.LAYOUT_CASES:
         recs.append(("layout_identity", {"case": case, "ours": "f", "flashinfer": "g", "shape": [4, 1536, 128],
                                          "out_shape": [4, 1536, 128], "equal": True, "mismatches": 0, "nbytes": 786432}))
-    for m in (1, 8, 16, 64):
-        recs.append(("kernel_tp3", {"M": m, "ranks": [dict(_m(1.1e-4), rank=r) for r in range(3)],
-                                    "sum": _m(3.3e-3, frac=0.995), "kernel_ms_rank0": 0.1}))
+    for preset, experts, ms in (("flash-moe", 8, (1, 8, 16, 64)), ("flash-layer", 256, (1, 8, 64, 256))):
+        for m in ms:
+            recs.append(("kernel_tp3", {"preset": preset, "experts": experts, "M": m,
+                                        "experts_routed": min(experts, 6 * m),
+                                        "ranks": [dict(_m(1.1e-4), rank=r) for r in range(3)],
+                                        "sum": _m(3.3e-3, frac=0.995), "kernel_ms_rank0": 0.1}))
+    for r in range(3):
+        for t in ("w13_weight_scale", "w2_weight_scale"):
+            recs.append(("ff_padding", {"rank": r, "tensor": t, "model_index": [7, 704, 0], "zero_region": [0, 704, 768],
+                                        "routed_rows": [3, 9], "kernel_nan_rows": [3, 9], "reference_nan_rows": [3, 9],
+                                        "kernel_rows_all_nan": 2, "kernel_nan_elements": 8192,
+                                        "reference_nan_elements": 8192, "clean_finite": True, "others_identical": True}))
+    paths = ("rank file -> cuda()", "source -> runtime preparation")
+    recs.append(("load_side", {"preset": "flash-layer", "experts": 256, "rank": 0, "reps": 3, "cache_drop": "drop_caches+fadvise",
+                               "bytes_read": dict(zip(paths, (1_208_000_000, 3_422_552_064))),
+                               "median_s": dict(zip(paths, ({"cold": 0.61, "warm": 0.25}, {"cold": 3.9, "warm": 1.7}))),
+                               "storage_read_bytes": {p: {"cold": [1.2e9] * 3, "warm": [0] * 3} for p in paths},
+                               "times_s": {p: {"cold": [1.0] * 3, "warm": [0.5] * 3} for p in paths},
+                               "speedup": {"cold": 6.4, "warm": 6.8},
+                               "equal_by_rank": {str(r): {"w13_weight": True, "w2_weight": True} for r in range(3)}}))
     for m in (8, 64):
         recs.append(("stock_offsets", {"M": m, "stock": _m(1.12), "converter": _m(3.3e-3)}))
     recs.append(("cuda_graph", {"M": 64, "rank": 1, "workspace_bytes": 12_700_000, "bit_identical": True,
@@ -109,7 +126,12 @@ def test_all_good_is_go_and_shows_every_figure(tmp_path):
     assert "0.1220" in md                  # replay ms
     assert "1042 s" in md                  # build time
     assert "single-GPU fallback, gloo" in md and "**not** run" in md
-    assert md.count("| pass |") == 6
+    verdict = md.split("## Verdict")[1].split("## Machine")[0]
+    assert verdict.count("| pass |") == 9 and "FAIL" not in verdict
+    assert "### flash-layer (256 experts)" in md and "| 256 | 256 | **TP3 sum vs unsharded** |" in md
+    assert "12 NaN rows in 6 cases" in md
+    assert "| 3.423 GB | 3.900 s | 1.700 s |" in md          # runtime path: bytes, cold and warm medians
+    assert "faster by 6.4x cold and 6.8x warm" in md and "identical on ranks 0, 1, 2 of 3" in md
     assert "device seen by the tests | NVIDIA H200, capability [9, 0]" in md
 
 
@@ -124,12 +146,18 @@ def test_all_good_is_go_and_shows_every_figure(tmp_path):
     (lambda r: r[("outcome", "test_02_kernel_tp3.py::y")].update(outcome="failed", detail="boom"), "test_02_kernel_tp3.py::y"),
     (lambda r: r[("outcome", "test_02_kernel_tp3.py::y")].update(outcome="skipped"), "test_02_kernel_tp3.py::y"),
     (lambda r: r[("device", None)].update(capability=[12, 0], name="RTX PRO 6000"), "RTX PRO 6000, capability [12, 0]"),
+    (lambda r: r[("kernel_tp3", 256)].update(experts_routed=250), "M=256: 250 of 256 experts routed"),
+    (lambda r: r[("kernel_tp3", 256)].update(experts=8), "M=256: 8 experts, expected 256"),
+    (lambda r: r[("ff_padding", (1, "w2_weight_scale"))].update(kernel_nan_rows=[]), "rank 1 w2_weight_scale: NaN rows 0 []"),
+    (lambda r: r[("ff_padding", (2, "w13_weight_scale"))].update(others_identical=False), "others identical False"),
+    (lambda r: r[("load_side", None)]["equal_by_rank"]["1"].update(w2_weight=False), "3 ranks compared, differ: {'1': ['w2_weight']}"),
 ])
 def test_any_broken_figure_is_no_go(tmp_path, breakage, needle):
     recs = _good_records()
     key = {}
     for kind, f in recs:
-        key[(kind, f.get("M", f.get("case", f.get("test"))))] = f
+        ident = (f["rank"], f["tensor"]) if kind == "ff_padding" else f.get("M", f.get("case", f.get("test")))
+        key.setdefault((kind, ident), f)  # kernel_tp3 M=1/8/64: flash-moe's (listed first)
     breakage(key)
     go, md = _render(tmp_path, recs)
     assert not go
@@ -137,17 +165,25 @@ def test_any_broken_figure_is_no_go(tmp_path, breakage, needle):
     assert needle in md
 
 
-@pytest.mark.parametrize("drop", ["kernel_tp3", "layout_identity", "stock_offsets", "cuda_graph", "outcome", "device"])
+@pytest.mark.parametrize("drop", ["kernel_tp3", "layout_identity", "stock_offsets", "cuda_graph", "outcome", "device",
+                                  "ff_padding", "load_side"])
 def test_missing_results_are_no_go(tmp_path, drop):
     recs = [(k, f) for k, f in _good_records() if k != drop]
     go, md = _render(tmp_path, recs)
     assert not go and "**NO-GO.**" in md
 
 
-def test_missing_one_m_is_no_go(tmp_path):
-    recs = [(k, f) for k, f in _good_records() if not (k == "kernel_tp3" and f["M"] == 16)]
+@pytest.mark.parametrize("preset, m", [("flash-moe", 16), ("flash-layer", 256), ("flash-layer", 1)])
+def test_missing_one_m_is_no_go(tmp_path, preset, m):
+    recs = [(k, f) for k, f in _good_records() if not (k == "kernel_tp3" and f["preset"] == preset and f["M"] == m)]
     go, md = _render(tmp_path, recs)
-    assert not go and "M=16 missing" in md
+    assert not go and f"M={m} missing" in md
+
+
+def test_one_missing_ff_case_is_no_go(tmp_path):
+    recs = [(k, f) for k, f in _good_records() if not (k == "ff_padding" and f["rank"] == 2 and f["tensor"] == "w2_weight_scale")]
+    go, md = _render(tmp_path, recs)
+    assert not go and "rank 2 w2_weight_scale: missing" in md
 
 
 def test_tp3_nccl_failure_is_reported_but_not_gated(tmp_path):
