@@ -8,7 +8,9 @@ Dequantisation
   * MXFP4 (`dequant_mxfp4`): E2M1 codes packed two per byte along K, low nibble = even element;
     one E8M0 scale byte per 32 elements, decoded **as the kernel does**:
     `bitcast<float>(uint32(byte) << 23)`, i.e. 2^(e-127) for 1 <= e <= 254, +0.0 for byte 0
-    and +inf for byte 255 (a 255 scale therefore yields inf/NaN downstream, as on the GPU).
+    and +inf for byte 255 (a 255 scale therefore yields inf/NaN in the GEMM output, as on the GPU;
+    with a swiglu_limit the clamp then turns a NaN gate or up value into the limit, see
+    `swiglu_clamped`).
     Dequantised weights are exact in fp32.
   * FP8 block (`dequant_fp8_block`): float8_e4m3fn weights times one E8M0 scale per 128x128
     block, OCP semantics (2^(e-127) for every byte but 255, which is NaN). Exact in fp32
@@ -103,10 +105,14 @@ def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int = FP
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
     """silu(min(gate, L)) * clamp(up, -L, L) in fp32 (kernel `SwigluBias` with alpha=1, beta=0;
-    DeepSeek/vLLM `swiglu_limit_func`). limit None or <= 0: no clamping."""
+    DeepSeek/vLLM `swiglu_limit_func`). limit None or <= 0: no clamping.
+    min/max as the kernel takes them: CUTLASS's `minimum<float>`/`maximum<float>` are fminf/fmaxf,
+    which return the other operand for a NaN, so a NaN gate becomes L and a NaN up becomes L
+    (torch.clamp would propagate the NaN; measured on an H200, docs/gpu-validation.md)."""
     if limit is not None and limit > 0:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(-limit, limit)
+        lim = gate.new_tensor(limit)
+        gate = torch.fmin(gate, lim)
+        up = torch.fmax(torch.fmin(up, lim), -lim)
     return gate * torch.sigmoid(gate) * up
 
 

@@ -316,14 +316,26 @@ def test_zero_padding_with_scale_byte_0_contributes_exactly_zero(layer_weights, 
 
 
 def test_planted_0xff_scale_yields_nan_in_the_reference(layer_weights, tiny_cfg):
+    """As the kernel on an H200 (docs/gpu-validation.md): a 0xFF scale makes its GEMM output NaN
+    (inf * 0); in W2 that reaches the output, in W13 the clamped SwiGLU's fminf turns the NaN gate
+    into the limit (a finite, wrong row), and only without a limit does it reach the output."""
     w13, w13s, w2, w2s = (t.clone() for t in _stacked(layer_weights("sm120").rank_moe[0]))
-    w13[5, 10, :16] = 0x00  # a zero code in the group, so inf * 0 = NaN for certain
-    w13s[5, 10, 0] = 0xFF
     ids = torch.tensor([[5, 1], [2, 3]])
     x = torch.randn(2, tiny_cfg.hidden_size).to(torch.bfloat16)
-    out = moe_reference(x, ids, torch.full((2, 2), 0.5), w13, w13s, w2, w2s, LIMIT).float()
-    assert out[0].isnan().all()  # the token routed to expert 5
-    assert torch.isfinite(out[1]).all()  # the other token is untouched
+    run = lambda *t, limit=LIMIT: moe_reference(x, ids, torch.full((2, 2), 0.5), *t, limit).float()  # noqa: E731
+    clean = run(w13, w13s, w2, w2s)
+    bad13, bad13s = w13.clone(), w13s.clone()
+    bad13[5, 10, :16] = 0x00  # a zero code in the group, so inf * 0 = NaN for certain
+    bad13s[5, 10, 0] = 0xFF   # row 10: a gate row of expert 5
+    out = run(bad13, bad13s, w2, w2s)
+    assert torch.isfinite(out).all() and not torch.equal(out[0], clean[0]) and torch.equal(out[1], clean[1])
+    assert run(bad13, bad13s, w2, w2s, limit=None)[0].isnan().all()
+    bad2, bad2s = w2.clone(), w2s.clone()
+    bad2[5, 7, :16] = 0x00
+    bad2s[5, 7, 0] = 0xFF     # output column 7 of expert 5
+    out = run(w13, w13s, bad2, bad2s)
+    assert out[0, 7].isnan() and out[0].isnan().sum() == 1  # the token routed to expert 5
+    assert torch.equal(out[1], clean[1])  # the other token is untouched
 
 
 def test_converter_refuses_a_0xff_expert_scale(tmp_path):

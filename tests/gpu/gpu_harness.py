@@ -512,15 +512,15 @@ def device_info(flashinfer) -> dict:
 
 
 def run_kernel(fmoe, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, t: dict[str, torch.Tensor], rank: int,
-               tp: int, swiglu_limit: float | torch.Tensor, out: torch.Tensor | None = None,
+               tp: int, swiglu_limit: float | torch.Tensor | None, out: torch.Tensor | None = None,
                workspace: torch.Tensor | None = None) -> torch.Tensor:
     """One rank's `cutlass_fused_moe` (SM90 MXFP4 x BF16): tensors as written, tp_size/tp_rank,
     swiglu_limit as a float32 [E_local] tensor (pass one to keep allocations out of a CUDA-graph
-    capture). Returns the BF16 partial [M, H] (the `output=`)."""
+    capture; None: plain SwiGLU, no clamp). Returns the BF16 partial [M, H] (the `output=`)."""
     e_local, hidden = t["w2_weight"].shape[0], t["w2_weight"].shape[1]
     if out is None:
         out = torch.empty(x.shape[0], hidden, dtype=torch.bfloat16, device=x.device)
-    limit = swiglu_limit if isinstance(swiglu_limit, torch.Tensor) else \
+    limit = swiglu_limit if swiglu_limit is None or isinstance(swiglu_limit, torch.Tensor) else \
         torch.full((e_local,), float(swiglu_limit), dtype=torch.float32, device=x.device)
     kw = {"workspace_buffer": workspace} if workspace is not None else {}
     fmoe.cutlass_fused_moe(

@@ -122,6 +122,8 @@ for m in ("flashinfer", "tvm_ffi", "lucifer_shard", "blake3", "safetensors", "nu
         print(f"{m}: IMPORT FAILED {e!r}")
 print("FLASHINFER_W4A16_TRIM:", os.environ.get("FLASHINFER_W4A16_TRIM"))
 print("NCCL_NVLS_ENABLE:", os.environ.get("NCCL_NVLS_ENABLE"))
+# the device copy's .git may be older than the tree it received: the caller names the commit it sent
+print("sent_commit:", os.environ.get("LUCIFER_GPU_COMMIT", "n/a (set LUCIFER_GPU_COMMIT)"))
 print("git_commit:", sh("git", "rev-parse", "HEAD") or "n/a")
 print("git_dirty_files:", len(sh("git", "status", "--porcelain").splitlines()))
 EOF

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 import gpu_harness as H
 
 pytestmark = pytest.mark.gpu

@@ -51,11 +51,13 @@ def _good_records() -> list[tuple[str, dict]]:
                                         "ranks": [dict(_m(1.1e-4), rank=r) for r in range(3)],
                                         "sum": _m(3.3e-3, frac=0.995), "kernel_ms_rank0": 0.1}))
     for r in range(3):
-        for t in ("w13_weight_scale", "w2_weight_scale"):
-            recs.append(("ff_padding", {"rank": r, "tensor": t, "model_index": [7, 704, 0], "zero_region": [0, 704, 768],
-                                        "routed_rows": [3, 9], "kernel_nan_rows": [3, 9], "reference_nan_rows": [3, 9],
-                                        "kernel_rows_all_nan": 2, "kernel_nan_elements": 8192,
-                                        "reference_nan_elements": 8192, "clean_finite": True, "others_identical": True}))
+        for t, lim, nan in (("w2_weight_scale", 10.0, [3, 9]), ("w13_weight_scale", None, [3, 9]),
+                            ("w13_weight_scale", 10.0, [])):
+            recs.append(("ff_padding", {"rank": r, "tensor": t, "swiglu_limit": lim, "model_index": [7, 704, 0],
+                                        "zero_region": [0, 704, 768], "routed_rows": [3, 9], "expected_nan_rows": nan,
+                                        "kernel_nan_rows": nan, "reference_nan_rows": nan, "kernel_rows_all_nan": 2,
+                                        "kernel_nan_elements": 8192, "reference_nan_elements": 8192,
+                                        "clean_finite": True, "others_identical": True}))
     paths = ("rank file -> cuda()", "source -> runtime preparation")
     recs.append(("load_side", {"preset": "flash-layer", "experts": 256, "rank": 0, "reps": 3, "cache_drop": "drop_caches+fadvise",
                                "bytes_read": dict(zip(paths, (1_208_000_000, 3_422_552_064))),
@@ -129,7 +131,7 @@ def test_all_good_is_go_and_shows_every_figure(tmp_path):
     verdict = md.split("## Verdict")[1].split("## Machine")[0]
     assert verdict.count("| pass |") == 9 and "FAIL" not in verdict
     assert "### flash-layer (256 experts)" in md and "| 256 | 256 | **TP3 sum vs unsharded** |" in md
-    assert "12 NaN rows in 6 cases" in md
+    assert "W2 scale: 6 NaN rows, W13 scale without swiglu_limit: 6, exactly the routed rows; W13 scale with swiglu_limit 10: 0" in md
     assert "| 3.423 GB | 3.900 s | 1.700 s |" in md          # runtime path: bytes, cold and warm medians
     assert "faster by 6.4x cold and 6.8x warm" in md and "identical on ranks 0, 1, 2 of 3" in md
     assert "device seen by the tests | NVIDIA H200, capability [9, 0]" in md
@@ -148,15 +150,20 @@ def test_all_good_is_go_and_shows_every_figure(tmp_path):
     (lambda r: r[("device", None)].update(capability=[12, 0], name="RTX PRO 6000"), "RTX PRO 6000, capability [12, 0]"),
     (lambda r: r[("kernel_tp3", 256)].update(experts_routed=250), "M=256: 250 of 256 experts routed"),
     (lambda r: r[("kernel_tp3", 256)].update(experts=8), "M=256: 8 experts, expected 256"),
-    (lambda r: r[("ff_padding", (1, "w2_weight_scale"))].update(kernel_nan_rows=[]), "rank 1 w2_weight_scale: NaN rows 0 []"),
-    (lambda r: r[("ff_padding", (2, "w13_weight_scale"))].update(others_identical=False), "others identical False"),
+    (lambda r: r[("ff_padding", (1, "w2_weight_scale", 10.0))].update(kernel_nan_rows=[]),
+     "rank 1 w2_weight_scale swiglu_limit 10.0: NaN rows 0 []"),
+    (lambda r: r[("ff_padding", (0, "w13_weight_scale", 10.0))].update(kernel_nan_rows=[3, 9]),
+     "rank 0 w13_weight_scale swiglu_limit 10.0: NaN rows 2 [3, 9]"),
+    (lambda r: r[("ff_padding", (0, "w13_weight_scale", 10.0))].update(expected_nan_rows=[3], kernel_nan_rows=[3],
+                                                                       reference_nan_rows=[3]), "vs expected 1 [3]"),
+    (lambda r: r[("ff_padding", (2, "w13_weight_scale", None))].update(others_identical=False), "others identical False"),
     (lambda r: r[("load_side", None)]["equal_by_rank"]["1"].update(w2_weight=False), "3 ranks compared, differ: {'1': ['w2_weight']}"),
 ])
 def test_any_broken_figure_is_no_go(tmp_path, breakage, needle):
     recs = _good_records()
     key = {}
     for kind, f in recs:
-        ident = (f["rank"], f["tensor"]) if kind == "ff_padding" else f.get("M", f.get("case", f.get("test")))
+        ident = report._ff_key(f) if kind == "ff_padding" else f.get("M", f.get("case", f.get("test")))
         key.setdefault((kind, ident), f)  # kernel_tp3 M=1/8/64: flash-moe's (listed first)
     breakage(key)
     go, md = _render(tmp_path, recs)
@@ -181,9 +188,9 @@ def test_missing_one_m_is_no_go(tmp_path, preset, m):
 
 
 def test_one_missing_ff_case_is_no_go(tmp_path):
-    recs = [(k, f) for k, f in _good_records() if not (k == "ff_padding" and f["rank"] == 2 and f["tensor"] == "w2_weight_scale")]
+    recs = [(k, f) for k, f in _good_records() if not (k == "ff_padding" and report._ff_key(f) == (2, "w13_weight_scale", None))]
     go, md = _render(tmp_path, recs)
-    assert not go and "rank 2 w2_weight_scale: missing" in md
+    assert not go and "rank 2 w13_weight_scale swiglu_limit None: missing" in md
 
 
 def test_tp3_nccl_failure_is_reported_but_not_gated(tmp_path):

@@ -29,7 +29,7 @@ def cutlass_fused_moe(input, token_selected_experts, token_final_scales, fc1_exp
     assert use_w4_group_scaling and output_dtype == torch.bfloat16
     kernel = (fc1_expert_weights, quant_scales[0], fc2_expert_weights, quant_scales[1])
     model = [torch.from_numpy(expert_layout("sm90", "kernel", "folded", n).inverse(_np(t))) for n, t in zip(_NAMES, kernel)]
-    limit = float(swiglu_limit.reshape(-1)[0]) if isinstance(swiglu_limit, torch.Tensor) else float(swiglu_limit)
+    limit = float(swiglu_limit.reshape(-1)[0]) if isinstance(swiglu_limit, torch.Tensor) else swiglu_limit
     out = moe_reference(input, token_selected_experts, token_final_scales, *model, limit)
     if output is None:
         return out
