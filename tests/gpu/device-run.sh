@@ -1,6 +1,8 @@
 #!/bin/bash
 # Run the GPU suite on a lent device machine, from a checkout that carries the FlashInfer kit in
-# .gpu/ (see docs/gpu-validation.md). Call it again at once until it prints GPU_TESTS_DONE.
+# .gpu/ (see docs/gpu-validation.md). With the kit's prebuilt modules one call does it (~2.5 min);
+# with FI_PREBUILT=0, call it again at once until it prints GPU_TESTS_DONE. Set LUCIFER_GPU_COMMIT
+# to the commit sent: the device copy's .git may be older than its tree.
 #
 # The kit is staged ONCE outside the checkout: every call that names .gpu in `carry` replaces that
 # folder, and with it a FlashInfer build in progress (2026-11-30: the second call restarted the

@@ -2,7 +2,7 @@
 """Render docs/gpu-validation.md from the GPU tests' results JSON and machine.txt.
 
   python3 tests/gpu/report.py RESULTS.json MACHINE.txt [--log gpu-tests.log] [--build-status build_status.json]
-                             [--command CMD] [-o docs/gpu-validation.md]
+                             [--command CMD] [--notes NOTES.md] [-o docs/gpu-validation.md]
 
 Only the records of the latest session in RESULTS.json are used. The go/no-go verdict is
 re-derived from the recorded figures (not only from pass/fail), against the audit's criterion
@@ -40,6 +40,40 @@ LAYOUT_CASES = ("weights-w13", "weights-w2", "scales-fold-w13", "scales-fold-w2"
 TOL_RANK_REL, TOL_SUM_REL, ELEM_FRAC, STOCK_MIN_REL = 2e-3, 5e-3, 0.999, 0.3
 CRITERION = "a small CUTLASS hardware test matches a reference at world size 3"
 DEFAULT_COMMAND = "bash tests/gpu/device-run.sh"
+RECIPE = """## How to run it
+
+Here, once, into `.gpu/` (ignored by git, about 41 MiB, carried to the GPU machine; the prebuilt
+FlashInfer modules mean nothing is compiled there):
+
+```bash
+mkdir -p .gpu/wheels && cp -r ../shared/gpu/*.py ../shared/gpu/prepare.sh ../shared/gpu/prebuilt .gpu/
+pip download --no-deps flashinfer-python==0.7.2.post1 -d /tmp/fi
+python3 .gpu/make_slim_wheel.py /tmp/fi/flashinfer_python-0.7.2.post1-py3-none-any.whl \\
+    .gpu/wheels/flashinfer_python-0.7.2.post1-py3-none-any.whl
+pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 apache-tvm-ffi==0.1.15.post2 -d .gpu/wheels
+pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+  --platform manylinux_2_17_x86_64 blake3==1.0.11 -d .gpu/wheels
+```
+
+Dry run on a CPU box first (a FlashInfer stand-in, `tests/gpu/fake_flashinfer`; checks plumbing,
+never the kernel; about 12 minutes on 2 cores; `flash-layer` is replaced by `flash-moe` unless
+`LUCIFER_GPU_DRYRUN_FLASH=full`, which needs ~14 GB of memory):
+
+```bash
+LUCIFER_GPU_DRYRUN=1 LUCIFER_TP3_MODE=cpu python3 -m pytest -m gpu tests/gpu -o addopts='' -k 'not cuda_graph'
+```
+
+On the GPU machine, one call with `.gpu` carried, from the checkout root, naming the commit sent
+(the copy's `.git` there may be older): `LUCIFER_GPU_COMMIT=<hash> bash tests/gpu/device-run.sh`.
+It writes `machine.txt`, `gpu-tests.log` and `gpu-results.json` under `$OUT`; they are committed
+in `tests/gpu/results/`, and this page is rendered from them:
+
+```bash
+python3 tests/gpu/report.py tests/gpu/results/gpu-results.json tests/gpu/results/machine.txt \\
+    --log tests/gpu/results/gpu-tests.log --notes tests/gpu/results/notes.md --command "..." -o docs/gpu-validation.md
+```
+"""
 
 
 # ---------------------------------------------------------------- input
@@ -197,7 +231,7 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def render(recs: list[dict], machine_text: str, log_text: str = "", build: dict | None = None,
-           command: str = DEFAULT_COMMAND) -> str:
+           command: str = DEFAULT_COMMAND, notes: str = "") -> str:
     go, checks = evaluate(recs)
     mach = parse_machine(machine_text)
     kind = lambda k: [r for r in recs if r.get("kind") == k]  # noqa: E731
@@ -215,6 +249,8 @@ def render(recs: list[dict], machine_text: str, log_text: str = "", build: dict 
              if go else "At least one check below fails or has no result, so the criterion is NOT shown."), ""]
     L += _table(["check", "result", "detail"], [[c, "pass" if ok else "**FAIL**", d] for c, ok, d in checks])
     L += [""]
+    if notes.strip():
+        L += ["## Notes on this run", "", notes.strip(), ""]
 
     L += ["## Machine", ""]
     keys = ["gpu", "gpu_count", "compute_capability", "driver", "cuda_runtime_torch", "nvcc", "torch", "flashinfer",
@@ -228,7 +264,7 @@ def render(recs: list[dict], machine_text: str, log_text: str = "", build: dict 
     L += ["", "<details><summary>machine.txt</summary>", "", "```", machine_text.strip(), "```", "", "</details>", ""]
 
     L += ["## Command and wall times", "", "On the GPU machine, from the checkout root (with `.gpu/` prepared as in "
-          "`../shared/gpu/README.md`):", "", "```", command, "```", ""]
+          "*How to run it* below):", "", "```", command, "```", ""]
     wt = []
     if build:
         wt.append(["FlashInfer trimmed build (build_fi.py)", f"{_num(build.get('wall_s')):.0f} s"
@@ -387,6 +423,8 @@ def render(recs: list[dict], machine_text: str, log_text: str = "", build: dict 
                      "partials == single-process"], rows) if rows else ["(no rows)"]
         L += ["", f"Tolerances: vs unsharded rel <= {tol.get('vs_ref_rel')}, vs emulation rel <= {tol.get('vs_emul_rel')}.", ""]
 
+    L += [RECIPE.strip(), ""]
+
     L += ["## What this does not prove", "",
           "* The SM120/SM100 production kernel (MXFP4 x MXFP8): it cannot run on SM90. Its scale layout is proven "
           "here only by identity with `block_scale_interleave`.",
@@ -415,13 +453,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", type=Path, help="gpu-tests.log (its tail is quoted)")
     ap.add_argument("--build-status", type=Path, help="build_status.json of .gpu/build_fi.py (build wall time)")
     ap.add_argument("--command", default=DEFAULT_COMMAND)
+    ap.add_argument("--notes", type=Path, help="markdown quoted under 'Notes on this run'")
     ap.add_argument("-o", "--output", type=Path)
     a = ap.parse_args(argv)
     recs = load_records(a.results)
     machine = a.machine.read_text(errors="replace") if a.machine.exists() else "(machine.txt missing)"
     log = a.log.read_text(errors="replace") if a.log and a.log.exists() else ""
     build = json.loads(a.build_status.read_text()) if a.build_status and a.build_status.exists() else None
-    text = render(recs, machine, log, build, a.command)
+    notes = a.notes.read_text() if a.notes else ""
+    text = render(recs, machine, log, build, a.command, notes)
     if a.output:
         a.output.parent.mkdir(parents=True, exist_ok=True)
         a.output.write_text(text)

@@ -221,7 +221,10 @@ def test_cli_writes_the_markdown(tmp_path, capsys):
     mach = tmp_path / "machine.txt"
     mach.write_text(MACHINE)
     out = tmp_path / "docs" / "gpu-validation.md"
-    assert report.main([str(res), str(mach), "-o", str(out), "--command", "bash tests/gpu/run.sh"]) == 0
+    notes = tmp_path / "notes.md"
+    notes.write_text("An earlier call failed on purpose.\n")
+    assert report.main([str(res), str(mach), "-o", str(out), "--command", "bash tests/gpu/run.sh", "--notes", str(notes)]) == 0
     text = out.read_text()
     assert text.startswith("# GPU validation") and "bash tests/gpu/run.sh" in text
+    assert "## Notes on this run\n\nAn earlier call failed on purpose." in text and "## How to run it" in text
     assert "verdict: GO" in capsys.readouterr().err
