@@ -16,7 +16,7 @@ from .errors import PlanError
 HEADS_ALIGN = 8
 ROUTED_ALIGN = 32
 SHARED_ALIGN = 128
-VOCAB_ALIGN = 64
+VOCAB_ALIGN = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: every vocabulary is padded to it, virtual TP or not
 KERNEL_ALIGN = 128
 MAX_TP = 8
 
@@ -101,6 +101,13 @@ def make_plan(cfg: ModelConfig, tp: int) -> Plan:
         shared=_virtual_axis("shared", cfg.shared_intermediate, tp, SHARED_ALIGN),
         vocab=vocab,
     )
+
+
+def stock_padded(axis: str, original: int) -> int:
+    """What vLLM pads `axis` to without virtual TP: its VocabParallelEmbedding rounds the vocabulary
+    up to a multiple of 64 at every TP size; no other axis is padded. Padding beyond this is
+    virtual TP and needs vLLM's virtual-TP plan at run time."""
+    return align_up(original, VOCAB_ALIGN) if axis == "vocab" else original
 
 
 def check_arch(arch: str) -> str:

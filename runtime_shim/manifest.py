@@ -17,7 +17,7 @@ from lucifer_shard.config import ModelConfig
 from lucifer_shard.errors import OutputError, PlanError
 from lucifer_shard.manifest import COMPLETE_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME
 from lucifer_shard.manifest import load_manifest as _load_manifest_doc
-from lucifer_shard.plan import MOE_VARIANT, make_plan
+from lucifer_shard.plan import MOE_VARIANT, make_plan, stock_padded
 from lucifer_shard.rules import ROLES
 
 from .errors import ShimError
@@ -156,11 +156,13 @@ def compare_plan(runtime_plan: dict | None, manifest_plan: dict) -> str | None:
     axes = manifest_plan["axes"]
     tp = int(manifest_plan["tp"])
     if runtime_plan is None:
-        padded = [n for n in PLAN_AXES if n in axes and axis_pads(axes[n])]
+        padded = [n for n in PLAN_AXES if n in axes and axis_pads(n, axes[n])]
         if padded:
-            a = axes[padded[0]]
-            return (f"virtual-TP plan missing at runtime, but the files pad axis {PLAN_AXES.get(padded[0], padded[0])} "
-                    f"{a['original']} -> {a['padded']}")
+            name, a = padded[0], axes[padded[0]]
+            stock = stock_padded(name, int(a["original"]))
+            alone = f" (vLLM alone pads it to {stock})" if stock != int(a["original"]) else ""
+            return (f"virtual-TP plan missing at runtime, but the files pad axis {PLAN_AXES[name]} "
+                    f"{a['original']} -> {a['padded']}{alone}")
         return None
     for name, key in PLAN_AXES.items():
         if name not in axes:
@@ -168,7 +170,7 @@ def compare_plan(runtime_plan: dict | None, manifest_plan: dict) -> str | None:
         want = axes[name]
         got = runtime_plan.get(key)
         if got is None:
-            if name in ("groups", "shared") and not axis_pads(want):
+            if name in ("groups", "shared") and not axis_pads(name, want):
                 continue
             return f"virtual-TP plan mismatch: runtime plan has no axis {key} (manifest {want['original']} -> {want['padded']})"
         for mk, rk in (("original", "original_size"), ("padded", "padded_size"), ("local", "local_size")):
@@ -179,16 +181,17 @@ def compare_plan(runtime_plan: dict | None, manifest_plan: dict) -> str | None:
     return None
 
 
-def axis_pads(axis: dict) -> bool:
-    """Whether one axis of a plan dict is padded by virtual TP (padded != original)."""
-    return int(axis["padded"]) != int(axis["original"])
+def axis_pads(name: str, axis: dict) -> bool:
+    """Whether axis `name` of a plan dict is padded by virtual TP: beyond what vLLM pads it to by
+    itself (`lucifer_shard.plan.stock_padded`: the vocabulary to a multiple of 64)."""
+    return int(axis["padded"]) != stock_padded(name, int(axis["original"]))
 
 
 def pads_virtually(plan: dict) -> bool:
-    """Whether a plan dict (`Plan.to_dict()`, the manifest's `plan`) pads any axis the way vLLM's
+    """Whether a plan dict (`Plan.to_dict()`, the manifest's `plan`) pads any axis the way only vLLM's
     virtual TP does. Not `Plan.pads`: that also counts the FlashInfer kernel's rounding of the
-    routed width (`kernel_local`), which is not virtual TP."""
-    return any(axis_pads(a) for a in plan["axes"].values())
+    routed width (`kernel_local`) and vLLM's own vocabulary padding, neither of which is virtual TP."""
+    return any(axis_pads(n, a) for n, a in plan["axes"].items())
 
 
 def virtual_tp_needed(cfg: ModelConfig, tp: int) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from lucifer_shard.errors import PlanError
-from lucifer_shard.plan import make_plan
+from lucifer_shard.plan import make_plan, stock_padded
 from lucifer_shard.rules import build_specs, expected_sources
 
 
@@ -143,3 +143,44 @@ def test_every_logical_element_has_exactly_one_home(flash_cfg, tp):
                 assert start == pos, (key, spans)
                 pos += length
             assert pos == size, (key, spans)
+
+
+# ------------------------------------------- vLLM's own vocabulary padding is not virtual TP
+
+def _plan_dict(cfg, tp):
+    return make_plan(cfg, tp).to_dict()
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_vocab_pad_to_64_is_vllms_own_not_virtual_tp(tiny_cfg, tp):
+    """tiny's vocabulary 1000 -> 1024 at these sizes is what vLLM's VocabParallelEmbedding pads
+    to by itself (a multiple of 64); a vLLM without a virtual-TP plan loads it (issue 13)."""
+    from lucifer_shard.runtime_shim.manifest import compare_plan, pads_virtually
+
+    plan = _plan_dict(tiny_cfg, tp)
+    assert plan["axes"]["vocab"]["padded"] == 1024 == stock_padded("vocab", 1000)
+    assert not pads_virtually(plan) and compare_plan(None, plan) is None
+
+
+def test_virtual_vocab_pad_still_needs_the_plan(tiny_cfg):
+    """At TP3 the vocabulary is padded to lcm(64, 3) = 192: 1000 -> 1152, beyond vLLM's own 1024.
+    With heads, groups, routed and shared widths that split evenly, the vocabulary alone still
+    makes a missing runtime plan a refusal."""
+    from dataclasses import replace
+
+    from lucifer_shard.runtime_shim.manifest import compare_plan, pads_virtually
+
+    cfg = replace(tiny_cfg, num_heads=48, o_groups=6, moe_intermediate=2304)
+    plan = _plan_dict(cfg, 3)
+    assert [n for n, a in plan["axes"].items() if a["padded"] != a["original"]] == ["vocab"]
+    assert pads_virtually(plan)
+    assert compare_plan(None, plan) == ("virtual-TP plan missing at runtime, but the files pad axis vocab_size "
+                                        "1000 -> 1152 (vLLM alone pads it to 1024)")
+
+
+def test_flash_vocab_is_a_multiple_of_64(flash_cfg):
+    from lucifer_shard.runtime_shim.manifest import compare_plan
+
+    assert stock_padded("vocab", flash_cfg.vocab_size) == 129280
+    assert compare_plan(None, _plan_dict(flash_cfg, 3)).endswith("attention_heads 64 -> 72")
+    assert all(compare_plan(None, _plan_dict(flash_cfg, tp)) is None for tp in (1, 2, 4, 8))

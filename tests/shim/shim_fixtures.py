@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,6 +38,32 @@ def convert_tiny(base: Path, *options: str) -> Path:
     if not (out / "COMPLETE").exists():
         cli("convert", "--tp", "3", str(model), str(out), "--quiet", *options)
     return out
+
+
+def run_world(spec: dict, label: str, env: dict | None = None, timeout: int = 1800) -> list[dict]:
+    """Run `vllm_cpu_model.py` on `spec` in a fresh interpreter (its ranks import vLLM with
+    VLLM_TARGET_DEVICE=cpu, which this process must not); the per-rank reports, asserting none crashed.
+    With LUCIFER_PROOF_OUT set, the reports are also kept there as <label>/rank-<r>.json, the
+    figures docs/serving-proof.md is rendered from (tools/serving_proof_table.py)."""
+    results = Path(spec["results"])
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "spec.json").write_text(json.dumps(spec, indent=1))
+    started = time.time()
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_cpu_model.py")), str(results / "spec.json")],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    tp = int(spec["tp"])
+    reports = [json.loads((results / f"rank-{k}.json").read_text()) for k in range(tp)
+               if (results / f"rank-{k}.json").exists()]
+    crashes = [f"rank {x['rank']}: {x['crash']}" for x in reports if "crash" in x]
+    assert r.returncode == 0 and len(reports) == tp and not crashes, \
+        f"{label}: world failed (rc {r.returncode}):\n" + "\n".join(crashes) + r.stderr[-3000:]
+    keep = os.environ.get("LUCIFER_PROOF_OUT")
+    if keep:
+        dest = Path(keep) / label
+        dest.mkdir(parents=True, exist_ok=True)
+        for rep in reports:
+            (dest / f"rank-{rep['rank']}.json").write_text(json.dumps({**rep, "world_s": time.time() - started}))
+    return reports
 
 
 def link_copy(src: Path, dst: Path) -> Path:

@@ -1,0 +1,302 @@
+"""vLLM's own DeepSeek-V4 models, built on this CPU, one process per TP rank on gloo, and loaded.
+
+The real-model harness of the shim suite (`test_real_model.py`, `test_fork_model.py`) and of the
+load benchmark (`bench/load.py`). Each rank process builds the model class vLLM itself selects,
+exactly as a vLLM worker does (`EngineArgs(...).create_engine_config()`,
+`init_distributed_environment(backend="gloo")`, `ensure_model_parallel_initialized`,
+`initialize_model` under the model's dtype and device), and per run of the spec loads a fresh model
+with the run's loader through `loader.load_weights`: everything `BaseModelLoader.load_model` does
+before `process_weights_after_loading`.
+
+    python vllm_cpu_model.py SPEC.json
+
+SPEC = {"tp": N, "results": DIR, "engine"?: {EngineArgs overrides}, "dump"?: [SUBSTRING, ...],
+        "runs": [{"name", "model", "load_format", "extra"?, "engine"?, "role"?: "draft",
+                  "model_class"?: DOTTED, "plan"?: "fork-helper", "files"?: ROLE_DIR,
+                  "compare_to"?: RUN_NAME}, ...]}
+
+Each rank writes DIR/rank-<r>.json with, per run, the model class, the live virtual-TP plan, every
+parameter (shape, dtype, blake3), the load time, the bytes read (/proc/self/io) and the peak RSS,
+or the one-line error the configuration or load raised; with "compare_to", the parameters that
+differ from that run's (first differing byte); with "files", the run's rank-file tensors compared
+with the loaded parameters; with "dump", the matching parameters as DIR/rank-<r>-<run>.safetensors.
+
+Which vLLM runs is whatever `import vllm` finds: the vllm==0.33.0 venv (its DeepSeek-V4 CPU class
+under VLLM_TARGET_DEVICE=cpu; its NVIDIA MTP class named by "model_class", the CPU one being a
+stub), or the mlow/vllm fork's Python source put first on PYTHONPATH by tools/fork-overlay.sh (its
+NVIDIA classes: the fork has no CPU model). The checks vLLM makes about the machine, not the model,
+are replaced here and nowhere in the product (`allow_construction_on_this_cpu`); none changes which
+parameters a layer creates, their shapes, dtypes or how they are loaded. No forward pass is run.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+MAX_MODEL_LEN = 256  # sizes only the model's scratch buffers (topk indices); weights do not depend on it
+# The Lucifer tuple, for the NVIDIA classes: their DSv4 attention needs the fp8_ds_mla KV cache (the CUDA platform
+# picks it by default, the CPU platform does not).
+NVIDIA_ENGINE = {"attention_backend": "FLASHINFER_MLA_SPARSE_DSV4", "moe_backend": "flashinfer_cutlass",
+               "kv_cache_dtype": "fp8"}
+SM120 = (12, 0)  # the GPU the Lucifer tuple targets
+
+
+def allow_construction_on_this_cpu() -> None:
+    """Harness-only: let vLLM build DeepSeek-V4 models on this CPU (no AMX tiles, no CUDA).
+
+    Each replaced check is about the machine, not the model: it refuses before any parameter exists,
+    or picks the class an SM120 GPU would get."""
+    import importlib
+
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu as scaled_mm_cpu
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe, flashinfer_cutlass_moe
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    # The FP8 block-scaled linear kernel (fused_wqa_wkv, wq_b, wo_a, wo_b, shared experts) is the only
+    # CPU kernel for these layers and refuses a CPU without AMX tiles: Fp8LinearMethod.create_weights
+    # raises before any parameter exists.
+    scaled_mm_cpu.CPUFp8BlockScaledMMKernel.is_supported = classmethod(lambda cls, cc=None: (True, None))
+    # Likewise the CPU MXFP4 MoE backend: select_deepseek_v4_mxfp4_moe_backend finds no backend.
+    cpu_moe.CPUExpertsMxfp4._supports_current_device = staticmethod(lambda: True)
+
+    # The NVIDIA classes (the fork's only DeepSeek-V4 classes; vLLM 0.33.0's MTP draft, whose CPU
+    # class is a stub):
+    class StreamStandIn:
+        """DeepseekV4Model.__init__ creates three auxiliary CUDA streams, used only in forward."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+    torch.cuda.Stream = StreamStandIn
+    # They pick the attention class and MoE variant from the GPU capability: at 12.0 the layers create
+    # the parameters an SM120 GPU would (attn_sink padded to 32 by DeepseekV4FlashInferSM120Attention,
+    # routed width rounded to 128 for the MXFP4 x MXFP8 CUTLASS MoE).
+    type(current_platform).get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(*SM120))
+    # FlashInferExperts also requires current_platform.is_cuda(); its kernel is never called here.
+    flashinfer_cutlass_moe.FlashInferExperts._supports_current_device = staticmethod(lambda: True)
+
+
+@contextlib.contextmanager
+def fork_plan_without_backend_gate():
+    """The fork's own virtual-TP plan for a config its policy gate would refuse: its
+    `maybe_apply_b12x_virtual_tp_padding` only pads for B12X backends, so the harness lets
+    `VllmConfig.__post_init__` call the fork's gate-free `apply_b12x_virtual_tp_padding_to_model_config`
+    instead, the helper the fork itself uses for the MTP draft. This is the audit's setup: the fork's
+    loaders at the Lucifer tuple once its guard is bypassed."""
+    import vllm.config.virtual_tp as vtp
+
+    installed = vtp.maybe_apply_b12x_virtual_tp_padding
+    vtp.maybe_apply_b12x_virtual_tp_padding = lambda vc: vtp.apply_b12x_virtual_tp_padding_to_model_config(
+        vc.model_config, vc.parallel_config)
+    try:
+        yield
+    finally:
+        vtp.maybe_apply_b12x_virtual_tp_padding = installed
+
+
+def engine_config(spec: dict, run: dict):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=run["model"], tensor_parallel_size=int(spec["tp"]), load_format=run["load_format"],
+                      dtype="bfloat16", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+                      model_loader_extra_config=run.get("extra") or {},
+                      **{**spec.get("engine", {}), **run.get("engine", {})})
+    with fork_plan_without_backend_gate() if run.get("plan") == "fork-helper" else contextlib.nullcontext():
+        return args.create_engine_config()
+
+
+def resolve(dotted: str):
+    import importlib
+
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def digest(t: torch.Tensor) -> str:
+    from blake3 import blake3
+
+    return blake3(raw_bytes(t).numpy().tobytes()).hexdigest()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(raw_bytes(a), raw_bytes(b))
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"{a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    neq = raw_bytes(a) != raw_bytes(b)
+    idx = int(torch.nonzero(neq)[0])
+    return (f"byte {idx}: {int(raw_bytes(a)[idx]):#04x} vs {int(raw_bytes(b)[idx]):#04x} "
+            f"({int(neq.sum())} of {neq.numel()} bytes differ)")
+
+
+def io_read_bytes() -> int:
+    """Bytes this process caused to be read from storage (page-cache misses), from /proc/self/io."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def file_tensors(role_dir: Path, rank: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted((role_dir / f"rank-{rank}").glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def compare_to_files(params: dict[str, torch.Tensor], files: dict[str, torch.Tensor]) -> list[str]:
+    """Every rank-file tensor equals the parameter of its name (attn_sink: the parameter's prefix,
+    the rest of which must stay -inf)."""
+    problems = []
+    for name, t in files.items():
+        p = params.get(name)
+        if p is None:
+            problems.append(f"{name}: in the rank file, no such parameter")
+            continue
+        if name.endswith("attn_sink") and p.dim() == 1 and p.shape[0] > t.shape[0]:
+            if not bool(torch.all(p[t.shape[0]:] == float("-inf"))):
+                problems.append(f"{name}: padded heads [{t.shape[0]}:{p.shape[0]}) are not -inf")
+            p = p[: t.shape[0]]
+        if not same_bytes(p, t):
+            problems.append(f"{name}: parameter differs from the rank file, {first_difference(p, t)}")
+    return problems
+
+
+def run_one(spec: dict, run: dict, rank: int) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """Build a fresh model under the run's config, load it with the run's loader, capture it."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    rec: dict = {"load_format": run["load_format"], "model": run["model"]}
+    try:
+        cfg = engine_config(spec, run)
+    except Exception as e:  # noqa: BLE001 - a refused configuration is this run's result
+        rec["error"] = f"{type(e).__name__}: {e}"
+        return rec, None
+    # The MTP draft: the model config vLLM's speculative config derived from the target's.
+    model_config = cfg.speculative_config.draft_model_config if run.get("role") == "draft" else cfg.model_config
+    rec["virtual_tp_plan"] = getattr(getattr(model_config, "hf_text_config", None), "vllm_virtual_tp_plan", None)
+    loader = get_model_loader(cfg.load_config)
+    rec["loader"] = type(loader).__name__
+    with set_current_vllm_config(cfg), set_default_torch_dtype(model_config.dtype):
+        t0 = time.perf_counter()
+        with torch.device(cfg.device_config.device):
+            model = initialize_model(vllm_config=cfg, model_config=model_config,
+                                     model_class=resolve(run["model_class"]) if run.get("model_class") else None)
+        rec["construct_s"] = time.perf_counter() - t0
+        rec["model_class"] = f"{type(model).__module__}.{type(model).__name__}"
+        read0, t0 = io_read_bytes(), time.perf_counter()
+        try:
+            loader.load_weights(model, model_config)
+        except Exception as e:  # noqa: BLE001 - the error line is this run's result
+            rec["error"] = f"{type(e).__name__}: {e}"
+            return rec, None
+        rec["load_s"] = time.perf_counter() - t0
+        rec["read_bytes"] = io_read_bytes() - read0
+        rec["peak_rss"] = peak_rss_bytes()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    rec["params"] = {n: [list(p.shape), str(p.dtype).removeprefix("torch."), digest(p)] for n, p in params.items()}
+    dump = {n: p for n, p in params.items() if any(k in n for k in spec.get("dump", ()))}
+    if dump:  # raw parameters for checks against the source made by the test itself
+        from safetensors.torch import save_file
+
+        save_file({n: p.contiguous() for n, p in dump.items()},
+                  str(Path(spec["results"]) / f"rank-{rank}-{run['name']}.safetensors"))
+    if run.get("files"):
+        files = file_tensors(Path(run["files"]), rank)
+        rec["file_tensors"] = len(files)
+        rec["file_problems"] = compare_to_files(params, files)
+    return rec, params
+
+
+def versus(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict:
+    common = sorted(set(params) & set(reference))
+    return {
+        "only_here": sorted(set(params) - set(reference)),
+        "only_reference": sorted(set(reference) - set(params)),
+        "differ": [f"{n}: {first_difference(params[n], reference[n])}" for n in common
+                   if not same_bytes(params[n], reference[n])],
+        "bytes_compared": sum(raw_bytes(params[n]).numel() for n in common),
+    }
+
+
+def rank_main(rank: int, spec: dict, port: int) -> None:
+    report: dict = {"rank": rank, "runs": {}}
+    try:
+        t_start = time.perf_counter()
+        allow_construction_on_this_cpu()
+        import vllm
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import parallel_state as ps
+        from vllm.platforms import current_platform
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()  # vLLM's own entry-point discovery registers lucifer_tp3 here
+        report.update(vllm=vllm.__version__, vllm_path=str(Path(vllm.__file__).parent),
+                      platform=type(current_platform).__name__)
+        tp = int(spec["tp"])
+        with set_current_vllm_config(engine_config(spec, spec["runs"][0])):
+            ps.init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
+                                            distributed_init_method=f"tcp://127.0.0.1:{port}")
+            ps.ensure_model_parallel_initialized(tp, 1)
+        report["tp_rank"] = ps.get_tensor_model_parallel_rank()
+        captured: dict[str, dict[str, torch.Tensor] | None] = {}
+        for run in spec["runs"]:
+            rec, captured[run["name"]] = run_one(spec, run, report["tp_rank"])
+            ref = captured.get(run.get("compare_to", ""))
+            if ref is not None and captured[run["name"]] is not None:
+                rec["vs_reference"] = versus(captured[run["name"]], ref)
+            report["runs"][run["name"]] = rec
+        report["seconds"] = time.perf_counter() - t_start
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+    except Exception:  # noqa: BLE001 - reported to the parent through the results file
+        report["crash"] = traceback.format_exc()
+    (Path(spec["results"]) / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(spec: dict) -> list[dict]:
+    """All ranks of `spec`, one spawned process each; their reports, in rank order."""
+    Path(spec["results"]).mkdir(parents=True, exist_ok=True)
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # inherited by the ranks, before vLLM resolves its platform
+    mp.spawn(rank_main, args=(spec, free_port()), nprocs=int(spec["tp"]), join=True)
+    return [json.loads((Path(spec["results"]) / f"rank-{r}.json").read_text()) for r in range(int(spec["tp"]))]
+
+
+if __name__ == "__main__":
+    reports = run_world(json.loads(Path(sys.argv[1]).read_text()))
+    crashed = [r for r in reports if "crash" in r]
+    for r in crashed:
+        print(f"rank {r['rank']} crashed:\n{r['crash']}", file=sys.stderr)
+    sys.exit(1 if crashed else 0)
