@@ -197,8 +197,9 @@ def _check_tiling(path: Path, records: list[TensorRecord]) -> None:
             raise HeaderError(path, f"tensors {prev.name!r} and {t.name!r} overlap at bytes [{t.start}, "
                                     f"{min(at, t.end)}) of the data section", t.name)
         if t.start > at:
-            after = f"after tensor {prev.name!r}" if prev else "at the start of the data section"
-            raise HeaderError(path, f"bytes [{at}, {t.start}) {after} belong to no tensor (safetensors allows "
+            where = (f"between tensors {prev.name!r} and {t.name!r}" if prev
+                     else f"before tensor {t.name!r}, at the start of the data section,")
+            raise HeaderError(path, f"bytes [{at}, {t.start}) {where} belong to no tensor (safetensors allows "
                                     f"no gaps)", t.name)
         at, prev = t.end, t
 
