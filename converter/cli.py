@@ -173,7 +173,8 @@ def convert(tp: int, model: str, out: Path, arch: str, expert_layout: str, flash
 
     Streams: each source tensor is read once and fanned out to every rank; memory does not
     grow with the model. Every file is written under a temporary name and renamed when
-    complete; after a crash or Ctrl-C, run the same command with --resume.
+    complete; after a crash or Ctrl-C, run the same command with --resume. One convert at a
+    time writes OUT (a lock in OUT/.lucifer/), and it checks first that the files fit.
     """
     from .convert import convert as run
 

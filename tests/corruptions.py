@@ -116,8 +116,8 @@ def corrupted(draw, raw: bytes, kind: str) -> bytes:
     elif kind == KINDS[9] and key:
         doc = {(draw(names) if k == key else k): v for k, v in doc.items()}
     elif kind == KINDS[10] and key:
-        body = json.dumps(doc)
-        dup = json.dumps({key: doc[key]})[1:-1]
+        body = json.dumps(doc)  # the key again, first, with its own entry or another key's
+        dup = json.dumps({key: doc[draw(st.sampled_from(keys))]})[1:-1]
         return pack(("{" + dup + "," + body[1:]).encode(), data)
     elif kind == KINDS[11]:
         header = draw(st.sampled_from([b"[]", b"null", b"42", b'"text"', b"[" * 5000 + b"]" * 5000,
@@ -128,9 +128,11 @@ def corrupted(draw, raw: bytes, kind: str) -> bytes:
         return pack(header, data)
     elif kind == KINDS[12]:
         text = json.dumps(doc, ensure_ascii=False)
+        at = draw(st.integers(0, max(0, text.count('"') - 1)))  # which string gets the bad bytes
+        bad = draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xc0\xaf", b"\xf8\x88\x80\x80\x80"]))
         header = draw(st.sampled_from([
-            text.encode("utf-16"), b"\xef\xbb\xbf" + text.encode(), text.encode().replace(b'"', b'"\xff', 1),
-            text.encode().replace(b'"', b'"\xc3', 1), text.encode("utf-32")]))
+            text.encode("utf-16"), b"\xef\xbb\xbf" + text.encode(), text.encode("utf-32"),
+            b'"'.join(p + bad if i == at else p for i, p in enumerate(text.encode().split(b'"')))]))
         return pack(header, data)
     elif kind == KINDS[13] and key:
         if draw(st.booleans()):
