@@ -175,7 +175,7 @@ def test_file_size_limit(tiny_pattern, clean_out, tmp_path):
     assert snapshot(tiny_pattern) == before
     resumed = cli("convert", "--tp", 3, "--quiet", "--resume", tiny_pattern, out)
     assert resumed.returncode == 0, resumed.stderr
-    record("write fails (RLIMIT_FSIZE 2 MiB, as a full disk)", "nothing final written; source unchanged", proc, msg)
+    record("write fails (RLIMIT_FSIZE 2 MiB, the file size limit)", "nothing final written; source unchanged", proc, msg)
 
 
 # ---------------------------------------------------------------- one writer per OUT
