@@ -6,7 +6,7 @@ DEMO ?= demo
 # vllm==0.33.0 (CPU) lives in a venv outside the clone: LUCIFER_VLLM_VENV, default ~/.cache/lucifer-shard/vllm-0.33.0
 VLLM_ENV ?= bash tools/vllm-env.sh
 
-.PHONY: install test test-cpu test-shim demo bench clean
+.PHONY: install test test-cpu test-shim fuzz demo bench clean
 
 install:
 	@# The CPU build of torch: a bare `pip install torch` would pull a multi-GB CUDA build.
@@ -21,6 +21,11 @@ test-cpu:
 
 test-shim:
 	$(VLLM_ENV) python -m pytest -q tests/shim -m vllm; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+
+# Header fuzzing at full size: thousands of seeded hypothesis cases against every reader, a few
+# minutes (make test runs a sample of each). LUCIFER_FUZZ_LOG=path logs every case for the docs.
+fuzz:
+	$(PY) -m pytest -q -m fuzz tests/test_fuzz.py
 
 demo:
 	rm -rf $(DEMO)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,8 +19,17 @@ ARCH = click.option("--arch", type=click.Choice(ARCHES), default="sm120", show_d
 TP = click.option("--tp", type=int, required=True, help="Tensor-parallel size, 1..8 (3 is the mission).")
 
 
+INTERNAL_ERROR = 70  # EX_SOFTWARE: a bug, not bad input
+
+
 class Group(click.Group):
-    """Turns LuciferError into one `error:` line and its exit code, never a traceback."""
+    """Turns LuciferError into one `error:` line and its exit code, and any other exception into one
+    `error: internal error:` line (exit 70) with the traceback in a log file: never a traceback."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        name, cmd, rest = super().resolve_command(ctx, args)
+        ctx.meta["lucifer.invoked"] = (name, cmd, list(rest))  # to find OUT if the command fails
+        return name, cmd, rest
 
     def invoke(self, ctx: click.Context):
         try:
@@ -30,6 +40,56 @@ class Group(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted: finished files are kept; run the same command with --resume to continue", err=True)
             sys.exit(130)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as e:  # noqa: BLE001 - the one place an unexpected exception is reported
+            log = _internal_error_log(_out_dir(ctx))
+            message = " ".join(str(e).split())
+            click.echo(f"error: internal error: {type(e).__name__}: {message}; details in {log}", err=True)
+            sys.exit(INTERNAL_ERROR)
+
+
+def _out_dir(ctx: click.Context) -> Path | None:
+    """The failed command's OUT argument, parsed again from its arguments (None if it has none)."""
+    name, cmd, args = ctx.meta.get("lucifer.invoked", (None, None, None))
+    if cmd is None:
+        return None
+    try:
+        out = cmd.make_context(name, list(args), resilient_parsing=True).params.get("out")
+    except Exception:  # noqa: BLE001 - no OUT then; the log goes to a temporary file
+        return None
+    return Path(out) if out else None
+
+
+def _internal_error_log(out: Path | None) -> str:
+    """Write the current exception's traceback, with the command line and versions, to
+    OUT/.lucifer/ when that folder exists and is writable, else to a temporary file."""
+    import datetime
+    import platform
+    import tempfile
+    import traceback
+
+    from .manifest import STATE_DIR
+
+    now = datetime.datetime.now().astimezone()
+    text = (f"lucifer-shard {__version__} internal error at {now.isoformat(timespec='seconds')}\n"
+            f"command: {' '.join(sys.argv)}\npython {platform.python_version()} on {platform.platform()}\n\n"
+            + traceback.format_exc())
+    name = f"internal-error-{now:%Y%m%d-%H%M%S}-{os.getpid()}.log"
+    state = out / STATE_DIR if out is not None else None
+    if state is not None and state.is_dir() and os.access(state, os.W_OK):
+        try:
+            (state / name).write_text(text)
+            return str(state / name)
+        except OSError:
+            pass  # a full disk, say: try the temporary folder
+    try:
+        fd, path = tempfile.mkstemp(prefix="lucifer-shard-", suffix=f"-{name}")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return path
+    except OSError as e:
+        return f"no log file (writing one failed: {e.strerror})"
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -113,7 +173,8 @@ def convert(tp: int, model: str, out: Path, arch: str, expert_layout: str, flash
 
     Streams: each source tensor is read once and fanned out to every rank; memory does not
     grow with the model. Every file is written under a temporary name and renamed when
-    complete; after a crash or Ctrl-C, run the same command with --resume.
+    complete; after a crash or Ctrl-C, run the same command with --resume. One convert at a
+    time writes OUT (a lock in OUT/.lucifer/), and it checks first that the files fit.
     """
     from .convert import convert as run
 

@@ -13,12 +13,14 @@ import click
 
 from .errors import LuciferError, MismatchError, OutputError
 from .manifest import COMPLETE_NAME, load_manifest
+from .outlock import refuse_if_written
 from .rules import DTYPE_SIZE
 
 MAX_MISMATCHES = click.option("--max-mismatches", type=click.IntRange(1), default=10, show_default=True,
                               help="How many findings to report in full (all are counted).")
 JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout.")
 QUIET = click.option("--quiet", is_flag=True, help="No progress bar.")
+MALFORMED = (KeyError, TypeError, AttributeError, IndexError, ValueError)  # what a hand-broken manifest raises
 
 
 def _fail(report, noun: str, fix: str) -> None:
@@ -32,11 +34,21 @@ def _fail(report, noun: str, fix: str) -> None:
 
 
 def _report(out: Path, run, lines, noun: str, fix: str, as_json: bool) -> None:
-    """Run a check, print its report (text or JSON), and fail with one line when it found anything."""
+    """Run a check, print its report (text or JSON), and fail with one line when it found anything.
+
+    An OUT that a `convert` is writing is refused before the check, and after it too if the check
+    failed meanwhile: files being written are unfinished, not damaged."""
+    command = click.get_current_context().info_name
+    refuse_if_written(out, command)
     try:
         report = run()
-    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
-        _malformed(out, e)
+    except Exception as e:
+        refuse_if_written(out, command)
+        if isinstance(e, MALFORMED):
+            _malformed(out, e)
+        raise
+    if not report.ok:
+        refuse_if_written(out, command)
     click.echo(json.dumps(report.to_dict(), indent=1) if as_json else "\n".join(lines(report)))
     if not report.ok:
         _fail(report, noun, fix)
@@ -103,9 +115,10 @@ def verify(out: Path, max_mismatches: int, as_json: bool, quiet: bool) -> None:
 @JSON
 def inspect(out: Path, as_json: bool) -> None:
     """Summarize OUT's manifest: source, plan, arch and layouts, files and bytes per rank."""
+    refuse_if_written(out, "inspect")
     try:
         doc = summarize(out)
-    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+    except MALFORMED as e:
         _malformed(out, e)
     click.echo(json.dumps(doc, indent=1) if as_json else "\n".join(summary_lines(doc)))
 

@@ -36,7 +36,9 @@ def check_numerics(out: Path, model: str, layers: str | None, tokens: int, seed:
     Only the experts the routing picks are read, one layer at a time. Exits 1 past tolerance.
     """
     from .check_numerics import check_numerics as run
+    from .outlock import refuse_if_written
 
+    refuse_if_written(out, "check-numerics")
     report = run(out, model, layers=layers, tokens=tokens, seed=seed, progress=not (quiet or as_json))
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=1))

@@ -4,7 +4,9 @@ Order of work: for each role and part (a part has the same tensors on every rank
 writer per rank, then for each tensor and chunk assemble all ranks' bytes from one read of the
 source, lay out routed experts, and append. A part is journaled once every rank's file is
 published; `--resume` skips journaled parts whose files still hash to their recorded digests.
-The manifest and COMPLETE are written last.
+The manifest and COMPLETE are written last. All of it runs under OUT's writer lock (`outlock`),
+after the space still needed, known exactly from the plan, was checked against the filesystem's
+free space (`diskspace`); a write that runs out of room all the same says how much is left to do.
 """
 from __future__ import annotations
 
@@ -21,17 +23,18 @@ from tqdm import tqdm
 
 from . import __version__
 from .assemble import chunks
+from .diskspace import WRITE_LIMITS, check_room, write_failed
 from .errors import OutputError, SourceError
 from .fsutil import atomic_copy, atomic_write_text
 from .layouts import EXPERT_TENSORS, LAYOUT_VERSION, Layout, expert_layout
 from .manifest import (COMPLETE_NAME, FLASHINFER_VERSIONS, MANIFEST_NAME, RUNTIME, STATE_DIR, FORMAT,
-                       FORMAT_VERSION, Options, conversion_id, file_metadata, part_path, rank_dir,
-                       write_manifest)
+                       FORMAT_VERSION, Options, conversion_id, file_metadata, manifest_text, part_path,
+                       rank_dir, write_manifest)
+from .outlock import LOCK_NAME, OutLock, describe
 from .plan import MOE_VARIANT, Plan, make_plan
 from .rules import TensorSpec, build_specs
 from .source import Checkpoint, open_checkpoint, resolve_model, side_files
-from .stwriter import StreamWriter, TensorHeader, WrittenFile
-from .stwriter import hash_file
+from .stwriter import StreamWriter, TensorHeader, WrittenFile, encode_header, hash_file
 
 JOURNAL = "journal.jsonl"
 RECORD = "conversion.json"
@@ -46,6 +49,7 @@ class Summary:
     files_written: int = 0
     files_resumed: int = 0
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         rate = self.bytes_written / self.seconds / 1e6 if self.seconds else 0.0
@@ -55,6 +59,7 @@ class Summary:
             f"read       {self.bytes_read / 1e9:.3f} GB",
             f"written    {self.bytes_written / 1e9:.3f} GB",
             f"time       {self.seconds:.1f} s ({rate:.0f} MB/s written)",
+            *(f"note       {n}" for n in self.notes),
         ]
 
 
@@ -149,31 +154,41 @@ def prepare(model: str, options: Options) -> Job:
 # ---------------------------------------------------------------- output directory state
 
 
-def _check_out(out: Path, root: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]:
-    """Refuse unsafe targets; returns journal entries usable by --resume (path -> entry)."""
+def _check_paths(out: Path, root: Path) -> None:
+    """OUT and MODEL must not contain each other (path arithmetic only: nothing in OUT is read)."""
     out_r, root_r = out.resolve(), root.resolve()
     if out_r == root_r or root_r in out_r.parents:
         raise OutputError(f"OUT {out} is inside MODEL {root}; choose a directory outside the checkpoint")
     if out_r in root_r.parents:
         raise OutputError(f"OUT {out} contains MODEL {root}; choose a directory outside the checkpoint")
-    if not out.exists():
-        return {}
+
+
+def _check_out(out: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]:
+    """Refuse unsafe targets; returns journal entries usable by --resume (path -> entry). Runs under
+    OUT's lock, so the lock file is not counted as content."""
     state = out / STATE_DIR
-    ours = state.exists() or (out / MANIFEST_NAME).exists()
+    kept = [p for p in state.iterdir() if p.name != LOCK_NAME] if state.is_dir() else []
+    others = [p for p in out.iterdir() if p.name != STATE_DIR]
+    ours = bool(kept) or (out / MANIFEST_NAME).exists()
     if force:
-        if ours or not any(out.iterdir()):
+        if ours or not others:
             _clear(out)
             return {}
         raise OutputError(f"{out} is not empty and not a lucifer-shard output; --force only replaces outputs of this tool")
     if (out / COMPLETE_NAME).exists():
         raise OutputError(f"{out} already holds a complete conversion; pass --force to replace it")
     if not ours:
-        if any(out.iterdir()):
+        if others:
             raise OutputError(f"{out} is not empty and not a lucifer-shard output; choose an empty or new directory")
         return {}
     if not resume:
         raise OutputError(f"{out} holds an unfinished conversion; pass --resume to finish it or --force to restart")
-    record = json.loads((state / RECORD).read_text()) if (state / RECORD).exists() else {}
+    try:
+        record = json.loads((state / RECORD).read_text()) if (state / RECORD).exists() else {}
+    except (OSError, ValueError) as e:
+        raise OutputError(f"--resume: {state / RECORD} is unreadable ({e}); pass --force to restart") from None
+    if not isinstance(record, dict):
+        raise OutputError(f"--resume: {state / RECORD} is not a conversion record; pass --force to restart")
     now = _record(job)
     changed = [n for n, st in now["source_files"].items() if record.get("source_files", {}).get(n) != st]
     if record.get("conversion_id") == job.cid and changed:
@@ -186,16 +201,26 @@ def _check_out(out: Path, root: Path, job: Job, resume: bool, force: bool) -> di
         raise OutputError(f"--resume: {out} was started with other {' and '.join(differs) or 'settings'} "
                           f"({_describe_diff(record, now)}); "
                           f"pass --force to restart")
+    return _journal(state / JOURNAL)
+
+
+def _journal(path: Path) -> dict[str, dict]:
+    """Journal entries by path; a line torn by a crash (or not an entry) is skipped: that part is redone."""
     entries = {}
-    journal = state / JOURNAL
-    if journal.exists():
-        for line in journal.read_text().splitlines():
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
             try:
                 entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a crash: that part is redone
-            entries[entry["path"]] = entry
+            except ValueError:
+                continue
+            if (isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("digest"), str)
+                    and type(entry.get("bytes")) is int and isinstance(entry.get("tensors"), dict)):
+                entries[entry["path"]] = entry
     return entries
+
+
+def _journal_line(entry: dict) -> str:
+    return json.dumps(entry, sort_keys=True) + "\n"
 
 
 def _describe_diff(old: dict, new: dict) -> str:
@@ -207,8 +232,15 @@ def _describe_diff(old: dict, new: dict) -> str:
 
 
 def _clear(out: Path) -> None:
+    """Empty OUT, all but the lock file this process holds."""
     for child in out.iterdir():
-        if child.is_dir():
+        if child.name == STATE_DIR and child.is_dir():
+            for p in child.iterdir():
+                if p.is_dir():
+                    shutil.rmtree(p)
+                elif p.name != LOCK_NAME:
+                    p.unlink()
+        elif child.is_dir() and not child.is_symlink():
             shutil.rmtree(child)
         else:
             child.unlink()
@@ -265,6 +297,37 @@ class _RankSink:
         self.pending.clear()
 
 
+def _file_header(job: Job, part: Part, rank: int) -> tuple[list[TensorHeader], dict[str, str]]:
+    """The tensors and `__metadata__` of one rank's file of a part."""
+    specs = {s.name: s for s in job.specs[part.role][rank]}
+    headers = [TensorHeader(n, specs[n].dtype, stored_shape(specs[n], job.layouts)) for n in part.names]
+    return headers, file_metadata(job.cid, part.role, rank, part.index, job.plan.tp)
+
+
+def planned_files(job: Job) -> dict[str, dict]:
+    """Every rank file's journal entry as it will be, with all-zero digests. Digests have a fixed
+    length, so the sizes of the files, their journal lines and the manifest are exact before a
+    byte is written."""
+    zero = "0" * 64
+    files = {}
+    for part in job.parts:
+        for rank in range(job.plan.tp):
+            headers, meta = _file_header(job, part, rank)
+            size = len(encode_header(headers, meta, job.options.align)) + sum(h.nbytes for h in headers)
+            rel = part_path(part.role, rank, part.index)
+            files[rel] = {"path": rel, "bytes": size, "digest": zero, "tensors": {n: zero for n in part.names}}
+    return files
+
+
+def sizes_to_write(job: Job, planned: dict[str, dict], done: set[str]) -> list[int]:
+    """Sizes of every file still to be written (or appended, for the journal) after the files in `done`."""
+    left = [e for rel, e in planned.items() if rel not in done]
+    sizes = [e["bytes"] for e in left] + [sum(len(_journal_line(e)) for e in left)]
+    sizes += [(job.ckpt.root / n).stat().st_size for n in side_files(job.ckpt.root)]
+    sizes += [len(manifest_text(build_manifest(job, planned)).encode()), len(job.cid) + 1]
+    return sizes
+
+
 def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPoolExecutor | None]) -> tuple[list[WrittenFile], int]:
     from .assemble import Assembler, BufferPool, swap_folded
     from .stwriter import partial_path
@@ -278,12 +341,8 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
     read = 0
     try:
         for rank in range(job.plan.tp):
-            headers = []
-            for name in part.names:
-                spec = specs_by_name[rank][name]
-                headers.append(TensorHeader(name, spec.dtype, stored_shape(spec, job.layouts)))
             path = out / part_path(part.role, rank, part.index)
-            meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp)
+            headers, meta = _file_header(job, part, rank)
             sinks.append(_RankSink(StreamWriter(path, headers, meta, align=job.options.align), pools[rank] or shared, buffers))
         work = []
         for name in part.names:
@@ -334,20 +393,25 @@ def _remove_partials(out: Path) -> None:
 
 def convert(model: str, out: Path, options: Options, resume: bool = False, force: bool = False,
             workers: int = 1, progress: bool = True) -> Summary:
-    """Convert MODEL into OUT; see the module docstring for the order and crash safety."""
+    """Convert MODEL into OUT; see the module docstring for the order and crash safety.
+
+    Only the source is read before OUT's writer lock is taken; everything in OUT after."""
     t0 = time.perf_counter()
     job = prepare(model, options)
     out = Path(out)
-    journaled = _check_out(out, job.ckpt.root, job, resume, force)
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    _check_paths(out, job.ckpt.root)
+    with OutLock(out) as lock:
+        summary = _convert_locked(job, out, resume, force, workers, progress)
+    if lock.previous:
+        summary.notes.append(f"took over {out} from a writer that ended without releasing it "
+                             f"({describe(lock.previous)})")
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int, progress: bool) -> Summary:
+    journaled = _check_out(out, job, resume, force)
     _remove_partials(out)
-    state = out / STATE_DIR
-    state.mkdir(exist_ok=True)
-    atomic_write_text(state / RECORD, json.dumps(_record(job), indent=1, sort_keys=True) + "\n")
-    for role in job.roles:
-        for rank in range(job.plan.tp):
-            (out / rank_dir(role, rank)).mkdir(parents=True, exist_ok=True)
     summary = Summary(out, job.cid)
     results: dict[str, dict] = {}
     todo = []
@@ -359,40 +423,51 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
             summary.files_resumed += len(paths)
         else:
             todo.append(part)
+    planned = planned_files(job)
+    check_room(out, sizes_to_write(job, planned, set(results)),
+               "run the same command" + (" with --resume" if results else ""))
+    state = out / STATE_DIR
     total = sum(p.bytes_per_rank for p in todo) * job.plan.tp
     pools = [ThreadPoolExecutor(1) if workers > 1 else None for _ in range(job.plan.tp)]
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"convert tp{job.plan.tp}", disable=not progress)
     try:
+        atomic_write_text(state / RECORD, json.dumps(_record(job), indent=1, sort_keys=True) + "\n")
+        for role in job.roles:
+            for rank in range(job.plan.tp):
+                (out / rank_dir(role, rank)).mkdir(parents=True, exist_ok=True)
         with open(state / JOURNAL, "a") as journal:
             for part in todo:
                 files, read = _write_part(job, out, part, bar, pools)
                 summary.bytes_read += read
+                entries = {}
                 for f in files:
                     rel = str(f.path.relative_to(out))
-                    entry = {"path": rel, "bytes": f.bytes, "digest": f.digest, "tensors": f.tensor_digests}
-                    results[rel] = entry
-                    journal.write(json.dumps(entry, sort_keys=True) + "\n")
+                    entries[rel] = {"path": rel, "bytes": f.bytes, "digest": f.digest, "tensors": f.tensor_digests}
+                    journal.write(_journal_line(entries[rel]))
                     summary.bytes_written += f.bytes
                     summary.files_written += 1
                 journal.flush()
                 os.fsync(journal.fileno())
+                results.update(entries)  # only now would --resume keep them
+        for name in side_files(job.ckpt.root):
+            atomic_copy(job.ckpt.root / name, out / name)
+        write_manifest(out, build_manifest(job, results))
+        atomic_write_text(out / COMPLETE_NAME, job.cid + "\n")
     except SourceError:
         # The source itself is bad: no rerun can finish this output, so leave nothing behind.
         _clear(out)
-        if created:
-            out.rmdir()
         raise
+    except OSError as e:
+        if e.errno not in WRITE_LIMITS:
+            raise
+        largest = max(entry["bytes"] for entry in planned.values())
+        raise write_failed(e, out, sizes_to_write(job, planned, set(results)), largest) from None
     finally:
         bar.close()
         for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=True)
-    for name in side_files(job.ckpt.root):
-        atomic_copy(job.ckpt.root / name, out / name)
-    write_manifest(out, build_manifest(job, results))
-    atomic_write_text(out / COMPLETE_NAME, job.cid + "\n")
-    job.ckpt.close()
-    summary.seconds = time.perf_counter() - t0
+        job.ckpt.close()
     return summary
 
 

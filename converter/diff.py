@@ -38,7 +38,6 @@ from tqdm import tqdm
 from .errors import OutputError
 from .rules import DTYPE_SIZE, TensorSpec
 from .source import Checkpoint, open_checkpoint, resolve_model
-from .stwriter import read_header
 from .verify import (CHUNK_BYTES, BufferPool, DirectFile, HeaderTensor, Problem, RankFile, Report, byte_shape,
                      check_manifest_rules, check_pads, check_scales, chunk_slices, element_index, file_offsets,
                      first_positions, hexbytes, human_bytes, is_scale, open_files, read_manifest, read_rows_direct,
@@ -60,7 +59,6 @@ class SourceReader:
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
         self._files: dict[str, DirectFile] = {}
-        self._base: dict[str, int] = {}
         self.bytes_needed = 0  # bytes of source tensors compared
         self.bytes_read = 0  # bytes read from disk (needed bytes plus small gaps between them)
         self.keys_read: set[str] = set()
@@ -71,19 +69,14 @@ class SourceReader:
         with self._lock:
             f = self._files.get(file)
             if f is None:
-                path = self.ckpt.root / file
-                header, _ = read_header(path)
-                self._base[file] = len(header)
-                f = self._files[file] = DirectFile(path)
+                f = self._files[file] = DirectFile(self.ckpt.root / file)
             return f
 
     def span(self, key: str, r0: int, r1: int) -> tuple[str, int, int]:
         """(file, absolute start, end) of rows [r0, r1) of `key`."""
         entry = self.ckpt.tensors[key]
-        if entry.file not in self._base:
-            self._file(entry.file)
         row = _row_bytes(entry.shape, DTYPE_SIZE[entry.dtype])
-        start = self._base[entry.file] + entry.offsets[0] + r0 * row
+        start = self.ckpt.data_start[entry.file] + entry.offsets[0] + r0 * row
         return entry.file, start, start + (r1 - r0) * row
 
     def read_block(self, file: str, start: int, end: int, needed: int, keys: list[str],

@@ -10,6 +10,10 @@ class LuciferError(Exception):
 class SourceError(LuciferError):
     """The source checkpoint or config is not what the V4-Flash schema requires."""
 
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key  # the source tensor at fault, when there is one (to name its shard)
+
 
 class PlanError(LuciferError):
     """The requested TP size or arch cannot be served by the virtual-TP plan."""

@@ -14,20 +14,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _publish(tmp: Path, path: Path) -> None:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+def _publish(path: Path, write) -> None:
+    """`write(tmp)`, fsync, rename to `path`; a failed write (a full disk) leaves no temporary file."""
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(text)
-    _publish(tmp, path)
+    _publish(path, lambda tmp: tmp.write_text(text))
 
 
 def atomic_copy(src: Path, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    shutil.copyfile(src, tmp)
-    _publish(tmp, path)
+    _publish(path, lambda tmp: shutil.copyfile(src, tmp))

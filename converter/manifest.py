@@ -81,10 +81,14 @@ def seal(doc: dict) -> dict:
     return {**doc, "manifest_digest": "blake3:" + blake3(_canonical(doc)).hexdigest()}
 
 
+def manifest_text(doc: dict) -> str:
+    return json.dumps(seal(doc), indent=1, sort_keys=True) + "\n"
+
+
 def write_manifest(out: Path, doc: dict) -> None:
     from .fsutil import atomic_write_text
 
-    atomic_write_text(Path(out) / MANIFEST_NAME, json.dumps(seal(doc), indent=1, sort_keys=True) + "\n")
+    atomic_write_text(Path(out) / MANIFEST_NAME, manifest_text(doc))
 
 
 def load_manifest(out: Path, check_digest: bool = True) -> dict:

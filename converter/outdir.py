@@ -11,6 +11,7 @@ from .errors import OutputError
 from .layouts import layout_by_name
 from .manifest import COMPLETE_NAME, load_manifest
 from .rules import DTYPE_SIZE
+from .stheader import Header, HeaderError, read_header
 
 TORCH_DTYPE = {
     "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
@@ -30,6 +31,7 @@ class Output:
                               f"(run convert again with --resume)")
         self.manifest = load_manifest(self.root, check_digest)
         self._handles: dict[str, object] = {}
+        self._headers: dict[str, Header] = {}
 
     @property
     def tp(self) -> int:
@@ -45,19 +47,29 @@ class Output:
     def info(self, role: str, rank: int, name: str) -> dict:
         return self.rank(role, rank)["tensors"][name]
 
-    def _open(self, rel: str):
+    def _open(self, rel: str, name: str, info: dict):
+        """The safetensors handle of `rel`, once its header was validated and shows `name` as `info` says."""
+        path = self.root / rel
         h = self._handles.get(rel)
         if h is None:
-            path = self.root / rel
             if not path.is_file():
                 raise OutputError(f"{path}: rank file listed in the manifest is missing")
+            try:
+                self._headers[rel] = read_header(path)  # a damaged file is named here, not mid-read
+            except HeaderError as e:
+                raise OutputError(f"{e}; run verify on {self.root}, then convert --force") from None
             h = self._handles[rel] = safe_open(str(path), framework="pt")
+        t = self._headers[rel].tensors.get(name)
+        if t is None or t.dtype != info["dtype"] or list(t.shape) != list(info["shape"]):
+            found = "no such tensor" if t is None else f"{t.dtype}{list(t.shape)}"
+            raise OutputError(f"{path}: tensor {name!r} is {found}, the manifest says {info['dtype']}{info['shape']}; "
+                              f"run verify on {self.root}, then convert --force")
         return h
 
     def stored(self, role: str, rank: int, name: str, index: slice | None = None) -> np.ndarray:
         """Stored bytes (uint8, last dim in bytes) of a tensor, or of `index` of its first dim."""
         info = self.info(role, rank, name)
-        sl = self._open(info["file"]).get_slice(name)
+        sl = self._open(info["file"], name, info).get_slice(name)
         t = sl[index] if index is not None else sl[:]
         t = t.contiguous()
         return t.view(torch.uint8).numpy().reshape(*t.shape[:-1], t.shape[-1] * DTYPE_SIZE[info["dtype"]])
@@ -79,3 +91,4 @@ class Output:
 
     def close(self) -> None:
         self._handles.clear()
+        self._headers.clear()

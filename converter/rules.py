@@ -356,7 +356,7 @@ def check_source_keys(cfg: ModelConfig, present: dict[str, tuple[tuple[int, ...]
     unknown = sorted(set(present) - set(expected))
     if unknown:
         raise SourceError(f"unknown tensor {unknown[0]!r}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
-                          + ": not in the V4-Flash schema for this config (another schema variant?)")
+                          + ": not in the V4-Flash schema for this config (another schema variant?)", key=unknown[0])
     wanted = {k: s for k, s in expected.items() if role_of(k) in roles}
     missing = sorted(set(wanted) - set(present))
     if missing:
@@ -365,7 +365,8 @@ def check_source_keys(cfg: ModelConfig, present: dict[str, tuple[tuple[int, ...]
     for key, (shape, dtype) in sorted(present.items()):
         want = expected[key]
         if tuple(shape) != want.shape or dtype != want.dtype:
-            raise SourceError(f"tensor {key!r} is {dtype}{list(shape)}, the config implies {want.dtype}{list(want.shape)}")
+            raise SourceError(f"tensor {key!r} is {dtype}{list(shape)}, the config implies {want.dtype}{list(want.shape)}",
+                              key=key)
 
 
 _MTP_KEY = re.compile(r"^mtp\.\d+\.")

@@ -1,32 +1,31 @@
 """The source checkpoint: model resolution, header validation, fingerprint and region reads.
 
-Headers are parsed directly (8-byte length + JSON) so that a damaged shard is named precisely
-(truncated, overlapping or out-of-range offsets, oversized header) before any data is read;
-tensor data is then read through `safetensors.safe_open`, opened read-only.
+Every shard header is validated by `stheader` (the reader that verify, diff and the vLLM loader
+share), and the index against the shards, before any data is read, so that a damaged shard is
+named precisely (truncated, overlapping or out-of-range offsets, oversized header, a tensor the
+index does not list); tensor data is then read at the validated offsets, read-only.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import struct
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-import numpy as np
 from safetensors import safe_open
 
 from .config import ModelConfig, load_config
 from .errors import SourceError
-from .rules import DTYPE_SIZE, ROLES, check_source_keys
+from .rules import ROLES, check_source_keys
+from .stheader import Header, HeaderError, read_header
 
 if TYPE_CHECKING:  # torch is loaded by safetensors' "pt" framework when data is read
     import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 # Files copied byte-identical into the output next to config.json.
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
@@ -73,6 +72,7 @@ class Checkpoint:
     config: ModelConfig
     tensors: dict[str, TensorEntry]
     files: dict[str, int]  # shard name -> size in bytes
+    data_start: dict[str, int]  # shard name -> file offset of its data section
     fingerprint: str
     _handles: dict = field(default_factory=dict, repr=False)
 
@@ -92,52 +92,47 @@ class Checkpoint:
         self._handles.clear()
 
 
-def _read_header(path: Path) -> tuple[dict, bytes, int]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise SourceError(f"{path.name}: truncated ({size} bytes): no safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or n + 8 > size:
-            raise SourceError(f"{path.name}: header length {n} exceeds the file ({size} bytes) or the 100 MiB "
-                              f"limit; the shard is truncated or not safetensors")
-        raw = f.read(n)
+def _read_shard(path: Path) -> Header:
     try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SourceError(f"{path.name}: header is not valid JSON ({e}); re-download this shard") from None
-    if not isinstance(header, dict):
-        raise SourceError(f"{path.name}: header is not a JSON object; re-download this shard")
-    return header, raw, size
+        return read_header(path)
+    except HeaderError as e:
+        raise SourceError(f"{path.name}: {e.reason}; re-download this shard", key=e.tensor) from None
 
 
-def _entries(path: Path, header: dict, size: int, data_start: int) -> dict[str, TensorEntry]:
-    out = {}
-    spans = []
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise SourceError(f"{path.name}: tensor {key!r} has a malformed header entry {info!r}") from None
-        if dtype not in DTYPE_SIZE:
-            raise SourceError(f"{path.name}: tensor {key!r} has dtype {dtype}, not one the V4-Flash schema uses")
-        nbytes = DTYPE_SIZE[dtype] * int(np.prod(shape, dtype=np.int64))
-        if not 0 <= start <= end or end - start != nbytes:
-            raise SourceError(f"{path.name}: tensor {key!r} data_offsets [{start}, {end}) do not hold "
-                              f"{dtype}{list(shape)} ({nbytes} bytes)")
-        if data_start + end > size:
-            raise SourceError(f"{path.name}: tensor {key!r} ends at byte {data_start + end} but the file has "
-                              f"{size} bytes; the shard is truncated, re-download it")
-        spans.append((start, end, key))
-        out[key] = TensorEntry(key, path.name, dtype, shape, (start, end))
-    spans.sort()
-    for (s0, e0, k0), (s1, e1, k1) in zip(spans, spans[1:]):
-        if s1 < e0:
-            raise SourceError(f"{path.name}: tensors {k0!r} and {k1!r} overlap at bytes [{s1}, {min(e0, e1)})")
-    return out
+def _weight_map(index_path: Path) -> dict[str, str]:
+    """The index's key -> shard map; every shard a relative path inside the model directory."""
+    try:
+        weight_map = json.loads(index_path.read_bytes())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SourceError(f"{index_path}: unreadable index ({type(e).__name__}: {e}); re-download it") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise SourceError(f"{index_path}: weight_map is not an object of tensor name -> shard file; re-download it")
+    for key, name in weight_map.items():
+        parts = PurePosixPath(name).parts
+        if not name or "\0" in name or PurePosixPath(name).is_absolute() or ".." in parts:
+            raise SourceError(f"{INDEX_NAME} maps {key!r} to {name!r}, outside the model directory; shard names "
+                              f"must be relative paths inside it (a tampered or hand-made index)", key=key)
+    return weight_map
+
+
+def _check_index(weight_map: dict[str, str], tensors: dict[str, TensorEntry]) -> None:
+    """The index and the shards must agree on every tensor: vLLM loads every tensor of the listed
+    shards while transformers loads by the index, so a disagreement makes two different models."""
+    for key, name in weight_map.items():
+        if key in tensors and tensors[key].file != name:
+            raise SourceError(f"{INDEX_NAME} maps {key!r} to {name} but it is stored in {tensors[key].file}; "
+                              f"re-download the index", key=key)
+    orphans = sorted(set(weight_map) - set(tensors))
+    if orphans:
+        more = f" (and {len(orphans) - 1} more)" if len(orphans) > 1 else ""
+        raise SourceError(f"{INDEX_NAME} lists {orphans[0]!r}{more} in {weight_map[orphans[0]]} but that shard does "
+                          f"not hold it; the index and the shards disagree, re-download them", key=orphans[0])
+    unlisted = sorted(set(tensors) - set(weight_map))
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        raise SourceError(f"{tensors[unlisted[0]].file}: tensor {unlisted[0]!r}{more} is not listed in {INDEX_NAME}; "
+                          f"loaders that read by the index would drop it while vLLM loads it, re-download the index",
+                          key=unlisted[0])
 
 
 def open_checkpoint(root: Path, roles: tuple[str, ...] = ROLES) -> Checkpoint:
@@ -148,10 +143,7 @@ def open_checkpoint(root: Path, roles: tuple[str, ...] = ROLES) -> Checkpoint:
     cfg = load_config(root / "config.json")
     index_path = root / INDEX_NAME
     if index_path.exists():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise SourceError(f"{index_path}: unreadable index ({e}); re-download it") from None
+        weight_map = _weight_map(index_path)
         names = sorted(set(weight_map.values()))
     elif (root / SINGLE_NAME).exists():
         weight_map, names = None, [SINGLE_NAME]
@@ -161,32 +153,29 @@ def open_checkpoint(root: Path, roles: tuple[str, ...] = ROLES) -> Checkpoint:
     digest.update((root / "config.json").read_bytes())
     tensors: dict[str, TensorEntry] = {}
     files: dict[str, int] = {}
+    data_start: dict[str, int] = {}
     for name in names:
         path = root / name
         if not path.is_file():
             raise SourceError(f"{INDEX_NAME} maps tensors to {name}, which is missing from {root}")
-        header, raw, size = _read_header(path)
-        files[name] = size
-        digest.update(f"\0{name}\0{size}\0".encode())
-        digest.update(raw)
-        for key, entry in _entries(path, header, size, 8 + len(raw)).items():
+        header = _read_shard(path)
+        files[name] = header.file_size
+        data_start[name] = header.data_start
+        digest.update(f"\0{name}\0{header.file_size}\0".encode())
+        digest.update(header.block[8:])
+        for key, t in header.tensors.items():
             if key in tensors:
-                raise SourceError(f"tensor {key!r} is stored twice: in {tensors[key].file} and {name}")
-            tensors[key] = entry
+                raise SourceError(f"tensor {key!r} is stored twice: in {tensors[key].file} and {name}", key=key)
+            tensors[key] = TensorEntry(key, name, t.dtype, t.shape, (t.start, t.end))
     if weight_map is not None:
-        for key, name in weight_map.items():
-            if key in tensors and tensors[key].file != name:
-                raise SourceError(f"{INDEX_NAME} maps {key!r} to {name} but it is stored in {tensors[key].file}")
-        orphans = sorted(set(weight_map) - set(tensors))
-        if orphans:
-            raise SourceError(f"{INDEX_NAME} lists {orphans[0]!r} in {weight_map[orphans[0]]} but no shard holds it")
+        _check_index(weight_map, tensors)
     try:
         check_source_keys(cfg, {k: (e.shape, e.dtype) for k, e in tensors.items()}, roles)
     except SourceError as e:
-        key = str(e).split("'")[1] if "'" in str(e) else ""
-        where = f"{tensors[key].file}: " if key in tensors else ""
-        raise SourceError(where + str(e)) from None
-    return Checkpoint(root, cfg, tensors, files, digest.hexdigest())
+        if e.key in tensors:
+            raise SourceError(f"{tensors[e.key].file}: {e}", key=e.key) from None
+        raise
+    return Checkpoint(root, cfg, tensors, files, data_start, digest.hexdigest())
 
 
 def side_files(root: Path) -> list[str]:

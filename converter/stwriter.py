@@ -36,9 +36,9 @@ from pathlib import Path
 import numpy as np
 from blake3 import blake3
 
-from .errors import OutputError
 from .fsutil import fsync_dir
 from .rules import DTYPE_SIZE
+from .stheader import read_header
 
 DIRECT = True  # try O_DIRECT first (module switch for experiments and tests)
 ALIGN = 4096  # O_DIRECT offset, length and address alignment (covers 512 B and 4 KiB sectors)
@@ -189,9 +189,7 @@ class StreamWriter:
                 if self._direct and n % ALIGN and done < len(view):
                     self._buffered()
         except OSError as e:
-            self._pos += done
-            raise OutputError(f"{self._tmp}: write failed after {self._pos} of {self.size} bytes "
-                              f"({e.strerror}); free at least {self.size - self._pos} bytes and run with --resume") from None
+            raise OSError(e.errno, e.strerror, str(self._tmp)) from None  # the caller knows what is left to write
         self._pos += done
         if not self._direct and self._behind and _SFR is not None and self._pos - self._started >= self._behind:
             self._write_behind()
@@ -236,7 +234,7 @@ class StreamWriter:
                 os.ftruncate(self._fd, self.size)
             os.fsync(self._fd)
         except OSError as e:
-            raise OutputError(f"{self._tmp}: flush failed ({e.strerror}); free space and run with --resume") from None
+            raise OSError(e.errno, e.strerror, str(self._tmp)) from None
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written and synced: clean, droppable
         os.close(self._fd)
@@ -255,31 +253,15 @@ class StreamWriter:
         self._tmp.unlink(missing_ok=True)
 
 
-def read_header(path: Path) -> tuple[bytes, dict]:
-    """The raw header block (length prefix included) and its parsed JSON."""
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise ValueError(f"{path}: shorter than a safetensors header")
-        n = int.from_bytes(prefix, "little")
-        if n > 100 << 20:
-            raise ValueError(f"{path}: header length {n} is not plausible")
-        raw = f.read(n)
-    if len(raw) != n:
-        raise ValueError(f"{path}: truncated inside its header")
-    return prefix + raw, json.loads(raw)
-
-
 def hash_file(path: Path, block: int = 16 << 20) -> tuple[str, dict[str, str]]:
     """Recompute a file's digest and its tensors' digests exactly as StreamWriter records them."""
-    header, doc = read_header(path)
-    items = sorted(((v["data_offsets"], k) for k, v in doc.items() if k != "__metadata__"))
+    header = read_header(path)
     digests: dict[str, str] = {}
     with open(path, "rb") as f:
-        for (start, end), name in items:
-            f.seek(len(header) + start)
+        for name, t in header.tensors.items():  # in data order
+            f.seek(header.data_start + t.start)
             h = blake3(max_threads=blake3.AUTO)
-            left = end - start
+            left = t.end - t.start
             while left:
                 data = f.read(min(block, left))
                 if not data:
@@ -287,4 +269,4 @@ def hash_file(path: Path, block: int = 16 << 20) -> tuple[str, dict[str, str]]:
                 h.update(data)
                 left -= len(data)
             digests[name] = h.hexdigest()
-    return file_digest(header, [digests[k] for _, k in items]), digests
+    return file_digest(header.block, list(digests.values())), digests

@@ -37,7 +37,8 @@ from .manifest import (COMPLETE_NAME, FORMAT_VERSION, MANIFEST_NAME, STATE_DIR, 
                        load_manifest)
 from .plan import make_plan
 from .rules import DTYPE_SIZE, NEG_INF_F32, TensorSpec, build_specs
-from .stwriter import file_digest, read_header
+from .stheader import HeaderError, read_header
+from .stwriter import file_digest
 
 CHUNK_BYTES = 32 << 20
 ALIGN = 4096  # O_DIRECT offset, length and address alignment
@@ -62,7 +63,7 @@ class Problem:
     detail: dict = field(default_factory=dict)
 
     def where(self) -> str:
-        parts = [p for p in (self.role, f"rank {self.rank}" if self.rank is not None else None, self.tensor) if p]
+        parts = [p for p in (self.role, f"rank {self.rank}" if self.rank is not None else None, _shown(self.tensor)) if p]
         return " ".join(parts)
 
     def line(self) -> str:
@@ -159,9 +160,14 @@ class Report:
         return f"{where + ': ' if where else ''}{p.message}"
 
 
+def _shown(name: str | None) -> str | None:
+    """A tensor name for a report line: names read from a damaged header may hold control characters."""
+    return name if name is None or name.isprintable() else repr(name)
+
+
 def _tensor_key(p: Problem) -> str:
     if p.tensor:
-        return " ".join(x for x in (p.role, f"rank-{p.rank}" if p.rank is not None else None, p.tensor) if x)
+        return " ".join(x for x in (p.role, f"rank-{p.rank}" if p.rank is not None else None, _shown(p.tensor)) if x)
     return p.file or p.kind
 
 
@@ -202,25 +208,15 @@ class RankFile:
     def __init__(self, rel: str, path: Path):
         self.rel = rel
         self.path = path
-        self.size = path.stat().st_size
-        self.header, doc = read_header(path)
-        if not isinstance(doc, dict):
-            raise ValueError(f"{path}: header is not a JSON object")
-        self.meta: dict = doc.get("__metadata__") or {}
-        base = len(self.header)
-        self.tensors: dict[str, HeaderTensor] = {}
-        for name, v in doc.items():
-            if name == "__metadata__":
-                continue
-            try:
-                dtype, shape, (s, e) = v["dtype"], tuple(int(d) for d in v["shape"]), v["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise ValueError(f"{path}: malformed header entry for {name!r}") from None
-            if dtype not in DTYPE_SIZE:
-                raise ValueError(f"{path}: tensor {name!r} has unknown dtype {dtype}")
-            if e - s != DTYPE_SIZE[dtype] * int(np.prod(shape, dtype=np.int64)) or s < 0:
-                raise ValueError(f"{path}: tensor {name!r} data_offsets [{s}, {e}) do not hold {dtype}{list(shape)}")
-            self.tensors[name] = HeaderTensor(dtype, shape, base + int(s), base + int(e))
+        # Not `whole`: a truncated file is reported tensor by tensor, bytes after the data as a finding.
+        header = read_header(path, whole=False)
+        self.size = header.file_size
+        self.header = header.block
+        self.meta: dict = header.metadata
+        self.trailing = max(0, header.file_size - header.data_end)  # bytes after the last tensor
+        base = header.data_start
+        self.tensors: dict[str, HeaderTensor] = {
+            t.name: HeaderTensor(t.dtype, t.shape, base + t.start, base + t.end) for t in header.tensors.values()}
         self._fd: int | None = None
         self._direct: DirectFile | None = None
         self._lock = threading.Lock()
@@ -747,15 +743,22 @@ def open_files(report: Report, out: Path, manifest: dict, check_size: bool = Tru
             continue
         try:
             rf = RankFile(rel, path)
-        except (OSError, ValueError) as e:
-            report.add(Problem("file", f"{rel}: unreadable safetensors header ({e}); re-run convert --force",
+        except HeaderError as e:
+            report.add(Problem("file", f"{rel}: unreadable safetensors header: {e.reason}; re-run convert --force",
                                role, rank, file=rel))
+            continue
+        except OSError as e:
+            report.add(Problem("file", f"{rel}: cannot read ({e.strerror}); re-run convert --force", role, rank,
+                               file=rel))
             continue
         files[rel] = rf
         if check_size and rf.size != f.get("bytes"):
             report.add(Problem("file", f"{rel}: {rf.size} bytes, the manifest records {f.get('bytes')} "
                                f"({'truncated' if rf.size < (f.get('bytes') or 0) else 'grown'}); re-run convert "
                                f"--force", role, rank, file=rel))
+        elif rf.trailing:  # diff: safetensors (and so vLLM) refuses a file with bytes after its data
+            report.add(Problem("file", f"{rel}: {rf.trailing} bytes follow the last tensor; safetensors "
+                               f"refuses such a file, re-run convert --force", role, rank, file=rel))
         want_meta = file_metadata(cid, role, rank, _part_of(rel), tp) if _part_of(rel) is not None else None
         if want_meta is not None:
             for k, v in want_meta.items():

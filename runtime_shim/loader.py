@@ -25,7 +25,6 @@ from .manifest import (
     DRAFT_RUNTIME_OWNED_SUFFIXES,
     Manifest,
     compare_plan,
-    header_block,
     load_manifest,
     read_header,
 )
@@ -237,7 +236,8 @@ class LuciferTP3Loader(BaseModelLoader):
             if "bytes" in f and path.stat().st_size != int(f["bytes"]):
                 raise ShimError(f"{path} is {path.stat().st_size} bytes, the manifest says {f['bytes']}; the copy is "
                                 f"truncated or from another conversion, re-copy it")
-            header, meta = read_header(path)
+            header = read_header(path)
+            meta = header.metadata
             want_meta = file_metadata(manifest.conversion_id, role, rank, 0, manifest.tp_size)
             for k, v in want_meta.items():
                 if k != "lucifer.part" and meta.get(k) != v:  # the part index is the file's name
@@ -245,14 +245,14 @@ class LuciferTP3Loader(BaseModelLoader):
                     raise ShimError(f"{path} metadata {k}={meta.get(k)!r}, manifest expects {v!r}: the file is {what}; "
                                     f"do not mix outputs, re-run lucifer-shard convert into a fresh directory")
             names = by_file.get(f["path"], [])
-            if set(header) != set(names):
-                extra, miss = set(header) - set(names), set(names) - set(header)
+            if set(header.tensors) != set(names):
+                extra, miss = set(header.tensors) - set(names), set(names) - set(header.tensors)
                 raise ShimError(f"{path} holds tensors the manifest does not list ({_few(extra) or 'none'}) or lacks "
                                 f"listed ones ({_few(miss) or 'none'}); re-run lucifer-shard convert --force")
             for name in names:
-                t, h = entry["tensors"][name], header[name]
-                if h["dtype"] != t["dtype"] or list(h["shape"]) != list(t["shape"]):
-                    raise ShimError(f"{path}: tensor {name} is {h['dtype']}{_shape(h['shape'])} but the manifest says "
+                t, h = entry["tensors"][name], header.tensors[name]
+                if h.dtype != t["dtype"] or list(h.shape) != list(t["shape"]):
+                    raise ShimError(f"{path}: tensor {name} is {h.dtype}{_shape(h.shape)} but the manifest says "
                                     f"{t['dtype']}{_shape(t['shape'])}; re-run lucifer-shard convert --force")
             out.append((path, sorted(names)))
         return out
@@ -411,9 +411,9 @@ class LuciferTP3Loader(BaseModelLoader):
 
         for f in entry["files"]:
             path = manifest.out / f["path"]
-            head, header, _ = header_block(path)
+            header = read_header(path)
             digests = []
-            for name in sorted(header, key=lambda k: header[k]["data_offsets"][0]):
+            for name in header.tensors:  # in data order
                 t = entry["tensors"][name]
                 p = targets[name].data
                 if self._is_sink(name, t):
@@ -424,7 +424,7 @@ class LuciferTP3Loader(BaseModelLoader):
                     raise ShimError(f"verify=full: loaded {name} digest {got[:16]}... != manifest {want[:16]}...; "
                                     f"the rank file {path} is corrupt or tampered with, re-run lucifer-shard convert")
                 digests.append(got)
-            got_file = file_digest(head, digests)
+            got_file = file_digest(header.block, digests)
             want_file = str(f.get("digest", "")).removeprefix("blake3:")
             if want_file and got_file != want_file:
                 raise ShimError(f"verify=full: {path} digest {got_file[:16]}... != manifest {want_file[:16]}...; "

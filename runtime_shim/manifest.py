@@ -2,23 +2,24 @@
 
 The output contract (manifest format and self-digest, file identity metadata, safetensors
 headers, roles, the virtual-TP plan) is the converter's: this module reads it through
-`lucifer_shard.manifest`, `.stwriter`, `.plan` and `.rules` and only turns their errors into the
+`lucifer_shard.manifest`, `.stheader`, `.plan` and `.rules` and only turns their errors into the
 shim's one-line `ShimError`. Imports neither vLLM nor torch.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lucifer_shard import stwriter
 from lucifer_shard.config import ModelConfig
 from lucifer_shard.errors import OutputError, PlanError
 from lucifer_shard.manifest import COMPLETE_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME
 from lucifer_shard.manifest import load_manifest as _load_manifest_doc
+from lucifer_shard.outlock import writer_of
 from lucifer_shard.plan import MOE_VARIANT, make_plan, stock_padded
 from lucifer_shard.rules import ROLES
+from lucifer_shard.stheader import Header, HeaderError
+from lucifer_shard.stheader import read_header as _read_header
 
 from .errors import ShimError
 
@@ -108,6 +109,9 @@ def load_manifest(out: str | Path, require_complete: bool = True) -> Manifest:
     if not out.is_dir():
         raise ShimError(f"model path {out} is not a local directory; --load-format lucifer_tp3 needs the output "
                         f"directory of lucifer-shard convert")
+    writer = writer_of(out)
+    if writer is not None:
+        raise ShimError(f"{out} is being written by lucifer-shard convert ({writer}); start vLLM when it has finished")
     try:
         doc = _load_manifest_doc(out)
     except OutputError as e:
@@ -129,23 +133,13 @@ def load_manifest(out: str | Path, require_complete: bool = True) -> Manifest:
     return m
 
 
-def header_block(path: Path) -> tuple[bytes, dict[str, dict], dict[str, str]]:
-    """(raw header block, tensors {name: {dtype, shape, data_offsets}}, __metadata__) of a safetensors
-    file, read by `lucifer_shard.stwriter.read_header`; one-line ShimErrors."""
+def read_header(path: Path) -> Header:
+    """The validated header of a rank file (`lucifer_shard.stheader`, the reader the converter
+    uses): every tensor's dtype, shape and offsets and the `__metadata__`; one-line ShimErrors."""
     try:
-        raw, header = stwriter.read_header(path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ShimError(f"{path}: header is not JSON ({e}); the file is corrupt, re-run lucifer-shard convert") from None
-    except ValueError as e:
+        return _read_header(path)
+    except HeaderError as e:
         raise ShimError(f"{e}; the file is corrupt, re-run lucifer-shard convert") from None
-    meta = header.pop("__metadata__", None) or {}
-    return raw, header, meta
-
-
-def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str]]:
-    """(tensors {name: {dtype, shape, data_offsets}}, __metadata__) of a safetensors file."""
-    _, header, meta = header_block(path)
-    return header, meta
 
 
 # ---------------------------------------------------------------------------- virtual-TP plan

@@ -197,20 +197,17 @@ def test_sigkill_then_resume_equals_clean_run(tiny_pattern, tmp_path, converted)
 def test_align_4096_for_direct_io(converted, tiny_pattern):
     """--align 4096: the data section and every tensor whose size is a multiple of 4096 start on a
     4 KiB boundary; the files still read back and hold the same tensors."""
-    from lucifer_shard.stwriter import read_header
+    from lucifer_shard.stheader import read_header
 
     out = converted(align=4096)
     plain = converted()
     aligned = 0
     for path in sorted((out / "target").rglob("*.safetensors")):
-        header, doc = read_header(path)
-        assert len(header) % 4096 == 0
-        for name, info in doc.items():
-            if name == "__metadata__":
-                continue
-            start, end = info["data_offsets"]
-            if (end - start) % 4096 == 0:
-                assert (len(header) + start) % 4096 == 0, name
+        header = read_header(path)
+        assert header.data_start % 4096 == 0
+        for name, t in header.tensors.items():
+            if (t.end - t.start) % 4096 == 0:
+                assert (header.data_start + t.start) % 4096 == 0, name
                 aligned += 1
     assert aligned > 40
     for rank in range(3):

@@ -15,7 +15,7 @@ from lucifer_shard.cli import Group
 from lucifer_shard.cmd_check import diff as diff_cmd, inspect as inspect_cmd, verify as verify_cmd
 from lucifer_shard.diff import diff
 from lucifer_shard.manifest import MANIFEST_NAME
-from lucifer_shard.stwriter import read_header
+from lucifer_shard.stheader import read_header
 from lucifer_shard.verify import verify
 
 CASES = {
@@ -47,8 +47,9 @@ def copy_out(out: Path, tmp_path: Path) -> Path:
 
 def tensor_start(path: Path, name: str) -> tuple[int, list[int]]:
     """Absolute file offset of a tensor's first byte, and its stored shape."""
-    header, doc = read_header(path)
-    return len(header) + doc[name]["data_offsets"][0], doc[name]["shape"]
+    header = read_header(path)
+    t = header.tensors[name]
+    return header.data_start + t.start, list(t.shape)
 
 
 def flip(path: Path, offset: int, xor: int = 0x5A) -> None:
@@ -77,7 +78,7 @@ def test_diff_passes(converted, tiny_pattern, case):
     tp = json.loads((out / MANIFEST_NAME).read_text())["tp_size"]
     assert s["rank_tensors"] == tp * (134 + 39)
     assert s["source_bytes"] == sum(  # every source byte compared once ...
-        f.stat().st_size - len(read_header(f)[0]) for f in tiny_pattern.glob("*.safetensors"))
+        f.stat().st_size - read_header(f).data_start for f in tiny_pattern.glob("*.safetensors"))
     assert s["source_bytes_read"] < 1.01 * s["source_bytes"]  # ... and read about once
 
 
@@ -87,7 +88,7 @@ def test_diff_passes_in_small_chunks(converted, tiny_pattern):
                   chunk_bytes=3000)
     assert report.ok, report.problem_lines()
     assert report.stats["source_bytes"] == sum(  # every source byte compared exactly once
-        f.stat().st_size - len(read_header(f)[0]) for f in tiny_pattern.glob("*.safetensors"))
+        f.stat().st_size - read_header(f).data_start for f in tiny_pattern.glob("*.safetensors"))
 
 
 def test_diff_and_verify_pass_on_multi_part_files(converted, tiny_pattern):
@@ -207,8 +208,7 @@ def test_file_from_another_conversion(converted, tiny_pattern, tmp_path):
 def test_truncated_rank_file(converted, tiny_pattern, tmp_path):
     out = copy_out(converted(), tmp_path)
     path = out / PART.format(2)
-    _, doc = read_header(path)
-    last = max((v["data_offsets"][1], k) for k, v in doc.items() if k != "__metadata__")[1]
+    last = list(read_header(path).tensors)[-1]
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size - 1000)
     report = diff(out, str(tiny_pattern), progress=False)

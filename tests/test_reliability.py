@@ -7,21 +7,26 @@ JSON line (docs/reliability.md is rendered from it by tools/reliability_table.py
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 LOG = os.environ.get("LUCIFER_RELIABILITY_LOG")
+COMPLETE = "COMPLETE"
 SHARD = "model-00003-of-00005.safetensors"  # holds layer 3's attention and experts 0-4 (tiny preset)
 
 
@@ -92,9 +97,11 @@ def _wait_for(pred, proc, timeout=60.0) -> None:
     assert proc.poll() is None, "the conversion ended before the fault point was reached"
 
 
-def _start(src: Path, out: Path) -> subprocess.Popen:
-    args = ["convert", "--tp", "3", "--quiet", "--max-file-size", "1MiB", str(src), str(out)]
-    return subprocess.Popen([sys.executable, "-m", "lucifer_shard.cli", *args],
+CONVERT = ("convert", "--tp", "3", "--quiet", "--max-file-size", "1MiB")
+
+
+def _start(src: Path, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lucifer_shard.cli", *CONVERT, *extra, str(src), str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -127,11 +134,14 @@ def test_sigkill_then_resume(tiny_pattern, clean_out, tmp_path, point):
     one_line_error(refused)
     if point == "manifest":
         (out / ".lucifer-manifest.json.partial").unlink()
-    resumed = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", "--resume", tiny_pattern, out)
+    resumed = cli(*CONVERT, "--resume", tiny_pattern, out)
     assert resumed.returncode == 0, resumed.stderr
+    # the kernel released the dead writer's lock; its record is recognised and taken over
+    assert f"ended without releasing it (pid {proc.pid} on" in resumed.stdout, resumed.stdout
     assert tree(out) == tree(clean_out)
     assert snapshot(tiny_pattern) == before
-    record(f"SIGKILL {point}", "verify refuses; --resume finishes byte-identical to a clean run", refused)
+    record(f"SIGKILL {point}", "verify refuses; --resume takes over the dead writer's lock and finishes "
+           "byte-identical to a clean run", refused)
 
 
 def test_sigint_is_clean_and_resumable(tiny_pattern, clean_out, tmp_path):
@@ -165,7 +175,206 @@ def test_file_size_limit(tiny_pattern, clean_out, tmp_path):
     assert snapshot(tiny_pattern) == before
     resumed = cli("convert", "--tp", 3, "--quiet", "--resume", tiny_pattern, out)
     assert resumed.returncode == 0, resumed.stderr
-    record("write fails (RLIMIT_FSIZE 2 MiB, as a full disk)", "nothing final written; source unchanged", proc, msg)
+    record("write fails (RLIMIT_FSIZE 2 MiB, the file size limit)", "nothing final written; source unchanged", proc, msg)
+
+
+# ---------------------------------------------------------------- one writer per OUT
+
+
+MODES = {"plain": (), "--force": ("--force",), "--resume": ("--resume",)}
+
+
+def _holder(out: Path) -> int | None:
+    try:
+        return json.loads((out / ".lucifer" / "lock").read_text() or "null")["pid"]
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def everything(root: Path) -> dict[str, bytes]:
+    """Every file under OUT, state folder, lock and temporary files included."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("first", list(MODES))
+def test_second_writer_is_refused(tiny_pattern, clean_out, tmp_path, first):
+    """A writer stopped mid-conversion (SIGSTOP: it holds OUT's lock) makes every second writer,
+    plain, --force or --resume, exit at once naming it and change nothing; verify and diff say OUT
+    is being written. The first writer then finishes byte-identical to a clean run."""
+    out = tmp_path / "out"
+    if first == "--force":
+        shutil.copytree(clean_out, out)
+    elif first == "--resume":
+        crashed = _start(tiny_pattern, out)
+        _wait_for(lambda: _journal_lines(out) >= 3, crashed)
+        crashed.kill()
+        crashed.wait()
+    lines = 0 if first == "--force" else _journal_lines(out)
+    w1 = _start(tiny_pattern, out, *MODES[first])
+    _wait_for(lambda: _holder(out) == w1.pid and not (out / COMPLETE).exists() and _journal_lines(out) > lines, w1)
+    w1.send_signal(signal.SIGSTOP)
+    try:
+        before = everything(out)
+        for second, extra in MODES.items():
+            proc = cli(*CONVERT, *extra, tiny_pattern, out)
+            msg = one_line_error(proc, "locked by another writer", f"pid {w1.pid} on ", "started ")
+            assert proc.returncode == 2 and everything(out) == before, second
+        record(f"second convert (plain, --force, --resume) while a {first} convert writes OUT",
+               "each refused at once, nothing changed; the first finishes byte-identical", proc, msg)
+        if first == "plain":
+            for command in (("verify", out), ("diff", out, tiny_pattern)):
+                proc = cli(*command)
+                msg = one_line_error(proc, "is being written by lucifer-shard convert", f"pid {w1.pid} on ")
+                assert proc.returncode == 2 and everything(out) == before
+                record(f"{command[0]} while convert writes OUT", "refused (not reported as damage)", proc, msg)
+    finally:
+        w1.send_signal(signal.SIGCONT)
+    _, err = w1.communicate(timeout=300)
+    assert w1.returncode == 0, err
+    assert tree(out) == tree(clean_out)
+    assert (out / ".lucifer" / "lock").read_text() == ""  # released cleanly: no holder record left
+
+
+# ---------------------------------------------------------------- internal errors
+
+
+def cli_with_fault(target: str, after: int, *args) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess where `module.function` raises RuntimeError from its call number
+    `after + 1` on: an unexpected exception, as a bug would raise one."""
+    module, function = target.rsplit(".", 1)
+    code = (f"import sys, {module} as m\n"
+            f"real, calls = m.{function}, []\n"
+            f"def failing(*a, **k):\n"
+            f"    calls.append(1)\n"
+            f"    if len(calls) > {after}:\n"
+            f"        raise RuntimeError('injected fault: {function} call ' + str(len(calls)))\n"
+            f"    return real(*a, **k)\n"
+            f"m.{function} = failing\n"
+            f"from lucifer_shard.cli import main\n"
+            f"main()\n")
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+
+
+def internal_error(proc: subprocess.CompletedProcess, function: str) -> tuple[str, Path]:
+    """The one `error: internal error:` line (exit 70), and the log it names, which holds the traceback."""
+    assert proc.returncode == 70, proc.stderr
+    msg = one_line_error(proc, "internal error: RuntimeError: injected fault", "; details in ")
+    log = Path(msg.rsplit("; details in ", 1)[1])
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and f"injected fault: {function}" in text
+    return msg, log
+
+
+def test_internal_error_in_convert(tiny_pattern, clean_out, tmp_path):
+    out = tmp_path / "out"
+    proc = cli_with_fault("lucifer_shard.convert._write_part", 3, *CONVERT, tiny_pattern, out)
+    msg, log = internal_error(proc, "_write_part")
+    assert log.parent == out / ".lucifer"
+    assert not list(out.rglob("*.partial")) and not (out / COMPLETE).exists()
+    whole_files(out)
+    assert (out / ".lucifer" / "lock").read_text() == ""  # the lock was released
+    resumed = cli(*CONVERT, "--resume", tiny_pattern, out)
+    assert resumed.returncode == 0 and tree(out) == tree(clean_out)
+    record("internal error in convert (injected exception)", "exit 70, traceback in OUT/.lucifer/; "
+           "--resume finishes byte-identical", proc, msg.replace(str(out), "…/out"))
+
+
+def test_internal_error_in_verify(clean_out, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(clean_out, out, copy_function=os.link)
+    proc = cli_with_fault("lucifer_shard.verify._check_replicas", 0, "verify", out)
+    msg, log = internal_error(proc, "_check_replicas")
+    assert log.parent == out / ".lucifer"
+    record("internal error in verify (injected exception)", "exit 70, traceback in OUT/.lucifer/", proc,
+           msg.replace(str(out), "…/out"))
+
+
+def test_internal_error_without_out(tiny_pattern):
+    proc = cli_with_fault("lucifer_shard.planview.plan_lines", 0, "plan", "--tp", 3, tiny_pattern)
+    msg, log = internal_error(proc, "plan_lines")
+    assert log.parent == Path(tempfile.gettempdir()) and log.name.startswith("lucifer-shard-")
+    log.unlink()
+    record("internal error in plan (injected exception, no OUT)", "exit 70, traceback in a temporary file", proc,
+           re.sub(r"/tmp/\S+\.log", "/tmp/lucifer-shard-…-internal-error-….log", msg))
+
+
+# ---------------------------------------------------------------- a full disk
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """make(bytes) -> the mount point of a fresh tmpfs of that size (needs root), unmounted after."""
+    points = []
+
+    def make(size: int) -> Path:
+        point = tmp_path / f"fs{len(points)}"
+        point.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()}); the full-disk tests need root")
+        points.append(point)
+        return point
+
+    yield make
+    for point in points:
+        subprocess.run(["umount", "-l", str(point)], check=True)
+
+
+def _output_bytes(out: Path) -> int:
+    """What a conversion writes: every file but the lock and the conversion record."""
+    return sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and p.name not in ("lock", "conversion.json"))
+
+
+def _bytes_stated(msg: str, what: str) -> int:
+    return int(re.search(r"([\d,]+) bytes " + what, msg)[1].replace(",", ""))
+
+
+def test_disk_too_small_is_refused_before_writing(tiny_pattern, clean_out, small_fs):
+    fs = small_fs(16 << 20)
+    proc = cli(*CONVERT, tiny_pattern, fs / "out")
+    msg = one_line_error(proc, str(fs), "(tmpfs)", "free at least")
+    assert _bytes_stated(msg, "still to write") == _output_bytes(clean_out)  # exact, from the plan
+    assert not (fs / "out").exists()
+    record("disk too small (tmpfs of 16 MiB)", "refused before writing, with the exact bytes needed; "
+           "nothing created", proc, msg.replace(str(fs), "/mnt/small"))
+
+
+def test_disk_fills_mid_write_then_resume(tiny_pattern, clean_out, small_fs):
+    """The disk fills up under a running conversion (another file grows): the error says how many
+    bytes are still to write, exactly, on which filesystem; nothing is half-written; after space
+    is freed, --resume finishes byte-identical to a clean run."""
+    before = snapshot(tiny_pattern)
+    fs = small_fs(_output_bytes(clean_out) + (4 << 20))
+    out = fs / "out"
+    proc = _start(tiny_pattern, out)
+    _wait_for(lambda: _journal_lines(out) >= 3, proc)
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        with open(fs / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):  # another program
+            while True:                                                                    # fills the disk
+                f.write(b"\0" * (1 << 20))
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    _, err = proc.communicate(timeout=300)
+    failed = subprocess.CompletedProcess([], proc.returncode, "", err)
+    msg = one_line_error(failed, "No space left on device", str(fs), "--resume")
+    clean = {e["path"]: line for line in (clean_out / ".lucifer/journal.jsonl").read_text().splitlines(True)
+             for e in [json.loads(line)]}
+    done = {json.loads(line)["path"] for line in (out / ".lucifer/journal.jsonl").read_text().splitlines()}
+    left = [p for p in clean if p not in done]
+    expected = sum((clean_out / p).stat().st_size + len(clean[p]) for p in left) + sum(
+        p.stat().st_size for p in clean_out.iterdir() if p.is_file() and not p.name.endswith(".safetensors"))
+    assert left and _bytes_stated(msg, "of this conversion are still to write") == expected
+    assert not list(out.rglob("*.partial")) and not (out / COMPLETE).exists()
+    whole_files(out)
+    (fs / "filler").unlink()
+    resumed = cli(*CONVERT, "--resume", tiny_pattern, out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert tree(out) == tree(clean_out) and snapshot(tiny_pattern) == before
+    record("disk fills up mid-write (tmpfs, another file takes the rest)", "exact bytes still to write named; "
+           "nothing half-written; --resume after freeing space finishes byte-identical", failed,
+           msg.replace(str(fs), "/mnt/small"))
 
 
 # ---------------------------------------------------------------- bad source checkpoints
@@ -180,6 +389,14 @@ def _rewrite(path: Path, edit) -> None:
     new = json.dumps(header, separators=(",", ":")).encode()
     new += b" " * (-len(new) % 8)
     path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+
+
+def _drop(path: Path, key: str) -> None:
+    """Rewrite a shard without one tensor (a well-formed file that simply lacks it)."""
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != key}
+        meta = f.metadata()
+    save_file(tensors, str(path), metadata=meta)
 
 
 def _first(header: dict, suffix: str) -> str:
@@ -224,9 +441,20 @@ BAD_SOURCES = {
                     [SHARD, "layers.3.ffn.experts.0.w1.weight", "U8", "I8"]),
     "wrong shape": (lambda s: _rewrite(s / SHARD, lambda h: h["layers.3.ffn.experts.0.w1.weight"].update(
         shape=list(reversed(h["layers.3.ffn.experts.0.w1.weight"]["shape"])))), [SHARD, "layers.3.ffn.experts.0.w1.weight"]),
-    "missing tensor": (lambda s: (_rewrite(s / SHARD, lambda h: h.pop("layers.3.attn.wo_b.scale")),
+    "missing tensor": (lambda s: (_drop(s / SHARD, "layers.3.attn.wo_b.scale"),
                                   _move_tensor(s, lambda m: m.pop("layers.3.attn.wo_b.scale"))),
                        ["missing tensor", "layers.3.attn.wo_b.scale"]),
+    "gap between tensors": (lambda s: _rewrite(s / SHARD, lambda h: h.pop("layers.3.attn.wo_b.scale")),
+                            [SHARD, "belong to no tensor", "gaps"]),
+    "tensor in a shard, not in the index": (lambda s: _move_tensor(s, lambda m: m.pop("layers.3.attn.wo_b.scale")),
+                                            [SHARD, "layers.3.attn.wo_b.scale", "not listed in model.safetensors.index.json"]),
+    "index entry its shard lacks": (lambda s: _drop(s / SHARD, "layers.3.attn.wo_b.scale"),
+                                    ["model.safetensors.index.json", "layers.3.attn.wo_b.scale", SHARD, "does not hold it"]),
+    "index entry names another shard": (lambda s: _move_tensor(s, lambda m: m.update(
+        {"layers.3.attn.wo_b.scale": "model-00004-of-00005.safetensors"})),
+        ["model.safetensors.index.json", "layers.3.attn.wo_b.scale", "model-00004-of-00005.safetensors", SHARD]),
+    "index entry outside the model folder": (lambda s: _move_tensor(s, lambda m: m.update(
+        {"norm.weight": "../model-00001-of-00005.safetensors"})), ["norm.weight", "outside the model directory"]),
     "same tensor in two shards": (lambda s: _rewrite(s / "model-00004-of-00005.safetensors", lambda h: h.update(
         {"layers.3.attn.wo_b.scale": h.pop(_first(h, "attn_norm.weight"))})), ["layers.3.attn.wo_b.scale", "stored twice"]),
     "index names a missing file": (lambda s: _move_tensor(s, lambda m: m.update({"norm.weight": "model-00009-of-00009.safetensors"})),
@@ -287,7 +515,7 @@ def test_foreign_nonempty_out(tiny_pattern, tmp_path):
     (out / "notes.txt").write_text("mine")
     proc = cli("convert", "--tp", 3, "--quiet", "--force", tiny_pattern, out)
     msg = one_line_error(proc, "not a lucifer-shard output")
-    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "notes.txt").read_text() == "mine" and list(out.iterdir()) == [out / "notes.txt"]
     record("OUT holds other files (even with --force)", "refused, files untouched", proc, msg)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from lucifer_shard.manifest import COMPLETE_NAME, MANIFEST_NAME
 from lucifer_shard.rules import DTYPE_SIZE
-from lucifer_shard.stwriter import read_header
+from lucifer_shard.stheader import read_header
 from lucifer_shard.verify import verify
 
 from test_diff import CASES, PART, W2, copy_out, flip, named, run_cli, tensor_start
@@ -122,8 +122,7 @@ def test_file_from_another_conversion(converted, tmp_path):
 def test_truncated_rank_file(converted, tmp_path):
     out = copy_out(converted(), tmp_path)
     path = out / PART.format(2)
-    _, doc = read_header(path)
-    last = max((v["data_offsets"][1], k) for k, v in doc.items() if k != "__metadata__")[1]
+    last = list(read_header(path).tensors)[-1]
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size - 1000)
     report = verify(out, progress=False)

@@ -222,9 +222,8 @@ def test_verify_full_catches_tampered_bytes(out_kernel, tmp_path, tp_world):
     sf.real_copy(path)
     from lucifer_shard.runtime_shim.manifest import read_header
 
-    header, _ = read_header(path)
-    n = int.from_bytes(path.read_bytes()[:8], "little")
-    start = 8 + n + header["model.layers.0.attn.wq_b.weight"]["data_offsets"][1] - 1  # last byte: a zero tail
+    header = read_header(path)
+    start = header.data_start + header.tensors["model.layers.0.attn.wq_b.weight"].end - 1  # last byte: a zero tail
     data = bytearray(path.read_bytes())
     data[start] ^= 0x40
     path.write_bytes(bytes(data))

@@ -33,12 +33,12 @@ WORLD_TIMEOUT_S = 900
 
 def flip_byte(out: Path, role: str, rank: int, name: str, at: int = 100) -> tuple[Path, int]:
     """Flip one byte of tensor `name` in a private copy of its rank file; (file, absolute offset)."""
-    from lucifer_shard.stwriter import read_header
+    from lucifer_shard.stheader import read_header
 
     entry = next(e for e in sf.manifest(out)["roles"][role]["ranks"] if int(e["rank"]) == rank)
     path = out / entry["tensors"][name]["file"]
-    raw, header = read_header(path)
-    offset = len(raw) + header[name]["data_offsets"][0] + at  # raw includes the 8-byte length prefix
+    header = read_header(path)
+    offset = header.data_start + header.tensors[name].start + at
     sf.real_copy(path)
     with open(path, "r+b") as f:
         f.seek(offset)
