@@ -9,18 +9,20 @@ The manifest and COMPLETE are written last.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from . import __version__
+from . import __version__, footprint
 from .assemble import chunks
+from .content import ALGORITHM, BLOCK, ContentDigests, checkpoint_digest, shard_digests
 from .errors import OutputError, SourceError
 from .fsutil import atomic_copy, atomic_write_text
 from .layouts import EXPERT_TENSORS, LAYOUT_VERSION, Layout, expert_layout
@@ -30,11 +32,12 @@ from .manifest import (COMPLETE_NAME, FLASHINFER_VERSIONS, MANIFEST_NAME, RUNTIM
 from .plan import MOE_VARIANT, Plan, make_plan
 from .rules import TensorSpec, build_specs
 from .source import Checkpoint, open_checkpoint, resolve_model, side_files
-from .stwriter import StreamWriter, TensorHeader, WrittenFile
-from .stwriter import hash_file
+from .stwriter import StreamWriter, TensorHeader, WrittenFile, encode_header, hash_file
+from .units import byte_bar, duration, rate, size
 
 JOURNAL = "journal.jsonl"
 RECORD = "conversion.json"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,14 +50,17 @@ class Summary:
     files_resumed: int = 0
     seconds: float = 0.0
 
+    def to_dict(self) -> dict:
+        return {**asdict(self), "out": str(self.out)}
+
     def lines(self) -> list[str]:
-        rate = self.bytes_written / self.seconds / 1e6 if self.seconds else 0.0
+        moved = (self.bytes_read + self.bytes_written) / self.seconds if self.seconds else 0.0
         return [
             f"output     {self.out}",
             f"files      {self.files_written} written, {self.files_resumed} kept from an earlier run",
-            f"read       {self.bytes_read / 1e9:.3f} GB",
-            f"written    {self.bytes_written / 1e9:.3f} GB",
-            f"time       {self.seconds:.1f} s ({rate:.0f} MB/s written)",
+            f"read       {size(self.bytes_read)}",
+            f"written    {size(self.bytes_written)}",
+            f"time       {duration(self.seconds)} ({rate(moved)} read + written)",
         ]
 
 
@@ -80,6 +86,33 @@ def stored_shape(spec: TensorSpec, layouts: dict[str, Layout]) -> tuple[int, ...
 
 def layout_name(spec: TensorSpec, layouts: dict[str, Layout]) -> str:
     return layouts[spec.expert_tensor].name if spec.expert_tensor else "model"
+
+
+def part_headers(specs_by_name: dict[str, TensorSpec], part: Part, layouts: dict[str, Layout]) -> list[TensorHeader]:
+    """The headers of one rank's file of `part`, in file order."""
+    return [TensorHeader(n, specs_by_name[n].dtype, stored_shape(specs_by_name[n], layouts)) for n in part.names]
+
+
+def part_keys(specs_by_name: dict[str, TensorSpec], part: Part) -> list[str]:
+    """The source tensors a part reads (whole: every rank's slices of them are in this part)."""
+    return list(dict.fromkeys(k for n in part.names for k in specs_by_name[n].sources()))
+
+
+def plan_footprint(specs: dict[str, list[list[TensorSpec]]], parts: list[Part], layouts: dict[str, Layout], tp: int,
+                   align: int, sizes: dict[str, int], cid: str = "0" * 64, side: int = 0) -> footprint.Footprint:
+    """Bytes to read, and the exact size of every rank file (its header depends on names, shapes, the
+    64-hex-digit conversion id and the alignment; any id gives the same length)."""
+    files = {}
+    for role, ranks in specs.items():
+        for rank, rank_specs in enumerate(ranks):
+            by_name = {s.name: s for s in rank_specs}
+            for part in (p for p in parts if p.role == role):
+                headers = part_headers(by_name, part, layouts)
+                meta = file_metadata(cid, role, rank, part.index, tp)
+                files[part_path(role, rank, part.index)] = (len(encode_header(headers, meta, align))
+                                                            + sum(h.nbytes for h in headers))
+    tensors = sum(len(r) for ranks in specs.values() for r in ranks)
+    return footprint.Footprint(footprint.read_bytes(specs, sizes), files, tensors, side)
 
 
 def plan_parts(role: str, specs: list[TensorSpec], max_bytes: int, align: int = 8) -> list[Part]:
@@ -127,6 +160,15 @@ class Job:
     def roles(self) -> list[str]:
         return list(self.specs)
 
+    @property
+    def source_sizes(self) -> dict[str, int]:
+        return {k: e.offsets[1] - e.offsets[0] for k, e in self.ckpt.tensors.items()}
+
+    def footprint(self) -> footprint.Footprint:
+        side = sum((self.ckpt.root / n).stat().st_size for n in side_files(self.ckpt.root))
+        return plan_footprint(self.specs, self.parts, self.layouts, self.plan.tp, self.options.align,
+                              self.source_sizes, self.cid, side)
+
 
 def prepare(model: str, options: Options) -> Job:
     root = resolve_model(model)
@@ -162,8 +204,7 @@ def _check_out(out: Path, root: Path, job: Job, resume: bool, force: bool) -> di
     ours = state.exists() or (out / MANIFEST_NAME).exists()
     if force:
         if ours or not any(out.iterdir()):
-            _clear(out)
-            return {}
+            return {}  # convert clears it once the room is checked
         raise OutputError(f"{out} is not empty and not a lucifer-shard output; --force only replaces outputs of this tool")
     if (out / COMPLETE_NAME).exists():
         raise OutputError(f"{out} already holds a complete conversion; pass --force to replace it")
@@ -204,6 +245,24 @@ def _describe_diff(old: dict, new: dict) -> str:
     a, b = old.get("options", {}), new.get("options", {})
     diffs = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     return "; ".join(diffs) or f"tool version {old.get('tool_version')} -> {new.get('tool_version')}"
+
+
+def _check_room(out: Path, job: Job, journaled: dict[str, dict], replace: bool) -> None:
+    """Refuse to start when OUT's filesystem cannot hold what is still to write (nothing is touched yet)."""
+    fp = job.footprint()
+    need = fp.needed(journaled)
+    free, mount = footprint.free_space(out)
+    back = 0
+    if out.is_dir():  # --force removes the old output; a resumed run its partial files
+        back = footprint.tree_bytes(out) if replace else footprint.tree_bytes(out, ".*.partial")
+    logger.info("room: %s to write, %s free on %s, %s given back by this run", size(need), size(free), mount,
+                size(back))
+    short = footprint.shortfall(need, free, back)
+    if short:
+        freed = f" (+{size(back)} this run removes)" if back else ""
+        raise OutputError(f"{out}: not enough room on the filesystem mounted at {mount}: {size(need)} to write "
+                          f"(rank files, config and tokenizer copies, manifest), {size(free)} free{freed}; "
+                          f"free {size(short)} more or choose an OUT on another filesystem")
 
 
 def _clear(out: Path) -> None:
@@ -265,23 +324,20 @@ class _RankSink:
         self.pending.clear()
 
 
-def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPoolExecutor | None]) -> tuple[list[WrittenFile], int]:
+def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPoolExecutor | None],
+                digests: ContentDigests) -> list[WrittenFile]:
     from .assemble import Assembler, BufferPool, swap_folded
     from .stwriter import partial_path
 
     specs_by_name = [{s.name: s for s in rank_specs} for rank_specs in job.specs[part.role]]
     shared = ThreadPoolExecutor(1, thread_name_prefix="lucifer-write") if all(p is None for p in pools) else None
     buffers = BufferPool()
-    asm = Assembler(job.ckpt, buffers)
+    asm = Assembler(job.ckpt, buffers, digests=digests)
     sinks: list[_RankSink] = []
     stream = None
-    read = 0
     try:
         for rank in range(job.plan.tp):
-            headers = []
-            for name in part.names:
-                spec = specs_by_name[rank][name]
-                headers.append(TensorHeader(name, spec.dtype, stored_shape(spec, job.layouts)))
+            headers = part_headers(specs_by_name[rank], part, job.layouts)
             path = out / part_path(part.role, rank, part.index)
             meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp)
             sinks.append(_RankSink(StreamWriter(path, headers, meta, align=job.options.align), pools[rank] or shared, buffers))
@@ -297,7 +353,6 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
             if layout is not None and not layout.steps:
                 layout = None
             work.extend(((name, layout), specs, a, b) for a, b in chunks(specs[0]))
-            read += sum(job.ckpt.tensors[k].offsets[1] - job.ckpt.tensors[k].offsets[0] for k in specs[0].sources())
         # The reader threads run ahead of assembly; the writers run behind it.
         stream = asm.stream(work)
         for (name, layout), bufs in stream:
@@ -306,7 +361,7 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
             bar.update(sum(buf.nbytes for buf in bufs))
         for sink in sinks:
             sink.drain()
-        return [sink.writer.close() for sink in sinks], read
+        return [sink.writer.close() for sink in sinks]
     except BaseException:
         for sink in sinks:
             try:
@@ -339,6 +394,9 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     job = prepare(model, options)
     out = Path(out)
     journaled = _check_out(out, job.ckpt.root, job, resume, force)
+    _check_room(out, job, journaled, replace=force)
+    if force and out.exists():
+        _clear(out)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     _remove_partials(out)
@@ -353,29 +411,46 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     todo = []
     for part in job.parts:
         paths = [part_path(part.role, r, part.index) for r in range(job.plan.tp)]
-        if all(p in journaled and _part_valid(out, journaled[p]) for p in paths):
+        # the first rank's entry carries the part's source digests (a journal without them is redone)
+        if "sources" in journaled.get(paths[0], {}) and all(p in journaled and _part_valid(out, journaled[p])
+                                                             for p in paths):
             for p in paths:
                 results[p] = journaled[p]
             summary.files_resumed += len(paths)
         else:
             todo.append(part)
+    logger.info("%d part(s) of %d files to write, %d file(s) kept from an earlier run", len(todo), job.plan.tp,
+                summary.files_resumed)
+    by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
+    sizes = job.source_sizes
+    digests = ContentDigests({k: sizes[k] for part in todo for k in part_keys(by_name[part.role], part)})
     total = sum(p.bytes_per_rank for p in todo) * job.plan.tp
     pools = [ThreadPoolExecutor(1) if workers > 1 else None for _ in range(job.plan.tp)]
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"convert tp{job.plan.tp}", disable=not progress)
+    bar = byte_bar(total, f"convert tp{job.plan.tp}", progress)
     try:
         with open(state / JOURNAL, "a") as journal:
             for part in todo:
-                files, read = _write_part(job, out, part, bar, pools)
-                summary.bytes_read += read
-                for f in files:
+                t_part = time.perf_counter()
+                files = _write_part(job, out, part, bar, pools, digests)
+                keys = part_keys(by_name[part.role], part)
+                sources = digests.finished(keys)
+                if len(sources) != len(keys):
+                    raise RuntimeError(f"{part.role} part {part.index}: {len(keys) - len(sources)} source tensor(s) "
+                                       f"not read completely")
+                summary.bytes_read += sum(sizes[k] for k in keys)
+                for i, f in enumerate(files):
                     rel = str(f.path.relative_to(out))
                     entry = {"path": rel, "bytes": f.bytes, "digest": f.digest, "tensors": f.tensor_digests}
+                    if i == 0:
+                        entry["sources"] = sources
                     results[rel] = entry
                     journal.write(json.dumps(entry, sort_keys=True) + "\n")
                     summary.bytes_written += f.bytes
                     summary.files_written += 1
                 journal.flush()
                 os.fsync(journal.fileno())
+                logger.info("%s part %d: %d file(s), %s, %.1f s", part.role, part.index, len(files),
+                            size(sum(f.bytes for f in files)), time.perf_counter() - t_part)
     except SourceError:
         # The source itself is bad: no rerun can finish this output, so leave nothing behind.
         _clear(out)
@@ -394,6 +469,16 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     job.ckpt.close()
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def source_content(job: Job, files: dict[str, dict]) -> dict:
+    """The manifest's `source.content`: digests of every converted source tensor, per shard and in all."""
+    digests: dict[str, str] = {}
+    for entry in files.values():
+        digests.update(entry.get("sources") or {})
+    shards = shard_digests(digests, {k: job.ckpt.tensors[k].file for k in digests})
+    return {"algorithm": ALGORITHM, "block_bytes": BLOCK, "tensors": len(digests), "files": shards,
+            "digest": checkpoint_digest(shards)}
 
 
 # ---------------------------------------------------------------- manifest
@@ -416,8 +501,9 @@ def build_manifest(job: Job, files: dict[str, dict]) -> dict:
         "format_version": FORMAT_VERSION,
         "tool_version": __version__,
         "conversion_id": job.cid,
-        "source": {"fingerprint": job.ckpt.fingerprint, "path": str(job.ckpt.root),
-                   "files": dict(sorted(job.ckpt.files.items())), "side_files": side_files(job.ckpt.root)},
+        "source": {"fingerprint": job.ckpt.fingerprint, "path": str(job.ckpt.root.absolute()),
+                   "files": dict(sorted(job.ckpt.files.items())), "side_files": side_files(job.ckpt.root),
+                   "content": source_content(job, files)},
         "tp_size": job.plan.tp,
         "plan": job.plan.to_dict(),
         "options": o.to_dict(),

@@ -77,7 +77,7 @@ def tree(root: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def clean_out(tiny_pattern, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("clean") / "out"
-    proc = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", tiny_pattern, out)
+    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", tiny_pattern, out)
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -93,7 +93,7 @@ def _wait_for(pred, proc, timeout=60.0) -> None:
 
 
 def _start(src: Path, out: Path) -> subprocess.Popen:
-    args = ["convert", "--tp", "3", "--quiet", "--max-file-size", "1MiB", str(src), str(out)]
+    args = ["convert", "--tp", "3", "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", str(src), str(out)]
     return subprocess.Popen([sys.executable, "-m", "lucifer_shard.cli", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -127,7 +127,7 @@ def test_sigkill_then_resume(tiny_pattern, clean_out, tmp_path, point):
     one_line_error(refused)
     if point == "manifest":
         (out / ".lucifer-manifest.json.partial").unlink()
-    resumed = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", "--resume", tiny_pattern, out)
+    resumed = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--resume", tiny_pattern, out)
     assert resumed.returncode == 0, resumed.stderr
     assert tree(out) == tree(clean_out)
     assert snapshot(tiny_pattern) == before
@@ -144,7 +144,7 @@ def test_sigint_is_clean_and_resumable(tiny_pattern, clean_out, tmp_path):
     assert "Traceback" not in err and "--resume" in err
     assert not list(out.rglob("*.partial")), "temporary files were left behind"
     whole_files(out)
-    resumed = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", "--resume", tiny_pattern, out)
+    resumed = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--resume", tiny_pattern, out)
     assert resumed.returncode == 0 and tree(out) == tree(clean_out)
     record("SIGINT (Ctrl-C)", "exit 130, temporary files removed; --resume finishes",
            subprocess.CompletedProcess([], 130, "", err), message=err.strip().splitlines()[-1])
@@ -159,11 +159,11 @@ def test_file_size_limit(tiny_pattern, clean_out, tmp_path):
     def cap():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    proc = cli("convert", "--tp", 3, "--quiet", tiny_pattern, out, preexec_fn=cap)
+    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", tiny_pattern, out, preexec_fn=cap)
     msg = one_line_error(proc, ".part-00000.safetensors.partial", "bytes", "--resume")
     assert not list(out.rglob("*.partial")) and not list(out.rglob("*.safetensors"))
     assert snapshot(tiny_pattern) == before
-    resumed = cli("convert", "--tp", 3, "--quiet", "--resume", tiny_pattern, out)
+    resumed = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--resume", tiny_pattern, out)
     assert resumed.returncode == 0, resumed.stderr
     record("write fails (RLIMIT_FSIZE 2 MiB, as a full disk)", "nothing final written; source unchanged", proc, msg)
 
@@ -250,7 +250,7 @@ def test_bad_source(tiny_pattern, tmp_path, case):
     corrupt(src)
     before = snapshot(src)
     out = tmp_path / "out"
-    proc = cli("convert", "--tp", 3, "--quiet", src, out)
+    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", src, out)
     msg = one_line_error(proc, *needles)
     no_final_files(out)
     assert snapshot(src) == before
@@ -264,7 +264,7 @@ def test_out_inside_model(tiny_pattern, tmp_path):
     src = tmp_path / "model"
     shutil.copytree(tiny_pattern, src)
     before = snapshot(src)
-    proc = cli("convert", "--tp", 3, "--quiet", src, src / "out")
+    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", src, src / "out")
     msg = one_line_error(proc, "inside MODEL")
     assert not (src / "out").exists() and snapshot(src) == before
     record("OUT inside MODEL", "refused, nothing created", proc, msg)
@@ -273,10 +273,10 @@ def test_out_inside_model(tiny_pattern, tmp_path):
 def test_complete_out_needs_force(tiny_pattern, clean_out, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(clean_out, out)
-    proc = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", tiny_pattern, out)
+    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", tiny_pattern, out)
     msg = one_line_error(proc, "complete conversion", "--force")
     assert tree(out) == tree(clean_out)
-    forced = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", "--force", tiny_pattern, out)
+    forced = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--force", tiny_pattern, out)
     assert forced.returncode == 0 and tree(out) == tree(clean_out)
     record("OUT already complete, no --force", "refused, output untouched; --force replaces it", proc, msg)
 
@@ -285,7 +285,7 @@ def test_foreign_nonempty_out(tiny_pattern, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    proc = cli("convert", "--tp", 3, "--quiet", "--force", tiny_pattern, out)
+    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--force", tiny_pattern, out)
     msg = one_line_error(proc, "not a lucifer-shard output")
     assert (out / "notes.txt").read_text() == "mine"
     record("OUT holds other files (even with --force)", "refused, files untouched", proc, msg)
@@ -298,7 +298,7 @@ def test_unreadable_model(tmp_path, case):
         model.write_text("x")
     elif case == "no config":
         model.mkdir()
-    proc = cli("convert", "--tp", 3, "--quiet", model, tmp_path / "out")
+    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", model, tmp_path / "out")
     msg = one_line_error(proc, str(model))
     assert not (tmp_path / "out").exists()
     record(f"MODEL {case}", "refused", proc, msg)
@@ -306,7 +306,7 @@ def test_unreadable_model(tmp_path, case):
 
 @pytest.mark.parametrize("tp", [0, 9])
 def test_tp_the_plan_cannot_serve(tiny_pattern, tmp_path, tp):
-    proc = cli("convert", "--tp", tp, "--quiet", tiny_pattern, tmp_path / "out")
+    proc = cli("convert", "--tp", tp, "--arch", "sm120", "--quiet", tiny_pattern, tmp_path / "out")
     msg = one_line_error(proc, f"--tp {tp}")
     assert not (tmp_path / "out").exists()
     record(f"--tp {tp}", "refused before anything is written", proc, msg)
@@ -318,14 +318,14 @@ def test_resume_with_other_options_or_source(tiny_pattern, tmp_path):
     _wait_for(lambda: _journal_lines(out) >= 3, proc)
     proc.kill()
     proc.wait()
-    other = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", "--arch", "sm90", "--resume",
+    other = cli("convert", "--tp", 3, "--arch", "sm90", "--quiet", "--max-file-size", "1MiB", "--resume",
                 tiny_pattern, out)
     msg = one_line_error(other, "--resume", "other options", "arch: 'sm120' -> 'sm90'")
     record("--resume with other options", "refused, names what differs", other, msg)
     src = tmp_path / "model"
     shutil.copytree(tiny_pattern, src)
     _config(src, rms_norm_eps=1e-5)
-    changed = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", "--resume", src, out)
+    changed = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--resume", src, out)
     msg = one_line_error(changed, "--resume", "source checkpoint changed")
     record("--resume against a changed source", "refused, names what differs", changed, msg)
     same_shapes = tmp_path / "retrained"  # same headers and sizes, other bytes: a fine-tune
@@ -338,6 +338,6 @@ def test_resume_with_other_options_or_source(tiny_pattern, tmp_path):
     raw = bytearray((same_shapes / SHARD).read_bytes())
     raw[-1] ^= 0x01
     (same_shapes / SHARD).write_bytes(bytes(raw))
-    stale = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", "--resume", same_shapes, out)
+    stale = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--resume", same_shapes, out)
     msg = one_line_error(stale, "--resume", "source checkpoint changed", SHARD)
     record("--resume after the source bytes changed (same shapes)", "refused, names the file", stale, msg)
