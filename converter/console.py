@@ -12,7 +12,7 @@ A command declared with `@conventions(interrupted=...)` (under `@click.command`)
   Ctrl-C         the command's own interrupt message on stderr, exit 130
 
 The console lives in the click context's `meta` (shared by a command and its group), so a group-level
-handler can fail through the same envelope: `Console.of(ctx).fail(message, 70, "internal")`.
+handler can fail through the same envelope: `Console.of(ctx).fail(message, 70, "internal", line=...)`.
 """
 from __future__ import annotations
 
@@ -87,10 +87,12 @@ class Console:
         if self.json:
             click.echo(json.dumps(self.envelope(), indent=1))
 
-    def fail(self, message: str, exit_code: int, kind: str) -> NoReturn:
+    def fail(self, message: str, exit_code: int, kind: str, line: str | None = None) -> NoReturn:
+        """End the command: the envelope (with --json), one line on stderr (`error: <message>` unless
+        `line` says otherwise), the exit code."""
         if self.json:
             click.echo(json.dumps(self.envelope({"kind": kind, "message": message, "exit_code": exit_code}), indent=1))
-        click.echo(message if kind == "interrupted" else f"error: {message}", err=True)
+        click.echo(f"error: {message}" if line is None else line, err=True)
         sys.exit(exit_code)
 
 
@@ -129,7 +131,7 @@ def conventions(interrupted: str) -> Callable:
             except LuciferError as e:
                 con.fail(str(e), e.exit_code, type(e).__name__)
             except KeyboardInterrupt:
-                con.fail(interrupted, 130, "interrupted")
+                con.fail(interrupted, 130, "interrupted", line=interrupted)
             con.succeed()
 
         for option in reversed((
