@@ -6,7 +6,7 @@ DEMO ?= demo
 # vllm==0.33.0 (CPU) lives in a venv outside the clone: LUCIFER_VLLM_VENV, default ~/.cache/lucifer-shard/vllm-0.33.0
 VLLM_ENV ?= bash tools/vllm-env.sh
 
-.PHONY: install test test-cpu test-shim fuzz demo bench clean
+.PHONY: install test test-cpu test-shim fuzz demo bench wheel clean
 
 install:
 	@# The CPU build of torch: a bare `pip install torch` would pull a multi-GB CUDA build.
@@ -31,10 +31,10 @@ demo:
 	rm -rf $(DEMO)
 	lucifer-shard synth tiny $(DEMO)/model --fill random --quiet
 	lucifer-shard plan --tp 3 $(DEMO)/model
-	lucifer-shard convert --tp 3 $(DEMO)/model $(DEMO)/out --quiet
-	lucifer-shard diff $(DEMO)/out $(DEMO)/model --quiet
+	lucifer-shard convert --tp 3 --arch sm120 $(DEMO)/model $(DEMO)/out --quiet
+	lucifer-shard diff $(DEMO)/out --quiet
 	lucifer-shard verify $(DEMO)/out --quiet
-	lucifer-shard check-numerics $(DEMO)/out $(DEMO)/model --quiet
+	lucifer-shard check-numerics $(DEMO)/out --quiet
 	@echo "demo output: $(DEMO)/out (source: $(DEMO)/model)"
 
 # Not part of `make test`: ~45 GB of scratch (BENCH_DIR) and about 10 minutes; writes
@@ -43,5 +43,14 @@ BENCH_DIR ?= /tmp/lucifer-bench
 bench:
 	$(PY) bench/bench.py --dir $(BENCH_DIR) --reps 3 --json bench/results.json --md bench/results.md
 
+# The wheel to install into the vLLM serving image: pip install --no-deps dist/lucifer_shard-*.whl
+# (the image's vLLM already brings every dependency; see `lucifer-shard doctor`).
+DIST ?= dist
+wheel:
+	rm -rf $(DIST)
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST) .
+	rm -rf build
+	@ls $(DIST)/*.whl
+
 clean:
-	rm -rf $(DEMO) .pytest_cache build *.egg-info
+	rm -rf $(DEMO) .pytest_cache build dist *.egg-info

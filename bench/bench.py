@@ -269,7 +269,7 @@ class Bench:
         scratch = self.work / "floor"
         tag = f"L{layers}"
         mtp = [] if a.mtp else ["--no-mtp"]
-        conv = [*lucifer(), "convert", "--tp", str(a.tp), "--quiet", *mtp]
+        conv = [*lucifer(), "convert", "--tp", str(a.tp), "--arch", "sm120", "--quiet", *mtp]
         if full:
             # A reference conversion: the output sizes for floor-write, and the OUT that diff checks.
             if not (ref / "COMPLETE").exists():

@@ -52,8 +52,8 @@ def main() -> None:
                 for label, env in engines.items():
                     shutil.rmtree(out, ignore_errors=True)
                     drop_caches([args.model])
-                    cmd = [sys.executable, "-m", "lucifer_shard.cli", "convert", "--tp", str(args.tp), "--quiet",
-                           "--workers", str(w), str(args.model), str(out)]
+                    cmd = [sys.executable, "-m", "lucifer_shard.cli", "convert", "--tp", str(args.tp), "--arch", "sm120",
+                           "--quiet", "--workers", str(w), str(args.model), str(out)]
                     t0 = time.perf_counter()
                     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={**os.environ, **env}, cwd=str(args.dir))
                     _, status, ru = os.wait4(proc.pid, 0)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .content import ContentDigests
 from .errors import SourceError
 from .rules import DTYPE_SIZE, TensorSpec
 from .source import Checkpoint
@@ -354,9 +355,10 @@ class Assembler:
     rank's chunk buffer from them (one copy out of the read buffer, or a strided gather)."""
 
     def __init__(self, ckpt: Checkpoint, pool: BufferPool | None = None, direct: bool | None = None,
-                 prefetch: int | None = None):
+                 prefetch: int | None = None, digests: ContentDigests | None = None):
         self.ckpt = ckpt
         self.reader = SourceReader(ckpt, direct)
+        self.digests = digests  # fed every source byte as it arrives (the content fingerprint)
         self.pool = pool or BufferPool()
         self.reads = ReadBuffers()
         self.prefetch = PREFETCH if prefetch is None else prefetch
@@ -425,12 +427,21 @@ class Assembler:
         if self._thread is None:
             try:
                 for j in jobs:
-                    self.reader.read_range(*j)
+                    self._read(*j)
             except BaseException:
                 self.reads.give(buf)
                 raise
             return buf, []
-        return buf, [self._thread.submit(self.reader.read_range, *j) for j in jobs]
+        return buf, [self._thread.submit(self._read, *j) for j in jobs]
+
+    def _read(self, file: str, key: str, x0: int, x1: int, need0: int, need1: int, buf: np.ndarray,
+              at: int) -> None:
+        """One read job, then its bytes into the content digest (on the reader thread: hashing overlaps
+        assembly and writing)."""
+        self.reader.read_range(file, key, x0, x1, need0, need1, buf, at)
+        if self.digests is not None:
+            start = self.reader.base(file) + self.ckpt.tensors[key].offsets[0]
+            self.digests.feed(key, need0 - start, buf[at + need0 - x0:at + need1 - x0])
 
     def _wait(self, buf: np.ndarray, futs: list) -> None:
         """Wait for a chunk's reads; on failure wait for all of them, free the buffer, raise."""

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .errors import LuciferError, OutputError
+from .manifest import source_model
 from .numerics import (attn_output_reference, dequant_fp8_block, mlp_reference, moe_reference,
                        moe_reference_streamed, shared_expert_reference)
 from .outdir import Output
@@ -335,12 +336,14 @@ def parse_layers(text: str | None, cfg) -> list[int]:
     return sorted(set(out))
 
 
-def check_numerics(out: Path, model: str, layers: str | list[int] | None = None, tokens: int = 16, seed: int = 0,
-                   progress: bool = True) -> Report:
-    """Run the check; never raises for a numerical failure (inspect `Report.ok`)."""
+def check_numerics(out: Path, model: str | None = None, layers: str | list[int] | None = None, tokens: int = 16,
+                   seed: int = 0, progress: bool = True) -> Report:
+    """Run the check (MODEL default: the source the manifest records); never raises for a numerical
+    failure (inspect `Report.ok`)."""
     if tokens < 1:
         raise LuciferError(f"--tokens {tokens}: need at least 1 token")
     output = Output(Path(out))
+    model, _ = source_model(out, output.manifest, model)
     root = resolve_model(model)
     ckpt = open_checkpoint(root)
     want = output.manifest.get("source", {}).get("fingerprint")

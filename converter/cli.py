@@ -1,189 +1,172 @@
-"""The `lucifer-shard` command line (one click group)."""
+"""The `lucifer-shard` command line (one click group). Every command follows console.py's conventions."""
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 
 import click
 
 from . import __version__
-from .errors import LuciferError
+from .argorder import refuse_swapped
+from .console import Console, conventions, exit_code_lines
+from .errors import MismatchError, UsageRefused
 from .manifest import Options
-from .plan import ARCHES, check_arch
+from .plan import ARCHES
 
-ARCH = click.option("--arch", type=click.Choice(ARCHES), default="sm120", show_default=True,
-                    help="GPU the experts are laid out for: sm120/sm100 (MXFP4 x MXFP8 CUTLASS: swap + 128x4 "
-                         "scale swizzle) or sm90 (MXFP4 x BF16: swap + nibble and scale interleave).")
 TP = click.option("--tp", type=int, required=True, help="Tensor-parallel size, 1..8 (3 is the mission).")
 
 
-INTERNAL_ERROR = 70  # EX_SOFTWARE: a bug, not bad input
+def conversion_options(f):
+    """The options that decide what a conversion writes (shared by plan and convert)."""
+    for option in reversed((
+        click.option("--arch", type=click.Choice(ARCHES), default=None,
+                     help="The serving GPU family: sm120/sm100 (MXFP4 x MXFP8 CUTLASS: swap + 128x4 scale swizzle) "
+                          "or sm90 (MXFP4 x BF16: swap + nibble and scale interleave). Required by convert: the "
+                          "experts' kernel layout follows it and the loader refuses other GPUs."),
+        click.option("--expert-layout", type=click.Choice(["kernel", "model"]), default="kernel", show_default=True,
+                     help="kernel: routed experts pre-laid-out for the FlashInfer-CUTLASS kernel of --arch; "
+                          "model: as vLLM holds them before post-load processing (vLLM lays them out at load)."),
+        click.option("--flashinfer-layout", type=click.Choice(["folded", "legacy"]), default=None,
+                     help="Only with --arch sm90 and kernel layout: FlashInfer's layout generation, "
+                          "legacy = 0.6.10-0.6.15, folded = 0.6.16+/0.7.x  [default: folded]"),
+        click.option("--max-file-size", default="4GiB", show_default=True, help="Largest rank file part."),
+        click.option("--align", type=int, default=8, show_default=True,
+                     help="Start the data section and every tensor whose size is a multiple of ALIGN at a "
+                          "multiple of ALIGN bytes (e.g. 4096 for O_DIRECT loaders); a power of two >= 8."),
+        click.option("--no-mtp", is_flag=True, help="Leave the MTP draft model (draft/) out."),
+    )):
+        f = option(f)
+    return f
 
 
-class Group(click.Group):
-    """Turns LuciferError into one `error:` line and its exit code, and any other exception into one
-    `error: internal error:` line (exit 70) with the traceback in a log file: never a traceback."""
+def options_from(tp: int, arch: str | None, expert_layout: str, flashinfer_layout: str | None, max_file_size: str,
+                 align: int, no_mtp: bool, require_arch: bool) -> Options:
+    """The Options a command line asks for: options that do not apply are refused, a combination no
+    vetted runtime loads is warned about with the reason."""
+    from .plan import local_gpu
+    from .units import parse_size
 
-    def resolve_command(self, ctx: click.Context, args: list[str]):
-        name, cmd, rest = super().resolve_command(ctx, args)
-        ctx.meta["lucifer.invoked"] = (name, cmd, list(rest))  # to find OUT if the command fails
-        return name, cmd, rest
-
-    def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except LuciferError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(e.exit_code)
-        except KeyboardInterrupt:
-            click.echo("interrupted: finished files are kept; run the same command with --resume to continue", err=True)
-            sys.exit(130)
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
-            raise
-        except Exception as e:  # noqa: BLE001 - the one place an unexpected exception is reported
-            log = _internal_error_log(_out_dir(ctx))
-            message = " ".join(str(e).split())
-            click.echo(f"error: internal error: {type(e).__name__}: {message}; details in {log}", err=True)
-            sys.exit(INTERNAL_ERROR)
-
-
-def _out_dir(ctx: click.Context) -> Path | None:
-    """The failed command's OUT argument, parsed again from its arguments (None if it has none)."""
-    name, cmd, args = ctx.meta.get("lucifer.invoked", (None, None, None))
-    if cmd is None:
-        return None
+    if arch is None and require_arch:
+        gpu = local_gpu()
+        here = f" (this machine has {gpu})" if gpu else ""
+        raise UsageRefused(f"--arch is required: the routed experts are laid out for one GPU family and the loader "
+                           f"refuses other GPUs; pass the serving GPU's, --arch {'|'.join(ARCHES)}{here}")
+    kernel90 = arch == "sm90" and expert_layout == "kernel"
+    if flashinfer_layout is not None and not kernel90:
+        raise UsageRefused("--flashinfer-layout applies only to --arch sm90 with --expert-layout kernel (sm120 and "
+                           "sm100 have one layout generation); drop it")
+    if align < 8 or align & (align - 1):
+        raise UsageRefused(f"--align {align} is not a power of two >= 8")
     try:
-        out = cmd.make_context(name, list(args), resilient_parsing=True).params.get("out")
-    except Exception:  # noqa: BLE001 - no OUT then; the log goes to a temporary file
-        return None
-    return Path(out) if out else None
+        max_bytes = parse_size(max_file_size)
+    except ValueError as e:
+        raise UsageRefused(f"--max-file-size {e}") from None
+    if kernel90:
+        Console.of().warn("no vetted vLLM build loads sm90 kernel-layout experts (the SM90 'c-full' load path is "
+                          "not built), so lucifer-shard serve refuses these files; they serve FlashInfer-level "
+                          "tests. To serve on sm90, use --expert-layout model")
+    return Options(tp=tp, arch=arch or ARCHES[0], expert_layout=expert_layout,
+                   flashinfer_layout=flashinfer_layout or "folded", mtp=not no_mtp, max_file_bytes=max_bytes,
+                   align=align)
 
 
-def _internal_error_log(out: Path | None) -> str:
-    """Write the current exception's traceback, with the command line and versions, to
-    OUT/.lucifer/ when that folder exists and is writable, else to a temporary file."""
-    import datetime
-    import platform
-    import tempfile
-    import traceback
-
-    from .manifest import STATE_DIR
-
-    now = datetime.datetime.now().astimezone()
-    text = (f"lucifer-shard {__version__} internal error at {now.isoformat(timespec='seconds')}\n"
-            f"command: {' '.join(sys.argv)}\npython {platform.python_version()} on {platform.platform()}\n\n"
-            + traceback.format_exc())
-    name = f"internal-error-{now:%Y%m%d-%H%M%S}-{os.getpid()}.log"
-    state = out / STATE_DIR if out is not None else None
-    if state is not None and state.is_dir() and os.access(state, os.W_OK):
-        try:
-            (state / name).write_text(text)
-            return str(state / name)
-        except OSError:
-            pass  # a full disk, say: try the temporary folder
-    try:
-        fd, path = tempfile.mkstemp(prefix="lucifer-shard-", suffix=f"-{name}")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        return path
-    except OSError as e:
-        return f"no log file (writing one failed: {e.strerror})"
-
-
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+             epilog="\b\nExit codes (every command):\n" + "\n".join(exit_code_lines()))
 @click.version_option(__version__, prog_name="lucifer-shard")
 def cli() -> None:
     """Shard DeepSeek-V4-Flash for tensor-parallel size 3 (or any 1..8) offline, and prove it.
 
     \b
-    Typical flow:
-      lucifer-shard plan --tp 3 deepseek-ai/DeepSeek-V4-Flash     # what will be written
-      lucifer-shard convert --tp 3 MODEL out/                      # per-rank rank files
-      lucifer-shard diff out/ MODEL                                # byte-exact proof
-      lucifer-shard verify out/                                    # integrity, no source needed
-      lucifer-shard serve out/                                     # vLLM with the lucifer_tp3 loader
+    From a checkpoint to a running server:
+      lucifer-shard plan --tp 3 deepseek-ai/DeepSeek-V4-Flash out/   # bytes, files, room, time
+      lucifer-shard convert --tp 3 --arch sm120 MODEL out/           # per-rank rank files
+      lucifer-shard diff out/                                        # byte-exact proof (MODEL from the manifest)
+      lucifer-shard doctor out/                                      # in the serving image
+      lucifer-shard serve out/ --mtp --dry-run                       # the exact vllm serve command
+      lucifer-shard serve out/ --mtp -- --max-model-len 65536        # start vLLM (MTP draft included)
 
     MODEL is a local directory or a Hugging Face repo id (huggingface_hub cache and
-    HF_HUB_OFFLINE are honoured). Try it on a synthetic checkpoint: `make demo`.
+    HF_HUB_OFFLINE are honoured). Every command takes -q/-v and --json. Try it on a synthetic
+    checkpoint: `make demo`.
     """
 
 
 @cli.command()
 @TP
 @click.argument("model")
-@ARCH
-@click.option("--expert-layout", type=click.Choice(["kernel", "model"]), default="kernel", show_default=True)
-@click.option("--flashinfer-layout", type=click.Choice(["folded", "legacy"]), default="folded", show_default=True)
-@click.option("--no-mtp", is_flag=True, help="Leave the MTP draft layer out.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable plan: every output tensor and its source slices.")
-def plan(tp: int, model: str, arch: str, expert_layout: str, flashinfer_layout: str, no_mtp: bool, as_json: bool) -> None:
-    """Dry run: the virtual-TP plan and what each rank file will hold. Writes nothing.
+@click.argument("out", required=False, type=click.Path(path_type=Path))
+@conversion_options
+@conventions(interrupted="interrupted: plan writes nothing")
+def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout: str, flashinfer_layout: str | None,
+         max_file_size: str, align: int, no_mtp: bool) -> None:
+    """Dry run: the virtual-TP plan and the conversion's disk footprint. Writes nothing.
 
     Needs only config.json, so a Hugging Face repo id is planned before any weight is
     downloaded. Prints the axis table (original, padded, per rank, kernel-local), per tensor
-    family the source range of each rank in stored units with its zero tail, and bytes per rank.
+    family the source range of each rank in stored units with its zero tail, per rank its
+    tensors, files and bytes; then the bytes to read and write, the free space of OUT's
+    filesystem (with OUT given; exit 1 when it is short) and a time estimate. Takes convert's
+    options, so the same command line with `plan` for `convert` shows what convert will do.
+    --json: every output tensor with its source slices, and the footprint in bytes.
     """
     from .config import load_config
     from .plan import make_plan
-    from .planview import plan_json, plan_lines
+    from .planview import (footprint_json, footprint_lines, plan_footprint_of, plan_json, plan_lines, plan_specs,
+                           room_of)
     from .source import resolve_model
+    from .units import size
 
+    refuse_swapped("plan", model, out, model_first=True)
     cfg = load_config(resolve_model(model, weights=False) / "config.json")
-    options = Options(tp=tp, arch=check_arch(arch), expert_layout=expert_layout,
-                      flashinfer_layout=flashinfer_layout, mtp=not no_mtp)
+    options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, False)
     p = make_plan(cfg, tp)
-    if as_json:
-        click.echo(json.dumps(plan_json(cfg, p, options), indent=1))
-    else:
-        click.echo("\n".join(plan_lines(cfg, p, options)))
+    specs = plan_specs(cfg, p, options.mtp)
+    fp = plan_footprint_of(cfg, specs, p, options)
+    room = room_of(fp, out)
+    given = arch is not None
+    Console.of().emit({**plan_json(specs, p, options, given), "footprint": footprint_json(fp, room)},
+                      plan_lines(specs, p, options, fp, given) + footprint_lines(fp, room))
+    if room is not None and room.short:
+        raise MismatchError(f"{out}: not enough room: {size(room.needed)} to write, {size(room.free)} free on "
+                            f"{room.filesystem}; free {size(room.short)} more or choose another OUT")
 
 
 @cli.command()
 @TP
 @click.argument("model")
 @click.argument("out", type=click.Path(path_type=Path))
-@ARCH
-@click.option("--expert-layout", type=click.Choice(["kernel", "model"]), default="kernel", show_default=True,
-              help="kernel: routed experts pre-laid-out for the FlashInfer-CUTLASS kernel of --arch; "
-                   "model: as vLLM holds them before post-load processing (the safe fallback).")
-@click.option("--flashinfer-layout", type=click.Choice(["folded", "legacy"]), default="folded", show_default=True,
-              help="sm90 only: FlashInfer layout generation, legacy = 0.6.10-0.6.15, folded = 0.6.16+/0.7.x.")
-@click.option("--workers", type=int, default=1, show_default=True,
+@conversion_options
+@click.option("--workers", type=click.IntRange(1), default=1, show_default=True,
               help="Threads for layout, hashing and writing (one per rank is the useful maximum).")
-@click.option("--max-file-size", type=str, default="4GiB", show_default=True, help="Largest rank file part.")
-@click.option("--align", type=int, default=8, show_default=True,
-              help="Start the data section and every tensor whose size is a multiple of ALIGN at a multiple "
-                   "of ALIGN bytes (e.g. 4096 for O_DIRECT loaders); a power of two >= 8.")
 @click.option("--resume", is_flag=True, help="Finish an interrupted conversion, keeping verified files.")
 @click.option("--force", is_flag=True, help="Replace an existing lucifer-shard output in OUT.")
-@click.option("--no-mtp", is_flag=True, help="Do not write the MTP draft model (draft/).")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-def convert(tp: int, model: str, out: Path, arch: str, expert_layout: str, flashinfer_layout: str, workers: int,
-            max_file_size: str, align: int, resume: bool, force: bool, no_mtp: bool, quiet: bool) -> None:
+@conventions(interrupted="interrupted: finished files are kept; run the same command with --resume to continue")
+def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str, flashinfer_layout: str | None,
+            max_file_size: str, align: int, no_mtp: bool, workers: int, resume: bool, force: bool) -> None:
     """Write per-rank safetensors of MODEL into OUT: sliced, zero-padded, experts laid out.
 
     \b
     OUT/config.json (+ tokenizer files)   copied byte-identical
     OUT/target/rank-<r>/part-*.safetensors main model, vLLM parameter names
     OUT/draft/rank-<r>/part-*.safetensors  MTP draft layer (unless --no-mtp)
-    OUT/lucifer-manifest.json              plan, layouts, sources, digests
+    OUT/lucifer-manifest.json              plan, layouts, source fingerprint and content digests
     OUT/COMPLETE                           written last
 
-    Streams: each source tensor is read once and fanned out to every rank; memory does not
-    grow with the model. Every file is written under a temporary name and renamed when
-    complete; after a crash or Ctrl-C, run the same command with --resume. One convert at a
-    time writes OUT (a lock in OUT/.lucifer/), and it checks first that the files fit.
+    Streams: each source tensor is read once (and hashed: the content fingerprint that diff
+    checks) and fanned out to every rank; memory does not grow with the model. Refuses to start
+    when OUT's filesystem lacks the room (`plan ... MODEL OUT` shows the numbers first). Every
+    file is written under a temporary name and renamed when complete; after a crash or Ctrl-C,
+    run the same command with --resume. One convert at a time writes OUT (a lock in
+    OUT/.lucifer/; a second writer is refused, naming the first).
     """
     from .convert import convert as run
 
-    if align < 8 or align & (align - 1):
-        raise click.BadParameter(f"{align} is not a power of two >= 8", param_hint="--align")
-    options = Options(tp=tp, arch=check_arch(arch), expert_layout=expert_layout, flashinfer_layout=flashinfer_layout,
-                      mtp=not no_mtp, max_file_bytes=parse_size(max_file_size), align=align)
-    summary = run(model, out, options, resume=resume, force=force, workers=workers, progress=not quiet)
-    click.echo("\n".join(summary.lines()))
+    refuse_swapped("convert", model, out, model_first=True)
+    if resume and force:
+        raise UsageRefused("--resume keeps the finished files of OUT and --force deletes them; pass one")
+    options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, True)
+    con = Console.of()
+    summary = run(model, out, options, resume=resume, force=force, workers=workers, progress=con.progress)
+    con.emit(summary.to_dict(), summary.lines())
 
 
 @cli.command()
@@ -194,8 +177,8 @@ def convert(tp: int, model: str, out: Path, arch: str, expert_layout: str, flash
               help="pattern: every byte encodes tensor and position; random: valid FP4/E8M0/FP8 values.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--no-mtp", is_flag=True, help="Leave the MTP layer out.")
-@click.option("--quiet", is_flag=True)
-def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_mtp: bool, quiet: bool) -> None:
+@conventions(interrupted="interrupted: OUT holds a partial checkpoint; remove it and run synth again")
+def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_mtp: bool) -> None:
     """Write a synthetic checkpoint with the exact DeepSeek-V4-Flash schema.
 
     \b
@@ -206,18 +189,9 @@ def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_m
     """
     from .synth import synth as run
 
-    path = run(preset, out, layers=layers, fill=fill, seed=seed, mtp=not no_mtp, progress=not quiet)
-    click.echo(f"wrote {preset} checkpoint to {path}")
-
-
-def parse_size(text: str) -> int:
-    units = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    t = text.strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    if not num or unit not in units:
-        raise click.BadParameter(f"{text!r}: expected a size like 4GiB, 500MB or 1048576")
-    return int(float(num) * units[unit])
+    con = Console.of()
+    path = run(preset, out, layers=layers, fill=fill, seed=seed, mtp=not no_mtp, progress=con.progress)
+    con.emit({"preset": preset, "path": str(path)}, [f"wrote {preset} checkpoint to {path}"])
 
 
 # Commands defined beside their logic (each module imports only click at import time).

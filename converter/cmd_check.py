@@ -1,4 +1,4 @@
-"""The checking commands: `diff OUT MODEL`, `verify OUT`, `inspect OUT`.
+"""The checking commands: `diff OUT [MODEL]`, `verify OUT`, `inspect OUT`.
 
 Register them on the `lucifer-shard` group with `cli.add_command(diff)` etc. Findings make the
 command raise MismatchError (exit 1) after the report is printed; an OUT or MODEL that cannot be
@@ -6,21 +6,22 @@ opened at all raises OutputError / SourceError (exit 2), like `diff(1)`'s "troub
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
+from .argorder import refuse_swapped
+from .console import Console, conventions
 from .errors import LuciferError, MismatchError, OutputError
 from .manifest import COMPLETE_NAME, load_manifest
 from .outlock import refuse_if_written
 from .rules import DTYPE_SIZE
+from .units import size
 
 MAX_MISMATCHES = click.option("--max-mismatches", type=click.IntRange(1), default=10, show_default=True,
                               help="How many findings to report in full (all are counted).")
-JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout.")
-QUIET = click.option("--quiet", is_flag=True, help="No progress bar.")
 MALFORMED = (KeyError, TypeError, AttributeError, IndexError, ValueError)  # what a hand-broken manifest raises
+CHECK_INTERRUPTED = "interrupted: {} stopped before checking everything (it writes nothing); run it again"
 
 
 def _fail(report, noun: str, fix: str) -> None:
@@ -33,8 +34,8 @@ def _fail(report, noun: str, fix: str) -> None:
     raise MismatchError(f"{report.command}: {report.count} {noun}; first: {first}{where}; {fix}")
 
 
-def _report(out: Path, run, lines, noun: str, fix: str, as_json: bool) -> None:
-    """Run a check, print its report (text or JSON), and fail with one line when it found anything.
+def _report(out: Path, run, lines, noun: str, fix: str) -> None:
+    """Run a check, emit its report (text or the JSON envelope), and fail with one line when it found anything.
 
     An OUT that a `convert` is writing is refused before the check, and after it too if the check
     failed meanwhile: files being written are unfinished, not damaged."""
@@ -49,7 +50,7 @@ def _report(out: Path, run, lines, noun: str, fix: str, as_json: bool) -> None:
         raise
     if not report.ok:
         refuse_if_written(out, command)
-    click.echo(json.dumps(report.to_dict(), indent=1) if as_json else "\n".join(lines(report)))
+    Console.of().emit(report.to_dict(), lines(report))
     if not report.ok:
         _fail(report, noun, fix)
 
@@ -66,35 +67,43 @@ def _malformed(out: Path, e: Exception) -> None:
 
 @click.command("diff")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.argument("model")
+@click.argument("model", required=False)
 @MAX_MISMATCHES
 @click.option("--workers", type=click.IntRange(1), default=None,
               help="Threads for reading, layout inversion and comparison  [default: min(max(CPUs, 2 x TP), 16)]")
-@JSON
-@QUIET
-def diff(out: Path, model: str, max_mismatches: int, workers: int | None, as_json: bool, quiet: bool) -> None:
+@click.option("--keep-going", is_flag=True,
+              help="Compare byte for byte even when MODEL is not the checkpoint OUT was converted from (its "
+                   "fingerprint or content differs): to see where it differs.")
+@conventions(interrupted=CHECK_INTERRUPTED.format("diff"))
+def diff(out: Path, model: str | None, max_mismatches: int, workers: int | None, keep_going: bool) -> None:
     """Prove, byte for byte, that the rank files in OUT are the checkpoint MODEL.
 
-    For every tensor of every role and rank: apply the inverse of its declared layout, check
-    every pad byte, re-assemble its logical slices (fused parameters un-fused) and compare them
-    with the source tensors; check every source tensor is accounted for exactly once (or
-    dropped for a stated reason) and the source fingerprint is the one converted. Streams with
-    bounded memory. Exit 0 only if everything matches; mismatches are reported with the source
-    tensor and logical index, the rank tensor, and the byte offset in the rank file.
+    MODEL defaults to the source the manifest records. First the source fingerprint (config.json,
+    every shard's header and size) must equal the manifest's; then, for every tensor of every
+    role and rank: apply the inverse of its declared layout, check every pad byte, re-assemble
+    its logical slices (fused parameters un-fused) and compare them with the source tensors;
+    check every source tensor is accounted for exactly once (or dropped for a stated reason).
+    The source bytes read are hashed as they stream: once all of a shard's tensors are read,
+    its content digest must equal the one convert recorded. A source that is not the converted
+    one stops diff with one line (--keep-going compares anyway). Streams with bounded memory.
+    Exit 0 only if everything matches; mismatches are reported with the source tensor and
+    logical index, the rank tensor, and the byte offset in the rank file.
     """
     from .diff import diff as run, diff_lines
 
-    _report(out, lambda: run(out, model, max_mismatches=max_mismatches, progress=not quiet, workers=workers),
+    refuse_swapped("diff", model, out, model_first=False)
+    progress = Console.of().progress
+    _report(out, lambda: run(out, model, max_mismatches=max_mismatches, progress=progress, workers=workers,
+                             keep_going=keep_going),
             diff_lines, "difference(s)",
-            "OUT is not MODEL: re-run convert --force (or pass the MODEL it was converted from)", as_json)
+            "OUT is not MODEL: re-run convert --force (or pass the MODEL it was converted from)")
 
 
 @click.command("verify")
 @click.argument("out", type=click.Path(path_type=Path))
 @MAX_MISMATCHES
-@JSON
-@QUIET
-def verify(out: Path, max_mismatches: int, as_json: bool, quiet: bool) -> None:
+@conventions(interrupted=CHECK_INTERRUPTED.format("verify"))
+def verify(out: Path, max_mismatches: int) -> None:
     """Check OUT without the source: manifest, files, digests, zero regions, replicas.
 
     \b
@@ -106,21 +115,22 @@ def verify(out: Path, max_mismatches: int, as_json: bool, quiet: bool) -> None:
     """
     from .verify import verify as run, verify_lines
 
-    _report(out, lambda: run(out, max_problems=max_mismatches, progress=not quiet), verify_lines, "problem(s)",
-            "OUT is damaged or mixed: re-run convert --force (diff OUT MODEL locates every byte)", as_json)
+    progress = Console.of().progress
+    _report(out, lambda: run(out, max_problems=max_mismatches, progress=progress), verify_lines, "problem(s)",
+            "OUT is damaged or mixed: re-run convert --force (diff OUT MODEL locates every byte)")
 
 
 @click.command("inspect")
 @click.argument("out", type=click.Path(path_type=Path))
-@JSON
-def inspect(out: Path, as_json: bool) -> None:
+@conventions(interrupted="interrupted: inspect writes nothing")
+def inspect(out: Path) -> None:
     """Summarize OUT's manifest: source, plan, arch and layouts, files and bytes per rank."""
     refuse_if_written(out, "inspect")
     try:
         doc = summarize(out)
     except MALFORMED as e:
         _malformed(out, e)
-    click.echo(json.dumps(doc, indent=1) if as_json else "\n".join(summary_lines(doc)))
+    Console.of().emit(doc, summary_lines(doc))
 
 
 def summarize(out: Path) -> dict:
@@ -170,6 +180,8 @@ def summarize(out: Path) -> dict:
         "tool_version": m.get("tool_version"),
         "format_version": m.get("format_version"),
         "source": {"path": src.get("path"), "fingerprint": src.get("fingerprint"),
+                   "content": (src.get("content") or {}).get("digest"),
+                   "content_tensors": (src.get("content") or {}).get("tensors"),
                    "files": len(src.get("files") or {}), "bytes": sum((src.get("files") or {}).values())},
         "tp_size": m.get("tp_size"),
         "plan": m.get("plan"),
@@ -186,10 +198,6 @@ def summarize(out: Path) -> dict:
     }
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
-
-
 def summary_lines(d: dict) -> list[str]:
     src = d["source"]
     lines = [
@@ -199,7 +207,10 @@ def summary_lines(d: dict) -> list[str]:
         f"{'ok' if d['manifest_digest_ok'] else 'MISMATCH'})",
         f"tool           lucifer-shard {d['tool_version']}, manifest format v{d['format_version']}",
         f"source         {src['path']}",
-        f"fingerprint    {src['fingerprint']}  ({src['files']} file(s), {_gb(src['bytes'])})",
+        f"fingerprint    {src['fingerprint']}  (config.json, headers and sizes of {src['files']} file(s), "
+        f"{size(src['bytes'])})",
+        f"content        {src['content'] or 'not recorded'}  (BLAKE3 of {src['content_tensors'] or 0} converted "
+        f"tensors' bytes)",
         f"tp             {d['tp_size']}",
         f"arch           {d['arch']}  MoE variant {d['moe_variant']}",
         f"experts        {d['expert_layout']} layout"

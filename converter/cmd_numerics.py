@@ -1,28 +1,29 @@
 """The `check-numerics` command (registered on the `lucifer-shard` group in cli.py)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
+from .argorder import refuse_swapped
+from .console import Console, conventions
 from .errors import MismatchError
 
 
 @click.command("check-numerics")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.argument("model")
+@click.argument("model", required=False)
 @click.option("--layers", default=None, metavar="LIST",
               help="Layer indices, e.g. 3,4 or 0-2 or all (MTP layers by their vLLM index). "
                    "Default: the first hash-routed and the first score-routed layer.")
 @click.option("--tokens", type=int, default=16, show_default=True,
               help="Random tokens per layer; routed experts read per layer are at most tokens x top-k.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-def check_numerics(out: Path, model: str, layers: str | None, tokens: int, seed: int, as_json: bool,
-                   quiet: bool) -> None:
+@conventions(interrupted="interrupted: check-numerics stopped before checking every layer (it writes nothing)")
+def check_numerics(out: Path, model: str | None, layers: str | None, tokens: int, seed: int) -> None:
     """Prove on the CPU that OUT's rank files, summed over ranks, compute what MODEL computes.
+
+    MODEL defaults to the source the manifest records.
 
     \b
     Per layer, the same random activations, routing and attention output go through the
@@ -38,12 +39,11 @@ def check_numerics(out: Path, model: str, layers: str | None, tokens: int, seed:
     from .check_numerics import check_numerics as run
     from .outlock import refuse_if_written
 
+    refuse_swapped("check-numerics", model, out, model_first=False)
     refuse_if_written(out, "check-numerics")
-    report = run(out, model, layers=layers, tokens=tokens, seed=seed, progress=not (quiet or as_json))
-    if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=1))
-    else:
-        click.echo("\n".join(report.lines()))
+    con = Console.of()
+    report = run(out, model, layers=layers, tokens=tokens, seed=seed, progress=con.progress)
+    con.emit(report.to_dict(), report.lines())
     if not report.ok:
         bad = [f"layer {r.layer} {r.component}" for r in report.results if not r.ok]
         raise MismatchError(f"numerics past tolerance: {', '.join(bad)}")

@@ -11,19 +11,21 @@ free space (`diskspace`); a write that runs out of room all the same says how mu
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from . import __version__
+from . import __version__, footprint
 from .assemble import chunks
-from .diskspace import WRITE_LIMITS, check_room, write_failed
+from .content import ALGORITHM, BLOCK, ContentDigests, checkpoint_digest, shard_digests
+from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, tree_bytes, write_failed
 from .errors import OutputError, SourceError
 from .fsutil import atomic_copy, atomic_write_text
 from .layouts import EXPERT_TENSORS, LAYOUT_VERSION, Layout, expert_layout
@@ -35,9 +37,11 @@ from .plan import MOE_VARIANT, Plan, make_plan
 from .rules import TensorSpec, build_specs
 from .source import Checkpoint, open_checkpoint, resolve_model, side_files
 from .stwriter import StreamWriter, TensorHeader, WrittenFile, encode_header, hash_file
+from .units import byte_bar, duration, rate, size
 
 JOURNAL = "journal.jsonl"
 RECORD = "conversion.json"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,14 +55,17 @@ class Summary:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
+    def to_dict(self) -> dict:
+        return {**asdict(self), "out": str(self.out)}
+
     def lines(self) -> list[str]:
-        rate = self.bytes_written / self.seconds / 1e6 if self.seconds else 0.0
+        moved = (self.bytes_read + self.bytes_written) / self.seconds if self.seconds else 0.0
         return [
             f"output     {self.out}",
             f"files      {self.files_written} written, {self.files_resumed} kept from an earlier run",
-            f"read       {self.bytes_read / 1e9:.3f} GB",
-            f"written    {self.bytes_written / 1e9:.3f} GB",
-            f"time       {self.seconds:.1f} s ({rate:.0f} MB/s written)",
+            f"read       {size(self.bytes_read)}",
+            f"written    {size(self.bytes_written)}",
+            f"time       {duration(self.seconds)} ({rate(moved)} read + written)",
             *(f"note       {n}" for n in self.notes),
         ]
 
@@ -85,6 +92,33 @@ def stored_shape(spec: TensorSpec, layouts: dict[str, Layout]) -> tuple[int, ...
 
 def layout_name(spec: TensorSpec, layouts: dict[str, Layout]) -> str:
     return layouts[spec.expert_tensor].name if spec.expert_tensor else "model"
+
+
+def part_headers(specs_by_name: dict[str, TensorSpec], part: Part, layouts: dict[str, Layout]) -> list[TensorHeader]:
+    """The headers of one rank's file of `part`, in file order."""
+    return [TensorHeader(n, specs_by_name[n].dtype, stored_shape(specs_by_name[n], layouts)) for n in part.names]
+
+
+def part_keys(specs_by_name: dict[str, TensorSpec], part: Part) -> list[str]:
+    """The source tensors a part reads (whole: every rank's slices of them are in this part)."""
+    return list(dict.fromkeys(k for n in part.names for k in specs_by_name[n].sources()))
+
+
+def plan_footprint(specs: dict[str, list[list[TensorSpec]]], parts: list[Part], layouts: dict[str, Layout], tp: int,
+                   align: int, sizes: dict[str, int], cid: str = "0" * 64, side: int = 0) -> footprint.Footprint:
+    """Bytes to read, and the exact size of every rank file (its header depends on names, shapes, the
+    64-hex-digit conversion id and the alignment; any id gives the same length)."""
+    files = {}
+    for role, ranks in specs.items():
+        for rank, rank_specs in enumerate(ranks):
+            by_name = {s.name: s for s in rank_specs}
+            for part in (p for p in parts if p.role == role):
+                headers = part_headers(by_name, part, layouts)
+                meta = file_metadata(cid, role, rank, part.index, tp)
+                files[part_path(role, rank, part.index)] = (len(encode_header(headers, meta, align))
+                                                            + sum(h.nbytes for h in headers))
+    tensors = sum(len(r) for ranks in specs.values() for r in ranks)
+    return footprint.Footprint(footprint.read_bytes(specs, sizes), files, tensors, side)
 
 
 def plan_parts(role: str, specs: list[TensorSpec], max_bytes: int, align: int = 8) -> list[Part]:
@@ -132,6 +166,15 @@ class Job:
     def roles(self) -> list[str]:
         return list(self.specs)
 
+    @property
+    def source_sizes(self) -> dict[str, int]:
+        return {k: e.offsets[1] - e.offsets[0] for k, e in self.ckpt.tensors.items()}
+
+    def footprint(self) -> footprint.Footprint:
+        side = sum((self.ckpt.root / n).stat().st_size for n in side_files(self.ckpt.root))
+        return plan_footprint(self.specs, self.parts, self.layouts, self.plan.tp, self.options.align,
+                              self.source_sizes, self.cid, side)
+
 
 def prepare(model: str, options: Options) -> Job:
     root = resolve_model(model)
@@ -172,8 +215,7 @@ def _check_out(out: Path, job: Job, resume: bool, force: bool) -> dict[str, dict
     ours = bool(kept) or (out / MANIFEST_NAME).exists()
     if force:
         if ours or not others:
-            _clear(out)
-            return {}
+            return {}  # convert clears it once the room is checked
         raise OutputError(f"{out} is not empty and not a lucifer-shard output; --force only replaces outputs of this tool")
     if (out / COMPLETE_NAME).exists():
         raise OutputError(f"{out} already holds a complete conversion; pass --force to replace it")
@@ -229,6 +271,32 @@ def _describe_diff(old: dict, new: dict) -> str:
     a, b = old.get("options", {}), new.get("options", {})
     diffs = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     return "; ".join(diffs) or f"tool version {old.get('tool_version')} -> {new.get('tool_version')}"
+
+
+def planned_files(job: Job) -> dict[str, dict]:
+    """Every rank file's journal entry as it will be, with all-zero digests. Digests have a fixed
+    length, so the sizes of the files, their journal lines and the manifest are exact before a
+    byte is written."""
+    zero = "0" * 64
+    sizes = job.footprint().files
+    by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
+    files = {}
+    for part in job.parts:
+        for rank in range(job.plan.tp):
+            rel = part_path(part.role, rank, part.index)
+            files[rel] = {"path": rel, "bytes": sizes[rel], "digest": zero, "tensors": {n: zero for n in part.names}}
+            if rank == 0:  # the first rank's entry carries the part's source digests
+                files[rel]["sources"] = {k: zero for k in part_keys(by_name[part.role], part)}
+    return files
+
+
+def sizes_to_write(job: Job, planned: dict[str, dict], done: set[str]) -> list[int]:
+    """Sizes of every file still to be written (or appended, for the journal) after the files in `done`."""
+    left = [e for rel, e in planned.items() if rel not in done]
+    sizes = [e["bytes"] for e in left] + [sum(len(_journal_line(e)) for e in left)]
+    sizes += [(job.ckpt.root / n).stat().st_size for n in side_files(job.ckpt.root)]
+    sizes += [len(manifest_text(build_manifest(job, planned)).encode()), len(job.cid) + 1]
+    return sizes
 
 
 def _clear(out: Path) -> None:
@@ -297,52 +365,22 @@ class _RankSink:
         self.pending.clear()
 
 
-def _file_header(job: Job, part: Part, rank: int) -> tuple[list[TensorHeader], dict[str, str]]:
-    """The tensors and `__metadata__` of one rank's file of a part."""
-    specs = {s.name: s for s in job.specs[part.role][rank]}
-    headers = [TensorHeader(n, specs[n].dtype, stored_shape(specs[n], job.layouts)) for n in part.names]
-    return headers, file_metadata(job.cid, part.role, rank, part.index, job.plan.tp)
-
-
-def planned_files(job: Job) -> dict[str, dict]:
-    """Every rank file's journal entry as it will be, with all-zero digests. Digests have a fixed
-    length, so the sizes of the files, their journal lines and the manifest are exact before a
-    byte is written."""
-    zero = "0" * 64
-    files = {}
-    for part in job.parts:
-        for rank in range(job.plan.tp):
-            headers, meta = _file_header(job, part, rank)
-            size = len(encode_header(headers, meta, job.options.align)) + sum(h.nbytes for h in headers)
-            rel = part_path(part.role, rank, part.index)
-            files[rel] = {"path": rel, "bytes": size, "digest": zero, "tensors": {n: zero for n in part.names}}
-    return files
-
-
-def sizes_to_write(job: Job, planned: dict[str, dict], done: set[str]) -> list[int]:
-    """Sizes of every file still to be written (or appended, for the journal) after the files in `done`."""
-    left = [e for rel, e in planned.items() if rel not in done]
-    sizes = [e["bytes"] for e in left] + [sum(len(_journal_line(e)) for e in left)]
-    sizes += [(job.ckpt.root / n).stat().st_size for n in side_files(job.ckpt.root)]
-    sizes += [len(manifest_text(build_manifest(job, planned)).encode()), len(job.cid) + 1]
-    return sizes
-
-
-def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPoolExecutor | None]) -> tuple[list[WrittenFile], int]:
+def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPoolExecutor | None],
+                digests: ContentDigests) -> list[WrittenFile]:
     from .assemble import Assembler, BufferPool, swap_folded
     from .stwriter import partial_path
 
     specs_by_name = [{s.name: s for s in rank_specs} for rank_specs in job.specs[part.role]]
     shared = ThreadPoolExecutor(1, thread_name_prefix="lucifer-write") if all(p is None for p in pools) else None
     buffers = BufferPool()
-    asm = Assembler(job.ckpt, buffers)
+    asm = Assembler(job.ckpt, buffers, digests=digests)
     sinks: list[_RankSink] = []
     stream = None
-    read = 0
     try:
         for rank in range(job.plan.tp):
+            headers = part_headers(specs_by_name[rank], part, job.layouts)
             path = out / part_path(part.role, rank, part.index)
-            headers, meta = _file_header(job, part, rank)
+            meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp)
             sinks.append(_RankSink(StreamWriter(path, headers, meta, align=job.options.align), pools[rank] or shared, buffers))
         work = []
         for name in part.names:
@@ -356,7 +394,6 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
             if layout is not None and not layout.steps:
                 layout = None
             work.extend(((name, layout), specs, a, b) for a, b in chunks(specs[0]))
-            read += sum(job.ckpt.tensors[k].offsets[1] - job.ckpt.tensors[k].offsets[0] for k in specs[0].sources())
         # The reader threads run ahead of assembly; the writers run behind it.
         stream = asm.stream(work)
         for (name, layout), bufs in stream:
@@ -365,7 +402,7 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
             bar.update(sum(buf.nbytes for buf in bufs))
         for sink in sinks:
             sink.drain()
-        return [sink.writer.close() for sink in sinks], read
+        return [sink.writer.close() for sink in sinks]
     except BaseException:
         for sink in sinks:
             try:
@@ -411,25 +448,39 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
 
 def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int, progress: bool) -> Summary:
     journaled = _check_out(out, job, resume, force)
-    _remove_partials(out)
     summary = Summary(out, job.cid)
     results: dict[str, dict] = {}
     todo = []
     for part in job.parts:
         paths = [part_path(part.role, r, part.index) for r in range(job.plan.tp)]
-        if all(p in journaled and _part_valid(out, journaled[p]) for p in paths):
+        # the first rank's entry carries the part's source digests (a journal without them is redone)
+        if "sources" in journaled.get(paths[0], {}) and all(p in journaled and _part_valid(out, journaled[p])
+                                                             for p in paths):
             for p in paths:
                 results[p] = journaled[p]
             summary.files_resumed += len(paths)
         else:
             todo.append(part)
+    # Nothing in OUT has changed yet: check the room first, counting what this run removes.
     planned = planned_files(job)
-    check_room(out, sizes_to_write(job, planned, set(results)),
+    given_back = tree_bytes(out) if force else tree_bytes(out, ".*.partial")
+    logger.info("room: %s to write, %s free on %s, %s given back by this run",
+                size(sum(sizes_to_write(job, planned, set(results)))), size(free_bytes(out)), filesystem(out),
+                size(given_back))
+    check_room(out, sizes_to_write(job, planned, set(results)), given_back,
                "run the same command" + (" with --resume" if results else ""))
+    if force:
+        _clear(out)
+    _remove_partials(out)
+    logger.info("%d part(s) of %d files to write, %d file(s) kept from an earlier run", len(todo), job.plan.tp,
+                summary.files_resumed)
+    by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
+    sizes = job.source_sizes
+    digests = ContentDigests({k: sizes[k] for part in todo for k in part_keys(by_name[part.role], part)})
     state = out / STATE_DIR
     total = sum(p.bytes_per_rank for p in todo) * job.plan.tp
     pools = [ThreadPoolExecutor(1) if workers > 1 else None for _ in range(job.plan.tp)]
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"convert tp{job.plan.tp}", disable=not progress)
+    bar = byte_bar(total, f"convert tp{job.plan.tp}", progress)
     try:
         atomic_write_text(state / RECORD, json.dumps(_record(job), indent=1, sort_keys=True) + "\n")
         for role in job.roles:
@@ -437,18 +488,28 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
                 (out / rank_dir(role, rank)).mkdir(parents=True, exist_ok=True)
         with open(state / JOURNAL, "a") as journal:
             for part in todo:
-                files, read = _write_part(job, out, part, bar, pools)
-                summary.bytes_read += read
+                t_part = time.perf_counter()
+                files = _write_part(job, out, part, bar, pools, digests)
+                keys = part_keys(by_name[part.role], part)
+                sources = digests.finished(keys)
+                if len(sources) != len(keys):
+                    raise RuntimeError(f"{part.role} part {part.index}: {len(keys) - len(sources)} source tensor(s) "
+                                       f"not read completely")
+                summary.bytes_read += sum(sizes[k] for k in keys)
                 entries = {}
-                for f in files:
+                for i, f in enumerate(files):
                     rel = str(f.path.relative_to(out))
                     entries[rel] = {"path": rel, "bytes": f.bytes, "digest": f.digest, "tensors": f.tensor_digests}
+                    if i == 0:
+                        entries[rel]["sources"] = sources
                     journal.write(_journal_line(entries[rel]))
                     summary.bytes_written += f.bytes
                     summary.files_written += 1
                 journal.flush()
                 os.fsync(journal.fileno())
                 results.update(entries)  # only now would --resume keep them
+                logger.info("%s part %d: %d file(s), %s, %.1f s", part.role, part.index, len(files),
+                            size(sum(f.bytes for f in files)), time.perf_counter() - t_part)
         for name in side_files(job.ckpt.root):
             atomic_copy(job.ckpt.root / name, out / name)
         write_manifest(out, build_manifest(job, results))
@@ -471,6 +532,16 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     return summary
 
 
+def source_content(job: Job, files: dict[str, dict]) -> dict:
+    """The manifest's `source.content`: digests of every converted source tensor, per shard and in all."""
+    digests: dict[str, str] = {}
+    for entry in files.values():
+        digests.update(entry.get("sources") or {})
+    shards = shard_digests(digests, {k: job.ckpt.tensors[k].file for k in digests})
+    return {"algorithm": ALGORITHM, "block_bytes": BLOCK, "tensors": len(digests), "files": shards,
+            "digest": checkpoint_digest(shards)}
+
+
 # ---------------------------------------------------------------- manifest
 
 
@@ -491,8 +562,9 @@ def build_manifest(job: Job, files: dict[str, dict]) -> dict:
         "format_version": FORMAT_VERSION,
         "tool_version": __version__,
         "conversion_id": job.cid,
-        "source": {"fingerprint": job.ckpt.fingerprint, "path": str(job.ckpt.root),
-                   "files": dict(sorted(job.ckpt.files.items())), "side_files": side_files(job.ckpt.root)},
+        "source": {"fingerprint": job.ckpt.fingerprint, "path": str(job.ckpt.root.absolute()),
+                   "files": dict(sorted(job.ckpt.files.items())), "side_files": side_files(job.ckpt.root),
+                   "content": source_content(job, files)},
         "tp_size": job.plan.tp,
         "plan": job.plan.to_dict(),
         "options": o.to_dict(),

@@ -22,6 +22,13 @@ expert chunk is compared through views of its halves, without an inverse copy. C
 mismatches, which are reported with the source tensor and its logical index, the rank tensor and
 its index, and the absolute byte offset(s) in the rank file (through the forward layout for
 kernel-layout experts).
+
+Source identity, first and cheapest first: the source fingerprint (config.json, every shard's
+header and size) must equal the manifest's, else diff stops with one line naming what differs
+(unless `keep_going`); then, as the comparison reads every source byte, each tensor's content
+digest (content.py) is computed, and once all of a shard's converted tensors are read the shard's
+digest is compared with the one convert recorded: a checkpoint of the same shapes but other bytes
+stops the diff there with one line (or, with `keep_going`, is a finding and the comparison goes on).
 """
 from __future__ import annotations
 
@@ -35,12 +42,15 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .errors import OutputError
+from .content import ContentDigests, checkpoint_digest, shard_digests
+from .errors import MismatchError, OutputError
+from .manifest import source_model
 from .rules import DTYPE_SIZE, TensorSpec
 from .source import Checkpoint, open_checkpoint, resolve_model
+from .units import byte_bar, duration, rate, size
 from .verify import (CHUNK_BYTES, BufferPool, DirectFile, HeaderTensor, Problem, RankFile, Report, byte_shape,
                      check_manifest_rules, check_pads, check_scales, chunk_slices, element_index, file_offsets,
-                     first_positions, hexbytes, human_bytes, is_scale, open_files, read_manifest, read_rows_direct,
+                     first_positions, hexbytes, is_scale, open_files, read_manifest, read_rows_direct,
                      row_chunks, scratch, slice_starts, to_model, usable)
 
 
@@ -56,8 +66,9 @@ class SourceReader:
     """Raw reads of source tensor rows, straight from the shards (no safetensors, no engine code):
     positional O_DIRECT reads (where the filesystem allows) into reused page-aligned buffers."""
 
-    def __init__(self, ckpt: Checkpoint):
+    def __init__(self, ckpt: Checkpoint, digests: ContentDigests):
         self.ckpt = ckpt
+        self.digests = digests
         self._files: dict[str, DirectFile] = {}
         self.bytes_needed = 0  # bytes of source tensors compared
         self.bytes_read = 0  # bytes read from disk (needed bytes plus small gaps between them)
@@ -102,27 +113,93 @@ def _row_bytes(shape: tuple[int, ...], item: int) -> int:
     return n
 
 
-def diff(out: Path, model: str, max_mismatches: int = 10, progress: bool = True,
-         chunk_bytes: int = CHUNK_BYTES, workers: int | None = None) -> Report:
-    """Compare OUT with the source checkpoint MODEL; see the module docstring."""
+class ContentCheck:
+    """The source's content against the digests convert recorded, shard by shard as soon as every converted
+    tensor of a shard has been read; a difference stops the diff (one line) unless `keep_going`."""
+
+    def __init__(self, report: Report, ckpt: Checkpoint, keys: list[str], recorded: dict | None, stop: str):
+        self.report, self.ckpt, self.stop = report, ckpt, stop
+        self.recorded = recorded  # shard -> "blake3:..." (None: the manifest has no content digests)
+        self.digests = ContentDigests({k: ckpt.tensors[k].offsets[1] - ckpt.tensors[k].offsets[0] for k in keys})
+        self.keys_of: dict[str, list[str]] = {}
+        for k in keys:
+            self.keys_of.setdefault(ckpt.tensors[k].file, []).append(k)
+        self.left = {shard: len(ks) for shard, ks in self.keys_of.items()}
+        self.shards: dict[str, str] = {}  # shard -> digest computed here
+        self.differs: list[str] = []
+
+    def settle(self) -> None:
+        """Check every shard whose tensors have all been read since the last call."""
+        for key in self.digests.completed():
+            shard = self.ckpt.tensors[key].file
+            self.left[shard] -= 1
+            if self.left[shard] == 0:
+                self._check(shard)
+
+    def _check(self, shard: str) -> None:
+        got = shard_digests(self.digests.finished(self.keys_of[shard]), {k: shard for k in self.keys_of[shard]})[shard]
+        self.shards[shard] = got
+        want = (self.recorded or {}).get(shard) if self.recorded is not None else got
+        if got == want:
+            return
+        self.differs.append(shard)
+        what = (f"{shard}: its content differs from the shard converted (BLAKE3 {got[7:23]}... vs recorded "
+                f"{str(want)[7:23]}...)")
+        if self.stop:
+            raise MismatchError(f"diff: {what}; {self.stop}")
+        self.report.add_first(Problem("source", what, file=shard))
+
+    def info(self) -> dict:
+        done = len(self.shards) == len(self.keys_of)
+        return {"recorded": self.recorded is not None, "shards_checked": len(self.shards),
+                "shards": len(self.keys_of), "differs": self.differs,
+                "digest": checkpoint_digest(self.shards) if done else None}
+
+
+def _what_differs(src: dict, ckpt: Checkpoint, out: Path) -> str:
+    """What makes the checkpoint's fingerprint differ from the recorded one, in words."""
+    was, now = src.get("files") or {}, ckpt.files
+    gone, new = sorted(set(was) - set(now)), sorted(set(now) - set(was))
+    if gone or new:
+        return f"its shards are others ({len(gone)} missing, {len(new)} not converted; first {(gone or new)[0]})"
+    resized = [n for n in sorted(now) if now[n] != was[n]]
+    if resized:
+        return f"shard {resized[0]} has {now[resized[0]]:,} bytes, the converted one had {was[resized[0]]:,}"
+    copy = out / "config.json"
+    if copy.is_file() and copy.read_bytes() != (ckpt.root / "config.json").read_bytes():
+        return "its config.json differs from the one converted (OUT/config.json)"
+    return "its shard headers differ from the converted ones (same names and sizes)"
+
+
+def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress: bool = True,
+         chunk_bytes: int = CHUNK_BYTES, workers: int | None = None, keep_going: bool = False) -> Report:
+    """Compare OUT with the source checkpoint MODEL (default: the one the manifest records); see the
+    module docstring."""
     t0 = time.perf_counter()
     out = Path(out)
     if not out.is_dir():
         raise OutputError(f"{out}: no such output directory")
     report = Report("diff", max_mismatches)
     manifest = read_manifest(report, out)
+    model, recorded_model = source_model(out, manifest, model)
     root = resolve_model(model)
     roles = tuple(manifest.get("roles") or ("target",))
     ckpt = open_checkpoint(root, roles)
-    report.info.update({"out": str(out), "model": str(root), "conversion_id": manifest.get("conversion_id"),
-                        "fingerprint": ckpt.fingerprint, "tp_size": manifest.get("tp_size"),
-                        "arch": manifest.get("arch"), "expert_layout": manifest.get("expert_layout")})
-    recorded = (manifest.get("source") or {}).get("fingerprint")
-    if recorded != ckpt.fingerprint:
-        report.add(Problem("source", f"source fingerprint {ckpt.fingerprint[:16]}... differs from the manifest's "
-                           f"{str(recorded)[:16]}...: OUT was converted from another checkpoint (or the checkpoint "
-                           f"changed); pass the MODEL it was converted from, or re-run convert"))
-    for name in (manifest.get("source") or {}).get("side_files") or []:
+    src = manifest.get("source") or {}
+    report.info.update({"out": str(out), "model": str(root), "model_from_manifest": recorded_model,
+                        "conversion_id": manifest.get("conversion_id"), "fingerprint": ckpt.fingerprint,
+                        "fingerprint_ok": src.get("fingerprint") == ckpt.fingerprint,
+                        "tp_size": manifest.get("tp_size"), "arch": manifest.get("arch"),
+                        "expert_layout": manifest.get("expert_layout")})
+    stop = "" if keep_going else (f"MODEL is not the checkpoint {out} was converted from ({src.get('path')}); pass "
+                                  f"that one, or --keep-going to compare byte for byte anyway")
+    if not report.info["fingerprint_ok"]:
+        what = _what_differs(src, ckpt, out)
+        if stop:
+            raise MismatchError(f"diff: {root}: {what}; {stop}")
+        report.add_first(Problem("source", f"{what}: source fingerprint {ckpt.fingerprint[:16]}... vs the manifest's "
+                           f"{str(src.get('fingerprint'))[:16]}..."))
+    for name in src.get("side_files") or []:
         a, b = out / name, root / name
         if not a.is_file() or not b.is_file() or a.read_bytes() != b.read_bytes():
             report.add(Problem("file", f"{name}: not a byte-identical copy of the source's {name}", file=name))
@@ -137,18 +214,21 @@ def diff(out: Path, model: str, max_mismatches: int = 10, progress: bool = True,
     _check_accounting(report, ckpt, specs, manifest.get("dropped") or {})
     _check_coverage(report, ckpt, specs)
     files = open_files(report, out, manifest, check_size=False)
-    reader = SourceReader(ckpt)
+    keys = list(dict.fromkeys(k for role in specs for s in specs[role][0] for k in s.sources() if k in ckpt.tensors))
+    content = ContentCheck(report, ckpt, keys, (src.get("content") or {}).get("files"), stop)
+    reader = SourceReader(ckpt, content.digests)
     total = sum(t.end - t.start for rf in files.values() for t in rf.tensors.values()) + sum(
-        ckpt.tensors[k].offsets[1] - ckpt.tensors[k].offsets[0]
-        for role in specs for s in specs[role][0] for k in s.sources() if k in ckpt.tensors)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="diff", disable=not progress)
+        ckpt.tensors[k].offsets[1] - ckpt.tensors[k].offsets[0] for k in keys)
+    bar = byte_bar(total, "diff", progress)
     work = _plan_groups(manifest, specs, entries, files)
     if workers is None:
         # threads mostly wait on direct reads (little CPU each), so the disk's queue depth, not the
         # CPU count, bounds them: two per rank
         workers = min(max(os.cpu_count() or 1, 2 * len(next(iter(specs.values())))), 16)
     try:
-        _diff_data(report, reader, work, stats, bar, chunk_bytes, workers)
+        _diff_data(report, reader, work, stats, bar, chunk_bytes, workers, content.settle)
+        content.settle()
+        report.info["content"] = content.info()
     finally:
         bar.close()
         reader.close()
@@ -168,7 +248,7 @@ def _finish(report: Report, stats: dict, t0: float) -> None:
     moved = stats["rank_bytes"] + stats["source_bytes"]
     report.stats.update(stats)
     report.stats.update({"seconds": round(seconds, 3),
-                         "throughput_mb_s": round(moved / seconds / 1e6, 1) if seconds else 0.0})
+                         "bytes_per_s": round(moved / seconds) if seconds else 0})
 
 
 # ---------------------------------------------------------------- structure
@@ -346,11 +426,16 @@ class ChunkSources:
                 self._where[region] = (fut, rstart - start)
 
     def read(self, i: int) -> None:
-        """Read block `i` (run on the pool before any rank task of the chunk)."""
+        """Read block `i` and hash its regions into the content digests (run on the pool before any rank
+        task of the chunk; the hashing is done before the buffer can be released)."""
         fut, file, start, end, needed, members, at = self.blocks[i]
         try:
-            fut.set_result(self.reader.read_block(file, start, end, needed, [r[0][0] for r in members],
-                                                  self.buf[at:]))
+            got = self.reader.read_block(file, start, end, needed, [r[0][0] for r in members], self.buf[at:])
+            for (key, r0, r1), rstart in members:
+                row = _row_bytes(self.reader.ckpt.tensors[key].shape, DTYPE_SIZE[self.reader.ckpt.tensors[key].dtype])
+                at_block = rstart - start
+                self.reader.digests.feed(key, r0 * row, got[at_block:at_block + (r1 - r0) * row])
+            fut.set_result(got)
         except BaseException as e:
             fut.set_exception(e)
 
@@ -440,12 +525,13 @@ def _same(got: np.ndarray, want: np.ndarray, block: int = 4 << 20) -> bool:
 
 
 def _diff_data(report: Report, reader: SourceReader, work: list[tuple[str, list[list[Member]]]], stats: dict,
-               bar: tqdm, chunk_bytes: int, workers: int) -> None:
+               bar: tqdm, chunk_bytes: int, workers: int, settle) -> None:
     """Every (group, chunk): the chunk's source blocks, then one task per rank, on a thread pool (numpy
     and preadv release the GIL); at most two chunks in flight; findings merged in (group, chunk, rank)
     order, so reports are stable. A task details at most the findings the report still had room for
     when it was submitted. Block reads are queued before the rank tasks that wait for them, so a
-    waiting task never waits for a read that has not started."""
+    waiting task never waits for a read that has not started. `settle` runs after each merged chunk
+    (the content check: it may stop the diff)."""
     inflight: deque[tuple[ChunkSources, list[Future]]] = deque()
     seen = 0
 
@@ -462,6 +548,7 @@ def _diff_data(report: Report, reader: SourceReader, work: list[tuple[str, list[
         now = reader.bytes_needed
         bar.update(now - seen)
         seen = now
+        settle()
 
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="diff") as pool:
         try:
@@ -592,23 +679,36 @@ def _fmt(index) -> str:
     return "[" + ", ".join(str(i) for i in index) + "]"
 
 
+def _content_line(c: dict | None) -> str:
+    if not c:
+        return "not compared (the comparison did not run)"
+    if not c["recorded"]:
+        return "not recorded in the manifest (an older lucifer-shard converted OUT): not compared"
+    what = f"{c['shards_checked']} of {c['shards']} shard(s) checked"
+    if c["differs"]:
+        return f"DIFFERS in {len(c['differs'])} shard(s) (first {c['differs'][0]}); {what}"
+    return (f"{str(c['digest'])[:23]}... equal to the converted checkpoint's" if c["digest"] else
+            f"equal where checked; {what} (the rest of their rank files could not be read)")
+
+
 def diff_lines(report: Report) -> list[str]:
     s, i = report.stats, report.info
-    match = "matches the manifest" if not any(p.kind == "source" for p in report.problems) else "DIFFERS"
+    fp = "equal to the manifest's" if i.get("fingerprint_ok") else "DIFFERS from the manifest's"
+    where = " (the source the manifest records)" if i.get("model_from_manifest") else ""
     lines = [
-        f"diff {i.get('out')} against {i.get('model')}",
-        f"  source fingerprint  {str(i.get('fingerprint'))[:16]}... ({match})",
+        f"diff {i.get('out')} against {i.get('model')}{where}",
+        f"  source fingerprint  {str(i.get('fingerprint'))[:16]}... {fp} (config.json, shard headers and sizes)",
+        f"  source content      {_content_line(i.get('content'))} (BLAKE3 of every converted tensor's bytes)",
         f"  conversion          {str(i.get('conversion_id'))[:16]}...  tp {i.get('tp_size')}  arch {i.get('arch')}  "
         f"experts {i.get('expert_layout')} layout",
         "",
         f"  rank tensors checked   {s.get('rank_tensors', 0)}",
         f"  source tensors         {s.get('source_tensors', 0)} compared of {s.get('source_total', 0)} "
         f"({s.get('dropped', 0)} dropped)",
-        f"  source bytes compared  {human_bytes(s.get('source_bytes', 0))}",
-        f"  rank bytes read        {human_bytes(s.get('rank_bytes', 0))} (pad bytes checked "
-        f"{human_bytes(s.get('pad_bytes', 0))})",
-        f"  time                   {s.get('seconds', 0):.2f} s",
-        f"  throughput             {s.get('throughput_mb_s', 0):.0f} MB/s (source + rank bytes)",
+        f"  source bytes compared  {size(s.get('source_bytes', 0))}",
+        f"  rank bytes read        {size(s.get('rank_bytes', 0))} (pad bytes checked {size(s.get('pad_bytes', 0))})",
+        f"  time                   {duration(s.get('seconds', 0))} "
+        f"({rate(s.get('bytes_per_s', 0))} source + rank bytes)",
         "",
     ]
     return lines + report.outcome_lines("every rank tensor is its source slices, byte for byte; every pad byte is pad",

@@ -1,8 +1,8 @@
-"""Room on OUT's filesystem: measured before the first byte, and explained when a write runs out.
+"""Room on OUT's filesystem: checked before the first byte, and explained when a write runs out.
 
 The sizes come from the plan (every rank file, journal line and the manifest are sized exactly
-before anything is written), so the errors say how much is still to write, on which filesystem,
-and how much must be freed, not what one file happened to miss.
+before anything is written; `convert.sizes_to_write`), so the errors say how much is still to
+write, on which filesystem, and how much must be freed, not what one file happened to miss.
 """
 from __future__ import annotations
 
@@ -10,29 +10,39 @@ import errno
 import os
 import re
 import resource
+import stat
 from pathlib import Path
 
 from .errors import OutputError
+from .units import size
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 WRITE_LIMITS = (*DISK_FULL, errno.EFBIG)
 
 
+def _existing(path: Path) -> Path:
+    """`path`, or its nearest existing ancestor (the filesystem an OUT not created yet will be on)."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return p
+
+
 def free_bytes(path: Path) -> int:
-    """Bytes this process may still write on the filesystem of `path` (root may use the reserve)."""
-    st = os.statvfs(path)
-    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+    """Bytes an unprivileged writer may still use on the filesystem that holds (or will hold) `path`."""
+    st = os.statvfs(_existing(path))
+    return st.f_bavail * st.f_frsize
 
 
 def on_disk(sizes: list[int], path: Path) -> int:
     """Bytes `sizes` occupy as files on the filesystem of `path`: each rounded up to whole blocks."""
-    block = os.statvfs(path).f_frsize or 1
+    block = os.statvfs(_existing(path)).f_frsize or 1
     return sum(-(-s // block) * block for s in sizes)
 
 
 def filesystem(path: Path) -> str:
     """'/data (ext4 on /dev/nvme0n1p2)': the mount point holding `path`, its type and device."""
-    real = os.path.realpath(path)
+    real = os.path.realpath(_existing(path))
     best = None
     try:
         with open("/proc/mounts") as f:
@@ -53,12 +63,32 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
-def check_room(out: Path, sizes: list[int], then: str) -> None:
-    """Refuse, before writing, when the files still to write do not fit."""
+def tree_bytes(root: Path, pattern: str = "*") -> int:
+    """Bytes of the regular files under `root` whose name matches `pattern` (what removing them gives back)."""
+    total = 0
+    for p in Path(root).rglob(pattern):
+        st = p.lstat()
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
+    return total
+
+
+def shortfall(needed: int, free: int, given_back: int = 0) -> int:
+    """Bytes missing on the filesystem (0 when the conversion fits)."""
+    return max(0, needed - free - given_back)
+
+
+def check_room(out: Path, sizes: list[int], given_back: int, then: str) -> None:
+    """Refuse, before writing, when the files still to write do not fit; `given_back`: bytes this run
+    removes first (the output --force replaces, a resumed run's partial files)."""
     need, free = on_disk(sizes, out), free_bytes(out)
-    if need > free:
-        raise OutputError(f"{out}: {sum(sizes):,} bytes still to write ({need:,} on disk) but {filesystem(out)} "
-                          f"has {free:,} bytes free; free at least {need - free:,} bytes, then {then}")
+    short = shortfall(need, free, given_back)
+    if short:
+        back = f" (+{size(given_back)} this run removes)" if given_back else ""
+        raise OutputError(f"{out}: not enough room on {filesystem(out)}: {size(sum(sizes))} still to write "
+                          f"({sum(sizes):,} bytes: rank files, journal, manifest, config and tokenizer copies), "
+                          f"{size(free)} free{back}; free {size(short)} more, then {then}, or choose an OUT on "
+                          f"another filesystem")
 
 
 def write_failed(err: OSError, out: Path, sizes: list[int], largest: int) -> OutputError:
@@ -71,8 +101,7 @@ def write_failed(err: OSError, out: Path, sizes: list[int], largest: int) -> Out
                            f"(ulimit -f) and the largest rank file is {largest:,} bytes; raise the limit and run the "
                            f"same command with --resume (or lower --max-file-size and run with --force)")
     need, free = on_disk(sizes, out), free_bytes(out)
-    short = (f"free at least {need - free:,} more bytes, then run" if need > free
-             else "there is room now: run")
-    return OutputError(f"{where}: write failed ({err.strerror}): {sum(sizes):,} bytes of this conversion are still "
-                       f"to write ({need:,} on disk) and {filesystem(out)} has {free:,} bytes free; {short} the same "
+    short = f"free {size(need - free)} more, then run" if need > free else "there is room now: run"
+    return OutputError(f"{where}: write failed ({err.strerror}): {size(sum(sizes))} of this conversion still to "
+                       f"write ({sum(sizes):,} bytes) and {filesystem(out)} has {size(free)} free; {short} the same "
                        f"command with --resume")

@@ -23,7 +23,11 @@ class OutputError(LuciferError):
     """The output directory is missing, incomplete, tampered with or from another conversion."""
 
 
+class UsageRefused(LuciferError):
+    """The command line asks for something that does not apply or cannot work together."""
+
+
 class MismatchError(LuciferError):
-    """diff or verify found bytes that differ from what the plan requires."""
+    """A check found a problem: diff, verify, check-numerics, doctor or the serve preflight."""
 
     exit_code = 1

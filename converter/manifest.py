@@ -18,7 +18,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from . import __version__
-from .errors import OutputError
+from .errors import OutputError, SourceError
 
 MANIFEST_NAME = "lucifer-manifest.json"
 COMPLETE_NAME = "COMPLETE"
@@ -108,3 +108,15 @@ def load_manifest(out: Path, check_digest: bool = True) -> dict:
             raise OutputError(f"{path}: manifest_digest does not match its content: the manifest was edited "
                               f"after conversion; re-run convert --force")
     return doc
+
+
+def source_model(out: Path, doc: dict, model: str | None) -> tuple[str, bool]:
+    """MODEL as given, or else the source path the manifest recorded (then True): `diff OUT`."""
+    if model is not None:
+        return model, False
+    path = (doc.get("source") or {}).get("path")
+    if not path:
+        raise OutputError(f"{out}'s manifest records no source path; pass MODEL after OUT")
+    if not Path(path).is_dir():
+        raise SourceError(f"{out} was converted from {path}, which is not a directory here; pass MODEL after OUT")
+    return path, True

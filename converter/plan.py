@@ -8,6 +8,8 @@ heads per group. The FlashInfer-CUTLASS MXFP4 kernel then rounds the routed widt
 from __future__ import annotations
 
 import math
+import shutil
+import subprocess
 from dataclasses import asdict, dataclass
 
 from .config import ModelConfig
@@ -21,6 +23,7 @@ KERNEL_ALIGN = 128
 MAX_TP = 8
 
 ARCHES = ("sm120", "sm100", "sm90")
+ARCH_CAPABILITY_MAJOR = {"sm120": 12, "sm100": 10, "sm90": 9}
 # The FlashInfer-CUTLASS MXFP4 variant vLLM resolves per arch (`--moe-backend flashinfer_cutlass`).
 MOE_VARIANT = {
     "sm120": "FLASHINFER_CUTLASS_MXFP4_MXFP8",
@@ -110,7 +113,20 @@ def stock_padded(axis: str, original: int) -> int:
     return align_up(original, VOCAB_ALIGN) if axis == "vocab" else original
 
 
-def check_arch(arch: str) -> str:
-    if arch not in ARCHES:
-        raise PlanError(f"--arch {arch!r} is not one of {', '.join(ARCHES)}")
-    return arch
+def arch_of_capability(major: int) -> str | None:
+    """The --arch of a GPU of CUDA compute capability `major`.x (None: no layout for it)."""
+    return next((arch for arch, m in ARCH_CAPABILITY_MAJOR.items() if m == major), None)
+
+
+def local_gpu() -> str | None:
+    """'NVIDIA ... (capability 12.0 = sm120)' for this machine's first GPU, from nvidia-smi; None without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.splitlines()
+        name, cap = (x.strip() for x in out[0].rsplit(",", 1))
+        arch = arch_of_capability(int(cap.split(".")[0]))
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return None
+    return f"{name} (capability {cap} = {arch or 'no --arch'})"

@@ -1,13 +1,20 @@
-"""The `plan` report: the audit's axis table, per-family source ranges per rank, byte totals."""
+"""The `plan` report: the audit's axis table, per-family source ranges per rank, and the disk
+footprint (bytes to read and write, files per rank, room on OUT's filesystem, a time estimate)."""
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
+from pathlib import Path
 
+from . import diskspace
+from . import footprint as fpm
 from .config import ModelConfig
-from .convert import layout_name, stored_shape, tensor_layouts
+from .convert import layout_name, plan_footprint, plan_parts, stored_shape, tensor_layouts
 from .manifest import Options
 from .plan import MOE_VARIANT, Plan
-from .rules import DTYPE_SIZE, TensorSpec, build_specs
+from .rules import DTYPE_SIZE, TensorSpec, build_specs, expected_sources
+from .units import duration, rate, size
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.")
 
@@ -21,11 +28,68 @@ def plan_specs(cfg: ModelConfig, plan: Plan, mtp: bool) -> dict[str, list[list[T
     return {role: build_specs(cfg, plan, role) for role in roles}
 
 
-def plan_json(cfg: ModelConfig, plan: Plan, options: Options) -> dict:
+@dataclass(frozen=True)
+class Room:
+    """OUT's filesystem against what the conversion writes."""
+
+    out: Path
+    filesystem: str
+    free: int
+    needed: int
+
+    @property
+    def short(self) -> int:
+        return diskspace.shortfall(self.needed, self.free)
+
+    def to_dict(self) -> dict:
+        return {"out": str(self.out), "filesystem": self.filesystem, "free_bytes": self.free,
+                "needed_bytes": self.needed, "enough": not self.short}
+
+
+def plan_footprint_of(cfg: ModelConfig, specs: dict[str, list[list[TensorSpec]]], plan: Plan,
+                      options: Options) -> fpm.Footprint:
+    """The footprint from config.json alone (source sizes from the schema; copies of side files unknown)."""
+    parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align)]
+    sizes = {k: DTYPE_SIZE[s.dtype] * math.prod(s.shape) for k, s in expected_sources(cfg).items()}
+    return plan_footprint(specs, parts, tensor_layouts(options), plan.tp, options.align, sizes)
+
+
+def room_of(fp: fpm.Footprint, out: Path | None) -> Room | None:
+    if out is None:
+        return None
+    return Room(Path(out), diskspace.filesystem(out), diskspace.free_bytes(out), fp.needed)
+
+
+def footprint_json(fp: fpm.Footprint, room: Room | None) -> dict:
+    return {"read_bytes": fp.read, "write_bytes": fp.write, "metadata_bytes": fp.metadata,
+            "ranks": [{"role": role, "rank": rank, "files": files, "bytes": n}
+                      for (role, rank), (files, n) in fp.per_rank().items()],
+            "files": len(fp.files), "room": room.to_dict() if room else None,
+            "estimate": {"seconds": round(fpm.seconds(fp), 1), "bytes_per_s": round(fpm.MEASURED_BYTES_PER_S),
+                         "measured": fpm.MEASURED_WHERE}}
+
+
+def footprint_lines(fp: fpm.Footprint, room: Room | None) -> list[str]:
+    lines = ["", "disk footprint",
+             f"  read   {size(fp.read):>11}   every converted source tensor, once",
+             f"  write  {size(fp.write):>11}   {len(fp.files)} rank files, then about {size(fp.metadata)} of "
+             f"manifest and journal and the config/tokenizer copies"]
+    if room is None:
+        lines.append("  room   not checked   name OUT (plan ... MODEL OUT) to check its filesystem's free space")
+    else:
+        verdict = "enough" if not room.short else f"NOT enough: free {size(room.short)} more or choose another OUT"
+        lines.append(f"  room   {size(room.free):>11}   free on {room.filesystem}, the filesystem of {room.out}: "
+                     f"{verdict}")
+    lines += [f"  time   {duration(fpm.seconds(fp)):>11}   at {rate(fpm.MEASURED_BYTES_PER_S)} read + written,",
+              f"                       {fpm.MEASURED_WHERE}; it scales with your disk"]
+    return lines
+
+
+def plan_json(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Options, arch_given: bool) -> dict:
     """Per role, rank and output tensor: name, shape, dtype, layout and source slices."""
     layouts = tensor_layouts(options)
     roles = {}
-    for role, ranks in plan_specs(cfg, plan, options.mtp).items():
+    for role, ranks in specs.items():
         roles[role] = [
             {"rank": r, "tensors": [{
                 "name": s.name, "shape": list(stored_shape(s, layouts)), "model_shape": list(s.shape),
@@ -35,22 +99,20 @@ def plan_json(cfg: ModelConfig, plan: Plan, options: Options) -> dict:
             } for s in specs]}
             for r, specs in enumerate(ranks)
         ]
-    return {"plan": plan.to_dict(), "arch": options.arch, "moe_variant": MOE_VARIANT[options.arch],
-            "expert_layout": options.expert_layout, "roles": roles}
+    return {"plan": plan.to_dict(), "arch": options.arch if arch_given else None,
+            "moe_variant": MOE_VARIANT[options.arch], "expert_layout": options.expert_layout, "roles": roles}
 
 
-def _fmt_bytes(n: int) -> str:
-    return f"{n:,} B ({n / 2**30:.2f} GiB)"
-
-
-def plan_lines(cfg: ModelConfig, plan: Plan, options: Options) -> list[str]:
+def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Options, fp: fpm.Footprint,
+               arch_given: bool) -> list[str]:
+    arch = (f"arch {options.arch}: {MOE_VARIANT[options.arch]}" if arch_given else
+            f"no --arch (shown for {options.arch}; convert requires one; sizes are the same for every arch)")
     lines = [f"virtual-TP plan for TP={plan.tp} ({'padded' if plan.pads else 'plain split, nothing pads'}); "
-             f"arch {options.arch}: {MOE_VARIANT[options.arch]}, experts in {options.expert_layout} layout", ""]
+             f"{arch}, experts in {options.expert_layout} layout", ""]
     lines.append(f"{'axis':<8} {'original':>9} {'padded':>9} {'per rank':>9} {'kernel-local':>13}   real per rank")
     for a in plan.axes.values():
         reals = "/".join(str(a.real(r)) for r in range(plan.tp))
         lines.append(f"{a.name:<8} {a.original:>9} {a.padded:>9} {a.local:>9} {a.kernel_local:>13}   {reals}")
-    specs = plan_specs(cfg, plan, options.mtp)
     layouts = tensor_layouts(options)
     lines += ["", "per tensor family: source range per rank in stored units [start, end) -> tail"]
     seen = set()
@@ -71,13 +133,14 @@ def plan_lines(cfg: ModelConfig, plan: Plan, options: Options) -> list[str]:
                 key = spec.pieces[seg].source.split(".", 2)[-1] if spec.layer is not None else spec.pieces[seg].source
                 lines.append(f"      {key} dim {spec.pieces[seg].dim}: " + "  ".join(parts))
     lines.append("  (every other tensor is replicated whole on each rank; the MTP block's families match the target's)")
-    lines += ["", "bytes per rank (zero padding = virtual-TP and kernel tails)"]
+    lines += ["", "per rank (files of at most --max-file-size; padding = virtual-TP and kernel zero tails)",
+              f"  {'role':<7} {'rank':>4} {'tensors':>7} {'files':>5} {'bytes':>16} {'size':>12} {'padding':>12}"]
+    per_rank = fp.per_rank()
     for role, ranks in specs.items():
         for r, rank_specs in enumerate(ranks):
-            total = sum(s.nbytes for s in rank_specs)
+            files, n = per_rank[(role, r)]
             pad = sum(_pad_bytes(s) for s in rank_specs)
-            lines.append(f"  {role} rank {r}: {len(rank_specs)} tensors, {_fmt_bytes(total)}, "
-                         f"zero padding {_fmt_bytes(pad)}")
+            lines.append(f"  {role:<7} {r:>4} {len(rank_specs):>7} {files:>5} {n:>16,} {size(n):>12} {size(pad):>12}")
     return lines
 
 

@@ -16,11 +16,11 @@ from typing import Iterator
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from .config import ModelConfig, parse_config
 from .errors import LuciferError
 from .rules import DTYPE_SIZE, Source, expected_sources
+from .units import byte_bar
 
 PRESETS = {
     "tiny": "tiny.json",
@@ -141,7 +141,7 @@ def synth(preset: str, out: Path, layers: int | None = None, fill: str = "patter
     groups = list(_shards(sources))
     total = sum(map(_nbytes, sources))
     weight_map: dict[str, str] = {}
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"synth {preset}", disable=not progress)
+    bar = byte_bar(total, f"synth {preset}", progress)
     for n, group in enumerate(groups, 1):
         name = f"model-{n:05d}-of-{len(groups):05d}.safetensors"
         tensors = {}

@@ -39,6 +39,7 @@ from .plan import make_plan
 from .rules import DTYPE_SIZE, NEG_INF_F32, TensorSpec, build_specs
 from .stheader import HeaderError, read_header
 from .stwriter import file_digest
+from .units import byte_bar, duration, rate, size
 
 CHUNK_BYTES = 32 << 20
 ALIGN = 4096  # O_DIRECT offset, length and address alignment
@@ -88,6 +89,7 @@ class Report:
     by_tensor: dict[str, int] = field(default_factory=dict)  # "role rank-r name" (or file) -> bad bytes/items
     stats: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
+    lead: int = 0  # problems listed first (add_first)
 
     @property
     def ok(self) -> bool:
@@ -103,6 +105,16 @@ class Report:
             self.problems.append(problem)
         key = _tensor_key(problem)
         self.by_tensor[key] = self.by_tensor.get(key, 0) + weight
+
+    def add_first(self, problem: Problem) -> None:
+        """A finding that explains the others (the source is not the one converted): listed before them,
+        in the order found."""
+        self.add(problem)
+        if self.problems and self.problems[-1] is problem:
+            self.problems.pop()
+        self.problems.insert(self.lead, problem)
+        self.lead += 1
+        del self.problems[self.limit:]
 
     def add_many(self, problems: list[Problem], total: int, key_of: Problem) -> None:
         """`total` findings of one kind in one tensor, of which `problems` are the first few, in full."""
@@ -177,14 +189,6 @@ def _idx(index) -> str:
 
 def hexbytes(b: np.ndarray | bytes) -> str:
     return "0x" + bytes(b).hex()
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
 
 
 # ---------------------------------------------------------------- rank files
@@ -848,7 +852,7 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
     _stray_files(report, out, manifest)
     files = open_files(report, out, manifest)
     total = sum(t.end - t.start for rf in files.values() for t in rf.tensors.values())
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress)
+    bar = byte_bar(total, "verify", progress)
     digests: dict[tuple[str, int, str], str] = {}
     checked_pad = 0
     n_tensors = 0
@@ -876,7 +880,7 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
     report.stats.update({
         "files": len(manifest_files(manifest)), "tensors": n_tensors, "bytes_hashed": total,
         "pad_bytes_checked": checked_pad, "seconds": round(seconds, 3),
-        "throughput_mb_s": round(total / seconds / 1e6, 1) if seconds else 0.0,
+        "bytes_per_s": round(total / seconds) if seconds else 0,
     })
     return report
 
@@ -1018,10 +1022,10 @@ def verify_lines(report: Report) -> list[str]:
     lines += [
         f"  files checked      {s.get('files', 0)}",
         f"  tensors checked    {s.get('tensors', 0)}",
-        f"  bytes hashed       {human_bytes(s.get('bytes_hashed', 0))}",
-        f"  pad bytes checked  {human_bytes(s.get('pad_bytes_checked', 0))}",
-        f"  time               {s.get('seconds', 0):.2f} s",
-        f"  throughput         {s.get('throughput_mb_s', 0):.0f} MB/s",
+        f"  bytes hashed       {size(s.get('bytes_hashed', 0))}",
+        f"  pad bytes checked  {size(s.get('pad_bytes_checked', 0))}",
+        f"  time               {duration(s.get('seconds', 0))}",
+        f"  throughput         {rate(s.get('bytes_per_s', 0))}",
         "",
     ]
     return lines + report.outcome_lines("manifest, files, digests, zero regions, scales and replicas all check out",

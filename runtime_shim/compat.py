@@ -68,6 +68,9 @@ RELAYOUT_PATCH_MODULE = "vllm.model_executor.layers.quantization.mxfp4"
 RELAYOUT_PATCH_ATTR = "convert_weight_to_mxfp4_moe_kernel_format"
 
 
+REPOSITORY = "https://github.com/mlow/vllm"  # the vLLM fork with virtual TP (vllm-runtime.md)
+
+
 @dataclass(frozen=True)
 class Build:
     commit: str
@@ -75,6 +78,14 @@ class Build:
     hashes: dict[str, str]
     draft_virtual_tp: bool  # the MTP draft config gets the virtual-TP plan too
     flashinfer: str  # flashinfer-python pinned by the build's requirements/cuda.txt
+    branches: tuple[str, ...]  # branches of REPOSITORY that hold the commit
+
+    def serves(self) -> dict[str, bool]:
+        """What lucifer_tp3 can load on this build, per kind of output (the README's table)."""
+        return {"sm120/sm100 kernel": True,  # the re-layout wrapper is vetted for every build
+                "model layout": True,
+                "sm90 kernel": False,  # needs the SM90 "c-full" load path, not built
+                "MTP draft (--mtp)": self.draft_virtual_tp}
 
 
 # Computed with `python -m lucifer_shard.runtime_shim.compat /work/.mirror/mlow+vllm/repo 45c1582e9
@@ -91,6 +102,7 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         },
         draft_virtual_tp=True,
         flashinfer="0.6.12",
+        branches=("mlow/dsv4-dspark-v8", "mlow/vllm-b12x-ee"),
     ),
     Build(
         commit="cece381c4",
@@ -103,6 +115,7 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         },
         draft_virtual_tp=False,
         flashinfer="0.6.13",
+        branches=("mlow/vllm-gb10-b12x-ff",),
     ),
     Build(
         commit="81564374e",
@@ -115,6 +128,7 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         },
         draft_virtual_tp=True,
         flashinfer="0.6.14",
+        branches=("gg-fix",),
     ),
 )
 

@@ -1,4 +1,5 @@
-"""`lucifer-shard doctor` and `lucifer-shard serve`: what the installed vLLM can and cannot serve.
+"""`lucifer-shard doctor` and `lucifer-shard serve`: what the installed vLLM can and cannot serve,
+which vLLM builds can, and how to put lucifer-shard into one.
 
 Imports vLLM lazily inside the functions; importing this module is cheap.
 """
@@ -6,14 +7,19 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import json
 import os
-import shlex
+import re
+import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from lucifer_shard import __version__
 
 from . import compat
 from .errors import ShimError
+from .patches import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND
 
 OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
 ENTRY_GROUP = "vllm.general_plugins"
@@ -40,6 +46,9 @@ class Check:
     def __str__(self) -> str:
         s = f"[{self.status:>4}] {self.name}: {self.detail}"
         return s + (f" -> {self.fix}" if self.fix else "")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 def format_report(checks: list[Check]) -> str:
@@ -78,25 +87,64 @@ def vllm_identity() -> tuple[str | None, str | None]:
     return version, commit
 
 
-def doctor_report(out_dir: str | Path | None = None) -> list[Check]:
-    """Inspect the installed vLLM/FlashInfer (and optionally an output directory) for lucifer_tp3 serving."""
-    checks: list[Check] = [Check("python", INFO, sys.version.split()[0])]
+WHEEL = f"lucifer_shard-{__version__}-py3-none-any.whl"
+
+
+def _requirements() -> list[str]:
+    """The distributions lucifer-shard needs at run time (its metadata; empty when not installed)."""
+    try:
+        reqs = md.requires("lucifer-shard") or []
+    except md.PackageNotFoundError:
+        return []
+    return [re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0] for r in reqs if "extra ==" not in r]
+
+
+def _package_checks() -> list[Check]:
+    """lucifer-shard's own install: vLLM finds the plugin only through an installed distribution."""
+    import lucifer_shard
+
+    version = _dist_version("lucifer-shard")
+    where = Path(lucifer_shard.__file__).parent
+    checks = [Check("lucifer-shard", OK if version else FAIL, f"{version or 'not installed'} ({where})",
+                    "" if version else f"pip install --no-deps {WHEEL} (make wheel) or the checkout, so vLLM "
+                                       f"finds the lucifer_tp3 plugin")]
+    needed = _requirements()
+    missing = [n for n in needed if _dist_version(n) is None]
+    if needed:
+        checks.append(Check("lucifer-shard dependencies", FAIL if missing else OK,
+                            f"missing {', '.join(missing)}" if missing else f"all present ({', '.join(needed)})",
+                            f"pip install {' '.join(missing)}" if missing else ""))
+    return checks
+
+
+def doctor_report(out_dir: str | Path | None = None, mtp: bool = False) -> list[Check]:
+    """Inspect the installed vLLM/FlashInfer (and optionally an output directory, to be served with the
+    MTP draft when `mtp`) for lucifer_tp3 serving. Every failing check says how to fix it."""
+    checks: list[Check] = [Check("python", INFO, sys.version.split()[0]), *_package_checks()]
     version, commit = vllm_identity()
     if version is None:
-        checks.append(Check("vllm", FAIL, "not installed in this environment",
-                            "install lucifer-shard into the vLLM serving image (pip install --no-deps lucifer-shard)"))
+        checks.append(Check("vllm", FAIL, "not installed in this environment; lucifer_tp3 needs a vetted "
+                            "mlow/vllm build (listed below)",
+                            "run doctor inside the serving image, or install a vetted build here, then "
+                            "lucifer-shard into it (below)"))
         if out_dir is not None:
-            checks.extend(_output_checks(out_dir, None, None))
+            checks.extend(_output_checks(out_dir, None, None, mtp))
         return checks
     known = {b.commit: b for b in compat.SUPPORTED_BUILDS}
     build = next((b for c, b in known.items() if commit and (commit.startswith(c) or c.startswith(commit))), None)
     checks.append(Check("vllm", OK if build else INFO, f"{version} (commit {commit or 'unknown'})"
                         + (f" = supported build {build.label}" if build else "; not one of the vetted builds "
-                           + ", ".join(known))))
+                           + ", ".join(known)),
+                        "" if build else "serve TP3 outputs on a vetted mlow/vllm build (listed below)"))
+    exe = shutil.which("vllm")
+    checks.append(Check("vllm command", OK if exe else FAIL, exe or "not on PATH (serve runs `vllm serve`)",
+                        "" if exe else "put the bin/ folder of vLLM's environment on PATH"))
     fi = _dist_version("flashinfer-python")
     want_fi = build.flashinfer if build else None
-    checks.append(Check("flashinfer", (WARN if fi is None or (want_fi and fi != want_fi) else OK),
-                        f"flashinfer-python {fi or 'not installed'}" + (f" (build pins {want_fi})" if want_fi else "")))
+    fi_bad = fi is None or bool(want_fi and fi != want_fi)
+    checks.append(Check("flashinfer", WARN if fi_bad else OK,
+                        f"flashinfer-python {fi or 'not installed'}" + (f" (build pins {want_fi})" if want_fi else ""),
+                        f"pip install flashinfer-python=={want_fi or '<the build pin>'}" if fi_bad else ""))
     checks.append(_torch_check())
     try:
         importlib.import_module("vllm")
@@ -120,7 +168,9 @@ def doctor_report(out_dir: str | Path | None = None) -> list[Check]:
         else:
             checks.append(Check(f"source {sym.dotted}", OK if good else WARN,
                                 f"{(st.hash or 'no hash')[:23]}... "
-                                + (f"= {', '.join(good)}" if good else f"matches no vetted build ({st.detail or 'source differs'})")))
+                                + (f"= {', '.join(good)}" if good else
+                                   f"matches no vetted build ({st.detail or 'source differs'})"),
+                                "" if good else "use a vetted build (the shim's wrappers stay off on this one)"))
     pol = verdicts[compat.POLICY]
     if pol.ok:
         checks.append(Check("virtual TP", OK, f"present; policy wrapper installed (build {pol.build.commit}): "
@@ -150,13 +200,13 @@ def doctor_report(out_dir: str | Path | None = None) -> list[Check]:
                             "unset VLLM_USE_B12X_MOE"))
     checks.append(_gpu_check())
     if out_dir is not None:
-        checks.extend(_output_checks(out_dir, verdicts, build))
+        checks.extend(_output_checks(out_dir, verdicts, build, mtp))
     return checks
 
 
 def _torch_check() -> Check:
     v = _dist_version("torch")
-    return Check("torch", INFO if v else WARN, v or "not installed")
+    return Check("torch", INFO if v else WARN, v or "not installed", "" if v else "install vLLM's torch pin")
 
 
 def _gpu_check() -> Check:
@@ -188,7 +238,7 @@ def _plugin_checks() -> list[Check]:
     try:
         from vllm.model_executor import model_loader as ml
 
-        registered = patches.LOAD_FORMAT in getattr(ml, "_LOAD_FORMAT_TO_MODEL_LOADER", {})
+        registered = LOAD_FORMAT in getattr(ml, "_LOAD_FORMAT_TO_MODEL_LOADER", {})
     except Exception:  # noqa: BLE001
         registered = False
     out.append(Check("load format lucifer_tp3", OK if registered else FAIL,
@@ -205,74 +255,110 @@ def _wrapper_verdicts() -> dict[str, compat.WrapperVerdict]:
     return dict(patches.VERDICTS)
 
 
-def _output_checks(out_dir, verdicts, build) -> list[Check]:
+def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
     from .manifest import load_manifest
 
     try:
         m = load_manifest(out_dir)
     except ShimError as e:
-        return [Check("output", FAIL, str(e))]
+        return [Check("output", FAIL, str(e), "lucifer-shard verify OUT; re-run convert if it is damaged")]
     checks = [Check("output", OK, f"{m.out}: conversion {m.conversion_id[:12]}, tp {m.tp_size}, arch {m.arch}, "
                     f"experts {m.expert_layout} layout ({m.moe_variant}), roles {', '.join(m.roles)}")]
+    if mtp and "draft" not in m.roles:
+        checks.append(Check("output MTP draft", FAIL, "OUT has no draft/ (converted with --no-mtp)",
+                            "serve without --mtp, or convert again without --no-mtp"))
+    elif not mtp and "draft" in m.roles:
+        checks.append(Check("output MTP draft", INFO, "OUT/draft holds the MTP draft",
+                            "serve --mtp to use it for speculative decoding"))
+    if m.arch == "sm90" and m.expert_layout != "model":
+        checks.append(Check("output kernel-layout experts", FAIL, "sm90 kernel layout needs the SM90 c-full load "
+                            "path, which no vetted build has", "convert again with --expert-layout model"))
     if verdicts is None:
         return checks
     if m.needs_virtual_tp() and not verdicts[compat.POLICY].ok:
         checks.append(Check("output needs virtual TP", FAIL, f"the plan pads tp {m.tp_size} but the policy wrapper "
                             f"is not installed ({verdicts[compat.POLICY].reason})",
                             "serve on a vetted mlow/vllm build"))
-    if m.expert_layout != "model":
-        if not verdicts[compat.RELAYOUT].ok:
-            checks.append(Check("output kernel-layout experts", FAIL, "the re-layout wrapper is not installed",
-                                "re-convert with --expert-layout model, or use a vetted build"))
-        if m.arch == "sm90":
-            checks.append(Check("output kernel-layout experts", FAIL, "sm90 kernel layout needs c-full (not "
-                                "implemented)", "re-convert with --expert-layout model"))
+    if m.expert_layout != "model" and not verdicts[compat.RELAYOUT].ok:
+        checks.append(Check("output kernel-layout experts", FAIL, "the re-layout wrapper is not installed",
+                            "re-convert with --expert-layout model, or use a vetted build"))
     from . import patches
 
     arch, cap = patches.device_arch()
     if arch is not None and arch != m.arch and m.expert_layout != "model":
         checks.append(Check("output arch", FAIL, f"files laid out for {m.arch}, this GPU is {cap} ({arch})",
                             f"re-convert with --arch {arch}"))
-    if "draft" in m.roles and build is not None and not build.draft_virtual_tp and m.needs_virtual_tp():
-        checks.append(Check("output MTP draft", WARN, f"build {build.commit} does not apply virtual TP to the draft "
-                            f"model", "serve without --speculative-config (no MTP) on this build"))
+    if mtp and "draft" in m.roles and build is not None and not build.draft_virtual_tp and m.needs_virtual_tp():
+        checks.append(Check("output MTP draft", FAIL, f"build {build.commit} does not apply virtual TP to the draft "
+                            f"model", "serve without --mtp on this build, or use a build whose MTP draft column "
+                            "says yes (below)"))
     return checks
+
+
+# ------------------------------------------------------------------------------- the guide
+
+
+def builds() -> list[dict]:
+    """The vetted builds: commit, branches, FlashInfer pin, and what lucifer_tp3 can load on each."""
+    return [{"commit": b.commit, "repository": compat.REPOSITORY, "branches": list(b.branches),
+             "flashinfer": b.flashinfer, "serves": b.serves()} for b in compat.SUPPORTED_BUILDS]
+
+
+def guide_lines() -> list[str]:
+    """Which vLLM builds serve lucifer-shard outputs, where they come from, and how to put lucifer-shard in."""
+    cols = list(compat.SUPPORTED_BUILDS[0].serves())
+    head = f"  {'commit':<10} {'branches':<40} {'FlashInfer':<10} " + "  ".join(cols)
+    lines = [f"vetted vLLM builds for lucifer_tp3 ({compat.REPOSITORY}):", head]
+    for b in compat.SUPPORTED_BUILDS:
+        cells = "  ".join(f"{'yes' if ok else 'no':<{len(c)}}" for c, ok in b.serves().items())
+        lines.append(f"  {b.commit:<10} {', '.join(b.branches):<40} {b.flashinfer:<10} {cells}".rstrip())
+    newest = compat.SUPPORTED_BUILDS[-1].commit
+    return lines + [
+        "  upstream vLLM (0.33.0) has no virtual TP: it cannot serve TP3 outputs.",
+        "get one: the audited serving image runs 45c1582e9; or build from source (CUDA toolchain, vLLM's",
+        f"  'build from source' guide): git clone {compat.REPOSITORY} && git -C vllm checkout {newest} && "
+        f"pip install -e vllm",
+        "put lucifer-shard into that image (it is on no package index):",
+        f"  here:     make wheel                      (writes dist/{WHEEL})",
+        f"  image:    pip install --no-deps {WHEEL}   (or: pip install --no-deps /path/to/lucifer-shard)",
+        "  vLLM already brings every dependency (torch, safetensors, numpy, huggingface_hub, tqdm, blake3,",
+        "  click); `pip check` confirms. Then: lucifer-shard doctor OUT; lucifer-shard serve OUT --dry-run",
+    ]
 
 
 # ---------------------------------------------------------------------------------- serve
 
 SERVE_FLAGS = ("--tensor-parallel-size", "--load-format", "--attention-backend", "--moe-backend")
+SPECULATIVE_FLAG = "--speculative-config"
 
 
-def serve_argv(out_dir: str | Path, extra_args: list[str] | tuple[str, ...] = (), dry_run: bool = False,
-               vllm: str = "vllm") -> tuple[list[str], list[Check]]:
-    """(argv of `vllm serve`, preflight checks). Raises ShimError if the output or preflight fails
-    (unless dry_run, which returns the checks for printing)."""
-    from . import patches
-    from .manifest import load_manifest
+def speculative_config(tokens: int) -> str:
+    """vLLM's speculative decoding with the checkpoint's own MTP layer as the draft. Without a draft
+    `model`, method "mtp" drafts from the target's directory (OUT) with the target's load format, and
+    the lucifer_tp3 loader picks OUT/draft for the draft model (vLLM 0.33.0 and the mlow/vllm builds:
+    `SpeculativeConfig`, vllm/config/speculative.py)."""
+    return json.dumps({"method": "mtp", "num_speculative_tokens": tokens}, separators=(",", ":"))
 
-    m = load_manifest(out_dir)  # manifest + COMPLETE are hard requirements even for --dry-run
+
+def serve_argv(out_dir: str | Path, tp: int | None, extra_args: list[str] | tuple[str, ...] = (),
+               mtp_tokens: int | None = None, vllm: str = "vllm") -> list[str]:
+    """The `vllm serve` command for OUT (`tp` from its manifest; None writes a placeholder). Raises
+    ShimError when the extra arguments set a flag lucifer-shard sets."""
     extra = list(extra_args)
-    for flag in SERVE_FLAGS:
+    owned = {flag: "lucifer-shard serve sets it from the manifest" for flag in SERVE_FLAGS}
+    if mtp_tokens:
+        owned[SPECULATIVE_FLAG] = "--mtp sets it"
+    for flag, why in owned.items():
         short = {"--tensor-parallel-size": "-tp"}.get(flag)
         if any(a == flag or a.startswith(flag + "=") or (short and a == short) for a in extra):
-            raise ShimError(f"{flag} is set by lucifer-shard serve from the manifest; remove it from the extra args")
-    argv = [vllm, "serve", str(Path(out_dir)), "--tensor-parallel-size", str(m.tp_size),
-            "--load-format", patches.LOAD_FORMAT, "--attention-backend", patches.ATTENTION_BACKEND,
-            "--moe-backend", patches.MOE_BACKEND, *extra]
-    checks = doctor_report(out_dir)
-    failed = [c for c in checks if c.status == FAIL]
-    if failed and not dry_run:
-        raise ShimError(f"preflight failed ({len(failed)} check(s)): {failed[0].name}: {failed[0].detail}"
-                        + (f" -> {failed[0].fix}" if failed[0].fix else "") + "; run lucifer-shard doctor OUT")
-    return argv, checks
+            raise ShimError(f"{flag} is in the vLLM arguments but {why}; remove it from them")
+    argv = [vllm, "serve", str(Path(out_dir)), "--tensor-parallel-size", str(tp) if tp else "<TP of OUT>",
+            "--load-format", LOAD_FORMAT, "--attention-backend", ATTENTION_BACKEND, "--moe-backend", MOE_BACKEND]
+    if mtp_tokens:
+        argv += [SPECULATIVE_FLAG, speculative_config(mtp_tokens)]
+    return argv + extra
 
 
-def serve(out_dir, extra_args=(), dry_run: bool = False) -> str:
-    """Preflight then exec `vllm serve` (never returns unless dry_run, which returns the command line)."""
-    argv, _ = serve_argv(out_dir, extra_args, dry_run)
-    line = shlex.join(argv)
-    if dry_run:
-        return line
+def exec_vllm(argv: list[str]) -> None:
+    """Replace this process by vLLM (never returns)."""
     os.execvp(argv[0], argv)
-    raise AssertionError("unreachable")  # pragma: no cover

@@ -23,7 +23,6 @@ from lucifer_shard.stheader import read_header as _read_header
 
 from .errors import ShimError
 
-ARCH_CAPABILITY_MAJOR = {"sm120": 12, "sm100": 10, "sm90": 9}
 MOE_VARIANTS = tuple(dict.fromkeys(MOE_VARIANT.values()))
 # manifest plan axis -> key of vLLM's `hf_text_config.vllm_virtual_tp_plan`
 PLAN_AXES = {
@@ -37,13 +36,6 @@ PLAN_AXES = {
 # embedding and head after loading, vllm-runtime.md §5 / dsv4-flash-tp3.md §5).
 DRAFT_RUNTIME_OWNED_SUFFIXES = ("shared_head.head.weight",)
 DRAFT_RUNTIME_OWNED = ("model.embed_tokens.weight",)
-
-
-def arch_of_capability(major: int) -> str | None:
-    for arch, m in ARCH_CAPABILITY_MAJOR.items():
-        if m == major:
-            return arch
-    return None
 
 
 @dataclass

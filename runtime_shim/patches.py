@@ -22,10 +22,11 @@ from lucifer_shard.config import MODEL_TYPE, ModelConfig, parse_config
 from lucifer_shard.errors import SourceError
 from lucifer_shard.layouts import EXPERT_TENSORS
 from lucifer_shard.manifest import RUNTIME
+from lucifer_shard.plan import arch_of_capability
 
 from . import compat
 from .errors import ShimError, ShimRuntimeError
-from .manifest import arch_of_capability, compare_plan, load_manifest, virtual_tp_needed
+from .manifest import compare_plan, load_manifest, virtual_tp_needed
 
 logger = logging.getLogger("lucifer_shard.runtime_shim")
 

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lucifer_shard.cli import Group
-from lucifer_shard.cmd_check import diff as diff_cmd, inspect as inspect_cmd, verify as verify_cmd
+from lucifer_shard.cli import cli
 from lucifer_shard.diff import diff
+from lucifer_shard.errors import MismatchError
 from lucifer_shard.manifest import MANIFEST_NAME
 from lucifer_shard.stheader import read_header
 from lucifer_shard.verify import verify
@@ -35,8 +35,7 @@ PART = "target/rank-{}/part-00000.safetensors"
 def run_cli(*args: str):
     from click.testing import CliRunner
 
-    group = Group(commands={"diff": diff_cmd, "verify": verify_cmd, "inspect": inspect_cmd})
-    return CliRunner().invoke(group, list(args), catch_exceptions=False)
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
 def copy_out(out: Path, tmp_path: Path) -> Path:
@@ -111,10 +110,13 @@ def test_cli_diff_ok_summary_and_json(converted, tiny_pattern):
     out = converted()
     r = run_cli("diff", "--quiet", str(out), str(tiny_pattern))
     assert r.exit_code == 0, r.output
-    assert "OK: every rank tensor" in r.output and "throughput" in r.output
+    assert "OK: every rank tensor" in r.output and "GiB/s source + rank bytes" in r.output
     r = run_cli("diff", "--quiet", "--json", str(out), str(tiny_pattern))
-    doc = json.loads(r.output)
-    assert doc["ok"] and doc["problem_count"] == 0 and doc["summary"]["rank_tensors"] == 3 * 173
+    doc = json.loads(r.stdout)
+    assert doc["ok"] and doc["command"] == "diff" and doc["error"] is None
+    assert doc["result"]["problem_count"] == 0 and doc["result"]["summary"]["rank_tensors"] == 3 * 173
+    assert doc["result"]["content"]["digest"] == json.loads((out / MANIFEST_NAME).read_text())["source"]["content"][
+        "digest"]
 
 
 # ---------------------------------------------------------------- tampering
@@ -147,8 +149,8 @@ def test_flipped_w2_byte_is_located_in_the_source(converted, tiny_pattern, tmp_p
     r = run_cli("diff", "--quiet", str(out), str(tiny_pattern))
     assert r.exit_code == 1 and W2 in r.output and "error: diff:" in r.output
     assert "layers.3.ffn.experts.5.w2.weight[" in r.output and f"byte offset {offset}" in r.output or case != "sm120"
-    doc = json.loads(run_cli("diff", "--quiet", "--json", str(out), str(tiny_pattern)).output.split("\nerror:")[0])
-    assert not doc["ok"] and doc["problems"][0]["tensor"] == W2
+    doc = json.loads(run_cli("diff", "--quiet", "--json", str(out), str(tiny_pattern)).stdout)
+    assert not doc["ok"] and doc["error"]["exit_code"] == 1 and doc["result"]["problems"][0]["tensor"] == W2
 
 
 def test_nonzero_byte_in_zero_tail(converted, tiny_pattern, tmp_path):
@@ -241,10 +243,16 @@ def test_missing_rank_folder(converted, tiny_pattern, tmp_path):
 
 
 def test_wrong_source_checkpoint(converted, tiny_random):
-    """Same schema, other bytes (the fingerprint covers config and headers, not data): caught by content."""
-    report = diff(converted(), str(tiny_random), max_mismatches=3, progress=False)
-    assert not report.ok and report.problems[0].kind == "data"
-    assert report.problems[0].tensor == "lm_head.weight" and report.problems[0].detail["source"] == "head.weight"
+    """Same schema and headers, other bytes: the fingerprint (config, headers, sizes) is equal, the content
+    digests are not; diff stops at the first shard read in full, or with --keep-going reports it and goes on."""
+    with pytest.raises(MismatchError, match=r"diff: model-\d+-of-\d+\.safetensors: its content differs from the "
+                                            r"shard converted .*--keep-going"):
+        diff(converted(), str(tiny_random), progress=False)
+    report = diff(converted(), str(tiny_random), max_mismatches=8, progress=False, keep_going=True)
+    assert report.info["fingerprint_ok"] and len(report.info["content"]["differs"]) == 5
+    assert [p.kind for p in report.problems] == ["source"] * 5 + ["data"] * 3  # the explanation first
+    data = report.problems[5]
+    assert data.tensor == "lm_head.weight" and data.detail["source"] == "head.weight"
 
 
 def test_source_fingerprint_must_match(converted, tiny_pattern, tmp_path):
@@ -254,11 +262,14 @@ def test_source_fingerprint_must_match(converted, tiny_pattern, tmp_path):
         if f.name != "config.json":
             (model / f.name).symlink_to(f)
     (model / "config.json").write_text((tiny_pattern / "config.json").read_text() + "\n")
-    report = diff(converted(), str(model), progress=False)
+    with pytest.raises(MismatchError, match="its config.json differs from the one converted"):
+        diff(converted(), str(model), progress=False)
+    report = diff(converted(), str(model), progress=False, keep_going=True)
     kinds = sorted(p.kind for p in report.problems)
     assert kinds == ["file", "source"], report.problem_lines()
     assert "fingerprint" in named_kind(report, "source").message
     assert "config.json" in named_kind(report, "file").message
+    assert report.info["content"]["digest"] and not report.info["content"]["differs"]  # same tensors
 
 
 def named_kind(report, kind: str):

@@ -367,7 +367,7 @@ def _cli_case(model, out_copy, tmp_path, fuzz):
             if refused(model):  # an accepted (harmless) change has nothing to refuse
                 before = digests(model)
                 target = tmp_path / "converted"
-                cli_refusal(run_cli("convert", "--tp", 3, "--quiet", model, target), (2,), SHARD)
+                cli_refusal(run_cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", model, target), (2,), SHARD)
                 assert not target.exists() and digests(model) == before
                 log("cli convert", kind, "refused, nothing written")
         finally:

@@ -263,10 +263,12 @@ def test_check_numerics_command_passes_and_fails(converted, tiny_random, tmp_pat
     out = converted(source=tiny_random, arch="sm120")
     res = CliRunner().invoke(check_numerics_cmd, [str(out), str(tiny_random), "--tokens", "8", "--json"])
     assert res.exit_code == 0, res.output
-    doc = json.loads(res.output)
+    envelope = json.loads(res.stdout)
+    doc = envelope["result"]
+    assert envelope["ok"] and envelope["command"] == "check-numerics"
     assert doc["ok"] and doc["tp"] == 3 and doc["layers"] == [0, 1]
     assert {r["component"] for r in doc["results"]} == {ROUTED, SHARED, ATTN, VIRTUAL}
-    res = CliRunner().invoke(check_numerics_cmd, [str(out), str(tiny_random), "--layers", "4", "--tokens", "2", "--quiet"])
+    res = CliRunner().invoke(check_numerics_cmd, [str(out), "--layers", "4", "--tokens", "2", "--quiet"])  # MODEL: recorded
     assert res.exit_code == 0 and "output projection" in res.output and "all within tolerance" in res.output
     # tamper: rank 1's w2 (and shared down_proj) replaced by rank 0's -> the command fails with exit 1
     bad = tmp_path / "out"
@@ -283,7 +285,7 @@ def test_check_numerics_command_passes_and_fails(converted, tiny_random, tmp_pat
     assert failed == {ROUTED, SHARED}
     res = CliRunner().invoke(check_numerics_cmd, [str(bad), str(tiny_random), "--layers", str(LAYER), "--quiet"])
     assert res.exit_code == 1 and "FAIL" in res.output
-    assert "numerics past tolerance" in str(res.exception)
+    assert "error: numerics past tolerance" in res.output
 
 
 # ---------------------------------------------------------------- padding, 0x00 and 0xFF scales

@@ -82,7 +82,7 @@ def tree(root: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def clean_out(tiny_pattern, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("clean") / "out"
-    proc = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", tiny_pattern, out)
+    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", tiny_pattern, out)
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -97,7 +97,7 @@ def _wait_for(pred, proc, timeout=60.0) -> None:
     assert proc.poll() is None, "the conversion ended before the fault point was reached"
 
 
-CONVERT = ("convert", "--tp", "3", "--quiet", "--max-file-size", "1MiB")
+CONVERT = ("convert", "--tp", "3", "--arch", "sm120", "--quiet", "--max-file-size", "1MiB")
 
 
 def _start(src: Path, out: Path, *extra: str) -> subprocess.Popen:
@@ -154,7 +154,7 @@ def test_sigint_is_clean_and_resumable(tiny_pattern, clean_out, tmp_path):
     assert "Traceback" not in err and "--resume" in err
     assert not list(out.rglob("*.partial")), "temporary files were left behind"
     whole_files(out)
-    resumed = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", "--resume", tiny_pattern, out)
+    resumed = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--resume", tiny_pattern, out)
     assert resumed.returncode == 0 and tree(out) == tree(clean_out)
     record("SIGINT (Ctrl-C)", "exit 130, temporary files removed; --resume finishes",
            subprocess.CompletedProcess([], 130, "", err), message=err.strip().splitlines()[-1])
@@ -169,11 +169,11 @@ def test_file_size_limit(tiny_pattern, clean_out, tmp_path):
     def cap():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    proc = cli("convert", "--tp", 3, "--quiet", tiny_pattern, out, preexec_fn=cap)
+    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", tiny_pattern, out, preexec_fn=cap)
     msg = one_line_error(proc, ".part-00000.safetensors.partial", "bytes", "--resume")
     assert not list(out.rglob("*.partial")) and not list(out.rglob("*.safetensors"))
     assert snapshot(tiny_pattern) == before
-    resumed = cli("convert", "--tp", 3, "--quiet", "--resume", tiny_pattern, out)
+    resumed = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--resume", tiny_pattern, out)
     assert resumed.returncode == 0, resumed.stderr
     record("write fails (RLIMIT_FSIZE 2 MiB, the file size limit)", "nothing final written; source unchanged", proc, msg)
 
@@ -326,15 +326,16 @@ def _output_bytes(out: Path) -> int:
     return sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and p.name not in ("lock", "conversion.json"))
 
 
-def _bytes_stated(msg: str, what: str) -> int:
-    return int(re.search(r"([\d,]+) bytes " + what, msg)[1].replace(",", ""))
+def _bytes_stated(msg: str) -> int:
+    """The exact byte count an out-of-room error names: `... still to write (71,466,096 bytes...`."""
+    return int(re.search(r"still to write \(([\d,]+) bytes", msg)[1].replace(",", ""))
 
 
 def test_disk_too_small_is_refused_before_writing(tiny_pattern, clean_out, small_fs):
     fs = small_fs(16 << 20)
     proc = cli(*CONVERT, tiny_pattern, fs / "out")
-    msg = one_line_error(proc, str(fs), "(tmpfs)", "free at least")
-    assert _bytes_stated(msg, "still to write") == _output_bytes(clean_out)  # exact, from the plan
+    msg = one_line_error(proc, str(fs), "(tmpfs)", "not enough room", " more, then run the same command")
+    assert _bytes_stated(msg) == _output_bytes(clean_out)  # exact, from the plan
     assert not (fs / "out").exists()
     record("disk too small (tmpfs of 16 MiB)", "refused before writing, with the exact bytes needed; "
            "nothing created", proc, msg.replace(str(fs), "/mnt/small"))
@@ -365,7 +366,7 @@ def test_disk_fills_mid_write_then_resume(tiny_pattern, clean_out, small_fs):
     left = [p for p in clean if p not in done]
     expected = sum((clean_out / p).stat().st_size + len(clean[p]) for p in left) + sum(
         p.stat().st_size for p in clean_out.iterdir() if p.is_file() and not p.name.endswith(".safetensors"))
-    assert left and _bytes_stated(msg, "of this conversion are still to write") == expected
+    assert left and _bytes_stated(msg) == expected
     assert not list(out.rglob("*.partial")) and not (out / COMPLETE).exists()
     whole_files(out)
     (fs / "filler").unlink()
@@ -478,7 +479,7 @@ def test_bad_source(tiny_pattern, tmp_path, case):
     corrupt(src)
     before = snapshot(src)
     out = tmp_path / "out"
-    proc = cli("convert", "--tp", 3, "--quiet", src, out)
+    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", src, out)
     msg = one_line_error(proc, *needles)
     no_final_files(out)
     assert snapshot(src) == before
@@ -492,7 +493,7 @@ def test_out_inside_model(tiny_pattern, tmp_path):
     src = tmp_path / "model"
     shutil.copytree(tiny_pattern, src)
     before = snapshot(src)
-    proc = cli("convert", "--tp", 3, "--quiet", src, src / "out")
+    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", src, src / "out")
     msg = one_line_error(proc, "inside MODEL")
     assert not (src / "out").exists() and snapshot(src) == before
     record("OUT inside MODEL", "refused, nothing created", proc, msg)
@@ -501,10 +502,10 @@ def test_out_inside_model(tiny_pattern, tmp_path):
 def test_complete_out_needs_force(tiny_pattern, clean_out, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(clean_out, out)
-    proc = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", tiny_pattern, out)
+    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", tiny_pattern, out)
     msg = one_line_error(proc, "complete conversion", "--force")
     assert tree(out) == tree(clean_out)
-    forced = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", "--force", tiny_pattern, out)
+    forced = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--force", tiny_pattern, out)
     assert forced.returncode == 0 and tree(out) == tree(clean_out)
     record("OUT already complete, no --force", "refused, output untouched; --force replaces it", proc, msg)
 
@@ -513,7 +514,7 @@ def test_foreign_nonempty_out(tiny_pattern, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    proc = cli("convert", "--tp", 3, "--quiet", "--force", tiny_pattern, out)
+    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--force", tiny_pattern, out)
     msg = one_line_error(proc, "not a lucifer-shard output")
     assert (out / "notes.txt").read_text() == "mine" and list(out.iterdir()) == [out / "notes.txt"]
     record("OUT holds other files (even with --force)", "refused, files untouched", proc, msg)
@@ -526,7 +527,7 @@ def test_unreadable_model(tmp_path, case):
         model.write_text("x")
     elif case == "no config":
         model.mkdir()
-    proc = cli("convert", "--tp", 3, "--quiet", model, tmp_path / "out")
+    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", model, tmp_path / "out")
     msg = one_line_error(proc, str(model))
     assert not (tmp_path / "out").exists()
     record(f"MODEL {case}", "refused", proc, msg)
@@ -534,7 +535,7 @@ def test_unreadable_model(tmp_path, case):
 
 @pytest.mark.parametrize("tp", [0, 9])
 def test_tp_the_plan_cannot_serve(tiny_pattern, tmp_path, tp):
-    proc = cli("convert", "--tp", tp, "--quiet", tiny_pattern, tmp_path / "out")
+    proc = cli("convert", "--tp", tp, "--arch", "sm120", "--quiet", tiny_pattern, tmp_path / "out")
     msg = one_line_error(proc, f"--tp {tp}")
     assert not (tmp_path / "out").exists()
     record(f"--tp {tp}", "refused before anything is written", proc, msg)
@@ -546,14 +547,14 @@ def test_resume_with_other_options_or_source(tiny_pattern, tmp_path):
     _wait_for(lambda: _journal_lines(out) >= 3, proc)
     proc.kill()
     proc.wait()
-    other = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", "--arch", "sm90", "--resume",
+    other = cli("convert", "--tp", 3, "--arch", "sm90", "--quiet", "--max-file-size", "1MiB", "--resume",
                 tiny_pattern, out)
     msg = one_line_error(other, "--resume", "other options", "arch: 'sm120' -> 'sm90'")
     record("--resume with other options", "refused, names what differs", other, msg)
     src = tmp_path / "model"
     shutil.copytree(tiny_pattern, src)
     _config(src, rms_norm_eps=1e-5)
-    changed = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", "--resume", src, out)
+    changed = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--resume", src, out)
     msg = one_line_error(changed, "--resume", "source checkpoint changed")
     record("--resume against a changed source", "refused, names what differs", changed, msg)
     same_shapes = tmp_path / "retrained"  # same headers and sizes, other bytes: a fine-tune
@@ -566,6 +567,6 @@ def test_resume_with_other_options_or_source(tiny_pattern, tmp_path):
     raw = bytearray((same_shapes / SHARD).read_bytes())
     raw[-1] ^= 0x01
     (same_shapes / SHARD).write_bytes(bytes(raw))
-    stale = cli("convert", "--tp", 3, "--quiet", "--max-file-size", "1MiB", "--resume", same_shapes, out)
+    stale = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--resume", same_shapes, out)
     msg = one_line_error(stale, "--resume", "source checkpoint changed", SHARD)
     record("--resume after the source bytes changed (same shapes)", "refused, names the file", stale, msg)

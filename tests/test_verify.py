@@ -30,8 +30,9 @@ def test_cli_verify_ok_and_json(converted):
     out = converted()
     r = run_cli("verify", "--quiet", str(out))
     assert r.exit_code == 0 and "OK: manifest, files, digests" in r.output, r.output
-    doc = json.loads(run_cli("verify", "--quiet", "--json", str(out)).output)
-    assert doc["ok"] and doc["summary"]["files"] == 6 and doc["summary"]["tensors"] == 3 * 173
+    doc = json.loads(run_cli("verify", "--quiet", "--json", str(out)).stdout)
+    assert doc["ok"] and doc["command"] == "verify"
+    assert doc["result"]["summary"]["files"] == 6 and doc["result"]["summary"]["tensors"] == 3 * 173
 
 
 def test_flipped_byte(converted, tmp_path):
@@ -181,7 +182,7 @@ def test_inspect(converted):
     for text in ("fingerprint", "FLASHINFER_CUTLASS_MXFP4_MXFP8", "swap_halves+swizzle_128x4", "routed", "2112",
                  "target", "draft", "complete, manifest digest ok"):
         assert text in r.output
-    doc = json.loads(run_cli("inspect", "--json", str(out)).output)
+    doc = json.loads(run_cli("inspect", "--json", str(out)).stdout)["result"]
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert doc["tp_size"] == 3 and doc["complete"] and doc["manifest_digest_ok"]
     for role in ("target", "draft"):

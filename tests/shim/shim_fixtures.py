@@ -36,7 +36,7 @@ def convert_tiny(base: Path, *options: str) -> Path:
         cli("synth", "tiny", str(model), "--quiet")
     out = base / ("out" + "".join(o.replace("-", "_") for o in options))
     if not (out / "COMPLETE").exists():
-        cli("convert", "--tp", "3", str(model), str(out), "--quiet", *options)
+        cli("convert", "--tp", "3", "--arch", "sm120", str(model), str(out), "--quiet", *options)
     return out
 
 

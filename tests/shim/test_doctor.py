@@ -1,6 +1,8 @@
 """doctor and serve against the real vllm==0.33.0 (upstream: no virtual TP)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 
@@ -28,6 +30,7 @@ def test_doctor_on_upstream_0_33_reports_virtual_tp_missing(shim):
     assert c["GPU"].status == WARN  # CPU box
     text = format_report(checks)
     assert "lucifer_tp3 serving will not work here" in text
+    assert all(c.fix for c in checks if c.status in (FAIL, WARN)), [str(c) for c in checks if not c.fix]
 
 
 def test_doctor_with_output_dir(out_kernel, shim):
@@ -49,37 +52,80 @@ def test_doctor_flags_b12x_env_and_plugin_allow_list(monkeypatch, shim):
     assert c["env VLLM_PLUGINS"].status == FAIL and "excludes lucifer_tp3" in c["env VLLM_PLUGINS"].detail
 
 
-def test_serve_argv_dry_run_and_refusals(out_kernel, tmp_path, shim):
-    from lucifer_shard.runtime_shim.doctor import serve, serve_argv
+def test_serve_argv_and_refusals(out_kernel, shim):
+    from lucifer_shard.runtime_shim.doctor import serve_argv
     from lucifer_shard.runtime_shim.errors import ShimError
 
-    argv, checks = serve_argv(out_kernel, ["--max-model-len", "4096"], dry_run=True)
+    argv = serve_argv(out_kernel, 3, ["--max-model-len", "4096"])
     assert argv == ["vllm", "serve", str(out_kernel), "--tensor-parallel-size", "3", "--load-format", "lucifer_tp3",
                     "--attention-backend", "FLASHINFER_MLA_SPARSE_DSV4", "--moe-backend", "flashinfer_cutlass",
                     "--max-model-len", "4096"]
-    assert serve(out_kernel, [], dry_run=True).startswith("vllm serve ")
-    with pytest.raises(ShimError) as e:  # upstream 0.33: preflight fails, nothing is executed
-        serve_argv(out_kernel, [], dry_run=False)
-    assert str(e.value).startswith("lucifer_tp3: preflight failed") and "\n" not in str(e.value)
     with pytest.raises(ShimError) as e:
-        serve_argv(out_kernel, ["-tp", "4"], dry_run=True)
-    assert "set by lucifer-shard serve from the manifest" in str(e.value)
-    with pytest.raises(ShimError) as e:
-        serve_argv(tmp_path, [], dry_run=True)
-    assert "lucifer-manifest.json not found" in str(e.value)
+        serve_argv(out_kernel, 3, ["-tp", "4"])
+    assert "lucifer-shard serve sets it from the manifest" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_cli_commands(out_kernel, shim):
     from click.testing import CliRunner
 
-    from lucifer_shard.serve_cli import doctor, serve
+    from lucifer_shard.cli import cli
 
-    r = CliRunner().invoke(doctor, [str(out_kernel)])
+    r = CliRunner().invoke(cli, ["doctor", str(out_kernel)])
     assert r.exit_code == 1 and "virtual TP: missing" in r.output
-    r = CliRunner().invoke(serve, ["--dry-run", str(out_kernel), "--", "--max-model-len", "4096"])
-    assert r.exit_code == 0, r.output
+    assert "vetted vLLM builds for lucifer_tp3" in r.output and "[  ok] vllm command:" in r.output
+    r = CliRunner().invoke(cli, ["serve", str(out_kernel), "--dry-run", "--", "--max-model-len", "4096"])
+    assert r.exit_code == 1, r.output  # upstream 0.33: the preflight fails; the report and command are printed
+    assert "[FAIL] virtual TP: missing" in r.stdout
     assert r.stdout.strip().splitlines()[-1].endswith(
         "--load-format lucifer_tp3 --attention-backend FLASHINFER_MLA_SPARSE_DSV4 --moe-backend flashinfer_cutlass "
         "--max-model-len 4096")
-    r = CliRunner().invoke(serve, [str(out_kernel)])
-    assert r.exit_code == 2 and "error: lucifer_tp3: preflight failed" in r.output
+    r = CliRunner().invoke(cli, ["serve", str(out_kernel)])
+    assert r.exit_code == 1 and "error: serve: preflight failed" in r.output and "[FAIL] virtual TP" in r.stderr
+
+
+@pytest.fixture
+def cpu_platform(monkeypatch):
+    """vLLM's CPU platform, as `vllm bench` sets it: the engine-argument parser needs a device type."""
+    from vllm import platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    monkeypatch.setattr(platforms, "current_platform", CpuPlatform())
+
+
+def test_vllm_serve_parses_the_exact_command(out_kernel, shim, cpu_platform):
+    """vLLM 0.33.0's own `vllm serve` parser takes the command serve builds, --mtp's draft config included."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from lucifer_shard.runtime_shim.doctor import serve_argv
+
+    argv = serve_argv(out_kernel, 3, ["--max-model-len", "4096"], mtp_tokens=2)
+    parser = FlexibleArgumentParser()
+    command = ServeSubcommand()
+    command.subparser_init(parser.add_subparsers(dest="subparser"))
+    args = parser.parse_args(argv[1:])
+    command.validate(args)
+    engine = AsyncEngineArgs.from_cli_args(args)
+    assert (args.model_tag, engine.tensor_parallel_size, engine.load_format, engine.max_model_len) == (
+        str(out_kernel), 3, "lucifer_tp3", 4096)
+    assert (str(engine.attention_backend), engine.moe_backend) == ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass")
+    assert engine.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def test_the_mtp_draft_comes_from_out_with_the_targets_loader(out_kernel, shim, cpu_platform):
+    """vLLM's SpeculativeConfig for `{"method": "mtp"}` without a draft model: the draft is OUT itself, as the
+    DeepSeek-V4 MTP architecture, with no load config of its own (the target's: lucifer_tp3, whose loader
+    then picks OUT/draft). Upstream has no virtual TP, so this resolves at TP1; the fork pads the draft too."""
+    from vllm.config import ParallelConfig, SpeculativeConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from lucifer_shard.runtime_shim.doctor import speculative_config
+
+    target = AsyncEngineArgs(model=str(out_kernel), load_format="lucifer_tp3", max_model_len=4096).create_model_config()
+    spec = SpeculativeConfig(target_model_config=target, target_parallel_config=ParallelConfig(tensor_parallel_size=1),
+                             **json.loads(speculative_config(1)))
+    draft = spec.draft_model_config
+    assert (spec.method, draft.model, draft.architectures, draft.hf_config.n_predict) == (
+        "mtp", str(out_kernel), ["DeepSeekV4MTPModel"], 1)
+    assert spec.draft_load_config is None

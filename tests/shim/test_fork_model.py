@@ -72,7 +72,7 @@ def converted(shim_base) -> tuple[Path, Path]:
         sf.cli("synth", "tiny", str(model), "--quiet")
     out = shim_base / "fork-tp3-model-layout"
     if not (out / "COMPLETE").exists():
-        sf.cli("convert", "--tp", str(TP), str(model), str(out), "--expert-layout", "model", "--quiet")
+        sf.cli("convert", "--tp", str(TP), "--arch", "sm120", str(model), str(out), "--expert-layout", "model", "--quiet")
     return model, out
 
 

@@ -61,7 +61,7 @@ def world(request, source, tmp_path_factory) -> dict:
     tp = request.param
     base = tmp_path_factory.mktemp(f"real-tp{tp}")
     out = base / "out"
-    sf.cli("convert", "--tp", str(tp), str(source), str(out), "--expert-layout", "model", "--quiet")
+    sf.cli("convert", "--tp", str(tp), "--arch", "sm120", str(source), str(out), "--expert-layout", "model", "--quiet")
     tampered = sf.link_copy(out, base / "tampered")
     bad_file, bad_offset = flip_byte(tampered, "target", tp - 1, TAMPERED)
     draft = {"role": "draft", "model_class": DRAFT_CLASS, "engine": DRAFT_ENGINE}

@@ -185,8 +185,8 @@ def test_policy_wrapper_installed_only_when_signature_and_hash_match(tmp_path, m
     text = (tmp_path / "fake_virtual_tp.py").read_text()
     hashes = {k: compat.source_hash(compat.source_from_module_text(text, compat.SYMBOLS[k].qualname))
               for k in compat.WRAPPER_SYMBOLS[compat.POLICY]}
-    good = compat.Build("fake0001", "fake fork", hashes, True, "0.6.14")
-    bad = compat.Build("fake0002", "other fork", {k: "sha256:" + "0" * 64 for k in hashes}, True, "0.6.14")
+    good = compat.Build("fake0001", "fake fork", hashes, True, "0.6.14", ())
+    bad = compat.Build("fake0002", "other fork", {k: "sha256:" + "0" * 64 for k in hashes}, True, "0.6.14", ())
     original = mod.maybe_apply_b12x_virtual_tp_padding
 
     patches.install(builds=(bad,))

@@ -1,0 +1,63 @@
+"""The disk footprint of a conversion: bytes to read and write, files per rank, and a time estimate
+from a measured throughput.
+
+Pure arithmetic: `plan` shows it from config.json alone, `convert` sizes its files from it. The
+filesystem side (free space, the up-front refusal, a full disk mid-run) is `diskspace`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .rules import TensorSpec
+
+# What `make bench` measured for `convert --tp 3` (1 worker) on the 2-vCPU VM with a virtio disk
+# described in docs/performance.md: bench/results.json, summary "L1 convert w1", 19,563,768,880
+# bytes read and written in a median wall time of 12.084 s. Convert runs at disk speed, so this
+# scales with the disk; tests/test_plan.py checks the figure against the file.
+MEASURED_BYTES_PER_S = 19_563_768_880 / 12.083711780000158
+MEASURED_WHERE = "convert's speed measured by `make bench` on a 2-vCPU VM's virtio disk (bench/results.json)"
+# Manifest and journal: about 2 KiB per rank tensor entry (measured: 1.2-1.6 KiB), plus slack.
+METADATA_BYTES_PER_TENSOR = 2048
+METADATA_SLACK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Footprint:
+    read: int  # source tensor bytes read (each converted tensor once)
+    files: dict[str, int]  # rank file path relative to OUT -> exact bytes (header + data)
+    tensors: int  # rank tensor entries in the manifest (all roles and ranks)
+    side: int = 0  # config/tokenizer copies (unknown, 0, when planning from config.json alone)
+
+    @property
+    def write(self) -> int:
+        return sum(self.files.values()) + self.side
+
+    @property
+    def metadata(self) -> int:
+        """Room kept for the manifest and the journal."""
+        return self.tensors * METADATA_BYTES_PER_TENSOR + METADATA_SLACK
+
+    @property
+    def needed(self) -> int:
+        """Room a conversion into an empty OUT needs: the files, the copies and the metadata allowance."""
+        return self.write + self.metadata
+
+    def per_rank(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """(role, rank) -> (files, bytes), roles and ranks in order."""
+        out: dict[tuple[str, int], tuple[int, int]] = {}
+        for path, n in sorted(self.files.items()):
+            role, rank_dir = path.split("/")[:2]
+            key = (role, int(rank_dir.removeprefix("rank-")))
+            files, total = out.get(key, (0, 0))
+            out[key] = (files + 1, total + n)
+        return dict(sorted(out.items(), key=lambda kv: (kv[0][0] != "target", kv[0])))
+
+
+def read_bytes(specs: dict[str, list[list[TensorSpec]]], sizes: dict[str, int]) -> int:
+    """Bytes of the source tensors the specs read (rank 0's specs name every source once)."""
+    return sum(sizes[k] for ranks in specs.values() for s in ranks[0] for k in dict.fromkeys(s.sources()))
+
+
+def seconds(fp: Footprint, bytes_per_s: float = MEASURED_BYTES_PER_S) -> float:
+    """Convert moves every byte it reads and writes once; at disk speed the time is their sum over the rate."""
+    return (fp.read + fp.write) / bytes_per_s

@@ -1,0 +1,56 @@
+"""One unit system for every report: sizes in binary units (KiB, MiB, GiB, TiB), rates in GiB/s.
+
+JSON carries plain integers (bytes) and seconds; only text is rounded.
+"""
+from __future__ import annotations
+
+_PREFIXES = ("B", "KiB", "MiB", "GiB", "TiB")
+GIB = 1 << 30
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": GIB, "tib": 1 << 40,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def size(n: float) -> str:
+    """`n` bytes in the largest binary unit that keeps it >= 1: 512 B, 3.50 MiB, 169.27 GiB."""
+    for i, unit in enumerate(_PREFIXES):
+        if abs(n) < 1024 or i == len(_PREFIXES) - 1:
+            return f"{n:.0f} {unit}" if i == 0 else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / GIB:.2f} GiB/s"
+
+
+def duration(seconds: float) -> str:
+    """A human time span: 4.2 s, 42 s, 3 min 20 s, 1 h 05 min."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def parse_size(text: str) -> int:
+    """`4GiB`, `500MB`, `1048576` -> bytes; ValueError on anything else."""
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or value < 0:
+        raise ValueError(f"{text!r}: expected a size like 4GiB, 500MB or 1048576")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def byte_bar(total: int, desc: str, enabled: bool):
+    """A tqdm progress bar over bytes in binary units (MiB, GiB/s; tqdm writes the kilo prefix as `ki`)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="iB", unit_scale=True, unit_divisor=1024, desc=desc, disable=not enabled)
