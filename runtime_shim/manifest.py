@@ -101,15 +101,16 @@ class Manifest:
         return {n: t for n, t in entry["tensors"].items() if t.get("layout", "model") != "model"}
 
 
-def load_manifest(out: str | Path, require_complete: bool = True) -> Manifest:
-    """Read and sanity-check OUT/lucifer-manifest.json (and OUT/COMPLETE) with the converter's reader."""
+def load_manifest(out: str | Path, require_complete: bool = True, check_digest: bool = True) -> Manifest:
+    """Read and sanity-check OUT/lucifer-manifest.json (and OUT/COMPLETE) with the converter's reader;
+    `check_digest` also checks its self-digest (a hand-edited manifest)."""
     out = Path(out)
     path = out / MANIFEST_NAME
     if not out.is_dir():
         raise ShimError(f"model path {out} is not a local directory; --load-format lucifer_tp3 needs the output "
                         f"directory of lucifer-shard convert")
     try:
-        doc = _load_manifest_doc(out)
+        doc = _load_manifest_doc(out, check_digest=check_digest)
     except OutputError as e:
         if not path.exists():
             raise ShimError(f"{path} not found: {out} is not a lucifer-shard output; run lucifer-shard convert, or "
