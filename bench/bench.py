@@ -47,8 +47,8 @@ RETRIES = 2  # extra attempts for a disturbed run
 # ---------------------------------------------------------------- cache control and measurement
 
 
-def drop_caches(paths: list[Path]) -> str:
-    """Evict `paths` (and with root, the whole clean page cache) after flushing dirty pages."""
+def drop_caches(paths: list[Path], everything: bool = True) -> str:
+    """Evict `paths` (and with root and `everything`, the whole clean page cache) after flushing dirty pages."""
     os.sync()
     for path in paths:
         for f in (sorted(path.rglob("*")) if path.is_dir() else [path]):
@@ -58,6 +58,8 @@ def drop_caches(paths: list[Path]) -> str:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 finally:
                     os.close(fd)
+    if not everything:
+        return "fadvise"
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("1\n")
@@ -216,13 +218,13 @@ def planned_output_bytes(model: Path, tp: int, mtp: bool) -> int:
     return int(out.strip())
 
 
-def synth(model: Path, layers: int) -> None:
+def synth(model: Path, layers: int, mtp: bool = True) -> None:
     if (model / "model.safetensors.index.json").exists() and (model / "config.json").exists():
         return
     rmtree(model)
-    print(f"  synth flash-layer --layers {layers} --fill random -> {model}", flush=True)
-    subprocess.run([*lucifer(), "synth", "flash-layer", str(model), "--layers", str(layers), "--fill", "random",
-                    "--quiet"], check=True)
+    options = ["--layers", str(layers), "--fill", "random", *([] if mtp else ["--no-mtp"])]
+    print(f"  synth flash-layer {' '.join(options)} -> {model}", flush=True)
+    subprocess.run([*lucifer(), "synth", "flash-layer", str(model), *options, "--quiet"], check=True)
 
 
 class Bench:
@@ -495,23 +497,34 @@ def summarize(res: dict, args) -> tuple[list[str], list[str], dict]:
 
 
 def render(res: dict) -> tuple[dict, str, list[str]]:
-    """Summary, markdown and PASS/FAIL lines of a results dict (a fresh run, or a saved JSON)."""
-    class Args:
-        workers = res.get("workers", [1, 2, 3])
-    lines, checks, extra = summarize(res, Args)
-    res = {**res, **extra}
+    """Summary, markdown and PASS/FAIL lines of a results dict (a fresh run, or a saved JSON): the
+    convert section (top-level "runs") and the load section ("load"), whichever it holds."""
     m = res["machine"]
-    head = [f"machine: {m['cpus']} CPUs ({m['cpu_model']}), {m['mem_bytes'] / GiB:.1f} GiB RAM, {m['device']}, "
-            f"Linux {m['kernel']}, Python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}, "
-            f"numpy {m['numpy']}, blake3 {m['blake3']}",
-            f"median of {res['reps']} runs; page cache evicted before every run ({res['cache_eviction']}); "
-            f"sizes: " + ", ".join(f"{t}: source {s['source_bytes'] / 1e9:.2f} GB, output {s['output_bytes'] / 1e9:.2f} GB"
-                                   for t, s in res.get("sizes", {}).items()), ""]
-    ratio_line = ", ".join(f"{k} {v:.2f}x" for k, v in extra["ratios"].items())
-    note = (f"peak RSS is each subprocess's own (wait4); it includes up to "
-            f"{res['bench_process_rss'] / 2**20:.0f} MiB inherited from the forking bench process")
-    md = "\n".join(head + lines + ["", note, f"ratios: {ratio_line}", ""] + [f"    {c}" for c in checks]) + "\n"
-    return res, md, checks
+    md = [f"machine: {m['cpus']} CPUs ({m['cpu_model']}), {m['mem_bytes'] / GiB:.1f} GiB RAM, {m['device']}, "
+          f"Linux {m['kernel']}, Python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}, "
+          f"numpy {m['numpy']}, blake3 {m['blake3']}"]
+    checks: list[str] = []
+    if "runs" in res:
+        class Args:
+            workers = res.get("workers", [1, 2, 3])
+        lines, convert_checks, extra = summarize(res, Args)
+        res = {**res, **extra}
+        ratio_line = ", ".join(f"{k} {v:.2f}x" for k, v in extra["ratios"].items())
+        note = (f"peak RSS is each subprocess's own (wait4); it includes up to "
+                f"{res['bench_process_rss'] / 2**20:.0f} MiB inherited from the forking bench process")
+        md += [f"median of {res['reps']} runs; page cache evicted before every run ({res['cache_eviction']}); "
+               f"sizes: " + ", ".join(f"{t}: source {s['source_bytes'] / 1e9:.2f} GB, output "
+                                      f"{s['output_bytes'] / 1e9:.2f} GB" for t, s in res.get("sizes", {}).items()),
+               "", *lines, "", note, f"ratios: {ratio_line}", "", *(f"    {c}" for c in convert_checks)]
+        checks += convert_checks
+    if "load" in res:
+        from load import render_load
+
+        load, load_md, load_checks = render_load(res["load"])
+        res = {**res, "load": load}
+        md += ["", *load_md, *(f"    {c}" for c in load_checks)]
+        checks += load_checks
+    return res, "\n".join(md) + "\n", checks
 
 
 def main() -> None:
@@ -525,15 +538,20 @@ def main() -> None:
         return check_naive(Path(sys.argv[2]), Path(sys.argv[3]))
     if len(sys.argv) > 1 and sys.argv[1] in ("_floor-write", "_floor-write-direct"):
         return floor_write(sys.argv[2], [int(s) for s in sys.argv[3:]], direct=sys.argv[1].endswith("direct"))
-    ap = argparse.ArgumentParser(description="lucifer-shard performance benchmark (issue 8)")
+    ap = argparse.ArgumentParser(description="lucifer-shard performance benchmark: convert and diff (issue 8), "
+                                             "server start-up in vLLM's loaders (issue 17, bench/load.py)")
     ap.add_argument("--dir", default=os.environ.get("BENCH_DIR", "/tmp/lucifer-bench"),
                     help="scratch directory for checkpoints and outputs, on the disk to measure (not tmpfs); "
                          "~45 GB free needed")
+    ap.add_argument("--only", choices=("convert", "load"),
+                    help="run one section; the other's figures are kept from --json when it holds them")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", type=int, nargs="+", default=[1, 2],
                     help="flash-layer sizes; the first gets every contender, the others convert only")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 3], help="convert --workers values (first = headline)")
     ap.add_argument("--tp", type=int, default=3)
+    ap.add_argument("--load-tp", type=int, nargs="+", default=[1, 2, 4],
+                    help="TP sizes of the load section (vLLM 0.33.0 builds DeepSeek-V4 only where 64 heads divide)")
     ap.add_argument("--no-naive", dest="naive", action="store_false")
     ap.add_argument("--no-mtp", dest="mtp", action="store_false")
     ap.add_argument("--no-direct-floor", dest="direct_floor", action="store_false",
@@ -548,16 +566,28 @@ def main() -> None:
         ap.error("--reps must be >= 1")
     work = Path(args.dir)
     work.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(args.json.read_text()) if args.only and args.json and args.json.exists() else {}
     b = Bench(args)
     t0 = time.time()
-    for i, layers in enumerate(args.layers):
-        b.layer(layers, full=i == 0)
-    import resource
+    if args.only == "load":
+        res = {k: v for k, v in previous.items() if k not in ("machine", "load", "summary", "ratios")}
+    else:
+        for i, layers in enumerate(args.layers):
+            b.layer(layers, full=i == 0)
+        import resource
 
-    b.results["bench_process_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    res = {**b.results, "cache_eviction": b.cache_method, "reps": args.reps, "tp": args.tp,
-           "mtp": args.mtp, "seconds": round(time.time() - t0, 1), "command": " ".join(sys.argv),
-           "workers": args.workers}
+        b.results["bench_process_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        res = {**b.results, "cache_eviction": b.cache_method, "reps": args.reps, "tp": args.tp,
+               "mtp": args.mtp, "seconds": round(time.time() - t0, 1), "command": " ".join(sys.argv),
+               "workers": args.workers}
+    res["machine"] = b.results["machine"]
+    if args.only == "convert":
+        if "load" in previous:
+            res["load"] = previous["load"]
+    else:
+        from load import load_section
+
+        res["load"] = {**load_section(args, work), "command": " ".join(sys.argv)}
     res, md, checks = render(res)
     print("\n" + md)
     for path, text in ((work / "results.json", json.dumps(res, indent=1, default=float)), (work / "results.md", md),

@@ -6,6 +6,7 @@ by the converter.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,9 +17,10 @@ from lucifer_shard.config import ARCHITECTURE
 from lucifer_shard.layouts import EXPERT_TENSORS
 from lucifer_shard.manifest import file_metadata
 from lucifer_shard.outdir import TORCH_DTYPE as TORCH_DTYPES
+from lucifer_shard.stheader import Header
 from lucifer_shard.stwriter import file_digest
 
-from . import compat, patches
+from . import compat, patches, reader
 from .errors import ShimError, ShimRuntimeError
 from .manifest import (
     DRAFT_RUNTIME_OWNED,
@@ -32,7 +34,12 @@ from .manifest import (
 logger = logging.getLogger("lucifer_shard.runtime_shim")
 
 EXTRA_CONFIG_KEYS = {
-    "verify": ("header", "full"),  # full: file digests (blake3) and zero regions
+    # What is checked beyond the key set, every tensor's dtype and shape (file header = manifest =
+    # parameter) and its bytes lying inside its file, which every mode checks. none: nothing more, the
+    # files are trusted to be the manifest's. headers: the manifest's self-digest, each file's size
+    # and identity stamp (conversion id, role, rank, TP size). full: also the BLAKE3 of every tensor
+    # and file, computed while reading, and every zero region.
+    "verify": ("none", "headers", "full"),
     "role": ("auto", "target", "draft"),
 }
 TARGET_CLASSES = (ARCHITECTURE,)
@@ -46,6 +53,13 @@ DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 # The only reinterpretation allowed, and only where the manifest declares it (`view_as`).
 VIEW_PAIRS = {frozenset((torch.uint8, torch.float8_e8m0fnu))}
 NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class RankFile:
+    path: Path
+    declared: dict  # the manifest's entry: path, bytes, digest
+    header: Header  # validated: tensors in data order, offsets count from header.data_start
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -73,7 +87,7 @@ def parse_extra_config(extra) -> dict:
     if unknown:
         raise ShimError(f"unknown --model-loader-extra-config key(s) {', '.join(map(repr, unknown))}; lucifer_tp3 "
                         f"accepts {', '.join(sorted(EXTRA_CONFIG_KEYS))}")
-    out = {"verify": "header", "role": "auto"}
+    out = {"verify": "headers", "role": "auto"}
     for k, v in extra.items():
         if v not in EXTRA_CONFIG_KEYS[k]:
             raise ShimError(f"--model-loader-extra-config {k}={v!r}; expected one of "
@@ -113,14 +127,15 @@ class LuciferTP3Loader(BaseModelLoader):
         return model
 
     def load_weights(self, model: nn.Module, model_config) -> None:
-        manifest = load_manifest(self._dir(model_config))
+        verify = self.options["verify"]
+        manifest = load_manifest(self._dir(model_config), check_digest=verify != "none")
         tp, rank = self._tp_rank()
         if tp != manifest.tp_size:
             raise _tp_mismatch(manifest, tp)
         role = self._role(model)
         self._check_model_class(model, role)
         entry = manifest.rank_entry(role, rank)
-        files = self._check_files(manifest, role, rank, entry)
+        files = self._check_files(manifest, role, rank, entry, identity=verify != "none")
         params, buffers = self._targets(model)
         self._check_keys(manifest, role, rank, entry, params, buffers)
         diff = compare_plan(patches.runtime_plan(model_config), manifest.plan)
@@ -129,15 +144,18 @@ class LuciferTP3Loader(BaseModelLoader):
                             f"active) and check B12X_MOE_FORCE_A8 / NVFP4 env")
         expert_modules = self._expert_modules(manifest, entry, model)
         self._check_expert_modules(model, manifest, expert_modules, rank, tp)
+        targets = {**buffers, **params}
         with torch.no_grad():
-            for path, names in files:
-                self._copy_file(manifest, path, names, entry["tensors"], {**buffers, **params})
+            for f in files:
+                digests = self._copy_file(f, entry["tensors"], targets, digests=verify == "full")
+                if verify == "full":
+                    self._check_digests(f, entry, digests)
+        if verify == "full":
+            self._check_zero_regions(entry, targets)
         self._tag(model, manifest, expert_modules)
-        if self.options["verify"] == "full":
-            self._verify_full(manifest, entry, {**buffers, **params})
         self._replay_hooks(model, role)
-        logger.info("lucifer_tp3: loaded %d tensors of %s rank %d from %d file(s)%s", len(self.loaded), role, rank,
-                    len(files), " (verified)" if self.options["verify"] == "full" else "")
+        logger.info("lucifer_tp3: loaded %d tensors of %s rank %d from %d file(s) (verify=%s)", len(self.loaded),
+                    role, rank, len(files), verify)
 
     # ------------------------------------------------------------------ checks after PWAL
 
@@ -219,7 +237,9 @@ class LuciferTP3Loader(BaseModelLoader):
             raise ShimError(f"model class {name} is not {' / '.join(allowed)}; lucifer_tp3 files hold DeepSeek-V4 "
                             f"{role} weights, check config.json in the output directory")
 
-    def _check_files(self, manifest: Manifest, role: str, rank: int, entry: dict) -> list[tuple[Path, list[str]]]:
+    def _check_files(self, manifest: Manifest, role: str, rank: int, entry: dict, identity: bool) -> list[RankFile]:
+        """Every file of the rank: present, its header's tensors exactly the manifest's (names, dtypes,
+        shapes); with `identity`, also its size and identity stamp."""
         out = []
         declared = entry.get("files", [])
         if not declared:
@@ -233,12 +253,12 @@ class LuciferTP3Loader(BaseModelLoader):
             if not path.is_file():
                 raise ShimError(f"rank files missing: {path} (listed in the manifest for {role} rank {rank}) does not "
                                 f"exist; copy the whole output directory or re-run lucifer-shard convert --resume")
-            if "bytes" in f and path.stat().st_size != int(f["bytes"]):
+            if identity and "bytes" in f and path.stat().st_size != int(f["bytes"]):
                 raise ShimError(f"{path} is {path.stat().st_size} bytes, the manifest says {f['bytes']}; the copy is "
                                 f"truncated or from another conversion, re-copy it")
             header = read_header(path)
             meta = header.metadata
-            want_meta = file_metadata(manifest.conversion_id, role, rank, 0, manifest.tp_size)
+            want_meta = file_metadata(manifest.conversion_id, role, rank, 0, manifest.tp_size) if identity else {}
             for k, v in want_meta.items():
                 if k != "lucifer.part" and meta.get(k) != v:  # the part index is the file's name
                     what = "from another conversion" if k == "lucifer.conversion_id" else "misplaced"
@@ -254,7 +274,7 @@ class LuciferTP3Loader(BaseModelLoader):
                 if h.dtype != t["dtype"] or list(h.shape) != list(t["shape"]):
                     raise ShimError(f"{path}: tensor {name} is {h.dtype}{_shape(h.shape)} but the manifest says "
                                     f"{t['dtype']}{_shape(t['shape'])}; re-run lucifer-shard convert --force")
-            out.append((path, sorted(names)))
+            out.append(RankFile(path, f, header))
         return out
 
     @staticmethod
@@ -370,28 +390,31 @@ class LuciferTP3Loader(BaseModelLoader):
                     raise ShimError(f"{prefix}: MoE parallel (tp_rank, tp_size, ep_size)={got}, files need "
                                     f"({rank}, {tp}, 1); disable DP/PCP/expert parallel")
 
-    def _copy_file(self, manifest, path: Path, names: list[str], tensors: dict, targets: dict) -> None:
-        from safetensors import safe_open
-
-        devices = {str(targets[n].device) for n in names} or {"cpu"}
-        device = devices.pop() if len(devices) == 1 else "cpu"
-        with safe_open(str(path), framework="pt", device=device) as f:
-            for name in names:
-                t = f.get_tensor(name)
-                p = targets[name]
-                if t.dtype != p.dtype:
-                    t = t.view(p.dtype)  # declared uint8 <-> float8_e8m0fnu only (checked before)
-                if self._is_sink(name, tensors[name]):
-                    n = t.shape[0]
-                    p.data[:n].copy_(t)
-                    tail = p.data[n:]
-                    if tail.numel() and not bool(torch.all(tail == NEG_INF)):
-                        raise ShimError(f"{name}: param entries [{n}:{p.shape[0]}) are not -inf after loading the "
-                                        f"{n} logical heads; the attention backend initialised the padded heads "
-                                        f"differently, this vLLM build is not supported")
-                else:
-                    p.data.copy_(t)
-                self.loaded[name] = str(path)
+    def _copy_file(self, f: RankFile, tensors: dict, targets: dict, digests: bool) -> dict[str, str]:
+        """Read every tensor of `f` straight into its parameter (`attn_sink`: into the prefix, whose
+        backend-padded rest must be -inf); the tensors' BLAKE3 digests when `digests`."""
+        reads = []
+        for name, h in f.header.tensors.items():
+            p = targets[name].data
+            dst = p[: int(tensors[name]["shape"][0])] if self._is_sink(name, tensors[name]) else p
+            start, end = h.start, h.end
+            if end - start != dst.numel() * dst.element_size():
+                raise ShimError(f"{f.path}: tensor {name} spans {end - start} bytes in the file header, its dtype "
+                                f"and shape make {dst.numel() * dst.element_size()}; the file is corrupt, re-run "
+                                f"lucifer-shard convert --force")
+            reads.append(reader.TensorRead(name, f.header.data_start + start, dst))
+        got = reader.read_tensors(f.path, reads, digests=digests)
+        for name in f.header.tensors:
+            t, p = tensors[name], targets[name].data
+            if self._is_sink(name, t):
+                n = int(t["shape"][0])
+                tail = p[n:]
+                if tail.numel() and not bool(torch.all(tail == NEG_INF)):
+                    raise ShimError(f"{name}: param entries [{n}:{p.shape[0]}) are not -inf after loading the "
+                                    f"{n} logical heads; the attention backend initialised the padded heads "
+                                    f"differently, this vLLM build is not supported")
+            self.loaded[name] = str(f.path)
+        return got
 
     def _tag(self, model: nn.Module, manifest: Manifest, groups: dict[str, list[str]]) -> None:
         layouts = {k: v.get("name", k) if isinstance(v, dict) else str(v)
@@ -403,32 +426,23 @@ class LuciferTP3Loader(BaseModelLoader):
             setattr(module, patches.TAG_ATTR, tag)
             self.tags[prefix] = tag
 
-    def _verify_full(self, manifest: Manifest, entry: dict, targets: dict) -> None:
-        """Digests of the loaded parameters (blake3 of each tensor's bytes, then each file's
-        `lucifer_shard.stwriter.file_digest` over its header and those digests, as lucifer-shard
-        writes them) and the zero regions."""
-        from blake3 import blake3
+    @staticmethod
+    def _check_digests(f: RankFile, entry: dict, digests: dict[str, str]) -> None:
+        """verify=full: each tensor's BLAKE3 (computed while reading) and the file's digest over its header
+        and those (`lucifer_shard.stwriter.file_digest`, as lucifer-shard writes them) against the manifest."""
+        for name, got in digests.items():
+            want = str(entry["tensors"][name].get("digest", "")).removeprefix("blake3:")
+            if want and got != want:
+                raise ShimError(f"verify=full: loaded {name} digest {got[:16]}... != manifest {want[:16]}...; "
+                                f"the rank file {f.path} is corrupt or tampered with, re-run lucifer-shard convert")
+        got_file = file_digest(f.header.block, [digests[name] for name in f.header.tensors])  # data order
+        want_file = str(f.declared.get("digest", "")).removeprefix("blake3:")
+        if want_file and got_file != want_file:
+            raise ShimError(f"verify=full: {f.path} digest {got_file[:16]}... != manifest {want_file[:16]}...; "
+                            f"the file header differs from the conversion, re-copy it or re-run lucifer-shard convert")
 
-        for f in entry["files"]:
-            path = manifest.out / f["path"]
-            header = read_header(path)
-            digests = []
-            for name in header.tensors:  # in data order
-                t = entry["tensors"][name]
-                p = targets[name].data
-                if self._is_sink(name, t):
-                    p = p[: int(t["shape"][0])]
-                got = blake3(self._bytes(p)).hexdigest()
-                want = str(t.get("digest", "")).removeprefix("blake3:")
-                if want and got != want:
-                    raise ShimError(f"verify=full: loaded {name} digest {got[:16]}... != manifest {want[:16]}...; "
-                                    f"the rank file {path} is corrupt or tampered with, re-run lucifer-shard convert")
-                digests.append(got)
-            got_file = file_digest(header.block, digests)
-            want_file = str(f.get("digest", "")).removeprefix("blake3:")
-            if want_file and got_file != want_file:
-                raise ShimError(f"verify=full: {path} digest {got_file[:16]}... != manifest {want_file[:16]}...; "
-                                f"the file header differs from the conversion, re-copy it or re-run lucifer-shard convert")
+    def _check_zero_regions(self, entry: dict, targets: dict) -> None:
+        """verify=full: every pad region of a model-layout tensor is zero (-inf for `attn_sink`)."""
         for name, t in entry["tensors"].items():
             regions = t.get("zero_regions") or []
             if not regions or t.get("layout", "model") != "model":
@@ -450,10 +464,6 @@ class LuciferTP3Loader(BaseModelLoader):
     def _u8(t: torch.Tensor) -> torch.Tensor:
         t = t.detach().contiguous().reshape(-1)
         return t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
-
-    @classmethod
-    def _bytes(cls, t: torch.Tensor) -> bytes:
-        return cls._u8(t).cpu().numpy().tobytes()
 
     def _replay_hooks(self, model: nn.Module, role: str) -> None:
         if role == "draft":

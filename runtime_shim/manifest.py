@@ -94,8 +94,9 @@ class Manifest:
         return {n: t for n, t in entry["tensors"].items() if t.get("layout", "model") != "model"}
 
 
-def load_manifest(out: str | Path, require_complete: bool = True) -> Manifest:
-    """Read and sanity-check OUT/lucifer-manifest.json (and OUT/COMPLETE) with the converter's reader."""
+def load_manifest(out: str | Path, require_complete: bool = True, check_digest: bool = True) -> Manifest:
+    """Read and sanity-check OUT/lucifer-manifest.json (and OUT/COMPLETE) with the converter's reader;
+    `check_digest` also checks its self-digest (a hand-edited manifest)."""
     out = Path(out)
     path = out / MANIFEST_NAME
     if not out.is_dir():
@@ -105,7 +106,7 @@ def load_manifest(out: str | Path, require_complete: bool = True) -> Manifest:
     if writer is not None:
         raise ShimError(f"{out} is being written by lucifer-shard convert ({writer}); start vLLM when it has finished")
     try:
-        doc = _load_manifest_doc(out)
+        doc = _load_manifest_doc(out, check_digest=check_digest)
     except OutputError as e:
         if not path.exists():
             raise ShimError(f"{path} not found: {out} is not a lucifer-shard output; run lucifer-shard convert, or "

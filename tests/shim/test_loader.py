@@ -13,6 +13,8 @@ import torch
 import shim_fixtures as sf
 
 HERE = Path(__file__).resolve().parent
+# Key set, dtype and shape are checked whatever `verify` says.
+EVERY_VERIFY = pytest.mark.parametrize("verify", ["none", "headers"])
 
 
 def _free_port() -> int:
@@ -107,37 +109,40 @@ def test_refuses_missing_rank_files(out_kernel, tmp_path, tp_world):
     _refusal(e, "rank files missing", "target/rank-1/part-00000.safetensors")
 
 
-def test_refuses_missing_and_unexpected_keys(out_kernel, tp_world):
+@EVERY_VERIFY
+def test_refuses_missing_and_unexpected_keys(out_kernel, tp_world, verify):
     man = sf.manifest(out_kernel)
     extra = sf.build_model(man, "target", extra_params={"model.layers.0.attn.new_thing": ((4,), torch.float32)})
     with pytest.raises(ValueError) as e:
-        _loader().load_weights(extra, sf.model_config(out_kernel))
+        _loader({"verify": verify}).load_weights(extra, sf.model_config(out_kernel))
     _refusal(e, "key missing", "model.layers.0.attn.new_thing")
     fewer = sf.build_model(man, "target", drop=("model.layers.1.attn.wq_b.weight",))
     with pytest.raises(ValueError) as e:
-        _loader().load_weights(fewer, sf.model_config(out_kernel))
+        _loader({"verify": verify}).load_weights(fewer, sf.model_config(out_kernel))
     _refusal(e, "key unexpected", "model.layers.1.attn.wq_b.weight")
 
 
-def test_refuses_shape_mismatch_no_narrowing(out_kernel, tp_world):
+@EVERY_VERIFY
+def test_refuses_shape_mismatch_no_narrowing(out_kernel, tp_world, verify):
     name = "model.layers.0.attn.wq_b.weight"
     man = sf.manifest(out_kernel)
     shape = man["roles"]["target"]["ranks"][0]["tensors"][name]["shape"]
     bigger = (shape[0] + 128, shape[1])
     model = sf.build_model(man, "target", overrides={name: (bigger, torch.float8_e4m3fn)})
     with pytest.raises(ValueError) as e:
-        _loader().load_weights(model, sf.model_config(out_kernel))
+        _loader({"verify": verify}).load_weights(model, sf.model_config(out_kernel))
     _refusal(e, "shape mismatch", name, f"({shape[0]},{shape[1]}) != param ({bigger[0]},{bigger[1]})")
 
 
-def test_refuses_dtype_mismatch_no_casting(out_kernel, tp_world):
+@EVERY_VERIFY
+def test_refuses_dtype_mismatch_no_casting(out_kernel, tp_world, verify):
     """An E8M0 param receiving the U8 expert scales would be converted by value by copy_()."""
     name = "model.layers.3.ffn.experts.routed_experts.w2_weight_scale"
     man = sf.manifest(out_kernel)
     shape = tuple(man["roles"]["target"]["ranks"][0]["tensors"][name]["shape"])
     model = sf.build_model(man, "target", overrides={name: (shape, torch.float8_e8m0fnu)})
     with pytest.raises(ValueError) as e:
-        _loader().load_weights(model, sf.model_config(out_kernel))
+        _loader({"verify": verify}).load_weights(model, sf.model_config(out_kernel))
     _refusal(e, "dtype mismatch", name, "U8 in the files, param is F8_E8M0")
 
 
@@ -205,13 +210,68 @@ def test_refuses_file_from_another_conversion(out_kernel, out_model, tmp_path, t
     _refusal(e, "metadata lucifer.conversion_id", "from another conversion")
 
 
+def test_verify_none_trusts_the_files_identity_and_nothing_else(out_kernel, out_model, tmp_path, tp_world):
+    """verify=none skips the manifest self-digest and each file's size and identity stamp (headers
+    refuses each case), still reads byte-exact, and still names a truncated file."""
+    man = sf.manifest(out_kernel)
+    model = sf.build_model(man, "target")
+    _loader({"verify": "none"}).load_weights(model, sf.model_config(out_kernel))
+    assert sf.assert_byte_exact(model, sf.file_tensors(out_kernel, man, "target", 0)) == 134
+
+    edited = sf.link_copy(out_kernel, tmp_path / "edited")
+    doc = sf.manifest(edited)
+    doc["tool_version"] = "edited by hand"
+    (edited / "lucifer-manifest.json").unlink()
+    (edited / "lucifer-manifest.json").write_text(json.dumps(doc))
+    _loader({"verify": "none"}).load_weights(sf.build_model(man, "target"), sf.model_config(edited))
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(sf.build_model(man, "target"), sf.model_config(edited))
+    _refusal(e, "manifest_digest does not match")
+
+    foreign = sf.link_copy(out_kernel, tmp_path / "foreign")  # same names, shapes, dtypes: another conversion
+    p = "target/rank-0/part-00000.safetensors"
+    (foreign / p).unlink()
+    (foreign / p).write_bytes((out_model / p).read_bytes())
+    _loader({"verify": "none"}).load_weights(sf.build_model(man, "target"), sf.model_config(foreign))
+
+    short = sf.link_copy(out_kernel, tmp_path / "short")
+    data = (short / p).read_bytes()
+    (short / p).unlink()
+    (short / p).write_bytes(data[:-100])
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(sf.build_model(man, "target"), sf.model_config(short))
+    _refusal(e, f"{short / p} is {len(data) - 100} bytes, the manifest says {len(data)}")
+    with pytest.raises(ValueError) as e:
+        _loader({"verify": "none"}).load_weights(sf.build_model(man, "target"), sf.model_config(short))
+    _refusal(e, f"{short / p} ends inside tensor", "truncated")
+
+
+@EVERY_VERIFY
+def test_refuses_header_offsets_that_disagree_with_dtype_and_shape(out_kernel, tmp_path, tp_world, verify):
+    from lucifer_shard.runtime_shim.manifest import header_block
+
+    out = sf.link_copy(out_kernel, tmp_path / "out")
+    path = out / "target/rank-0/part-00000.safetensors"
+    name = "model.layers.0.attn.wq_b.weight"
+    _, header, _ = header_block(path)
+    start, end = header[name]["data_offsets"]
+    was, now = f'"data_offsets":[{start},{end}]', f'"data_offsets":[{start},{end - 1}]'
+    data = path.read_bytes()
+    assert data.count(was.encode()) == 1 and len(str(end - 1)) == len(str(end))
+    path.unlink()
+    path.write_bytes(data.replace(was.encode(), now.encode()))
+    with pytest.raises(ValueError) as e:
+        _loader({"verify": verify}).load_weights(sf.build_model(sf.manifest(out), "target"), sf.model_config(out))
+    _refusal(e, f"{path}: tensor {name} spans {end - 1 - start} bytes in the file header", "the file is corrupt")
+
+
 def test_refuses_unknown_extra_config_key(shim):
     with pytest.raises(ValueError) as e:
         _loader({"pattern": "model-rank-{rank}-part-{part}.safetensors"})
     _refusal(e, "unknown --model-loader-extra-config key(s) 'pattern'", "accepts role, verify")
     with pytest.raises(ValueError) as e:
         _loader({"verify": "sometimes"})
-    _refusal(e, "verify='sometimes'")
+    _refusal(e, "verify='sometimes'", "expected one of 'none', 'headers', 'full'")
 
 
 def test_verify_full_catches_tampered_bytes(out_kernel, tmp_path, tp_world):
@@ -228,7 +288,7 @@ def test_verify_full_catches_tampered_bytes(out_kernel, tmp_path, tp_world):
     data[start] ^= 0x40
     path.write_bytes(bytes(data))
     tp_world(3, 2)
-    _loader().load_weights(sf.build_model(man, "target", 2), sf.model_config(out))  # header checks pass
+    _loader().load_weights(sf.build_model(man, "target", 2), sf.model_config(out))  # verify=headers (the default) passes
     with pytest.raises(ValueError) as e:
         _loader({"verify": "full"}).load_weights(sf.build_model(man, "target", 2), sf.model_config(out))
     _refusal(e, "verify=full", "model.layers.0.attn.wq_b.weight")

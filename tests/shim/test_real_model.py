@@ -6,7 +6,7 @@ models vLLM selects and loads each into a fresh model, before post-load processi
 * the target, vLLM's DeepSeek-V4 CPU class: by vLLM's `DefaultModelLoader` from the original
   checkpoint (the reference), by `lucifer_tp3` from the rank files (`--expert-layout model`: vLLM
   0.33.0 has no kernel-layout path for these files), and by `lucifer_tp3` from a copy with one
-  flipped byte, once with `verify=full` and once with the default header checks;
+  flipped byte, once with `verify=full` and once with the default `verify=headers`;
 * the MTP draft, vLLM's NVIDIA `DeepSeekV4MTP` class (the CPU class is a stub that raises in
   `__init__`), from the checkpoint and from the draft rank files.
 
@@ -73,7 +73,7 @@ def world(request, source, tmp_path_factory) -> dict:
              "compare_to": "default"},
             {"name": "tampered_full", "model": str(tampered), "load_format": "lucifer_tp3",
              "extra": {"verify": "full"}},
-            {"name": "tampered_header", "model": str(tampered), "load_format": "lucifer_tp3", "compare_to": "default"},
+            {"name": "tampered_headers", "model": str(tampered), "load_format": "lucifer_tp3", "compare_to": "default"},
             {"name": "draft_default", "model": str(source), "load_format": "auto", **draft},
             {"name": "draft_lucifer", "model": str(out), "load_format": "lucifer_tp3", "files": str(out / "draft"),
              "compare_to": "draft_default", **draft},
@@ -136,7 +136,7 @@ def test_tamper_shows_in_the_comparison_with_vllms_loader(world):
     """Without verify=full the byte loads; the comparison with DefaultModelLoader names it."""
     last = world["tp"] - 1
     for rep in world["reports"]:
-        differ = rep["runs"]["tampered_header"]["vs_reference"]["differ"]
+        differ = rep["runs"]["tampered_headers"]["vs_reference"]["differ"]
         if rep["rank"] != last:
             assert differ == []
             continue

@@ -13,13 +13,23 @@ before `process_weights_after_loading`.
 SPEC = {"tp": N, "results": DIR, "engine"?: {EngineArgs overrides}, "dump"?: [SUBSTRING, ...],
         "runs": [{"name", "model", "load_format", "extra"?, "engine"?, "role"?: "draft",
                   "model_class"?: DOTTED, "plan"?: "fork-helper", "files"?: ROLE_DIR,
-                  "compare_to"?: RUN_NAME}, ...]}
+                  "compare_to"?: RUN_NAME, "capture"?: false, "save_sharded"?: DIR}, ...]}
 
 Each rank writes DIR/rank-<r>.json with, per run, the model class, the live virtual-TP plan, every
-parameter (shape, dtype, blake3), the load time, the bytes read (/proc/self/io) and the peak RSS,
-or the one-line error the configuration or load raised; with "compare_to", the parameters that
-differ from that run's (first differing byte); with "files", the run's rank-file tensors compared
-with the loaded parameters; with "dump", the matching parameters as DIR/rank-<r>-<run>.safetensors.
+parameter (shape, dtype, blake3), the construction and load times, what the load cost this process
+(CPU seconds, /proc/self/io read_bytes and rchar, peak RSS during the load), or the one-line error
+the configuration or load raised; with "compare_to", the parameters that differ from that run's
+(first differing byte); with "files", the run's rank-file tensors compared with the loaded
+parameters; with "dump", the matching parameters as DIR/rank-<r>-<run>.safetensors. "capture":
+false keeps nothing of the loaded model (no digests: the load benchmark must not hold a second
+copy); "save_sharded" writes the loaded model with vLLM's `ShardedStateLoader.save_model`. The
+pseudo load format "floor" builds no model: each rank reads its own rank files (ROLE_DIR/rank-<r>,
+from "files") once, the floor of a load.
+
+`run_world(spec, hook)` (the load benchmark) times every run on all ranks at once: all ranks wait
+at a barrier while rank 0 calls `hook.before_load(run)` (evict the page cache, wait for a quiet
+machine), load together, and rank 0 calls `hook.after_load(run)` once all have finished; what the
+hook returns is recorded in rank 0's report.
 
 Which vLLM runs is whatever `import vllm` finds: the vllm==0.33.0 venv (its DeepSeek-V4 CPU class
 under VLLM_TARGET_DEVICE=cpu; its NVIDIA MTP class named by "model_class", the CPU one being a
@@ -49,6 +59,7 @@ MAX_MODEL_LEN = 256  # sizes only the model's scratch buffers (topk indices); we
 NVIDIA_ENGINE = {"attention_backend": "FLASHINFER_MLA_SPARSE_DSV4", "moe_backend": "flashinfer_cutlass",
                "kv_cache_dtype": "fp8"}
 SM120 = (12, 0)  # the GPU the Lucifer tuple targets
+FLOOR = "floor"  # the pseudo load format: read the rank files once, build no model
 
 
 def allow_construction_on_this_cpu() -> None:
@@ -146,23 +157,86 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
             f"({int(neq.sum())} of {neq.numel()} bytes differ)")
 
 
-def io_read_bytes() -> int:
-    """Bytes this process caused to be read from storage (page-cache misses), from /proc/self/io."""
+def proc_io() -> dict[str, int]:
+    """This process's I/O counters: `read_bytes`, the bytes it caused to be read from storage (page-cache
+    misses, mmap page faults included); `rchar`, the bytes that passed through read calls (mmap not)."""
+    counters = {}
     for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
+        key, _, value = line.partition(":")
+        counters[key] = int(value)
+    return counters
 
 
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def status_bytes(key: str) -> int:
+    """A memory figure of /proc/self/status (VmRSS, VmHWM) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def reset_peak_rss() -> None:
+    """Make VmHWM the current RSS (Linux `clear_refs` 5), so that it reads the peak of what follows."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def rank_files(role_dir: Path, rank: int) -> list[Path]:
+    return sorted((role_dir / f"rank-{rank}").glob("*.safetensors"))
+
+
+def read_once(paths: list[Path], block: int = 16 << 20) -> None:
+    """The floor of a load: the files read once, sequentially, in 16 MiB reads into one buffer."""
+    view = memoryview(bytearray(block))
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while os.readv(fd, [view]):
+                pass
+        finally:
+            os.close(fd)
+
+
+def measured_load(rec: dict, run: dict, load, hook) -> bool:
+    """Run `load()` and record what it cost this process: wall (`load_s`), CPU, /proc/self/io
+    read_bytes and rchar, RSS before and peak RSS during the load (VmHWM reset first; the file pages
+    an mmap-based reader touches count). With a hook, every rank loads at once, between barriers
+    around rank 0's `hook.before_load`/`after_load`. False (and rec["error"]) when the load raised."""
+    import torch.distributed as dist
+
+    lead = hook is not None and dist.get_rank() == 0
+    if hook is not None:
+        dist.barrier()
+        if lead:
+            rec["before"] = hook.before_load(run)
+        dist.barrier()
+    rec["rss_before"] = status_bytes("VmRSS")
+    reset_peak_rss()
+    io0, cpu0, t0 = proc_io(), cpu_seconds(), time.perf_counter()
+    try:
+        load()
+    except Exception as e:  # noqa: BLE001 - the error line is this run's result
+        rec["error"] = f"{type(e).__name__}: {e}"
+    rec["load_s"] = time.perf_counter() - t0
+    io = proc_io()
+    rec.update(cpu_s=cpu_seconds() - cpu0, read_bytes=io["read_bytes"] - io0["read_bytes"],
+               rchar=io["rchar"] - io0["rchar"], peak_rss=status_bytes("VmHWM"))
+    if hook is not None:
+        dist.barrier()
+        if lead:
+            rec["after"] = hook.after_load(run)
+    return "error" not in rec
 
 
 def file_tensors(role_dir: Path, rank: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     out: dict[str, torch.Tensor] = {}
-    for f in sorted((role_dir / f"rank-{rank}").glob("*.safetensors")):
+    for f in rank_files(role_dir, rank):
         out.update(load_file(f))
     return out
 
@@ -185,14 +259,17 @@ def compare_to_files(params: dict[str, torch.Tensor], files: dict[str, torch.Ten
     return problems
 
 
-def run_one(spec: dict, run: dict, rank: int) -> tuple[dict, dict[str, torch.Tensor] | None]:
+def run_one(spec: dict, run: dict, rank: int, hook=None) -> tuple[dict, dict[str, torch.Tensor] | None]:
     """Build a fresh model under the run's config, load it with the run's loader, capture it."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    rec: dict = {"load_format": run["load_format"], "model": run["model"]}
+    rec: dict = {"load_format": run["load_format"], "model": run.get("model")}
+    if run["load_format"] == FLOOR:
+        measured_load(rec, run, lambda: read_once(rank_files(Path(run["files"]), rank)), hook)
+        return rec, None
     try:
         cfg = engine_config(spec, run)
     except Exception as e:  # noqa: BLE001 - a refused configuration is this run's result
@@ -210,15 +287,31 @@ def run_one(spec: dict, run: dict, rank: int) -> tuple[dict, dict[str, torch.Ten
                                      model_class=resolve(run["model_class"]) if run.get("model_class") else None)
         rec["construct_s"] = time.perf_counter() - t0
         rec["model_class"] = f"{type(model).__module__}.{type(model).__name__}"
-        read0, t0 = io_read_bytes(), time.perf_counter()
-        try:
-            loader.load_weights(model, model_config)
-        except Exception as e:  # noqa: BLE001 - the error line is this run's result
-            rec["error"] = f"{type(e).__name__}: {e}"
-            return rec, None
-        rec["load_s"] = time.perf_counter() - t0
-        rec["read_bytes"] = io_read_bytes() - read0
-        rec["peak_rss"] = peak_rss_bytes()
+        loaded = measured_load(rec, run, lambda: loader.load_weights(model, model_config), hook)
+    try:
+        return finish_run(spec, run, rank, rec, model) if loaded else (rec, None)
+    finally:
+        release(model)
+
+
+def release(model: torch.nn.Module) -> None:
+    """Free a run's weights now (what was captured keeps its own reference): vLLM's MoE layers sit in a
+    reference cycle through their parameters' `weight_loader` (a bound method of the layer) that
+    Python's collector does not free, and every run builds a new model."""
+    for t in [*model.parameters(), *model.buffers()]:
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+def finish_run(spec: dict, run: dict, rank: int, rec: dict, model) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """After a load: save the sharded state, capture the parameters, dump and compare them as the run asks."""
+    if run.get("save_sharded"):
+        from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+        t0 = time.perf_counter()
+        ShardedStateLoader.save_model(model, run["save_sharded"])
+        rec["save_s"] = time.perf_counter() - t0
+    if not run.get("capture", True):
+        return rec, None
     params = {n: p.detach() for n, p in model.named_parameters()}
     rec["params"] = {n: [list(p.shape), str(p.dtype).removeprefix("torch."), digest(p)] for n, p in params.items()}
     dump = {n: p for n, p in params.items() if any(k in n for k in spec.get("dump", ()))}
@@ -245,7 +338,7 @@ def versus(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) 
     }
 
 
-def rank_main(rank: int, spec: dict, port: int) -> None:
+def rank_main(rank: int, spec: dict, port: int, hook=None) -> None:
     report: dict = {"rank": rank, "runs": {}}
     try:
         t_start = time.perf_counter()
@@ -260,14 +353,15 @@ def rank_main(rank: int, spec: dict, port: int) -> None:
         report.update(vllm=vllm.__version__, vllm_path=str(Path(vllm.__file__).parent),
                       platform=type(current_platform).__name__)
         tp = int(spec["tp"])
-        with set_current_vllm_config(engine_config(spec, spec["runs"][0])):
+        model_run = next(run for run in spec["runs"] if run["load_format"] != FLOOR)
+        with set_current_vllm_config(engine_config(spec, model_run)):
             ps.init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
                                             distributed_init_method=f"tcp://127.0.0.1:{port}")
             ps.ensure_model_parallel_initialized(tp, 1)
         report["tp_rank"] = ps.get_tensor_model_parallel_rank()
         captured: dict[str, dict[str, torch.Tensor] | None] = {}
         for run in spec["runs"]:
-            rec, captured[run["name"]] = run_one(spec, run, report["tp_rank"])
+            rec, captured[run["name"]] = run_one(spec, run, report["tp_rank"], hook)
             ref = captured.get(run.get("compare_to", ""))
             if ref is not None and captured[run["name"]] is not None:
                 rec["vs_reference"] = versus(captured[run["name"]], ref)
@@ -286,11 +380,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(spec: dict) -> list[dict]:
-    """All ranks of `spec`, one spawned process each; their reports, in rank order."""
+def run_world(spec: dict, hook=None) -> list[dict]:
+    """All ranks of `spec`, one spawned process each; their reports, in rank order. `hook` (picklable:
+    its class importable in the ranks) times every run on all ranks at once (module docstring)."""
     Path(spec["results"]).mkdir(parents=True, exist_ok=True)
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # inherited by the ranks, before vLLM resolves its platform
-    mp.spawn(rank_main, args=(spec, free_port()), nprocs=int(spec["tp"]), join=True)
+    mp.spawn(rank_main, args=(spec, free_port(), hook), nprocs=int(spec["tp"]), join=True)
     return [json.loads((Path(spec["results"]) / f"rank-{r}.json").read_text()) for r in range(int(spec["tp"]))]
 
 

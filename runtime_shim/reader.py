@@ -1,0 +1,170 @@
+"""Rank-file tensors read straight into parameter storage, optionally hashed as they land.
+
+Each tensor's bytes are read with positional reads (`os.preadv`) at the offset its file's header
+gives. A contiguous CPU destination is filled in place: one copy, page cache to parameter, as `cat`
+does, with no mmap page faults, no intermediate tensor and no file pages held in the process's RSS.
+Any other destination (a GPU parameter) is filled through a small ring of host buffers, pinned when
+CUDA is present, each chunk copied to the device as soon as it is read. With `digests=True` a reader
+thread works ahead while the calling thread computes BLAKE3 over every chunk as it lands (blake3
+releases the GIL), so hashing overlaps reading instead of following it.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ShimError
+
+CHUNK = 16 << 20  # bytes per read
+AHEAD = 4  # chunks the reader thread may be ahead of the hashing thread
+RING = AHEAD + 2  # host buffers of a device load: queued + being hashed + being filled
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, leaving present pages as they are
+PAGE = os.sysconf("SC_PAGE_SIZE")
+PREFAULT_STEP = 64 << 20  # bytes faulted in per madvise call (the reads' stop flag is checked between)
+
+
+@dataclass(frozen=True)
+class TensorRead:
+    name: str
+    offset: int  # absolute file offset of the tensor's first byte
+    dst: torch.Tensor  # contiguous destination whose bytes are exactly the tensor's
+
+    @property
+    def nbytes(self) -> int:
+        return self.dst.numel() * self.dst.element_size()
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat uint8 tensor (same memory)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def in_place(t: torch.Tensor) -> bool:
+    """Whether reads can land in `t` itself."""
+    return t.device.type == "cpu"
+
+
+def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
+                 staged: bool | None = None) -> dict[str, str]:
+    """Fill every read's destination from `path`, in file order; with `digests`, the BLAKE3 hex
+    digest of each tensor's bytes. `staged` forces (True) or forbids (False) the host-buffer path
+    that non-CPU destinations take (tests use it to exercise that path on CPU)."""
+    reads = sorted(reads, key=lambda r: r.offset)
+    for r in reads:
+        if not r.dst.is_contiguous():
+            raise ShimError(f"parameter {r.name} is not contiguous in memory; this vLLM build lays out parameters "
+                            f"differently, use a supported build (lucifer-shard doctor)")
+    in_place_reads = [r for r in reads if (in_place(r.dst) if staged is None else not staged)]
+    stop = threading.Event()
+    prefault = threading.Thread(target=_prefault, args=(in_place_reads, stop), name="lucifer_tp3-prefault", daemon=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        prefault.start()
+        chunks = _chunks(fd, path, reads, staged)
+        if not digests:
+            for _ in chunks:
+                pass
+            return {}
+        return _hash_while_reading(chunks, reads)
+    finally:
+        stop.set()
+        prefault.join()
+        os.close(fd)
+
+
+def _prefault(reads: list[TensorRead], stop: threading.Event) -> None:
+    """Fault the in-place destinations in, in file order, ahead of the reads. A parameter vLLM has not
+    touched yet would otherwise take its page faults one 4 KiB page at a time inside read(), on the
+    reading thread; here they overlap the reading. Only an optimisation: stops at the first refusal
+    (a kernel older than 5.14)."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    for r in reads:
+        start = r.dst.data_ptr() // PAGE * PAGE  # the pages holding the tensor, all mapped
+        end = -(-(r.dst.data_ptr() + r.nbytes) // PAGE) * PAGE
+        for at in range(start, end, PREFAULT_STEP):
+            if stop.is_set() or madvise(at, min(PREFAULT_STEP, end - at), MADV_POPULATE_WRITE):
+                return
+
+
+def _chunks(fd: int, path: Path, reads: list[TensorRead], staged: bool | None) -> Iterator[tuple[str, memoryview]]:
+    """Read every tensor chunk by chunk into its destination; yield (name, the chunk's host bytes)."""
+    ring: list[torch.Tensor] = []
+    k = 0
+    for r in reads:
+        dst = flat_bytes(r.dst)
+        direct = in_place(r.dst) if staged is None else not staged
+        host = memoryview(dst.numpy()) if direct else None
+        for pos in range(0, r.nbytes, CHUNK):
+            n = min(CHUNK, r.nbytes - pos)
+            if direct:
+                view = host[pos:pos + n]
+            else:
+                if len(ring) < RING:
+                    ring.append(torch.empty(CHUNK, dtype=torch.uint8, pin_memory=torch.cuda.is_available()))
+                slot = ring[k % RING]
+                k += 1
+                view = memoryview(slot.numpy())[:n]
+            _pread_exactly(fd, view, r.offset + pos, path, r.name)
+            if not direct:
+                dst[pos:pos + n].copy_(slot[:n])
+            yield r.name, view
+
+
+def _pread_exactly(fd: int, view: memoryview, offset: int, path: Path, name: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise ShimError(f"{path} ends inside tensor {name} (byte {offset + done} of the file); the file is "
+                            f"truncated, re-copy it or re-run lucifer-shard convert --resume")
+        done += n
+
+
+def _hash_while_reading(chunks: Iterator[tuple[str, memoryview]], reads: list[TensorRead]) -> dict[str, str]:
+    from blake3 import blake3
+
+    q: queue.Queue = queue.Queue(maxsize=AHEAD)
+    stop = threading.Event()
+    end = object()
+
+    def offer(item) -> bool:
+        """Queue `item` unless the hashing thread has stopped listening."""
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def reader() -> None:
+        try:
+            for item in chunks:
+                if not offer(item):
+                    return
+            offer(end)
+        except BaseException as e:  # noqa: BLE001 - handed to the hashing thread, which raises it
+            offer(e)
+
+    hashers = {r.name: blake3() for r in reads}
+    thread = threading.Thread(target=reader, name="lucifer_tp3-reader", daemon=True)
+    thread.start()
+    try:
+        while (item := q.get()) is not end:
+            if isinstance(item, BaseException):
+                raise item
+            name, view = item
+            hashers[name].update(view)
+    finally:
+        stop.set()
+        thread.join()
+    return {name: h.hexdigest() for name, h in hashers.items()}
