@@ -25,9 +25,8 @@ from .errors import ShimError
 CHUNK = 16 << 20  # bytes per read
 AHEAD = 4  # chunks the reader thread may be ahead of the hashing thread
 RING = AHEAD + 2  # host buffers of a device load: queued + being hashed + being filled
-MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, leaving present pages as they are
-PAGE = os.sysconf("SC_PAGE_SIZE")
-PREFAULT_STEP = 64 << 20  # bytes faulted in per madvise call (the reads' stop flag is checked between)
+MADV_HUGEPAGE = 14
+HUGE_PAGE = 2 << 20  # x86-64 / arm64 (4 KiB base pages) PMD size: the unit MADV_HUGEPAGE can fault in
 
 
 @dataclass(frozen=True)
@@ -61,13 +60,10 @@ def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
         if not r.dst.is_contiguous():
             raise ShimError(f"parameter {r.name} is not contiguous in memory; this vLLM build lays out parameters "
                             f"differently, use a supported build (lucifer-shard doctor)")
-    in_place_reads = [r for r in reads if (in_place(r.dst) if staged is None else not staged)]
-    stop = threading.Event()
-    prefault = threading.Thread(target=_prefault, args=(in_place_reads, stop), name="lucifer_tp3-prefault", daemon=True)
+    _advise_huge_pages([r for r in reads if (in_place(r.dst) if staged is None else not staged)])
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        prefault.start()
         chunks = _chunks(fd, path, reads, staged)
         if not digests:
             for _ in chunks:
@@ -75,24 +71,22 @@ def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
             return {}
         return _hash_while_reading(chunks, reads)
     finally:
-        stop.set()
-        prefault.join()
         os.close(fd)
 
 
-def _prefault(reads: list[TensorRead], stop: threading.Event) -> None:
-    """Fault the in-place destinations in, in file order, ahead of the reads. A parameter vLLM has not
-    touched yet would otherwise take its page faults one 4 KiB page at a time inside read(), on the
-    reading thread; here they overlap the reading. Only an optimisation: stops at the first refusal
-    (a kernel older than 5.14)."""
+def _advise_huge_pages(reads: list[TensorRead]) -> None:
+    """Ask for transparent huge pages under the in-place destinations, before the reads first touch
+    them. A parameter vLLM allocated but never touched is otherwise faulted in one 4 KiB page at a
+    time inside read(): measured on the bench machine, that costs more CPU than the read itself. Only
+    the 2 MiB-aligned interior of each tensor is advised (the memory around it is not ours); advice
+    only: a kernel without THP, or with THP off, ignores or refuses it and nothing changes."""
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     for r in reads:
-        start = r.dst.data_ptr() // PAGE * PAGE  # the pages holding the tensor, all mapped
-        end = -(-(r.dst.data_ptr() + r.nbytes) // PAGE) * PAGE
-        for at in range(start, end, PREFAULT_STEP):
-            if stop.is_set() or madvise(at, min(PREFAULT_STEP, end - at), MADV_POPULATE_WRITE):
-                return
+        start = -(-r.dst.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        end = (r.dst.data_ptr() + r.nbytes) // HUGE_PAGE * HUGE_PAGE
+        if end > start:
+            madvise(start, end - start, MADV_HUGEPAGE)
 
 
 def _chunks(fd: int, path: Path, reads: list[TensorRead], staged: bool | None) -> Iterator[tuple[str, memoryview]]:
