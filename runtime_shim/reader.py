@@ -83,10 +83,16 @@ def _advise_huge_pages(reads: list[TensorRead]) -> None:
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     for r in reads:
-        start = -(-r.dst.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        end = (r.dst.data_ptr() + r.nbytes) // HUGE_PAGE * HUGE_PAGE
-        if end > start:
-            madvise(start, end - start, MADV_HUGEPAGE)
+        interior = huge_page_interior(r.dst.data_ptr(), r.nbytes)
+        if interior:
+            madvise(interior[0], interior[1] - interior[0], MADV_HUGEPAGE)
+
+
+def huge_page_interior(address: int, nbytes: int) -> tuple[int, int] | None:
+    """[start, end) of the whole huge pages inside [address, address + nbytes), or None."""
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    return (start, end) if end > start else None
 
 
 def _chunks(fd: int, path: Path, reads: list[TensorRead], staged: bool | None) -> Iterator[tuple[str, memoryview]]:

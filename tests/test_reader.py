@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from lucifer_shard.runtime_shim import reader
 from lucifer_shard.runtime_shim.errors import ShimError
-from lucifer_shard.stwriter import read_header
+from lucifer_shard.stheader import read_header
 
 TENSORS = {  # odd sizes: chunks end inside elements and tensors
     "a.weight": ((300, 77), torch.bfloat16),
@@ -35,14 +35,13 @@ def _raw(t: torch.Tensor) -> bytes:
 
 def _reads(path, tensors, sink_len: int = 32):
     """Fresh destinations like a model's: attn_sink-style prefix of a longer parameter for d.sink."""
-    raw, header = read_header(path)
-    header.pop("__metadata__", None)
+    header = read_header(path)
     params, reads = {}, []
     for name, t in tensors.items():
         p = torch.full((sink_len,), float("-inf")) if name == "d.sink" else torch.empty_like(t)
         params[name] = p
         dst = p[: t.shape[0]] if name == "d.sink" else p
-        reads.append(reader.TensorRead(name, len(raw) + header[name]["data_offsets"][0], dst))
+        reads.append(reader.TensorRead(name, header.data_start + header.tensors[name].start, dst))
     return params, reads
 
 
@@ -81,3 +80,28 @@ def test_refuses_a_non_contiguous_destination(shard):
     reads[0] = reader.TensorRead("a.weight", reads[0].offset, t)
     with pytest.raises(ShimError, match="a.weight is not contiguous"):
         reader.read_tensors(path, reads)
+
+
+def test_huge_page_advice_covers_only_whole_huge_pages_inside_each_destination(tmp_path, monkeypatch):
+    """The THP advice goes to the 2 MiB-aligned interior of every in-place destination and nowhere
+    else (the memory around a parameter belongs to others), and the bytes still land exactly."""
+    data = torch.randint(0, 256, (5 * reader.HUGE_PAGE + 12345,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "big.safetensors"
+    save_file({"big": data, "small": data[:100].clone()}, str(path))
+    header = read_header(path)
+    backing = torch.zeros(data.numel() + 3 * reader.HUGE_PAGE, dtype=torch.uint8)
+    skew = (-backing.data_ptr() % reader.HUGE_PAGE) + 777  # start 777 bytes past a huge-page boundary
+    big, small = backing[skew:skew + data.numel()], torch.empty(100, dtype=torch.uint8)
+    advised = []
+    real = reader._advise_huge_pages
+    monkeypatch.setattr(reader, "_advise_huge_pages", lambda reads: (advised.extend(reads), real(reads)))
+    reader.read_tensors(path, [reader.TensorRead(n, header.data_start + header.tensors[n].start, t)
+                               for n, t in (("big", big), ("small", small))])
+    assert _raw(big) == _raw(data) and _raw(small) == _raw(data[:100])
+    assert {r.name for r in advised} == {"big", "small"}
+    start, end = reader.huge_page_interior(big.data_ptr(), big.numel())
+    assert (start - big.data_ptr(), big.data_ptr() + big.numel() - end) == (reader.HUGE_PAGE - 777,
+                                                                           (data.numel() + 777) % reader.HUGE_PAGE)
+    assert start % reader.HUGE_PAGE == 0 and (end - start) // reader.HUGE_PAGE == 4
+    assert reader.huge_page_interior(small.data_ptr(), 100) is None  # smaller than a huge page: no advice

@@ -243,18 +243,18 @@ def test_verify_none_trusts_the_files_identity_and_nothing_else(out_kernel, out_
     _refusal(e, f"{short / p} is {len(data) - 100} bytes, the manifest says {len(data)}")
     with pytest.raises(ValueError) as e:
         _loader({"verify": "none"}).load_weights(sf.build_model(man, "target"), sf.model_config(short))
-    _refusal(e, f"{short / p} ends inside tensor", "truncated")
+    _refusal(e, f"{short / p}: tensor 'model.norm.weight' ends at byte", "(truncated)")
 
 
 @EVERY_VERIFY
 def test_refuses_header_offsets_that_disagree_with_dtype_and_shape(out_kernel, tmp_path, tp_world, verify):
-    from lucifer_shard.runtime_shim.manifest import header_block
+    from lucifer_shard.runtime_shim.manifest import read_header
 
     out = sf.link_copy(out_kernel, tmp_path / "out")
     path = out / "target/rank-0/part-00000.safetensors"
     name = "model.layers.0.attn.wq_b.weight"
-    _, header, _ = header_block(path)
-    start, end = header[name]["data_offsets"]
+    t = read_header(path).tensors[name]
+    start, end = t.start, t.end
     was, now = f'"data_offsets":[{start},{end}]', f'"data_offsets":[{start},{end - 1}]'
     data = path.read_bytes()
     assert data.count(was.encode()) == 1 and len(str(end - 1)) == len(str(end))
@@ -262,7 +262,8 @@ def test_refuses_header_offsets_that_disagree_with_dtype_and_shape(out_kernel, t
     path.write_bytes(data.replace(was.encode(), now.encode()))
     with pytest.raises(ValueError) as e:
         _loader({"verify": verify}).load_weights(sf.build_model(sf.manifest(out), "target"), sf.model_config(out))
-    _refusal(e, f"{path}: tensor {name} spans {end - 1 - start} bytes in the file header", "the file is corrupt")
+    _refusal(e, f"{path}: tensor {name!r} data_offsets [{start}, {end - 1}) hold {end - 1 - start} bytes",
+             "the file is corrupt")
 
 
 def test_refuses_unknown_extra_config_key(shim):
