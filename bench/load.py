@@ -146,10 +146,14 @@ def world_record(reports: list[dict], name: str) -> dict:
     }
 
 
-def rotated(rep: int) -> tuple[str, ...]:
-    """The contenders in a different order each repetition: none always follows the same run."""
-    k = (2 * rep) % len(CONTENDERS)
-    return CONTENDERS[k:] + CONTENDERS[:k]
+def ordered(rep: int) -> tuple[str, ...]:
+    """The contenders in repetition `rep`'s order: row `rep` of a Williams square (0, 1, n-1, 2, n-2, ...
+    shifted by rep), so each contender follows a different run each time. A plain rotation keeps
+    neighbours: one contender then always follows sharded_state, whose 11 GiB freed just before
+    makes the next run refill guest memory (measured: that contender ran 1.3-1.5x slower)."""
+    n = len(CONTENDERS)
+    base = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    return tuple(CONTENDERS[(i + rep) % n] for i in base)
 
 
 def load_section(args, work: Path) -> dict:
@@ -173,14 +177,14 @@ def load_section(args, work: Path) -> dict:
         base = {"tp": tp, "evict": [str(model), str(out), str(sharded)], "quiet_wait": args.quiet_wait}
         runs = [{**contender_run("default", SAVE_RUN, model, out, sharded), "save_sharded": str(sharded)}]
         runs += [contender_run(what, f"{what} #{rep + 1}", model, out, sharded)
-                 for rep in range(args.reps) for what in rotated(rep)]
+                 for rep in range(args.reps) for what in ordered(rep)]
         for attempt in range(RETRIES + 1):
             spec = {**base, "results": str(work / f"load-world-tp{tp}-{attempt}"), "runs": runs}
             print(f"[load TP{tp}] world {attempt + 1}: {len(runs)} runs", flush=True)
             reports, res["software"] = run_world(spec, work)
             retry = []
-            for r in runs:
-                rec = world_record(reports, r["name"])
+            for before, r in zip([None, *runs], runs):
+                rec = {**world_record(reports, r["name"]), "after": before and before["name"].split(" #")[0]}
                 what = r["name"].split(" #")[0]
                 res["runs"].setdefault(f"TP{tp} {what}", []).append(rec)
                 print(f"  TP{tp} {r['name']:<28} {rec['wall']:7.2f} s  read/rank "
@@ -277,7 +281,22 @@ def summarize_load(load: dict) -> tuple[list[str], list[str], dict]:
                                              f"{fl['wall']:.2f} s = {f['wall'] / fl['wall']:.2f}x")
         checks.append(f"INFO  TP{tp} lucifer verify=headers vs default: {h['wall']:.2f} s vs "
                       f"{get['default']['wall']:.2f} s = {h['wall'] / get['default']['wall']:.2f}x")
+        checks.append(f"INFO  TP{tp} {predecessor_line(load['runs'], tp)}")
     return lines, checks, {"summary": summary, "ratios": ratios}
+
+
+def predecessor_line(runs: dict, tp: int) -> str:
+    """Median lucifer walls split by what ran just before in the same world: another lucifer run
+    (whose freed parameters the next one reuses) or a run that read through the page cache."""
+    parts = []
+    for v in VERIFY:
+        split: dict[bool, list[float]] = {True: [], False: []}
+        for r in runs.get(f"TP{tp} lucifer verify={v}", []):
+            if r.get("after") and not r["disturbed"]:
+                split[r["after"].startswith("lucifer")].append(r["wall"])
+        parts.append(f"{v} " + " / ".join(f"{statistics.median(w):.2f} s (n={len(w)})" if w else "-"
+                                          for w in (split[True], split[False])))
+    return "lucifer wall after another lucifer run / after floor, default or sharded_state: " + "; ".join(parts)
 
 
 def render_load(load: dict) -> tuple[dict, list[str], list[str]]:
