@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lucifer_shard import assemble, stwriter
-from lucifer_shard.convert import convert
-from lucifer_shard.manifest import Options
+from lucifer_shard.engine import assemble, stwriter
+from lucifer_shard.engine.convert import convert
+from lucifer_shard.spec.manifest import Options
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -87,10 +87,10 @@ def test_contiguity_rule():
 
 def test_swap_fold_matches_the_layout_step(tiny_pattern):
     """Assembling w13 with swapped pieces equals assembling it plainly and applying swap_halves."""
-    from lucifer_shard.layouts import swap_halves
-    from lucifer_shard.plan import make_plan
-    from lucifer_shard.rules import build_specs
-    from lucifer_shard.source import open_checkpoint
+    from lucifer_shard.spec.layouts import swap_halves
+    from lucifer_shard.spec.plan import make_plan
+    from lucifer_shard.spec.rules import build_specs
+    from lucifer_shard.spec.source import open_checkpoint
 
     ckpt = open_checkpoint(tiny_pattern)
     specs = build_specs(ckpt.config, make_plan(ckpt.config, 3), "target")

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from . import __version__
-from .errors import OutputError, SourceError
+from .. import __version__
+from ..errors import OutputError, SourceError
 
 MANIFEST_NAME = "lucifer-manifest.json"
 COMPLETE_NAME = "COMPLETE"
@@ -86,7 +86,7 @@ def manifest_text(doc: dict) -> str:
 
 
 def write_manifest(out: Path, doc: dict) -> None:
-    from .fsutil import atomic_write_text
+    from ..engine.fsutil import atomic_write_text
 
     atomic_write_text(Path(out) / MANIFEST_NAME, manifest_text(doc))
 

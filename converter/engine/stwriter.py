@@ -36,9 +36,9 @@ from pathlib import Path
 import numpy as np
 from blake3 import blake3
 
+from ..spec.rules import DTYPE_SIZE
+from ..spec.stheader import read_header
 from .fsutil import fsync_dir
-from .rules import DTYPE_SIZE
-from .stheader import read_header
 
 DIRECT = True  # try O_DIRECT first (module switch for experiments and tests)
 ALIGN = 4096  # O_DIRECT offset, length and address alignment (covers 512 B and 4 KiB sectors)

@@ -34,10 +34,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .content import ContentDigests
-from .errors import SourceError
-from .rules import DTYPE_SIZE, TensorSpec
-from .source import Checkpoint
+from ..errors import SourceError
+from ..spec.content import ContentDigests
+from ..spec.rules import DTYPE_SIZE, TensorSpec
+from ..spec.source import Checkpoint
 
 CHUNK_BYTES = 16 << 20
 DIRECT = True  # read with O_DIRECT where the filesystem allows it

@@ -22,22 +22,23 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from . import __version__, footprint
+from .. import __version__
+from ..errors import OutputError, SourceError
+from ..spec import footprint
+from ..spec.content import ALGORITHM, BLOCK, ContentDigests, checkpoint_digest, shard_digests
+from ..spec.layouts import EXPERT_TENSORS, LAYOUT_VERSION, Layout, expert_layout
+from ..spec.manifest import (COMPLETE_NAME, FLASHINFER_VERSIONS, MANIFEST_NAME, RUNTIME, STATE_DIR, FORMAT,
+                             FORMAT_VERSION, Options, conversion_id, file_metadata, manifest_text, part_path, rank_dir,
+                             write_manifest)
+from ..spec.outlock import LOCK_NAME, OutLock, describe
+from ..spec.plan import MOE_VARIANT, Plan, make_plan
+from ..spec.rules import TensorSpec, build_specs
+from ..spec.source import Checkpoint, open_checkpoint, resolve_model, side_files
+from ..units import byte_bar, duration, rate, size
 from .assemble import chunks
-from .content import ALGORITHM, BLOCK, ContentDigests, checkpoint_digest, shard_digests
 from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, tree_bytes, write_failed
-from .errors import OutputError, SourceError
 from .fsutil import atomic_copy, atomic_write_text
-from .layouts import EXPERT_TENSORS, LAYOUT_VERSION, Layout, expert_layout
-from .manifest import (COMPLETE_NAME, FLASHINFER_VERSIONS, MANIFEST_NAME, RUNTIME, STATE_DIR, FORMAT,
-                       FORMAT_VERSION, Options, conversion_id, file_metadata, manifest_text, part_path,
-                       rank_dir, write_manifest)
-from .outlock import LOCK_NAME, OutLock, describe
-from .plan import MOE_VARIANT, Plan, make_plan
-from .rules import TensorSpec, build_specs
-from .source import Checkpoint, open_checkpoint, resolve_model, side_files
 from .stwriter import StreamWriter, TensorHeader, WrittenFile, encode_header, hash_file
-from .units import byte_bar, duration, rate, size
 
 JOURNAL = "journal.jsonl"
 RECORD = "conversion.json"

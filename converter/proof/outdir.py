@@ -7,11 +7,11 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from .errors import OutputError
-from .layouts import layout_by_name
-from .manifest import COMPLETE_NAME, load_manifest
-from .rules import DTYPE_SIZE
-from .stheader import Header, HeaderError, read_header
+from ..errors import OutputError
+from ..spec.layouts import layout_by_name
+from ..spec.manifest import COMPLETE_NAME, load_manifest
+from ..spec.rules import DTYPE_SIZE
+from ..spec.stheader import Header, HeaderError, read_header
 
 TORCH_DTYPE = {
     "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,

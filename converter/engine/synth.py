@@ -17,10 +17,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from .config import ModelConfig, parse_config
-from .errors import LuciferError
-from .rules import DTYPE_SIZE, Source, expected_sources
-from .units import byte_bar
+from ..errors import LuciferError
+from ..spec.config import ModelConfig, parse_config
+from ..spec.rules import DTYPE_SIZE, Source, expected_sources
+from ..units import byte_bar
 
 PRESETS = {
     "tiny": "tiny.json",

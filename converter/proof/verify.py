@@ -29,17 +29,17 @@ import numpy as np
 from blake3 import blake3
 from tqdm import tqdm
 
-from . import __version__
-from .config import load_config, ModelConfig
-from .errors import LuciferError, OutputError
-from .layouts import EXPERT_TENSORS, expert_layout, layout_by_name
-from .manifest import (COMPLETE_NAME, FORMAT_VERSION, MANIFEST_NAME, STATE_DIR, Options, conversion_id, file_metadata,
-                       load_manifest)
-from .plan import make_plan
-from .rules import DTYPE_SIZE, NEG_INF_F32, TensorSpec, build_specs
-from .stheader import HeaderError, read_header
-from .stwriter import file_digest
-from .units import byte_bar, duration, rate, size
+from .. import __version__
+from ..engine.stwriter import file_digest
+from ..errors import LuciferError, OutputError
+from ..spec.config import load_config, ModelConfig
+from ..spec.layouts import EXPERT_TENSORS, expert_layout, layout_by_name
+from ..spec.manifest import (COMPLETE_NAME, FORMAT_VERSION, MANIFEST_NAME, STATE_DIR, Options, conversion_id,
+                             file_metadata, load_manifest)
+from ..spec.plan import make_plan
+from ..spec.rules import DTYPE_SIZE, NEG_INF_F32, TensorSpec, build_specs
+from ..spec.stheader import HeaderError, read_header
+from ..units import byte_bar, duration, rate, size
 
 CHUNK_BYTES = 32 << 20
 ALIGN = 4096  # O_DIRECT offset, length and address alignment

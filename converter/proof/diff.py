@@ -42,16 +42,16 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .content import ContentDigests, checkpoint_digest, shard_digests
-from .errors import MismatchError, OutputError
-from .manifest import source_model
-from .rules import DTYPE_SIZE, TensorSpec
-from .source import Checkpoint, open_checkpoint, resolve_model
-from .units import byte_bar, duration, rate, size
+from ..errors import MismatchError, OutputError
+from ..spec.content import ContentDigests, checkpoint_digest, shard_digests
+from ..spec.manifest import source_model
+from ..spec.rules import DTYPE_SIZE, TensorSpec
+from ..spec.source import Checkpoint, open_checkpoint, resolve_model
+from ..units import byte_bar, duration, rate, size
 from .verify import (CHUNK_BYTES, BufferPool, DirectFile, HeaderTensor, Problem, RankFile, Report, byte_shape,
                      check_manifest_rules, check_pads, check_scales, chunk_slices, element_index, file_offsets,
-                     first_positions, hexbytes, is_scale, open_files, read_manifest, read_rows_direct,
-                     row_chunks, scratch, slice_starts, to_model, usable)
+                     first_positions, hexbytes, is_scale, open_files, read_manifest, read_rows_direct, row_chunks,
+                     scratch, slice_starts, to_model, usable)
 
 
 class NarrowingError(ValueError):

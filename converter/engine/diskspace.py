@@ -13,8 +13,8 @@ import resource
 import stat
 from pathlib import Path
 
-from .errors import OutputError
-from .units import size
+from ..errors import OutputError
+from ..units import size
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 WRITE_LIMITS = (*DISK_FULL, errno.EFBIG)
