@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lucifer_shard.engine.convert import stored_shape, tensor_layouts
-from lucifer_shard.engine.synth import TORCH_DTYPE
+from lucifer_shard.spec.dtypes import TORCH_DTYPE
 from lucifer_shard.spec.manifest import Options
 from lucifer_shard.spec.plan import make_plan
 from lucifer_shard.spec.rules import DTYPE_SIZE, build_specs

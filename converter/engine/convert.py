@@ -28,8 +28,7 @@ from ..spec import footprint
 from ..spec.content import ALGORITHM, BLOCK, ContentDigests, checkpoint_digest, shard_digests
 from ..spec.layouts import EXPERT_TENSORS, LAYOUT_VERSION, Layout, expert_layout
 from ..spec.manifest import (COMPLETE_NAME, FLASHINFER_VERSIONS, MANIFEST_NAME, RUNTIME, STATE_DIR, FORMAT,
-                             FORMAT_VERSION, Options, conversion_id, file_metadata, manifest_text, part_path, rank_dir,
-                             write_manifest)
+                             FORMAT_VERSION, Options, conversion_id, file_metadata, manifest_text, part_path, rank_dir)
 from ..spec.outlock import LOCK_NAME, OutLock, describe
 from ..spec.plan import MOE_VARIANT, Plan, make_plan
 from ..spec.rules import TensorSpec, build_specs
@@ -513,7 +512,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
                             size(sum(f.bytes for f in files)), time.perf_counter() - t_part)
         for name in side_files(job.ckpt.root):
             atomic_copy(job.ckpt.root / name, out / name)
-        write_manifest(out, build_manifest(job, results))
+        atomic_write_text(out / MANIFEST_NAME, manifest_text(build_manifest(job, results)))
         atomic_write_text(out / COMPLETE_NAME, job.cid + "\n")
     except SourceError:
         # The source itself is bad: no rerun can finish this output, so leave nothing behind.

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from blake3 import blake3
 
+from ..spec.manifest import file_digest
 from ..spec.rules import DTYPE_SIZE
 from ..spec.stheader import read_header
 from .fsutil import fsync_dir
@@ -84,13 +85,6 @@ def encode_header(tensors: list[TensorHeader], metadata: dict[str, str], align: 
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % align)
     return len(raw).to_bytes(8, "little") + raw
-
-
-def file_digest(header: bytes, tensor_digests: list[str]) -> str:
-    h = blake3(header)
-    for d in tensor_digests:
-        h.update(bytes.fromhex(d))
-    return h.hexdigest()
 
 
 def partial_path(path: Path) -> Path:

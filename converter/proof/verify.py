@@ -30,12 +30,11 @@ from blake3 import blake3
 from tqdm import tqdm
 
 from .. import __version__
-from ..engine.stwriter import file_digest
 from ..errors import LuciferError, OutputError
 from ..spec.config import load_config, ModelConfig
 from ..spec.layouts import EXPERT_TENSORS, expert_layout, layout_by_name
 from ..spec.manifest import (COMPLETE_NAME, FORMAT_VERSION, MANIFEST_NAME, STATE_DIR, Options, conversion_id,
-                             file_metadata, load_manifest)
+                             file_digest, file_metadata, load_manifest)
 from ..spec.plan import make_plan
 from ..spec.rules import DTYPE_SIZE, NEG_INF_F32, TensorSpec, build_specs
 from ..spec.stheader import HeaderError, read_header
