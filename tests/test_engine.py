@@ -38,7 +38,7 @@ def test_tiny_chunks_poisoned_buffers_and_write_paths(tiny_pattern, tmp_path, mo
     stage of two pages or a write-behind window of one page, direct or buffered reads with or without
     prefetching: the output is still byte-identical.
     Garbage left anywhere (a byte no piece or pad tail covers) would show up here."""
-    take = assemble.BufferPool.take
+    take = assemble.EngineBufferPool.take
 
     def poisoned(self, shape):
         buf = take(self, shape)
@@ -46,7 +46,7 @@ def test_tiny_chunks_poisoned_buffers_and_write_paths(tiny_pattern, tmp_path, mo
         return buf
 
     monkeypatch.setattr(assemble, "CHUNK_BYTES", 1500)
-    monkeypatch.setattr(assemble.BufferPool, "take", poisoned)
+    monkeypatch.setattr(assemble.EngineBufferPool, "take", poisoned)
     monkeypatch.setattr(stwriter, "WRITE_BEHIND", 4096)
     monkeypatch.setattr(stwriter, "WRITE_DEPTH", 1)
     monkeypatch.setattr(stwriter, "STAGE_BYTES", 2 * stwriter.ALIGN)
@@ -60,7 +60,7 @@ def test_tiny_chunks_poisoned_buffers_and_write_paths(tiny_pattern, tmp_path, mo
 
 
 def test_pool_reuses_and_bounds_buffers():
-    pool = assemble.BufferPool(capacity=1024, keep=2)
+    pool = assemble.EngineBufferPool(capacity=1024, keep=2)
     a = pool.take((4, 16))
     base = a.base
     pool.give(a)

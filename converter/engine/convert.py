@@ -367,12 +367,12 @@ class _RankSink:
 
 def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPoolExecutor | None],
                 digests: ContentDigests) -> list[WrittenFile]:
-    from .assemble import Assembler, BufferPool, swap_folded
+    from .assemble import Assembler, EngineBufferPool, swap_folded
     from .stwriter import partial_path
 
     specs_by_name = [{s.name: s for s in rank_specs} for rank_specs in job.specs[part.role]]
     shared = ThreadPoolExecutor(1, thread_name_prefix="lucifer-write") if all(p is None for p in pools) else None
-    buffers = BufferPool()
+    buffers = EngineBufferPool()
     asm = Assembler(job.ckpt, buffers, digests=digests)
     sinks: list[_RankSink] = []
     stream = None

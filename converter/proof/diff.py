@@ -48,7 +48,7 @@ from ..spec.manifest import source_model
 from ..spec.rules import DTYPE_SIZE, TensorSpec
 from ..spec.source import Checkpoint, open_checkpoint, resolve_model
 from ..units import byte_bar, duration, rate, size
-from .verify import (CHUNK_BYTES, BufferPool, DirectFile, HeaderTensor, Problem, RankFile, Report, byte_shape,
+from .verify import (CHUNK_BYTES, ProofBufferPool, DirectFile, HeaderTensor, Problem, RankFile, Report, byte_shape,
                      check_manifest_rules, check_pads, check_scales, chunk_slices, element_index, file_offsets,
                      first_positions, hexbytes, is_scale, open_files, read_manifest, read_rows_direct, row_chunks,
                      scratch, slice_starts, to_model, usable)
@@ -62,7 +62,7 @@ COALESCE_GAP = 256 << 10  # source regions closer than this are read with one re
 MAX_BLOCK = 64 << 20
 
 
-class SourceReader:
+class ProofSourceReader:
     """Raw reads of source tensor rows, straight from the shards (no safetensors, no engine code):
     positional O_DIRECT reads (where the filesystem allows) into reused page-aligned buffers."""
 
@@ -73,7 +73,7 @@ class SourceReader:
         self.bytes_needed = 0  # bytes of source tensors compared
         self.bytes_read = 0  # bytes read from disk (needed bytes plus small gaps between them)
         self.keys_read: set[str] = set()
-        self.pool = BufferPool()
+        self.pool = ProofBufferPool()
         self._lock = threading.Lock()
 
     def _file(self, file: str) -> DirectFile:
@@ -216,7 +216,7 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
     files = open_files(report, out, manifest, check_size=False)
     keys = list(dict.fromkeys(k for role in specs for s in specs[role][0] for k in s.sources() if k in ckpt.tensors))
     content = ContentCheck(report, ckpt, keys, (src.get("content") or {}).get("files"), stop)
-    reader = SourceReader(ckpt, content.digests)
+    reader = ProofSourceReader(ckpt, content.digests)
     total = sum(t.end - t.start for rf in files.values() for t in rf.tensors.values()) + sum(
         ckpt.tensors[k].offsets[1] - ckpt.tensors[k].offsets[0] for k in keys)
     bar = byte_bar(total, "diff", progress)
@@ -354,7 +354,7 @@ def _plan_groups(manifest: dict, specs: dict, entries: dict, files: dict) -> lis
     return work
 
 
-def _group_chunks(reader: SourceReader, per_rank: list[list[Member]], chunk_bytes: int) -> list[tuple[int, int]]:
+def _group_chunks(reader: ProofSourceReader, per_rank: list[list[Member]], chunk_bytes: int) -> list[tuple[int, int]]:
     """Ranges of dim 0 (experts, or rows) whose rank bytes (per rank) and source bytes stay near chunk_bytes."""
     spec0 = next(m for ms in per_rank for m in ms)[0]
     ckpt = reader.ckpt
@@ -372,7 +372,7 @@ def _group_chunks(reader: SourceReader, per_rank: list[list[Member]], chunk_byte
     return row_chunks(n0, max(rank_row, src_row), chunk_bytes)
 
 
-def _regions(reader: SourceReader, per_rank: list[list[Member]], a: int, b: int) -> list[tuple[str, int, int]]:
+def _regions(reader: ProofSourceReader, per_rank: list[list[Member]], a: int, b: int) -> list[tuple[str, int, int]]:
     """Every source region (key, first row, end row) the chunk [a, b) of the group compares against."""
     out: dict[tuple[str, int, int], None] = {}
     tensors = reader.ckpt.tensors
@@ -400,7 +400,7 @@ class ChunkSources:
     """The source regions of one chunk, read in few large requests (regions of a file that lie
     together are coalesced), each byte once, shared by all ranks' tasks."""
 
-    def __init__(self, reader: SourceReader, regions: list[tuple[str, int, int]]):
+    def __init__(self, reader: ProofSourceReader, regions: list[tuple[str, int, int]]):
         self.reader = reader
         self._where: dict[tuple[str, int, int], tuple[Future, int]] = {}
         self._converted: dict[tuple[str, int, int], np.ndarray] = {}
@@ -524,7 +524,7 @@ def _same(got: np.ndarray, want: np.ndarray, block: int = 4 << 20) -> bool:
     return True
 
 
-def _diff_data(report: Report, reader: SourceReader, work: list[tuple[str, list[list[Member]]]], stats: dict,
+def _diff_data(report: Report, reader: ProofSourceReader, work: list[tuple[str, list[list[Member]]]], stats: dict,
                bar: tqdm, chunk_bytes: int, workers: int, settle) -> None:
     """Every (group, chunk): the chunk's source blocks, then one task per rank, on a thread pool (numpy
     and preadv release the GIL); at most two chunks in flight; findings merged in (group, chunk, rank)

@@ -304,7 +304,7 @@ def scratch(name: str, nbytes: int) -> np.ndarray:
     return buf[:nbytes]
 
 
-class BufferPool:
+class ProofBufferPool:
     """Page-aligned buffers handed between threads (a chunk's source blocks), reused."""
 
     def __init__(self, keep: int = 4):
