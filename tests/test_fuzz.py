@@ -43,7 +43,9 @@ from safetensors.torch import save_file
 
 from lucifer_shard.errors import LuciferError, SourceError
 from lucifer_shard.proof.diff import diff
-from lucifer_shard.proof.verify import Report, open_files, verify
+from lucifer_shard.proof.report import Report
+from lucifer_shard.proof.structure import open_files
+from lucifer_shard.proof.verify import verify
 from lucifer_shard.runtime_shim.errors import ShimError
 from lucifer_shard.runtime_shim.manifest import read_header as shim_read_header
 from lucifer_shard.spec.manifest import load_manifest

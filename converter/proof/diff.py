@@ -48,10 +48,12 @@ from ..spec.manifest import source_model
 from ..spec.rules import DTYPE_SIZE, TensorSpec
 from ..spec.source import Checkpoint, open_checkpoint, resolve_model
 from ..units import byte_bar, duration, rate, size
-from .verify import (CHUNK_BYTES, ProofBufferPool, DirectFile, HeaderTensor, Problem, RankFile, Report, byte_shape,
-                     check_manifest_rules, check_pads, check_scales, chunk_slices, element_index, file_offsets,
-                     first_positions, hexbytes, is_scale, open_files, read_manifest, read_rows_direct, row_chunks,
-                     scratch, slice_starts, to_model, usable)
+from .pads import (check_pads, check_scales, chunk_slices, element_index, file_offsets, first_positions, is_scale,
+                   slice_starts, to_model)
+from .rankfile import (CHUNK_BYTES, DirectFile, HeaderTensor, ProofBufferPool, RankFile, byte_shape, read_rows_direct,
+                       row_chunks, scratch)
+from .report import Problem, Report, fmt_index, hexbytes
+from .structure import check_manifest_rules, open_files, read_manifest, usable
 
 
 class NarrowingError(ValueError):
@@ -668,15 +670,11 @@ def _compare(report: Report, model: np.ndarray, dst_sl: tuple[slice, ...], dst_o
         exp = want[(*cell, slice(lo, lo + item))]
         fnd = got[(*cell, slice(lo, lo + item))]
         found.append(Problem(
-            "data", f"differs from source {key}{_fmt(sidx)}: expected {hexbytes(exp)} found {hexbytes(fnd)} "
+            "data", f"differs from source {key}{fmt_index(sidx)}: expected {hexbytes(exp)} found {hexbytes(fnd)} "
             f"({total} differing byte(s) in this slice)", role, spec.rank, spec.name, rf.rel,
             {"source": key, "source_index": list(sidx), "tensor_index": tidx,
              "file_offset": file_offsets(ht, info, dst_bc), "expected": hexbytes(exp), "found": hexbytes(fnd)}))
     report.add_many(found, total, Problem("data", "", role, spec.rank, spec.name, rf.rel))
-
-
-def _fmt(index) -> str:
-    return "[" + ", ".join(str(i) for i in index) + "]"
 
 
 def _content_line(c: dict | None) -> str:
