@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from lucifer_shard.engine.convert import stored_shape, tensor_layouts
+from lucifer_shard.engine.job import stored_shape, tensor_layouts
 from lucifer_shard.spec.dtypes import TORCH_DTYPE
 from lucifer_shard.spec.manifest import Options
 from lucifer_shard.spec.plan import make_plan

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine import diskspace
-from ..engine.convert import layout_name, plan_footprint, plan_parts, stored_shape, tensor_layouts
+from ..engine.job import layout_name, plan_footprint, plan_parts, stored_shape, tensor_layouts
 from ..spec import footprint as fpm
 from ..spec.config import ModelConfig
 from ..spec.manifest import Options

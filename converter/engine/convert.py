@@ -7,13 +7,15 @@ published; `--resume` skips journaled parts whose files still hash to their reco
 The manifest and COMPLETE are written last. All of it runs under OUT's writer lock (`outlock`),
 after the space still needed, known exactly from the plan, was checked against the filesystem's
 free space (`diskspace`); a write that runs out of room all the same says how much is left to do.
+
+What is decided before the first byte is `job`; OUT's state between runs (refusals, journal,
+resume, room still needed) is `outstate`; the manifest is `manifest_writer`.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -22,26 +24,23 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .. import __version__
-from ..errors import OutputError, SourceError
-from ..spec import footprint
-from ..spec.content import ALGORITHM, BLOCK, ContentDigests, checkpoint_digest, shard_digests
-from ..spec.layouts import EXPERT_TENSORS, LAYOUT_VERSION, Layout, expert_layout
-from ..spec.manifest import (COMPLETE_NAME, FLASHINFER_VERSIONS, MANIFEST_NAME, RUNTIME, STATE_DIR, FORMAT,
-                             FORMAT_VERSION, Options, conversion_id, file_metadata, manifest_text, part_path, rank_dir)
-from ..spec.outlock import LOCK_NAME, OutLock, describe
-from ..spec.plan import MOE_VARIANT, Plan, make_plan
-from ..spec.rules import TensorSpec, build_specs
-from ..spec.source import Checkpoint, open_checkpoint, resolve_model, side_files
+from ..errors import SourceError
+from ..spec.content import ContentDigests
+from ..spec.layouts import Layout
+from ..spec.manifest import COMPLETE_NAME, STATE_DIR, Options, file_metadata, part_path, rank_dir
+from ..spec.outlock import OutLock, describe
+from ..spec.source import side_files
 from ..units import byte_bar, duration, rate, size
 from .assemble import chunks
 from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, tree_bytes, write_failed
 from .fsutil import atomic_copy, atomic_write_text
-from .stwriter import StreamWriter, TensorHeader, WrittenFile, encode_header, hash_file
+from .job import Job, Part, part_headers, part_keys, prepare
+from .manifest_writer import build_manifest, write_manifest
+from .outstate import (JOURNAL, RECORD, check_out, check_paths, clear_out, conversion_record, journal_line, part_valid,
+                       planned_files, remove_partials, sizes_to_write)
+from .stwriter import StreamWriter, WrittenFile
 
-JOURNAL = "journal.jsonl"
-RECORD = "conversion.json"
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("lucifer_shard.convert")  # named for the command: -v prints "lucifer_shard.convert: ..."
 
 
 @dataclass
@@ -68,267 +67,6 @@ class Summary:
             f"time       {duration(self.seconds)} ({rate(moved)} read + written)",
             *(f"note       {n}" for n in self.notes),
         ]
-
-
-@dataclass
-class Part:
-    role: str
-    index: int
-    names: list[str]
-    bytes_per_rank: int
-
-
-def tensor_layouts(options: Options) -> dict[str, Layout]:
-    """The layout of each routed-expert tensor for these options."""
-    return {t: expert_layout(options.arch, options.expert_layout, options.flashinfer_layout, t)
-            for t in EXPERT_TENSORS}
-
-
-def stored_shape(spec: TensorSpec, layouts: dict[str, Layout]) -> tuple[int, ...]:
-    if spec.expert_tensor:
-        return (spec.experts, *layouts[spec.expert_tensor].kernel_shape(spec.matrix_shape))
-    return spec.shape
-
-
-def layout_name(spec: TensorSpec, layouts: dict[str, Layout]) -> str:
-    return layouts[spec.expert_tensor].name if spec.expert_tensor else "model"
-
-
-def part_headers(specs_by_name: dict[str, TensorSpec], part: Part, layouts: dict[str, Layout]) -> list[TensorHeader]:
-    """The headers of one rank's file of `part`, in file order."""
-    return [TensorHeader(n, specs_by_name[n].dtype, stored_shape(specs_by_name[n], layouts)) for n in part.names]
-
-
-def part_keys(specs_by_name: dict[str, TensorSpec], part: Part) -> list[str]:
-    """The source tensors a part reads (whole: every rank's slices of them are in this part)."""
-    return list(dict.fromkeys(k for n in part.names for k in specs_by_name[n].sources()))
-
-
-def plan_footprint(specs: dict[str, list[list[TensorSpec]]], parts: list[Part], layouts: dict[str, Layout], tp: int,
-                   align: int, sizes: dict[str, int], cid: str = "0" * 64, side: int = 0) -> footprint.Footprint:
-    """Bytes to read, and the exact size of every rank file (its header depends on names, shapes, the
-    64-hex-digit conversion id and the alignment; any id gives the same length)."""
-    files = {}
-    for role, ranks in specs.items():
-        for rank, rank_specs in enumerate(ranks):
-            by_name = {s.name: s for s in rank_specs}
-            for part in (p for p in parts if p.role == role):
-                headers = part_headers(by_name, part, layouts)
-                meta = file_metadata(cid, role, rank, part.index, tp)
-                files[part_path(role, rank, part.index)] = (len(encode_header(headers, meta, align))
-                                                            + sum(h.nbytes for h in headers))
-    tensors = sum(len(r) for ranks in specs.values() for r in ranks)
-    return footprint.Footprint(footprint.read_bytes(specs, sizes), files, tensors, side)
-
-
-def plan_parts(role: str, specs: list[TensorSpec], max_bytes: int, align: int = 8) -> list[Part]:
-    """Split a rank's sorted tensors into parts of at most `max_bytes` (a larger tensor stands alone).
-
-    Safetensors forbids gaps between tensors, so alignment is had by order: within a part, the
-    tensors whose size is a multiple of `align` come first (by name) and therefore all start
-    aligned once the header pads the data section to `align`.
-    """
-    parts: list[Part] = []
-    names: list[str] = []
-    size = 0
-    sizes = {s.name: s.nbytes for s in specs}
-
-    def close() -> None:
-        if align > 8:  # the default keeps plain name order
-            names.sort(key=lambda n: (sizes[n] % align != 0, n))
-        parts.append(Part(role, len(parts), list(names), size))
-
-    for spec in specs:
-        if names and size + spec.nbytes > max_bytes:
-            close()
-            names, size = [], 0
-        names.append(spec.name)
-        size += spec.nbytes
-    if names:
-        close()
-    return parts
-
-
-@dataclass
-class Job:
-    """Everything decided before the first byte: checkpoint, plan, specs, parts, identity."""
-
-    ckpt: Checkpoint
-    options: Options
-    plan: Plan
-    specs: dict[str, list[list[TensorSpec]]]
-    parts: list[Part]
-    layouts: dict[str, Layout]
-    cid: str
-    dropped: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def roles(self) -> list[str]:
-        return list(self.specs)
-
-    @property
-    def source_sizes(self) -> dict[str, int]:
-        return {k: e.offsets[1] - e.offsets[0] for k, e in self.ckpt.tensors.items()}
-
-    def footprint(self) -> footprint.Footprint:
-        side = sum((self.ckpt.root / n).stat().st_size for n in side_files(self.ckpt.root))
-        return plan_footprint(self.specs, self.parts, self.layouts, self.plan.tp, self.options.align,
-                              self.source_sizes, self.cid, side)
-
-
-def prepare(model: str, options: Options) -> Job:
-    root = resolve_model(model)
-    roles = ("target", "draft") if options.mtp else ("target",)
-    ckpt = open_checkpoint(root, roles)
-    plan = make_plan(ckpt.config, options.tp)
-    layouts = tensor_layouts(options)
-    specs = {}
-    for role in roles:
-        if role == "draft" and not ckpt.config.num_mtp:
-            continue
-        specs[role] = build_specs(ckpt.config, plan, role)
-    parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align)]
-    dropped = {}
-    if not options.mtp:
-        dropped = {k: "--no-mtp: the MTP draft model was not converted" for k in ckpt.tensors if k.startswith("mtp.")}
-    return Job(ckpt, options, plan, specs, parts, layouts, conversion_id(ckpt.fingerprint, options), dropped)
-
-
-# ---------------------------------------------------------------- output directory state
-
-
-def _check_paths(out: Path, root: Path) -> None:
-    """OUT and MODEL must not contain each other (path arithmetic only: nothing in OUT is read)."""
-    out_r, root_r = out.resolve(), root.resolve()
-    if out_r == root_r or root_r in out_r.parents:
-        raise OutputError(f"OUT {out} is inside MODEL {root}; choose a directory outside the checkpoint")
-    if out_r in root_r.parents:
-        raise OutputError(f"OUT {out} contains MODEL {root}; choose a directory outside the checkpoint")
-
-
-def _check_out(out: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]:
-    """Refuse unsafe targets; returns journal entries usable by --resume (path -> entry). Runs under
-    OUT's lock, so the lock file is not counted as content."""
-    state = out / STATE_DIR
-    kept = [p for p in state.iterdir() if p.name != LOCK_NAME] if state.is_dir() else []
-    others = [p for p in out.iterdir() if p.name != STATE_DIR]
-    ours = bool(kept) or (out / MANIFEST_NAME).exists()
-    if force:
-        if ours or not others:
-            return {}  # convert clears it once the room is checked
-        raise OutputError(f"{out} is not empty and not a lucifer-shard output; --force only replaces outputs of this tool")
-    if (out / COMPLETE_NAME).exists():
-        raise OutputError(f"{out} already holds a complete conversion; pass --force to replace it")
-    if not ours:
-        if others:
-            raise OutputError(f"{out} is not empty and not a lucifer-shard output; choose an empty or new directory")
-        return {}
-    if not resume:
-        raise OutputError(f"{out} holds an unfinished conversion; pass --resume to finish it or --force to restart")
-    try:
-        record = json.loads((state / RECORD).read_text()) if (state / RECORD).exists() else {}
-    except (OSError, ValueError) as e:
-        raise OutputError(f"--resume: {state / RECORD} is unreadable ({e}); pass --force to restart") from None
-    if not isinstance(record, dict):
-        raise OutputError(f"--resume: {state / RECORD} is not a conversion record; pass --force to restart")
-    now = _record(job)
-    changed = [n for n, st in now["source_files"].items() if record.get("source_files", {}).get(n) != st]
-    if record.get("conversion_id") == job.cid and changed:
-        # Same headers and sizes, other bytes (a re-download or fine-tune): finished parts are stale.
-        raise OutputError(f"--resume: source checkpoint changed since {out} was started ({changed[0]} was "
-                          f"modified); pass --force to restart")
-    if record.get("conversion_id") != job.cid:
-        differs = [label for k, label in (("source_fingerprint", "source"), ("options", "options"),
-                                          ("tool_version", "tool version")) if record.get(k) != now.get(k)]
-        raise OutputError(f"--resume: {out} was started with other {' and '.join(differs) or 'settings'} "
-                          f"({_describe_diff(record, now)}); "
-                          f"pass --force to restart")
-    return _journal(state / JOURNAL)
-
-
-def _journal(path: Path) -> dict[str, dict]:
-    """Journal entries by path; a line torn by a crash (or not an entry) is skipped: that part is redone."""
-    entries = {}
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if (isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("digest"), str)
-                    and type(entry.get("bytes")) is int and isinstance(entry.get("tensors"), dict)):
-                entries[entry["path"]] = entry
-    return entries
-
-
-def _journal_line(entry: dict) -> str:
-    return json.dumps(entry, sort_keys=True) + "\n"
-
-
-def _describe_diff(old: dict, new: dict) -> str:
-    if old.get("source_fingerprint") != new.get("source_fingerprint"):
-        return "source checkpoint changed"
-    a, b = old.get("options", {}), new.get("options", {})
-    diffs = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-    return "; ".join(diffs) or f"tool version {old.get('tool_version')} -> {new.get('tool_version')}"
-
-
-def planned_files(job: Job) -> dict[str, dict]:
-    """Every rank file's journal entry as it will be, with all-zero digests. Digests have a fixed
-    length, so the sizes of the files, their journal lines and the manifest are exact before a
-    byte is written."""
-    zero = "0" * 64
-    sizes = job.footprint().files
-    by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
-    files = {}
-    for part in job.parts:
-        for rank in range(job.plan.tp):
-            rel = part_path(part.role, rank, part.index)
-            files[rel] = {"path": rel, "bytes": sizes[rel], "digest": zero, "tensors": {n: zero for n in part.names}}
-            if rank == 0:  # the first rank's entry carries the part's source digests
-                files[rel]["sources"] = {k: zero for k in part_keys(by_name[part.role], part)}
-    return files
-
-
-def sizes_to_write(job: Job, planned: dict[str, dict], done: set[str]) -> list[int]:
-    """Sizes of every file still to be written (or appended, for the journal) after the files in `done`."""
-    left = [e for rel, e in planned.items() if rel not in done]
-    sizes = [e["bytes"] for e in left] + [sum(len(_journal_line(e)) for e in left)]
-    sizes += [(job.ckpt.root / n).stat().st_size for n in side_files(job.ckpt.root)]
-    sizes += [len(manifest_text(build_manifest(job, planned)).encode()), len(job.cid) + 1]
-    return sizes
-
-
-def _clear(out: Path) -> None:
-    """Empty OUT, all but the lock file this process holds."""
-    for child in out.iterdir():
-        if child.name == STATE_DIR and child.is_dir():
-            for p in child.iterdir():
-                if p.is_dir():
-                    shutil.rmtree(p)
-                elif p.name != LOCK_NAME:
-                    p.unlink()
-        elif child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
-
-
-def _record(job: Job) -> dict:
-    stats = {n: [(job.ckpt.root / n).stat().st_size, (job.ckpt.root / n).stat().st_mtime_ns] for n in job.ckpt.files}
-    return {"conversion_id": job.cid, "source_fingerprint": job.ckpt.fingerprint,
-            "options": job.options.to_dict(), "tool_version": __version__, "source_files": stats}
-
-
-def _part_valid(out: Path, entry: dict) -> bool:
-    """A journaled file counts only if it still exists and hashes to its recorded digest."""
-    path = out / entry["path"]
-    if not path.is_file() or path.stat().st_size != entry["bytes"]:
-        return False
-    try:
-        return hash_file(path)[0] == entry["digest"]
-    except (OSError, ValueError):
-        return False
 
 
 # ---------------------------------------------------------------- streaming
@@ -421,13 +159,6 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
             shared.shutdown(wait=True)
 
 
-def _remove_partials(out: Path) -> None:
-    for p in out.glob("*/rank-*/.*.partial"):
-        p.unlink()
-    for p in out.glob(".*.partial"):
-        p.unlink()
-
-
 def convert(model: str, out: Path, options: Options, resume: bool = False, force: bool = False,
             workers: int = 1, progress: bool = True) -> Summary:
     """Convert MODEL into OUT; see the module docstring for the order and crash safety.
@@ -436,7 +167,7 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     t0 = time.perf_counter()
     job = prepare(model, options)
     out = Path(out)
-    _check_paths(out, job.ckpt.root)
+    check_paths(out, job.ckpt.root)
     with OutLock(out) as lock:
         summary = _convert_locked(job, out, resume, force, workers, progress)
     if lock.previous:
@@ -447,14 +178,14 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
 
 
 def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int, progress: bool) -> Summary:
-    journaled = _check_out(out, job, resume, force)
+    journaled = check_out(out, job, resume, force)
     summary = Summary(out, job.cid)
     results: dict[str, dict] = {}
     todo = []
     for part in job.parts:
         paths = [part_path(part.role, r, part.index) for r in range(job.plan.tp)]
         # the first rank's entry carries the part's source digests (a journal without them is redone)
-        if "sources" in journaled.get(paths[0], {}) and all(p in journaled and _part_valid(out, journaled[p])
+        if "sources" in journaled.get(paths[0], {}) and all(p in journaled and part_valid(out, journaled[p])
                                                              for p in paths):
             for p in paths:
                 results[p] = journaled[p]
@@ -470,8 +201,8 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     check_room(out, sizes_to_write(job, planned, set(results)), given_back,
                "run the same command" + (" with --resume" if results else ""))
     if force:
-        _clear(out)
-    _remove_partials(out)
+        clear_out(out)
+    remove_partials(out)
     logger.info("%d part(s) of %d files to write, %d file(s) kept from an earlier run", len(todo), job.plan.tp,
                 summary.files_resumed)
     by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
@@ -482,7 +213,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     pools = [ThreadPoolExecutor(1) if workers > 1 else None for _ in range(job.plan.tp)]
     bar = byte_bar(total, f"convert tp{job.plan.tp}", progress)
     try:
-        atomic_write_text(state / RECORD, json.dumps(_record(job), indent=1, sort_keys=True) + "\n")
+        atomic_write_text(state / RECORD, json.dumps(conversion_record(job), indent=1, sort_keys=True) + "\n")
         for role in job.roles:
             for rank in range(job.plan.tp):
                 (out / rank_dir(role, rank)).mkdir(parents=True, exist_ok=True)
@@ -502,7 +233,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
                     entries[rel] = {"path": rel, "bytes": f.bytes, "digest": f.digest, "tensors": f.tensor_digests}
                     if i == 0:
                         entries[rel]["sources"] = sources
-                    journal.write(_journal_line(entries[rel]))
+                    journal.write(journal_line(entries[rel]))
                     summary.bytes_written += f.bytes
                     summary.files_written += 1
                 journal.flush()
@@ -512,11 +243,11 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
                             size(sum(f.bytes for f in files)), time.perf_counter() - t_part)
         for name in side_files(job.ckpt.root):
             atomic_copy(job.ckpt.root / name, out / name)
-        atomic_write_text(out / MANIFEST_NAME, manifest_text(build_manifest(job, results)))
+        write_manifest(out, build_manifest(job, results))
         atomic_write_text(out / COMPLETE_NAME, job.cid + "\n")
     except SourceError:
         # The source itself is bad: no rerun can finish this output, so leave nothing behind.
-        _clear(out)
+        clear_out(out)
         raise
     except OSError as e:
         if e.errno not in WRITE_LIMITS:
@@ -530,81 +261,3 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
                 pool.shutdown(wait=True)
         job.ckpt.close()
     return summary
-
-
-def source_content(job: Job, files: dict[str, dict]) -> dict:
-    """The manifest's `source.content`: digests of every converted source tensor, per shard and in all."""
-    digests: dict[str, str] = {}
-    for entry in files.values():
-        digests.update(entry.get("sources") or {})
-    shards = shard_digests(digests, {k: job.ckpt.tensors[k].file for k in digests})
-    return {"algorithm": ALGORITHM, "block_bytes": BLOCK, "tensors": len(digests), "files": shards,
-            "digest": checkpoint_digest(shards)}
-
-
-# ---------------------------------------------------------------- manifest
-
-
-def _zero_regions(spec: TensorSpec) -> list[list[int]]:
-    """[dim, start, end) pad regions in model layout (dims of the per-expert matrix when stacked)."""
-    regions = []
-    for p in spec.pieces:
-        lo, hi = p.tail
-        if hi > lo:
-            regions.append([p.dim, lo, hi])
-    return regions
-
-
-def build_manifest(job: Job, files: dict[str, dict]) -> dict:
-    o = job.options
-    doc = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "tool_version": __version__,
-        "conversion_id": job.cid,
-        "source": {"fingerprint": job.ckpt.fingerprint, "path": str(job.ckpt.root.absolute()),
-                   "files": dict(sorted(job.ckpt.files.items())), "side_files": side_files(job.ckpt.root),
-                   "content": source_content(job, files)},
-        "tp_size": job.plan.tp,
-        "plan": job.plan.to_dict(),
-        "options": o.to_dict(),
-        "arch": o.arch,
-        "moe_variant": MOE_VARIANT[o.arch],
-        "expert_layout": o.expert_layout,
-        "flashinfer_layout": o.flashinfer_layout if o.arch == "sm90" and o.expert_layout == "kernel" else None,
-        "layouts": {t: {"name": lay.name, "steps": list(lay.steps), "version": lay.version}
-                    for t, lay in job.layouts.items()},
-        "layout_version": LAYOUT_VERSION,
-        "runtime": {**RUNTIME, "flashinfer": FLASHINFER_VERSIONS[o.flashinfer_layout] if o.arch == "sm90" else "any"},
-        "dropped": dict(sorted(job.dropped.items())),
-        "roles": {},
-    }
-    for role in job.roles:
-        ranks = []
-        for rank, specs in enumerate(job.specs[role]):
-            parts = [p for p in job.parts if p.role == role]
-            rank_files = []
-            tensors = {}
-            for part in parts:
-                rel = part_path(role, rank, part.index)
-                entry = files[rel]
-                rank_files.append({"path": rel, "bytes": entry["bytes"], "digest": "blake3:" + entry["digest"]})
-                for name in part.names:
-                    tensors[name] = {"file": rel, "digest": "blake3:" + entry["tensors"][name]}
-            for spec in specs:
-                t = tensors[spec.name]
-                t.update({
-                    "dtype": spec.dtype,
-                    "shape": list(stored_shape(spec, job.layouts)),
-                    "model_shape": list(spec.shape),
-                    "layout": layout_name(spec, job.layouts),
-                    "experts": spec.experts,
-                    "sources": [{"key": p.source, "dim": p.dim, "src_start": p.src_start, "dst_start": p.dst_start,
-                                 "length": p.length, "seg_len": p.seg_len} for p in spec.pieces],
-                    "source_dtype": spec.src_dtype,
-                    "zero_regions": _zero_regions(spec),
-                    "pad": "-inf" if spec.pad != b"\x00" else "zero",
-                })
-            ranks.append({"rank": rank, "files": rank_files, "tensors": tensors})
-        doc["roles"][role] = {"ranks": ranks}
-    return doc
