@@ -1,4 +1,4 @@
-"""The `check-numerics` command (registered on the `lucifer-shard` group in cli.py)."""
+"""The `check-numerics` command (registered on the `lucifer-shard` group in group.py)."""
 from __future__ import annotations
 
 from pathlib import Path
