@@ -212,9 +212,9 @@ def load_section(args, work: Path) -> dict:
 def flash_bytes() -> dict:
     """The full DeepSeek-V4-Flash from the plan (subprocess: this process imports no torch): the
     checkpoint's tensor bytes and each TP3 rank's target rank-file bytes."""
-    code = ("import json; from importlib import resources; from lucifer_shard.config import parse_config; "
-            "from lucifer_shard.plan import make_plan; from lucifer_shard.rules import expected_sources, build_specs, "
-            "DTYPE_SIZE; import math\n"
+    code = ("import json; from importlib import resources; from lucifer_shard.spec.config import parse_config; "
+            "from lucifer_shard.spec.plan import make_plan; "
+            "from lucifer_shard.spec.rules import expected_sources, build_specs, DTYPE_SIZE; import math\n"
             "cfg = parse_config(json.loads(resources.files('lucifer_shard.configs').joinpath("
             "'deepseek-v4-flash.json').read_text()))\n"
             "src = sum(math.prod(s.shape) * DTYPE_SIZE[s.dtype] for s in expected_sources(cfg).values())\n"

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from lucifer_shard.convert import stored_shape, tensor_layouts
-from lucifer_shard.manifest import Options
-from lucifer_shard.plan import make_plan
-from lucifer_shard.rules import DTYPE_SIZE, build_specs
-from lucifer_shard.source import open_checkpoint
-from lucifer_shard.synth import TORCH_DTYPE
+from lucifer_shard.engine.job import stored_shape, tensor_layouts
+from lucifer_shard.spec.dtypes import TORCH_DTYPE
+from lucifer_shard.spec.manifest import Options
+from lucifer_shard.spec.plan import make_plan
+from lucifer_shard.spec.rules import DTYPE_SIZE, build_specs
+from lucifer_shard.spec.source import open_checkpoint
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

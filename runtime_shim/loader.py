@@ -13,12 +13,11 @@ import torch
 from torch import nn
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from lucifer_shard.config import ARCHITECTURE
-from lucifer_shard.layouts import EXPERT_TENSORS
-from lucifer_shard.manifest import file_metadata
-from lucifer_shard.outdir import TORCH_DTYPE as TORCH_DTYPES
-from lucifer_shard.stheader import Header
-from lucifer_shard.stwriter import file_digest
+from lucifer_shard.spec.config import ARCHITECTURE
+from lucifer_shard.spec.dtypes import TORCH_DTYPE as TORCH_DTYPES
+from lucifer_shard.spec.layouts import EXPERT_TENSORS
+from lucifer_shard.spec.manifest import file_digest, file_metadata
+from lucifer_shard.spec.stheader import Header
 
 from . import compat, patches, reader
 from .errors import ShimError, ShimRuntimeError
@@ -425,7 +424,7 @@ class LuciferTP3Loader(BaseModelLoader):
     @staticmethod
     def _check_digests(f: RankFile, entry: dict, digests: dict[str, str]) -> None:
         """verify=full: each tensor's BLAKE3 (computed while reading) and the file's digest over its header
-        and those (`lucifer_shard.stwriter.file_digest`, as lucifer-shard writes them) against the manifest."""
+        and those (`lucifer_shard.spec.manifest.file_digest`, as lucifer-shard writes them) against the manifest."""
         for name, got in digests.items():
             want = str(entry["tensors"][name].get("digest", "")).removeprefix("blake3:")
             if want and got != want:

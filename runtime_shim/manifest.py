@@ -2,7 +2,7 @@
 
 The output contract (manifest format and self-digest, file identity metadata, safetensors
 headers, roles, the virtual-TP plan) is the converter's: this module reads it through
-`lucifer_shard.manifest`, `.stheader`, `.plan` and `.rules` and only turns their errors into the
+`lucifer_shard.spec.manifest`, `.stheader`, `.plan` and `.rules` and only turns their errors into the
 shim's one-line `ShimError`. Imports neither vLLM nor torch.
 """
 from __future__ import annotations
@@ -11,15 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lucifer_shard.config import ModelConfig
 from lucifer_shard.errors import OutputError, PlanError
-from lucifer_shard.manifest import COMPLETE_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME
-from lucifer_shard.manifest import load_manifest as _load_manifest_doc
-from lucifer_shard.outlock import writer_of
-from lucifer_shard.plan import MOE_VARIANT, make_plan, stock_padded
-from lucifer_shard.rules import ROLES
-from lucifer_shard.stheader import Header, HeaderError
-from lucifer_shard.stheader import read_header as _read_header
+from lucifer_shard.spec.config import ModelConfig
+from lucifer_shard.spec.manifest import COMPLETE_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME
+from lucifer_shard.spec.manifest import load_manifest as _load_manifest_doc
+from lucifer_shard.spec.outlock import writer_of
+from lucifer_shard.spec.plan import MOE_VARIANT, make_plan, stock_padded
+from lucifer_shard.spec.rules import ROLES
+from lucifer_shard.spec.stheader import Header, HeaderError
+from lucifer_shard.spec.stheader import read_header as _read_header
 
 from .errors import ShimError
 
@@ -127,7 +127,7 @@ def load_manifest(out: str | Path, require_complete: bool = True, check_digest: 
 
 
 def read_header(path: Path) -> Header:
-    """The validated header of a rank file (`lucifer_shard.stheader`, the reader the converter
+    """The validated header of a rank file (`lucifer_shard.spec.stheader`, the reader the converter
     uses): every tensor's dtype, shape and offsets and the `__metadata__`; one-line ShimErrors."""
     try:
         return _read_header(path)
@@ -170,7 +170,7 @@ def compare_plan(runtime_plan: dict | None, manifest_plan: dict) -> str | None:
 
 def axis_pads(name: str, axis: dict) -> bool:
     """Whether axis `name` of a plan dict is padded by virtual TP: beyond what vLLM pads it to by
-    itself (`lucifer_shard.plan.stock_padded`: the vocabulary to a multiple of 64)."""
+    itself (`lucifer_shard.spec.plan.stock_padded`: the vocabulary to a multiple of 64)."""
     return int(axis["padded"]) != stock_padded(name, int(axis["original"]))
 
 
@@ -182,7 +182,7 @@ def pads_virtually(plan: dict) -> bool:
 
 
 def virtual_tp_needed(cfg: ModelConfig, tp: int) -> bool:
-    """Whether vLLM's DeepSeek-V4 plan at `tp` pads any axis (`lucifer_shard.plan.make_plan`)."""
+    """Whether vLLM's DeepSeek-V4 plan at `tp` pads any axis (`lucifer_shard.spec.plan.make_plan`)."""
     try:
         plan = make_plan(cfg, tp)
     except PlanError:

@@ -18,11 +18,11 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from lucifer_shard.config import MODEL_TYPE, ModelConfig, parse_config
 from lucifer_shard.errors import SourceError
-from lucifer_shard.layouts import EXPERT_TENSORS
-from lucifer_shard.manifest import RUNTIME
-from lucifer_shard.plan import arch_of_capability
+from lucifer_shard.spec.config import MODEL_TYPE, ModelConfig, parse_config
+from lucifer_shard.spec.layouts import EXPERT_TENSORS
+from lucifer_shard.spec.manifest import RUNTIME
+from lucifer_shard.spec.plan import arch_of_capability
 
 from . import compat
 from .errors import ShimError, ShimRuntimeError
@@ -151,7 +151,7 @@ def tuple_problems(vllm_config, manifest=None) -> list[str]:
 
 
 def source_config(model_config) -> ModelConfig | None:
-    """The converter's view (`lucifer_shard.config.parse_config`) of vLLM's hf config, with any
+    """The converter's view (`lucifer_shard.spec.config.parse_config`) of vLLM's hf config, with any
     virtual-TP padding the fork applied undone; None when it is not a config lucifer-shard converts."""
     text = _text_config(model_config)
     to_dict = getattr(text, "to_dict", None)

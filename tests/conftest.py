@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from lucifer_shard.config import parse_config
-from lucifer_shard.convert import convert
-from lucifer_shard.manifest import Options
-from lucifer_shard.synth import preset_config, synth
+from lucifer_shard.engine.convert import convert
+from lucifer_shard.engine.synth import preset_config, synth
+from lucifer_shard.spec.config import parse_config
+from lucifer_shard.spec.manifest import Options
 
 from helpers import CONFIGS
 

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 from helpers import CONFIGS
 from lucifer_shard.cli import cli
-from lucifer_shard.console import Console
+from lucifer_shard.cli.console import Console
 from lucifer_shard.units import size
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,7 +82,7 @@ def test_plan_prints_the_audit_table_and_the_footprint(flash_dir):
 
 
 def test_plan_json_carries_byte_counts(flash_dir, flash_cfg):
-    from lucifer_shard.rules import DTYPE_SIZE, expected_sources
+    from lucifer_shard.spec.rules import DTYPE_SIZE, expected_sources
 
     doc = envelope(run("plan", "--tp", 3, "--arch", "sm90", "--json", flash_dir))
     assert doc["ok"] and doc["command"] == "plan" and doc["error"] is None
@@ -137,7 +137,7 @@ def test_plan_checks_the_room_on_outs_filesystem(flash_dir, tmp_path, monkeypatc
 
 def test_the_time_estimate_is_the_measured_benchmark():
     """The throughput the estimate uses is the one `make bench` recorded (bench/results.json)."""
-    from lucifer_shard.footprint import MEASURED_BYTES_PER_S
+    from lucifer_shard.spec.footprint import MEASURED_BYTES_PER_S
 
     run_ = json.loads((REPO / "bench" / "results.json").read_text())["summary"]["L1 convert w1"]
     assert MEASURED_BYTES_PER_S == pytest.approx(run_["moved"] / run_["wall"], rel=1e-9)
@@ -291,17 +291,18 @@ def test_verify_json_on_failure(converted, tmp_path):
 
 
 INTERRUPTED = {
-    "convert": ("lucifer_shard.convert.convert", ["--tp", "3", "--arch", "sm120", "{model}", "{tmp}/out"],
+    "convert": ("lucifer_shard.engine.convert.convert", ["--tp", "3", "--arch", "sm120", "{model}", "{tmp}/out"],
                 "interrupted: finished files are kept; run the same command with --resume to continue"),
-    "diff": ("lucifer_shard.diff.diff", ["{out}"], "interrupted: diff stopped before checking everything (it "
-                                                   "writes nothing); run it again"),
-    "verify": ("lucifer_shard.verify.verify", ["{out}"], "interrupted: verify stopped before checking everything (it "
-                                                       "writes nothing); run it again"),
-    "check-numerics": ("lucifer_shard.check_numerics.check_numerics", ["{out}"],
+    "diff": ("lucifer_shard.proof.diff.diff", ["{out}"], "interrupted: diff stopped before checking everything (it "
+                                                         "writes nothing); run it again"),
+    "verify": ("lucifer_shard.proof.verify.verify", ["{out}"],
+               "interrupted: verify stopped before checking everything (it writes nothing); run it again"),
+    "check-numerics": ("lucifer_shard.proof.check_numerics.check_numerics", ["{out}"],
                        "interrupted: check-numerics stopped before checking every layer (it writes nothing)"),
-    "synth": ("lucifer_shard.synth.synth", ["tiny", "{tmp}/synth"],
+    "synth": ("lucifer_shard.engine.synth.synth", ["tiny", "{tmp}/synth"],
               "interrupted: OUT holds a partial checkpoint; remove it and run synth again"),
-    "plan": ("lucifer_shard.planview.plan_footprint_of", ["--tp", "3", "{model}"], "interrupted: plan writes nothing"),
+    "plan": ("lucifer_shard.cli.planview.plan_footprint_of", ["--tp", "3", "{model}"],
+             "interrupted: plan writes nothing"),
 }
 
 

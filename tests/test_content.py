@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 
 from helpers import Source
 from lucifer_shard.cli import cli
-from lucifer_shard.content import BLOCK, ContentDigests, TensorDigest, checkpoint_digest, shard_digests
-from lucifer_shard.manifest import MANIFEST_NAME
+from lucifer_shard.spec.content import BLOCK, ContentDigests, TensorDigest, checkpoint_digest, shard_digests
+from lucifer_shard.spec.manifest import MANIFEST_NAME
 
 
 def reference_digest(data: bytes) -> str:
@@ -115,8 +115,9 @@ def test_diff_names_what_differs_in_the_fingerprint(converted, tiny_pattern, tmp
 
 def test_resume_keeps_the_content_digests(tiny_pattern, tmp_path, converted):
     """A conversion finished by --resume records the same content as one run straight through."""
-    from lucifer_shard.convert import JOURNAL, convert
-    from lucifer_shard.manifest import STATE_DIR, Options
+    from lucifer_shard.engine.convert import convert
+    from lucifer_shard.engine.outstate import JOURNAL
+    from lucifer_shard.spec.manifest import STATE_DIR, Options
 
     options = Options(tp=3, max_file_bytes=1 << 20)
     out = tmp_path / "out"

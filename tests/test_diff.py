@@ -12,11 +12,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lucifer_shard.cli import cli
-from lucifer_shard.diff import diff
 from lucifer_shard.errors import MismatchError
-from lucifer_shard.manifest import MANIFEST_NAME
-from lucifer_shard.stheader import read_header
-from lucifer_shard.verify import verify
+from lucifer_shard.proof.diff import diff
+from lucifer_shard.proof.verify import verify
+from lucifer_shard.spec.manifest import MANIFEST_NAME
+from lucifer_shard.spec.stheader import read_header
 
 CASES = {
     "sm120": dict(arch="sm120"),

@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lucifer_shard import assemble, stwriter
-from lucifer_shard.convert import convert
-from lucifer_shard.manifest import Options
+from lucifer_shard.engine import assemble, stwriter
+from lucifer_shard.engine.convert import convert
+from lucifer_shard.spec.manifest import Options
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -38,7 +38,7 @@ def test_tiny_chunks_poisoned_buffers_and_write_paths(tiny_pattern, tmp_path, mo
     stage of two pages or a write-behind window of one page, direct or buffered reads with or without
     prefetching: the output is still byte-identical.
     Garbage left anywhere (a byte no piece or pad tail covers) would show up here."""
-    take = assemble.BufferPool.take
+    take = assemble.EngineBufferPool.take
 
     def poisoned(self, shape):
         buf = take(self, shape)
@@ -46,7 +46,7 @@ def test_tiny_chunks_poisoned_buffers_and_write_paths(tiny_pattern, tmp_path, mo
         return buf
 
     monkeypatch.setattr(assemble, "CHUNK_BYTES", 1500)
-    monkeypatch.setattr(assemble.BufferPool, "take", poisoned)
+    monkeypatch.setattr(assemble.EngineBufferPool, "take", poisoned)
     monkeypatch.setattr(stwriter, "WRITE_BEHIND", 4096)
     monkeypatch.setattr(stwriter, "WRITE_DEPTH", 1)
     monkeypatch.setattr(stwriter, "STAGE_BYTES", 2 * stwriter.ALIGN)
@@ -60,7 +60,7 @@ def test_tiny_chunks_poisoned_buffers_and_write_paths(tiny_pattern, tmp_path, mo
 
 
 def test_pool_reuses_and_bounds_buffers():
-    pool = assemble.BufferPool(capacity=1024, keep=2)
+    pool = assemble.EngineBufferPool(capacity=1024, keep=2)
     a = pool.take((4, 16))
     base = a.base
     pool.give(a)
@@ -87,10 +87,10 @@ def test_contiguity_rule():
 
 def test_swap_fold_matches_the_layout_step(tiny_pattern):
     """Assembling w13 with swapped pieces equals assembling it plainly and applying swap_halves."""
-    from lucifer_shard.layouts import swap_halves
-    from lucifer_shard.plan import make_plan
-    from lucifer_shard.rules import build_specs
-    from lucifer_shard.source import open_checkpoint
+    from lucifer_shard.spec.layouts import swap_halves
+    from lucifer_shard.spec.plan import make_plan
+    from lucifer_shard.spec.rules import build_specs
+    from lucifer_shard.spec.source import open_checkpoint
 
     ckpt = open_checkpoint(tiny_pattern)
     specs = build_specs(ckpt.config, make_plan(ckpt.config, 3), "target")

@@ -41,14 +41,16 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lucifer_shard.diff import diff
 from lucifer_shard.errors import LuciferError, SourceError
-from lucifer_shard.manifest import load_manifest
+from lucifer_shard.proof.diff import diff
+from lucifer_shard.proof.report import Report
+from lucifer_shard.proof.structure import open_files
+from lucifer_shard.proof.verify import verify
 from lucifer_shard.runtime_shim.errors import ShimError
 from lucifer_shard.runtime_shim.manifest import read_header as shim_read_header
-from lucifer_shard.source import INDEX_NAME, open_checkpoint
-from lucifer_shard.stheader import HeaderError, read_header
-from lucifer_shard.verify import Report, open_files, verify
+from lucifer_shard.spec.manifest import load_manifest
+from lucifer_shard.spec.source import INDEX_NAME, open_checkpoint
+from lucifer_shard.spec.stheader import HeaderError, read_header
 
 from corruptions import INDEX_KINDS, KINDS, corrupted, corrupted_index
 
@@ -240,8 +242,8 @@ def test_checkpoint_reader(model, fuzz):
 
 @pytest.fixture(scope="module")
 def out_copy(tiny_pattern, tmp_path_factory) -> Path:
-    from lucifer_shard.convert import convert
-    from lucifer_shard.manifest import Options
+    from lucifer_shard.engine.convert import convert
+    from lucifer_shard.spec.manifest import Options
 
     out = tmp_path_factory.mktemp("fuzz-out") / "out"
     convert(str(tiny_pattern), out, Options(tp=3, max_file_bytes=1 << 20), progress=False)

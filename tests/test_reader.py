@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from lucifer_shard.runtime_shim import reader
 from lucifer_shard.runtime_shim.errors import ShimError
-from lucifer_shard.stheader import read_header
+from lucifer_shard.spec.stheader import read_header
 
 TENSORS = {  # odd sizes: chunks end inside elements and tensors
     "a.weight": ((300, 77), torch.bfloat16),

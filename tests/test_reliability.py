@@ -267,7 +267,7 @@ def internal_error(proc: subprocess.CompletedProcess, function: str) -> tuple[st
 
 def test_internal_error_in_convert(tiny_pattern, clean_out, tmp_path):
     out = tmp_path / "out"
-    proc = cli_with_fault("lucifer_shard.convert._write_part", 3, *CONVERT, tiny_pattern, out)
+    proc = cli_with_fault("lucifer_shard.engine.convert._write_part", 3, *CONVERT, tiny_pattern, out)
     msg, log = internal_error(proc, "_write_part")
     assert log.parent == out / ".lucifer"
     assert not list(out.rglob("*.partial")) and not (out / COMPLETE).exists()
@@ -282,7 +282,7 @@ def test_internal_error_in_convert(tiny_pattern, clean_out, tmp_path):
 def test_internal_error_in_verify(clean_out, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(clean_out, out, copy_function=os.link)
-    proc = cli_with_fault("lucifer_shard.verify._check_replicas", 0, "verify", out)
+    proc = cli_with_fault("lucifer_shard.proof.verify._check_replicas", 0, "verify", out)
     msg, log = internal_error(proc, "_check_replicas")
     assert log.parent == out / ".lucifer"
     record("internal error in verify (injected exception)", "exit 70, traceback in OUT/.lucifer/", proc,
@@ -290,7 +290,7 @@ def test_internal_error_in_verify(clean_out, tmp_path):
 
 
 def test_internal_error_without_out(tiny_pattern):
-    proc = cli_with_fault("lucifer_shard.planview.plan_lines", 0, "plan", "--tp", 3, tiny_pattern)
+    proc = cli_with_fault("lucifer_shard.cli.planview.plan_lines", 0, "plan", "--tp", 3, tiny_pattern)
     msg, log = internal_error(proc, "plan_lines")
     assert log.parent == Path(tempfile.gettempdir()) and log.name.startswith("lucifer-shard-")
     log.unlink()

@@ -8,9 +8,9 @@ import torch
 import pytest
 from safetensors import safe_open
 
-from lucifer_shard.rules import expected_sources
-from lucifer_shard.source import open_checkpoint
-from lucifer_shard.synth import synth
+from lucifer_shard.engine.synth import synth
+from lucifer_shard.spec.rules import expected_sources
+from lucifer_shard.spec.source import open_checkpoint
 
 
 def _keys_and_types(root):

@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from lucifer_shard.manifest import COMPLETE_NAME, MANIFEST_NAME
-from lucifer_shard.rules import DTYPE_SIZE
-from lucifer_shard.stheader import read_header
-from lucifer_shard.verify import verify
+from lucifer_shard.proof.verify import verify
+from lucifer_shard.spec.manifest import COMPLETE_NAME, MANIFEST_NAME
+from lucifer_shard.spec.rules import DTYPE_SIZE
+from lucifer_shard.spec.stheader import read_header
 
 from test_diff import CASES, PART, W2, copy_out, flip, named, run_cli, tensor_start
 
@@ -208,8 +208,8 @@ def test_pad_bit_in_interleaved_w2_is_located(converted, tiny_pattern, tmp_path,
     row) is found through the stored-layout pad mask, and located in model layout by verify and diff."""
     import numpy as np
 
-    from lucifer_shard.diff import diff
-    from lucifer_shard.layouts import layout_by_name
+    from lucifer_shard.proof.diff import diff
+    from lucifer_shard.spec.layouts import layout_by_name
 
     out = copy_out(converted(**CASES[case]), tmp_path)
     path = out / PART.format(0)

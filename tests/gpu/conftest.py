@@ -2,7 +2,7 @@
 
 How CPU CI stays green without skips: pyproject's addopts is `-m 'not gpu'`, so every test here
 that carries `pytest.mark.gpu` is deselected after collection. Collection itself must therefore
-work on a CPU box, so NO module in this folder imports FlashInfer (or lucifer_shard.numerics) at
+work on a CPU box, so NO module in this folder imports FlashInfer (or lucifer_shard.proof.numerics) at
 module level: FlashInfer is imported by the `fi` fixture (gpu_harness.flashinfer_moe), which only
 gpu-marked tests request, and deselected tests never set up fixtures. The modules import only
 torch, numpy, safetensors and lucifer_shard, which CPU CI has anyway, so collecting them costs

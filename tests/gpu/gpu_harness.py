@@ -167,7 +167,7 @@ def checkpoint_info(src: Path, out: Path, synth_s: float = 0.0, convert_s: float
 
 
 def manifest(out: Path) -> dict:
-    from lucifer_shard.outdir import Output
+    from lucifer_shard.proof.outdir import Output
 
     return Output(Path(out)).manifest
 
@@ -194,7 +194,7 @@ def load_rank_stored(out: Path, rank: int, device: str | torch.device = "cpu", m
 
 def load_rank_model(out: Path, rank: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The four routed-expert tensors of one rank in model layout ([w1|0 ; w3|0]), via Output.model_tensor."""
-    from lucifer_shard.outdir import Output
+    from lucifer_shard.proof.outdir import Output
 
     o = Output(Path(out))
     res = {n: o.model_tensor(ROLE, rank, PREFIX + n).view(torch.uint8).contiguous().to(device) for n in NAMES}
@@ -230,7 +230,7 @@ def _u8np(t: torch.Tensor) -> np.ndarray:
 def source_experts(src: Path, experts: int) -> dict[str, np.ndarray]:
     """Source tensors as uint8 numpy stacked over experts: w1, w3 [E, I, H/2], w1s, w3s [E, I, H/32],
     w2 [E, H, I/2], w2s [E, H, I/32]."""
-    from lucifer_shard.source import open_checkpoint
+    from lucifer_shard.spec.source import open_checkpoint
 
     ck = open_checkpoint(Path(src))
     try:
@@ -301,7 +301,7 @@ def build_rank_model(srcx: dict[str, np.ndarray], rank: int, inter: int, tp: int
 
 def lay_out(model: dict[str, np.ndarray], arch: str = ARCH, fi_layout: str = FI_LAYOUT) -> dict[str, np.ndarray]:
     """Model layout -> kernel layout with the converter's own layout functions."""
-    from lucifer_shard.layouts import expert_layout
+    from lucifer_shard.spec.layouts import expert_layout
 
     return {n: expert_layout(arch, "kernel", fi_layout, n).forward(np.ascontiguousarray(a)) for n, a in model.items()}
 
@@ -416,8 +416,8 @@ def make_routing(m: int, hidden: int, experts: int, top_k: int, seed: int, devic
 
 
 def reference(x, ids, w, t: dict[str, torch.Tensor], swiglu_limit: float) -> torch.Tensor:
-    """lucifer_shard.numerics.moe_reference on model-layout tensors (on their device)."""
-    from lucifer_shard.numerics import moe_reference
+    """lucifer_shard.proof.numerics.moe_reference on model-layout tensors (on their device)."""
+    from lucifer_shard.proof.numerics import moe_reference
 
     return moe_reference(x, ids, w, t["w13_weight"], t["w13_weight_scale"], t["w2_weight"],
                          t["w2_weight_scale"], swiglu_limit)

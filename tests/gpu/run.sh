@@ -46,7 +46,7 @@ export NCCL_NVLS_ENABLE=0
 
 # 1. lucifer_shard importable. FLASHINFER_W4A16_TRIM=0: pip and the checks need no FlashInfer.
 if FLASHINFER_W4A16_TRIM=0 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$SCRATCH/pip-editable.txt" 2>&1 \
-   && (cd /tmp && FLASHINFER_W4A16_TRIM=0 python3 -c "import lucifer_shard.outdir") 2>/dev/null; then
+   && (cd /tmp && FLASHINFER_W4A16_TRIM=0 python3 -c "import lucifer_shard.proof.outdir") 2>/dev/null; then
   log "editable install OK"
 else
   log "editable install failed or not importable; using a symlinked package root; pip said:"
@@ -77,7 +77,7 @@ for pkg in [p for p in pkgs if p]:
 print("pkgroot:", {k: pdir[k] for k in pkgs})
 EOF
   export PYTHONPATH=$SCRATCH/pkgroot${PYTHONPATH:+:$PYTHONPATH}
-  if ! (cd /tmp && FLASHINFER_W4A16_TRIM=0 python3 -c "import lucifer_shard.outdir"); then
+  if ! (cd /tmp && FLASHINFER_W4A16_TRIM=0 python3 -c "import lucifer_shard.proof.outdir"); then
     log "lucifer_shard still not importable (blake3 missing? it must come as a wheel in .gpu/wheels)"
   fi
 fi

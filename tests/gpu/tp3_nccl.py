@@ -3,7 +3,7 @@
 file's routed-expert tensors as written by `lucifer-shard convert --tp 3 --arch sm90`, running
 FlashInfer's `cutlass_fused_moe` with tp_size=3 and its tp_rank, and summing the BF16 partials with
 a real all-reduce in BF16 (as vLLM does). Rank 0 compares the all-reduced output with
-  * the unsharded reference (lucifer_shard.numerics.moe_reference on the source experts, I = 2048),
+  * the unsharded reference (lucifer_shard.proof.numerics.moe_reference on the source experts, I = 2048),
   * the single-GPU emulation: the same three kernel calls made in one process on one GPU, summed
     in fp32 (what test_02 checks), rounded to BF16.
 
@@ -66,7 +66,7 @@ def _rank_tensors(cfg: dict, rank: int, dev: torch.device) -> dict:
     """This rank's four expert tensors from its own rank file, as written (cpu mode: + inverse layout)."""
     t = H.load_rank_stored(Path(cfg["out"]), rank, dev)
     if cfg["mode"] == "cpu":
-        from lucifer_shard.layouts import expert_layout
+        from lucifer_shard.spec.layouts import expert_layout
 
         t = {n: torch.from_numpy(expert_layout(H.ARCH, "kernel", H.FI_LAYOUT, n).inverse(v.numpy())) for n, v in t.items()}
     return t

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from lucifer_shard.outdir import TORCH_DTYPE as TORCH_DTYPES
+from lucifer_shard.spec.dtypes import TORCH_DTYPE as TORCH_DTYPES
 
 SINK_PARAM_LEN = 32  # DeepseekV4FlashInferSM120Attention pads 24 local heads to 32
 

@@ -17,10 +17,11 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from .config import ModelConfig, parse_config
-from .errors import LuciferError
-from .rules import DTYPE_SIZE, Source, expected_sources
-from .units import byte_bar
+from ..errors import LuciferError
+from ..spec.dtypes import TORCH_DTYPE
+from ..spec.config import ModelConfig, parse_config
+from ..spec.rules import DTYPE_SIZE, Source, expected_sources
+from ..units import byte_bar
 
 PRESETS = {
     "tiny": "tiny.json",
@@ -29,10 +30,6 @@ PRESETS = {
 }
 FILLS = ("pattern", "random")
 MAX_SHARD_BYTES = 1 << 30
-TORCH_DTYPE = {
-    "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
-    "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu,
-}
 
 
 def preset_config(preset: str, layers: int | None = None, mtp: bool = True) -> dict:

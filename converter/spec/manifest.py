@@ -17,8 +17,8 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from . import __version__
-from .errors import OutputError, SourceError
+from .. import __version__
+from ..errors import OutputError, SourceError
 
 MANIFEST_NAME = "lucifer-manifest.json"
 COMPLETE_NAME = "COMPLETE"
@@ -71,6 +71,14 @@ def file_metadata(cid: str, role: str, rank: int, part: int, tp: int) -> dict[st
             "lucifer.rank": str(rank), "lucifer.part": str(part), "lucifer.tp_size": str(tp)}
 
 
+def file_digest(header: bytes, tensor_digests: list[str]) -> str:
+    """A rank file's digest as the manifest records it: BLAKE3 over its header and its tensors' digests."""
+    h = blake3(header)
+    for d in tensor_digests:
+        h.update(bytes.fromhex(d))
+    return h.hexdigest()
+
+
 def _canonical(doc: dict) -> bytes:
     body = {k: v for k, v in doc.items() if k != "manifest_digest"}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
@@ -83,12 +91,6 @@ def seal(doc: dict) -> dict:
 
 def manifest_text(doc: dict) -> str:
     return json.dumps(seal(doc), indent=1, sort_keys=True) + "\n"
-
-
-def write_manifest(out: Path, doc: dict) -> None:
-    from .fsutil import atomic_write_text
-
-    atomic_write_text(Path(out) / MANIFEST_NAME, manifest_text(doc))
 
 
 def load_manifest(out: Path, check_digest: bool = True) -> dict:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
+from ..errors import SourceError
 from .config import ModelConfig, load_config
-from .errors import SourceError
 from .rules import ROLES, check_source_keys
 from .stheader import Header, HeaderError, read_header
 

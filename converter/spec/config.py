@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import SourceError
+from ..errors import SourceError
 
 ARCHITECTURE = "DeepseekV4ForCausalLM"
 MODEL_TYPE = "deepseek_v4"

@@ -1,7 +1,7 @@
 """Room on OUT's filesystem: checked before the first byte, and explained when a write runs out.
 
 The sizes come from the plan (every rank file, journal line and the manifest are sized exactly
-before anything is written; `convert.sizes_to_write`), so the errors say how much is still to
+before anything is written; `outstate.sizes_to_write`), so the errors say how much is still to
 write, on which filesystem, and how much must be freed, not what one file happened to miss.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import resource
 import stat
 from pathlib import Path
 
-from .errors import OutputError
-from .units import size
+from ..errors import OutputError
+from ..units import size
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 WRITE_LIMITS = (*DISK_FULL, errno.EFBIG)

@@ -7,16 +7,12 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from .errors import OutputError
-from .layouts import layout_by_name
-from .manifest import COMPLETE_NAME, load_manifest
-from .rules import DTYPE_SIZE
-from .stheader import Header, HeaderError, read_header
-
-TORCH_DTYPE = {
-    "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
-    "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu,
-}
+from ..errors import OutputError
+from ..spec.dtypes import TORCH_DTYPE
+from ..spec.layouts import layout_by_name
+from ..spec.manifest import COMPLETE_NAME, load_manifest
+from ..spec.rules import DTYPE_SIZE
+from ..spec.stheader import Header, HeaderError, read_header
 
 
 class Output:

@@ -36,9 +36,10 @@ from pathlib import Path
 import numpy as np
 from blake3 import blake3
 
+from ..spec.manifest import file_digest
+from ..spec.rules import DTYPE_SIZE
+from ..spec.stheader import read_header
 from .fsutil import fsync_dir
-from .rules import DTYPE_SIZE
-from .stheader import read_header
 
 DIRECT = True  # try O_DIRECT first (module switch for experiments and tests)
 ALIGN = 4096  # O_DIRECT offset, length and address alignment (covers 512 B and 4 KiB sectors)
@@ -84,13 +85,6 @@ def encode_header(tensors: list[TensorHeader], metadata: dict[str, str], align: 
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % align)
     return len(raw).to_bytes(8, "little") + raw
-
-
-def file_digest(header: bytes, tensor_digests: list[str]) -> str:
-    h = blake3(header)
-    for d in tensor_digests:
-        h.update(bytes.fromhex(d))
-    return h.hexdigest()
 
 
 def partial_path(path: Path) -> Path:

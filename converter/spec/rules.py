@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..errors import PlanError, SourceError
 from .config import FP8_BLOCK, MXFP4_GROUP, ModelConfig
-from .errors import PlanError, SourceError
 from .plan import Plan
 
 # Storage units along a sharded dim, in logical elements per stored index.

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from .errors import LuciferError, OutputError
-from .manifest import source_model
-from .numerics import (attn_output_reference, dequant_fp8_block, mlp_reference, moe_reference,
-                       moe_reference_streamed, shared_expert_reference)
+from ..errors import LuciferError, OutputError
+from ..spec.manifest import source_model
+from ..spec.source import Checkpoint, open_checkpoint, resolve_model
+from .numerics import (attn_output_reference, dequant_fp8_block, mlp_reference, moe_reference, moe_reference_streamed,
+                       shared_expert_reference)
 from .outdir import Output
-from .source import Checkpoint, open_checkpoint, resolve_model
 
 ROUTED, SHARED, ATTN, VIRTUAL = "routed MoE", "shared expert", "output projection", "virtual heads"
 TOLERANCE = {ROUTED: 5e-3, SHARED: 1e-4, ATTN: 1e-4, VIRTUAL: 0.0}

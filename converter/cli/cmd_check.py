@@ -10,13 +10,13 @@ from pathlib import Path
 
 import click
 
+from ..errors import LuciferError, MismatchError, OutputError
+from ..spec.manifest import COMPLETE_NAME, load_manifest
+from ..spec.outlock import refuse_if_written
+from ..spec.rules import DTYPE_SIZE
+from ..units import size
 from .argorder import refuse_swapped
 from .console import Console, conventions
-from .errors import LuciferError, MismatchError, OutputError
-from .manifest import COMPLETE_NAME, load_manifest
-from .outlock import refuse_if_written
-from .rules import DTYPE_SIZE
-from .units import size
 
 MAX_MISMATCHES = click.option("--max-mismatches", type=click.IntRange(1), default=10, show_default=True,
                               help="How many findings to report in full (all are counted).")
@@ -89,7 +89,7 @@ def diff(out: Path, model: str | None, max_mismatches: int, workers: int | None,
     Exit 0 only if everything matches; mismatches are reported with the source tensor and
     logical index, the rank tensor, and the byte offset in the rank file.
     """
-    from .diff import diff as run, diff_lines
+    from ..proof.diff import diff as run, diff_lines
 
     refuse_swapped("diff", model, out, model_first=False)
     progress = Console.of().progress
@@ -113,7 +113,7 @@ def verify(out: Path, max_mismatches: int) -> None:
     - replicated tensors identical on every rank; no stray files in rank folders
     Exit 1 on any problem; 2 when OUT is no lucifer-shard output at all (no manifest).
     """
-    from .verify import verify as run, verify_lines
+    from ..proof.verify import verify as run, verify_lines
 
     progress = Console.of().progress
     _report(out, lambda: run(out, max_problems=max_mismatches, progress=progress), verify_lines, "problem(s)",

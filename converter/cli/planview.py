@@ -7,14 +7,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import diskspace
-from . import footprint as fpm
-from .config import ModelConfig
-from .convert import layout_name, plan_footprint, plan_parts, stored_shape, tensor_layouts
-from .manifest import Options
-from .plan import MOE_VARIANT, Plan
-from .rules import DTYPE_SIZE, TensorSpec, build_specs, expected_sources
-from .units import duration, rate, size
+from ..engine import diskspace
+from ..engine.job import layout_name, plan_footprint, plan_parts, stored_shape, tensor_layouts
+from ..spec import footprint as fpm
+from ..spec.config import ModelConfig
+from ..spec.manifest import Options
+from ..spec.plan import MOE_VARIANT, Plan
+from ..spec.rules import DTYPE_SIZE, TensorSpec, build_specs, expected_sources
+from ..units import duration, rate, size
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.")
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, NoReturn
 
 import click
 
-from .errors import LuciferError, UsageRefused
+from ..errors import LuciferError, UsageRefused
 
 SCHEMA_VERSION = 1
 INTERNAL_ERROR = 70  # EX_SOFTWARE: a bug, not bad input
@@ -42,7 +42,7 @@ EXIT_CODES = (
     (BROKEN_PIPE, "stdout closed before the output was written (e.g. `| head`)"),
 )
 LOGGER = "lucifer_shard"
-_META_KEY = "lucifer_shard.console"
+_META_KEY = "lucifer_shard.cli.console"
 _OFF = ("", "0", "false", "no", "off")
 
 
@@ -110,8 +110,8 @@ def internal_error_log(out: str | os.PathLike | None) -> str:
     import traceback
     from pathlib import Path
 
-    from . import __version__
-    from .manifest import STATE_DIR
+    from .. import __version__
+    from ..spec.manifest import STATE_DIR
 
     now = datetime.datetime.now().astimezone()
     text = (f"lucifer-shard {__version__} internal error at {now.isoformat(timespec='seconds')}\n"

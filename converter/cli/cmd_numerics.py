@@ -1,13 +1,13 @@
-"""The `check-numerics` command (registered on the `lucifer-shard` group in cli.py)."""
+"""The `check-numerics` command (registered on the `lucifer-shard` group in group.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
+from ..errors import MismatchError
 from .argorder import refuse_swapped
 from .console import Console, conventions
-from .errors import MismatchError
 
 
 @click.command("check-numerics")
@@ -36,8 +36,8 @@ def check_numerics(out: Path, model: str | None, layers: str | None, tokens: int
       virtual heads      padded heads fed non-zero input contribute       exactly 0
     Only the experts the routing picks are read, one layer at a time. Exits 1 past tolerance.
     """
-    from .check_numerics import check_numerics as run
-    from .outlock import refuse_if_written
+    from ..proof.check_numerics import check_numerics as run
+    from ..spec.outlock import refuse_if_written
 
     refuse_swapped("check-numerics", model, out, model_first=False)
     refuse_if_written(out, "check-numerics")

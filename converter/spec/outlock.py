@@ -19,7 +19,7 @@ import socket
 import time
 from pathlib import Path
 
-from .errors import OutputError
+from ..errors import OutputError
 from .manifest import STATE_DIR
 
 LOCK_NAME = "lock"

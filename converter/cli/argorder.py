@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import UsageRefused
-from .manifest import MANIFEST_NAME, STATE_DIR
+from ..errors import UsageRefused
+from ..spec.manifest import MANIFEST_NAME, STATE_DIR
 
 
 def is_output(path: Path) -> bool:
@@ -14,7 +14,7 @@ def is_output(path: Path) -> bool:
 
 
 def is_checkpoint(path: Path) -> bool:
-    from .source import INDEX_NAME, SINGLE_NAME  # numpy and safetensors: not at CLI start-up
+    from ..spec.source import INDEX_NAME, SINGLE_NAME  # numpy and safetensors: not at CLI start-up
 
     return (path / "config.json").is_file() and ((path / INDEX_NAME).is_file() or (path / SINGLE_NAME).is_file())
 

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import click
 
-from . import __version__
+from .. import __version__
+from ..errors import MismatchError, UsageRefused
+from ..spec.manifest import Options
+from ..spec.plan import ARCHES
 from .argorder import refuse_swapped
 from .console import Console, conventions, exit_code_lines
-from .errors import MismatchError, UsageRefused
-from .manifest import Options
-from .plan import ARCHES
 
 TP = click.option("--tp", type=int, required=True, help="Tensor-parallel size, 1..8 (3 is the mission).")
 
@@ -42,8 +42,8 @@ def options_from(tp: int, arch: str | None, expert_layout: str, flashinfer_layou
                  align: int, no_mtp: bool, require_arch: bool) -> Options:
     """The Options a command line asks for: options that do not apply are refused, a combination no
     vetted runtime loads is warned about with the reason."""
-    from .plan import local_gpu
-    from .units import parse_size
+    from ..spec.plan import local_gpu
+    from ..units import parse_size
 
     if arch is None and require_arch:
         gpu = local_gpu()
@@ -108,12 +108,12 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     options, so the same command line with `plan` for `convert` shows what convert will do.
     --json: every output tensor with its source slices, and the footprint in bytes.
     """
-    from .config import load_config
-    from .plan import make_plan
+    from ..spec.config import load_config
+    from ..spec.plan import make_plan
+    from ..spec.source import resolve_model
+    from ..units import size
     from .planview import (footprint_json, footprint_lines, plan_footprint_of, plan_json, plan_lines, plan_specs,
                            room_of)
-    from .source import resolve_model
-    from .units import size
 
     refuse_swapped("plan", model, out, model_first=True)
     cfg = load_config(resolve_model(model, weights=False) / "config.json")
@@ -158,7 +158,7 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
     run the same command with --resume. One convert at a time writes OUT (a lock in
     OUT/.lucifer/; a second writer is refused, naming the first).
     """
-    from .convert import convert as run
+    from ..engine.convert import convert as run
 
     refuse_swapped("convert", model, out, model_first=True)
     if resume and force:
@@ -187,7 +187,7 @@ def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_m
     flash-layer  exact Flash dimensions, --layers K (default 1), for benchmarks
     flash-moe    Flash expert geometry (hidden 4096, routed 2048, top-6), 1 layer, small rest
     """
-    from .synth import synth as run
+    from ..engine.synth import synth as run
 
     con = Console.of()
     path = run(preset, out, layers=layers, fill=fill, seed=seed, mtp=not no_mtp, progress=con.progress)
@@ -205,7 +205,3 @@ for _command in (cmd_check.diff, cmd_check.verify, cmd_check.inspect, check_nume
 
 def main() -> None:
     cli()
-
-
-if __name__ == "__main__":
-    main()

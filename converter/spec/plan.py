@@ -12,8 +12,8 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass
 
+from ..errors import PlanError
 from .config import ModelConfig
-from .errors import PlanError
 
 HEADS_ALIGN = 8
 ROUTED_ALIGN = 32

@@ -34,10 +34,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .content import ContentDigests
-from .errors import SourceError
-from .rules import DTYPE_SIZE, TensorSpec
-from .source import Checkpoint
+from ..errors import SourceError
+from ..spec.content import ContentDigests
+from ..spec.rules import DTYPE_SIZE, TensorSpec
+from ..spec.source import Checkpoint
 
 CHUNK_BYTES = 16 << 20
 DIRECT = True  # read with O_DIRECT where the filesystem allows it
@@ -142,7 +142,7 @@ def _fill(view: np.ndarray, pad: bytes) -> None:
 # ---------------------------------------------------------------- buffers and reads
 
 
-class BufferPool:
+class EngineBufferPool:
     """Reusable uint8 chunk buffers of one capacity (larger requests get a private array)."""
 
     def __init__(self, capacity: int | None = None, keep: int = 16):
@@ -226,7 +226,7 @@ class _Plan:
     size: int = 0  # bytes of the read buffer
 
 
-class SourceReader:
+class EngineSourceReader:
     """Positional reads of source byte ranges, one descriptor per shard, O_DIRECT where allowed.
     Thread-safe: the reads of one chunk run on several threads at once."""
 
@@ -354,12 +354,12 @@ class Assembler:
     """Plans each chunk's reads, runs them on reader threads ahead of time, and builds every
     rank's chunk buffer from them (one copy out of the read buffer, or a strided gather)."""
 
-    def __init__(self, ckpt: Checkpoint, pool: BufferPool | None = None, direct: bool | None = None,
+    def __init__(self, ckpt: Checkpoint, pool: EngineBufferPool | None = None, direct: bool | None = None,
                  prefetch: int | None = None, digests: ContentDigests | None = None):
         self.ckpt = ckpt
-        self.reader = SourceReader(ckpt, direct)
+        self.reader = EngineSourceReader(ckpt, direct)
         self.digests = digests  # fed every source byte as it arrives (the content fingerprint)
-        self.pool = pool or BufferPool()
+        self.pool = pool or EngineBufferPool()
         self.reads = ReadBuffers()
         self.prefetch = PREFETCH if prefetch is None else prefetch
         self._thread = (ThreadPoolExecutor(READERS, thread_name_prefix="lucifer-read") if self.prefetch
@@ -557,7 +557,7 @@ class Assembler:
 def assemble(ckpt: Checkpoint, specs: list[TensorSpec], a: int, b: int) -> list[np.ndarray]:
     """Model-layout bytes of rows [a, b) of the same tensor on every rank; each source box read once.
     (A one-off `Assembler`; the engine streams through one per part.)"""
-    asm = Assembler(ckpt, BufferPool(capacity=0), prefetch=0)
+    asm = Assembler(ckpt, EngineBufferPool(capacity=0), prefetch=0)
     try:
         return asm.chunk(specs, a, b)
     finally:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import click
 
+from ..errors import MismatchError, UsageRefused
 from .console import Console, conventions
-from .errors import MismatchError, UsageRefused
 
 SERVE_EXAMPLE = "lucifer-shard serve OUT [OPTIONS] -- --max-model-len 65536"
 
@@ -36,7 +36,7 @@ class ServeCommand(click.Command):
 
 
 def _failed(checks) -> list:
-    from .runtime_shim.doctor import FAIL
+    from ..runtime_shim.doctor import FAIL
 
     return [c for c in checks if c.status == FAIL]
 
@@ -54,7 +54,7 @@ def doctor(out: Path | None, mtp: bool) -> None:
     builds serve which outputs (--arch, expert layout, MTP draft), where they come from, and how
     to put lucifer-shard into that image. Runs with or without vLLM. Exit 1 if a check fails.
     """
-    from .runtime_shim.doctor import builds, doctor_report, format_report, guide_lines
+    from ..runtime_shim.doctor import builds, doctor_report, format_report, guide_lines
 
     if mtp and out is None:
         raise UsageRefused("--mtp checks an output's MTP draft: pass OUT")
@@ -89,9 +89,9 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
     e.g. lucifer-shard serve out/ --mtp -- --max-model-len 65536 --port 8000
     The preflight is `lucifer-shard doctor OUT`; a failed check stops serve with exit 1.
     """
-    from .runtime_shim.doctor import doctor_report, exec_vllm, format_report, serve_argv
-    from .runtime_shim.errors import ShimError
-    from .runtime_shim.manifest import load_manifest
+    from ..runtime_shim.doctor import doctor_report, exec_vllm, format_report, serve_argv
+    from ..runtime_shim.errors import ShimError
+    from ..runtime_shim.manifest import load_manifest
 
     con = Console.of()
     if mtp_tokens is not None and not mtp:

@@ -1,0 +1,263 @@
+"""The conversion engine: stream every source tensor once into per-rank safetensors files.
+
+Order of work: for each role and part (a part has the same tensors on every rank), open one
+writer per rank, then for each tensor and chunk assemble all ranks' bytes from one read of the
+source, lay out routed experts, and append. A part is journaled once every rank's file is
+published; `--resume` skips journaled parts whose files still hash to their recorded digests.
+The manifest and COMPLETE are written last. All of it runs under OUT's writer lock (`outlock`),
+after the space still needed, known exactly from the plan, was checked against the filesystem's
+free space (`diskspace`); a write that runs out of room all the same says how much is left to do.
+
+What is decided before the first byte is `job`; OUT's state between runs (refusals, journal,
+resume, room still needed) is `outstate`; the manifest is `manifest_writer`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from ..errors import SourceError
+from ..spec.content import ContentDigests
+from ..spec.layouts import Layout
+from ..spec.manifest import COMPLETE_NAME, STATE_DIR, Options, file_metadata, part_path, rank_dir
+from ..spec.outlock import OutLock, describe
+from ..spec.source import side_files
+from ..units import byte_bar, duration, rate, size
+from .assemble import chunks
+from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, tree_bytes, write_failed
+from .fsutil import atomic_copy, atomic_write_text
+from .job import Job, Part, part_headers, part_keys, prepare
+from .manifest_writer import build_manifest, write_manifest
+from .outstate import (JOURNAL, RECORD, check_out, check_paths, clear_out, conversion_record, journal_line, part_valid,
+                       planned_files, remove_partials, sizes_to_write)
+from .stwriter import StreamWriter, WrittenFile
+
+logger = logging.getLogger("lucifer_shard.convert")  # named for the command: -v prints "lucifer_shard.convert: ..."
+
+
+@dataclass
+class Summary:
+    out: Path
+    conversion_id: str
+    bytes_read: int = 0
+    bytes_written: int = 0
+    files_written: int = 0
+    files_resumed: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "out": str(self.out)}
+
+    def lines(self) -> list[str]:
+        moved = (self.bytes_read + self.bytes_written) / self.seconds if self.seconds else 0.0
+        return [
+            f"output     {self.out}",
+            f"files      {self.files_written} written, {self.files_resumed} kept from an earlier run",
+            f"read       {size(self.bytes_read)}",
+            f"written    {size(self.bytes_written)}",
+            f"time       {duration(self.seconds)} ({rate(moved)} read + written)",
+            *(f"note       {n}" for n in self.notes),
+        ]
+
+
+# ---------------------------------------------------------------- streaming
+
+
+class _RankSink:
+    """One rank's writer. Layout + hash + write run on a worker thread in submission order (the
+    rank's own thread with --workers > 1, otherwise one thread shared by all ranks), so reading and
+    assembling the next chunk overlaps writing this one; at most two chunks per rank are in
+    flight. Written chunk buffers go back to `buffers`."""
+
+    def __init__(self, writer: StreamWriter, pool: ThreadPoolExecutor | None, buffers=None):
+        self.writer = writer
+        self.pool = pool
+        self.buffers = buffers
+        self.pending: list[Future] = []
+
+    def put(self, name: str, buf: np.ndarray, layout: Layout | None) -> None:
+        def work():
+            data = layout.forward(buf) if layout is not None else buf
+            self.writer.write(name, np.ascontiguousarray(data))
+            if self.buffers is not None:
+                self.buffers.give(buf)
+        if self.pool is None:
+            work()
+            return
+        while len(self.pending) >= 2:  # bound memory: at most two chunks in flight per rank
+            self.pending.pop(0).result()
+        self.pending.append(self.pool.submit(work))
+
+    def drain(self) -> None:
+        for f in self.pending:
+            f.result()
+        self.pending.clear()
+
+
+def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPoolExecutor | None],
+                digests: ContentDigests) -> list[WrittenFile]:
+    from .assemble import Assembler, EngineBufferPool, swap_folded
+    from .stwriter import partial_path
+
+    specs_by_name = [{s.name: s for s in rank_specs} for rank_specs in job.specs[part.role]]
+    shared = ThreadPoolExecutor(1, thread_name_prefix="lucifer-write") if all(p is None for p in pools) else None
+    buffers = EngineBufferPool()
+    asm = Assembler(job.ckpt, buffers, digests=digests)
+    sinks: list[_RankSink] = []
+    stream = None
+    try:
+        for rank in range(job.plan.tp):
+            headers = part_headers(specs_by_name[rank], part, job.layouts)
+            path = out / part_path(part.role, rank, part.index)
+            meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp)
+            sinks.append(_RankSink(StreamWriter(path, headers, meta, align=job.options.align), pools[rank] or shared, buffers))
+        work = []
+        for name in part.names:
+            specs = [specs_by_name[r][name] for r in range(job.plan.tp)]
+            layout = job.layouts[specs[0].expert_tensor] if specs[0].expert_tensor else None
+            if layout is not None and layout.steps[:1] == ("swap_halves",):
+                swapped = [swap_folded(s) for s in specs]
+                if all(swapped):  # place the halves swapped while assembling: one copy less
+                    specs = swapped
+                    layout = Layout(layout.name, layout.steps[1:], layout.version)
+            if layout is not None and not layout.steps:
+                layout = None
+            work.extend(((name, layout), specs, a, b) for a, b in chunks(specs[0]))
+        # The reader threads run ahead of assembly; the writers run behind it.
+        stream = asm.stream(work)
+        for (name, layout), bufs in stream:
+            for sink, buf in zip(sinks, bufs):
+                sink.put(name, buf, layout)
+            bar.update(sum(buf.nbytes for buf in bufs))
+        for sink in sinks:
+            sink.drain()
+        return [sink.writer.close() for sink in sinks]
+    except BaseException:
+        for sink in sinks:
+            try:
+                sink.drain()
+            except BaseException:
+                pass
+            sink.writer.abort()
+        for rank in range(job.plan.tp):  # also a writer interrupted while it was being opened
+            partial_path(out / part_path(part.role, rank, part.index)).unlink(missing_ok=True)
+        raise
+    finally:
+        if stream is not None:
+            stream.close()  # an early exit: let its queued reads finish before the reader stops
+        asm.close()
+        if shared is not None:
+            shared.shutdown(wait=True)
+
+
+def convert(model: str, out: Path, options: Options, resume: bool = False, force: bool = False,
+            workers: int = 1, progress: bool = True) -> Summary:
+    """Convert MODEL into OUT; see the module docstring for the order and crash safety.
+
+    Only the source is read before OUT's writer lock is taken; everything in OUT after."""
+    t0 = time.perf_counter()
+    job = prepare(model, options)
+    out = Path(out)
+    check_paths(out, job.ckpt.root)
+    with OutLock(out) as lock:
+        summary = _convert_locked(job, out, resume, force, workers, progress)
+    if lock.previous:
+        summary.notes.append(f"took over {out} from a writer that ended without releasing it "
+                             f"({describe(lock.previous)})")
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int, progress: bool) -> Summary:
+    journaled = check_out(out, job, resume, force)
+    summary = Summary(out, job.cid)
+    results: dict[str, dict] = {}
+    todo = []
+    for part in job.parts:
+        paths = [part_path(part.role, r, part.index) for r in range(job.plan.tp)]
+        # the first rank's entry carries the part's source digests (a journal without them is redone)
+        if "sources" in journaled.get(paths[0], {}) and all(p in journaled and part_valid(out, journaled[p])
+                                                             for p in paths):
+            for p in paths:
+                results[p] = journaled[p]
+            summary.files_resumed += len(paths)
+        else:
+            todo.append(part)
+    # Nothing in OUT has changed yet: check the room first, counting what this run removes.
+    planned = planned_files(job)
+    given_back = tree_bytes(out) if force else tree_bytes(out, ".*.partial")
+    logger.info("room: %s to write, %s free on %s, %s given back by this run",
+                size(sum(sizes_to_write(job, planned, set(results)))), size(free_bytes(out)), filesystem(out),
+                size(given_back))
+    check_room(out, sizes_to_write(job, planned, set(results)), given_back,
+               "run the same command" + (" with --resume" if results else ""))
+    if force:
+        clear_out(out)
+    remove_partials(out)
+    logger.info("%d part(s) of %d files to write, %d file(s) kept from an earlier run", len(todo), job.plan.tp,
+                summary.files_resumed)
+    by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
+    sizes = job.source_sizes
+    digests = ContentDigests({k: sizes[k] for part in todo for k in part_keys(by_name[part.role], part)})
+    state = out / STATE_DIR
+    total = sum(p.bytes_per_rank for p in todo) * job.plan.tp
+    pools = [ThreadPoolExecutor(1) if workers > 1 else None for _ in range(job.plan.tp)]
+    bar = byte_bar(total, f"convert tp{job.plan.tp}", progress)
+    try:
+        atomic_write_text(state / RECORD, json.dumps(conversion_record(job), indent=1, sort_keys=True) + "\n")
+        for role in job.roles:
+            for rank in range(job.plan.tp):
+                (out / rank_dir(role, rank)).mkdir(parents=True, exist_ok=True)
+        with open(state / JOURNAL, "a") as journal:
+            for part in todo:
+                t_part = time.perf_counter()
+                files = _write_part(job, out, part, bar, pools, digests)
+                keys = part_keys(by_name[part.role], part)
+                sources = digests.finished(keys)
+                if len(sources) != len(keys):
+                    raise RuntimeError(f"{part.role} part {part.index}: {len(keys) - len(sources)} source tensor(s) "
+                                       f"not read completely")
+                summary.bytes_read += sum(sizes[k] for k in keys)
+                entries = {}
+                for i, f in enumerate(files):
+                    rel = str(f.path.relative_to(out))
+                    entries[rel] = {"path": rel, "bytes": f.bytes, "digest": f.digest, "tensors": f.tensor_digests}
+                    if i == 0:
+                        entries[rel]["sources"] = sources
+                    journal.write(journal_line(entries[rel]))
+                    summary.bytes_written += f.bytes
+                    summary.files_written += 1
+                journal.flush()
+                os.fsync(journal.fileno())
+                results.update(entries)  # only now would --resume keep them
+                logger.info("%s part %d: %d file(s), %s, %.1f s", part.role, part.index, len(files),
+                            size(sum(f.bytes for f in files)), time.perf_counter() - t_part)
+        for name in side_files(job.ckpt.root):
+            atomic_copy(job.ckpt.root / name, out / name)
+        write_manifest(out, build_manifest(job, results))
+        atomic_write_text(out / COMPLETE_NAME, job.cid + "\n")
+    except SourceError:
+        # The source itself is bad: no rerun can finish this output, so leave nothing behind.
+        clear_out(out)
+        raise
+    except OSError as e:
+        if e.errno not in WRITE_LIMITS:
+            raise
+        largest = max(entry["bytes"] for entry in planned.values())
+        raise write_failed(e, out, sizes_to_write(job, planned, set(results)), largest) from None
+    finally:
+        bar.close()
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
+        job.ckpt.close()
+    return summary

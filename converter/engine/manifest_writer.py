@@ -1,0 +1,95 @@
+"""The manifest convert writes last but one (before COMPLETE): the job's plan, options and layouts,
+every rank file's and tensor's digest and source pieces, and the source's content digests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import __version__
+from ..spec.content import ALGORITHM, BLOCK, checkpoint_digest, shard_digests
+from ..spec.layouts import LAYOUT_VERSION
+from ..spec.manifest import (FLASHINFER_VERSIONS, FORMAT, FORMAT_VERSION, MANIFEST_NAME, RUNTIME, manifest_text,
+                             part_path)
+from ..spec.plan import MOE_VARIANT
+from ..spec.rules import TensorSpec
+from ..spec.source import side_files
+from .fsutil import atomic_write_text
+from .job import Job, layout_name, stored_shape
+
+
+def source_content(job: Job, files: dict[str, dict]) -> dict:
+    """The manifest's `source.content`: digests of every converted source tensor, per shard and in all."""
+    digests: dict[str, str] = {}
+    for entry in files.values():
+        digests.update(entry.get("sources") or {})
+    shards = shard_digests(digests, {k: job.ckpt.tensors[k].file for k in digests})
+    return {"algorithm": ALGORITHM, "block_bytes": BLOCK, "tensors": len(digests), "files": shards,
+            "digest": checkpoint_digest(shards)}
+
+
+def _zero_regions(spec: TensorSpec) -> list[list[int]]:
+    """[dim, start, end) pad regions in model layout (dims of the per-expert matrix when stacked)."""
+    regions = []
+    for p in spec.pieces:
+        lo, hi = p.tail
+        if hi > lo:
+            regions.append([p.dim, lo, hi])
+    return regions
+
+
+def build_manifest(job: Job, files: dict[str, dict]) -> dict:
+    o = job.options
+    doc = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "tool_version": __version__,
+        "conversion_id": job.cid,
+        "source": {"fingerprint": job.ckpt.fingerprint, "path": str(job.ckpt.root.absolute()),
+                   "files": dict(sorted(job.ckpt.files.items())), "side_files": side_files(job.ckpt.root),
+                   "content": source_content(job, files)},
+        "tp_size": job.plan.tp,
+        "plan": job.plan.to_dict(),
+        "options": o.to_dict(),
+        "arch": o.arch,
+        "moe_variant": MOE_VARIANT[o.arch],
+        "expert_layout": o.expert_layout,
+        "flashinfer_layout": o.flashinfer_layout if o.arch == "sm90" and o.expert_layout == "kernel" else None,
+        "layouts": {t: {"name": lay.name, "steps": list(lay.steps), "version": lay.version}
+                    for t, lay in job.layouts.items()},
+        "layout_version": LAYOUT_VERSION,
+        "runtime": {**RUNTIME, "flashinfer": FLASHINFER_VERSIONS[o.flashinfer_layout] if o.arch == "sm90" else "any"},
+        "dropped": dict(sorted(job.dropped.items())),
+        "roles": {},
+    }
+    for role in job.roles:
+        ranks = []
+        for rank, specs in enumerate(job.specs[role]):
+            parts = [p for p in job.parts if p.role == role]
+            rank_files = []
+            tensors = {}
+            for part in parts:
+                rel = part_path(role, rank, part.index)
+                entry = files[rel]
+                rank_files.append({"path": rel, "bytes": entry["bytes"], "digest": "blake3:" + entry["digest"]})
+                for name in part.names:
+                    tensors[name] = {"file": rel, "digest": "blake3:" + entry["tensors"][name]}
+            for spec in specs:
+                t = tensors[spec.name]
+                t.update({
+                    "dtype": spec.dtype,
+                    "shape": list(stored_shape(spec, job.layouts)),
+                    "model_shape": list(spec.shape),
+                    "layout": layout_name(spec, job.layouts),
+                    "experts": spec.experts,
+                    "sources": [{"key": p.source, "dim": p.dim, "src_start": p.src_start, "dst_start": p.dst_start,
+                                 "length": p.length, "seg_len": p.seg_len} for p in spec.pieces],
+                    "source_dtype": spec.src_dtype,
+                    "zero_regions": _zero_regions(spec),
+                    "pad": "-inf" if spec.pad != b"\x00" else "zero",
+                })
+            ranks.append({"rank": rank, "files": rank_files, "tensors": tensors})
+        doc["roles"][role] = {"ranks": ranks}
+    return doc
+
+
+def write_manifest(out: Path, doc: dict) -> None:
+    atomic_write_text(out / MANIFEST_NAME, manifest_text(doc))

@@ -1,0 +1,192 @@
+"""The source side of `diff`: raw reads of source tensor rows straight from the shards (no
+safetensors, none of the engine's readers), a chunk's regions read once in few large requests and
+shared by every rank's comparison, and the source's content digests checked shard by shard."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+
+from ..errors import MismatchError
+from ..spec.content import ContentDigests, checkpoint_digest, shard_digests
+from ..spec.rules import DTYPE_SIZE
+from ..spec.source import Checkpoint
+from .rankfile import DirectFile, ProofBufferPool, byte_shape
+from .report import Problem, Report
+
+
+class NarrowingError(ValueError):
+    """A source I64 value does not fit the I32 the output stores."""
+
+
+COALESCE_GAP = 256 << 10  # source regions closer than this are read with one request
+MAX_BLOCK = 64 << 20
+
+
+class ProofSourceReader:
+    """Raw reads of source tensor rows, straight from the shards (no safetensors, no engine code):
+    positional O_DIRECT reads (where the filesystem allows) into reused page-aligned buffers."""
+
+    def __init__(self, ckpt: Checkpoint, digests: ContentDigests):
+        self.ckpt = ckpt
+        self.digests = digests
+        self._files: dict[str, DirectFile] = {}
+        self.bytes_needed = 0  # bytes of source tensors compared
+        self.bytes_read = 0  # bytes read from disk (needed bytes plus small gaps between them)
+        self.keys_read: set[str] = set()
+        self.pool = ProofBufferPool()
+        self._lock = threading.Lock()
+
+    def _file(self, file: str) -> DirectFile:
+        with self._lock:
+            f = self._files.get(file)
+            if f is None:
+                f = self._files[file] = DirectFile(self.ckpt.root / file)
+            return f
+
+    def span(self, key: str, r0: int, r1: int) -> tuple[str, int, int]:
+        """(file, absolute start, end) of rows [r0, r1) of `key`."""
+        entry = self.ckpt.tensors[key]
+        row = row_bytes(entry.shape, DTYPE_SIZE[entry.dtype])
+        start = self.ckpt.data_start[entry.file] + entry.offsets[0] + r0 * row
+        return entry.file, start, start + (r1 - r0) * row
+
+    def read_block(self, file: str, start: int, end: int, needed: int, keys: list[str],
+                   buf: np.ndarray) -> np.ndarray:
+        """File bytes [start, end) into `buf` (page-aligned, DirectFile.span bytes); the view of them."""
+        got = self._file(file).read(start, end - start, buf)
+        with self._lock:
+            self.bytes_read += end - start
+            self.bytes_needed += needed
+            self.keys_read.update(keys)
+        return got
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def row_bytes(shape: tuple[int, ...], item: int) -> int:
+    n = item
+    for d in shape[1:]:
+        n *= d
+    return n
+
+
+class ContentCheck:
+    """The source's content against the digests convert recorded, shard by shard as soon as every converted
+    tensor of a shard has been read; a difference stops the diff (one line) unless `keep_going`."""
+
+    def __init__(self, report: Report, ckpt: Checkpoint, keys: list[str], recorded: dict | None, stop: str):
+        self.report, self.ckpt, self.stop = report, ckpt, stop
+        self.recorded = recorded  # shard -> "blake3:..." (None: the manifest has no content digests)
+        self.digests = ContentDigests({k: ckpt.tensors[k].offsets[1] - ckpt.tensors[k].offsets[0] for k in keys})
+        self.keys_of: dict[str, list[str]] = {}
+        for k in keys:
+            self.keys_of.setdefault(ckpt.tensors[k].file, []).append(k)
+        self.left = {shard: len(ks) for shard, ks in self.keys_of.items()}
+        self.shards: dict[str, str] = {}  # shard -> digest computed here
+        self.differs: list[str] = []
+
+    def settle(self) -> None:
+        """Check every shard whose tensors have all been read since the last call."""
+        for key in self.digests.completed():
+            shard = self.ckpt.tensors[key].file
+            self.left[shard] -= 1
+            if self.left[shard] == 0:
+                self._check(shard)
+
+    def _check(self, shard: str) -> None:
+        got = shard_digests(self.digests.finished(self.keys_of[shard]), {k: shard for k in self.keys_of[shard]})[shard]
+        self.shards[shard] = got
+        want = (self.recorded or {}).get(shard) if self.recorded is not None else got
+        if got == want:
+            return
+        self.differs.append(shard)
+        what = (f"{shard}: its content differs from the shard converted (BLAKE3 {got[7:23]}... vs recorded "
+                f"{str(want)[7:23]}...)")
+        if self.stop:
+            raise MismatchError(f"diff: {what}; {self.stop}")
+        self.report.add_first(Problem("source", what, file=shard))
+
+    def info(self) -> dict:
+        done = len(self.shards) == len(self.keys_of)
+        return {"recorded": self.recorded is not None, "shards_checked": len(self.shards),
+                "shards": len(self.keys_of), "differs": self.differs,
+                "digest": checkpoint_digest(self.shards) if done else None}
+
+
+class ChunkSources:
+    """The source regions of one chunk, read in few large requests (regions of a file that lie
+    together are coalesced), each byte once, shared by all ranks' tasks."""
+
+    def __init__(self, reader: ProofSourceReader, regions: list[tuple[str, int, int]]):
+        self.reader = reader
+        self._where: dict[tuple[str, int, int], tuple[Future, int]] = {}
+        self._converted: dict[tuple[str, int, int], np.ndarray] = {}
+        self._lock = threading.Lock()
+        spans = sorted((reader.span(*r), r) for r in regions)
+        self.blocks: list[list] = []  # [Future, file, start, end, needed, regions, offset in self.buf]
+        cur = None
+        for (file, start, end), region in spans:
+            if cur is not None and cur[1] == file and start - cur[3] <= COALESCE_GAP and end - cur[2] <= MAX_BLOCK:
+                cur[3] = max(cur[3], end)
+                cur[4] += end - start
+                cur[5].append((region, start))
+                continue
+            cur = [Future(), file, start, end, end - start, [(region, start)], 0]
+            self.blocks.append(cur)
+        size = 0
+        for blk in self.blocks:
+            blk[6] = size
+            size += DirectFile.span(blk[2], blk[3] - blk[2])
+        self.buf = reader.pool.take(size) if size else None
+        for fut, file, start, end, needed, members, at in self.blocks:
+            for region, rstart in members:
+                self._where[region] = (fut, rstart - start)
+
+    def read(self, i: int) -> None:
+        """Read block `i` and hash its regions into the content digests (run on the pool before any rank
+        task of the chunk; the hashing is done before the buffer can be released)."""
+        fut, file, start, end, needed, members, at = self.blocks[i]
+        try:
+            got = self.reader.read_block(file, start, end, needed, [r[0][0] for r in members], self.buf[at:])
+            for (key, r0, r1), rstart in members:
+                row = row_bytes(self.reader.ckpt.tensors[key].shape, DTYPE_SIZE[self.reader.ckpt.tensors[key].dtype])
+                at_block = rstart - start
+                self.reader.digests.feed(key, r0 * row, got[at_block:at_block + (r1 - r0) * row])
+            fut.set_result(got)
+        except BaseException as e:
+            fut.set_exception(e)
+
+    def release(self) -> None:
+        """Give the chunk's buffer back (every task that reads it is done)."""
+        if self.buf is not None:
+            self.reader.pool.give(self.buf)
+            self.buf = None
+
+    def get(self, key: str, r0: int, r1: int, out_dtype: str) -> np.ndarray:
+        """Rows [r0, r1) of source `key` as bytes of the output dtype (last dim in bytes)."""
+        fut, off = self._where[(key, r0, r1)]
+        block = fut.result()
+        entry = self.reader.ckpt.tensors[key]
+        item = DTYPE_SIZE[entry.dtype]
+        n = (r1 - r0) * row_bytes(entry.shape, item)
+        shape = byte_shape((r1 - r0, *entry.shape[1:]), item) if len(entry.shape) > 1 else (n,)
+        raw = block[off:off + n].reshape(shape)
+        if entry.dtype == "I64" and out_dtype == "I32":
+            with self._lock:
+                got = self._converted.get((key, r0, r1))
+            if got is None:
+                v = raw.view(np.int64)
+                narrow = v.astype(np.int32)
+                if not np.array_equal(narrow.astype(np.int64), v):
+                    raise NarrowingError(f"source tensor {key!r} holds values outside int32; the I32 rank tensor "
+                                         f"cannot equal it")
+                got = narrow.view(np.uint8).reshape(*raw.shape[:-1], raw.shape[-1] // 2)
+                with self._lock:
+                    self._converted[(key, r0, r1)] = got
+            return got
+        return raw

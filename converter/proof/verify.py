@@ -1,0 +1,245 @@
+"""`verify OUT`: the integrity of a converted output without the source checkpoint.
+
+Checks, collected into one report (nothing stops at the first problem unless the manifest itself
+cannot be read): the manifest's self-digest; `COMPLETE` equal to the conversion id; the manifest's
+tensor entries equal to what the rule table gives for OUT/config.json and the recorded options;
+every listed file present with the recorded size, digest and `__metadata__` identity; header
+names, shapes and dtypes as recorded; every zero region zero (or -inf) after the inverse layout;
+no E8M0 scale byte 0xFF; replicated tensors byte-equal on every rank; no stray files in rank
+folders. Each file is read once: the digest and the content checks share one streaming pass.
+
+The checks `diff` shares live beside this module: the problem report (`report`), the rank-file
+reader (`rankfile`), the pad and scale checks of a chunk (`pads`) and the manifest and file
+structure (`structure`).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from blake3 import blake3
+from tqdm import tqdm
+
+from ..errors import LuciferError, OutputError
+from ..spec.config import load_config
+from ..spec.layouts import layout_by_name
+from ..spec.manifest import file_digest
+from ..units import byte_bar, duration, rate, size
+from .pads import check_pads, check_scales, chunk_slices, is_scale, to_model
+from .rankfile import CHUNK_BYTES, HeaderTensor, RankFile, byte_shape, read_rows, row_chunks, scratch
+from .report import Problem, Report
+from .structure import check_manifest_rules, is_replicated, manifest_files, open_files, read_manifest, usable
+
+
+def tensor_chunks(ht: HeaderTensor, limit: int) -> list[tuple[int, int]]:
+    shape = ht.shape
+    n0 = shape[0] if shape else 1
+    total = ht.end - ht.start
+    return row_chunks(n0, total // max(1, n0), limit)
+
+
+def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes: int = CHUNK_BYTES,
+           workers: int | None = None) -> Report:
+    """Check OUT without the source; see the module docstring."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    report = Report("verify", max_problems)
+    if not out.is_dir():
+        raise OutputError(f"{out}: no such output directory")
+    manifest = read_manifest(report, out)
+    report.info.update({"out": str(out), "conversion_id": manifest.get("conversion_id")})
+    cfg = None
+    try:
+        cfg = load_config(out / "config.json")
+    except LuciferError as e:
+        report.add(Problem("manifest", f"{e}; cannot check the manifest against the rule table", file="config.json"))
+    if cfg is not None:
+        check_manifest_rules(report, manifest, cfg)
+    for name in (manifest.get("source") or {}).get("side_files") or []:
+        if not (out / name).is_file():
+            report.add(Problem("file", f"{name}: copied from the source by convert, now missing", file=name))
+    _stray_files(report, out, manifest)
+    files = open_files(report, out, manifest)
+    total = sum(t.end - t.start for rf in files.values() for t in rf.tensors.values())
+    bar = byte_bar(total, "verify", progress)
+    digests: dict[tuple[str, int, str], str] = {}
+    checked_pad = 0
+    n_tensors = 0
+    jobs = [(role, rank, f, files[f.get("path", "")]) for role, rank, f in manifest_files(manifest)
+            if f.get("path", "") in files]
+    if workers is None:
+        workers = min(os.cpu_count() or 1, len(jobs) or 1, 8)
+    try:
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="verify") as pool:
+            futs = [pool.submit(_verify_file, max_problems, rf, f, role, rank,
+                                manifest["roles"][role]["ranks"][rank]["tensors"], bar, chunk_bytes)
+                    for role, rank, f, rf in jobs]
+            for fut in futs:  # merged in manifest order: the report does not depend on thread timing
+                sub, file_digests, n, pads = fut.result()
+                report.merge(sub)
+                digests.update(file_digests)
+                n_tensors += n
+                checked_pad += pads
+    finally:
+        bar.close()
+        for rf in files.values():
+            rf.close()
+    _check_replicas(report, manifest, digests)
+    seconds = time.perf_counter() - t0
+    report.stats.update({
+        "files": len(manifest_files(manifest)), "tensors": n_tensors, "bytes_hashed": total,
+        "pad_bytes_checked": checked_pad, "seconds": round(seconds, 3),
+        "bytes_per_s": round(total / seconds) if seconds else 0,
+    })
+    return report
+
+
+@functools.lru_cache(maxsize=64)
+def _stored_pad_mask(layout: str, matrix: tuple[int, ...],
+                     regions: tuple[tuple[int, int, int], ...]) -> tuple[np.ndarray, int]:
+    """Per-expert mask in the STORED layout of every bit that holds a zero-region bit in model layout.
+
+    Expert layouts are bit permutations (zero stays zero), so a stored chunk has a non-zero pad bit
+    exactly when `chunk & mask` is non-zero: the pads of kernel-layout experts are checked without
+    inverting the layout; only a chunk that fails is inverted, to locate the bytes."""
+    mask = np.zeros((1, *matrix), np.uint8)
+    for dim, lo, hi in regions:
+        mask[(0, *chunk_slices(dim, lo, hi, len(matrix), 1))] = 0xFF
+    return layout_by_name(layout).forward(mask)[0], int(np.count_nonzero(mask))
+
+
+def _verify_file(limit: int, rf: RankFile, entry: dict, role: str, rank: int, tensors: dict, bar: tqdm,
+                 chunk_bytes: int) -> tuple[Report, dict, int, int]:
+    """One streaming pass over a file: tensor digests, file digest, pad regions and scale bytes."""
+    report = Report("verify", limit)
+    digests: dict[tuple[str, int, str], str] = {}
+    ordered = sorted(rf.tensors.items(), key=lambda kv: kv[1].start)
+    tensor_digests = []
+    pads = 0
+    complete = True
+    for name, ht in ordered:
+        if rf.truncated(name):
+            complete = False
+            break
+        info = tensors.get(name)
+        check = info is not None and usable(rf, name, info) and info.get("file") == rf.rel
+        regions = check and bool(info.get("zero_regions"))
+        scale = check and is_scale(info)
+        kernel = check and bool(info.get("experts")) and info.get("layout", "model") != "model"
+        mask, mask_pads = None, 0
+        if kernel and regions and info.get("pad") == "zero":
+            mask, mask_pads = _stored_pad_mask(info["layout"], byte_shape(info["model_shape"][1:], ht.item),
+                                    tuple(tuple(r) for r in info["zero_regions"]))
+        h = blake3(max_threads=blake3.AUTO)
+        for a, b in tensor_chunks(ht, chunk_bytes):
+            stored = read_rows(rf.fd(), ht.start, ht.shape, ht.item, a, b,
+                               scratch("read", (b - a) * ((ht.end - ht.start) // max(1, ht.shape[0]))))
+            h.update(stored)
+            bar.update(stored.nbytes)
+            if not (regions or scale):
+                continue
+            if not kernel:
+                if regions:
+                    pads += check_pads(report, stored, info, ht, rf, role, rank, name, a, b)
+                if scale:
+                    check_scales(report, stored, info, ht, rf, role, rank, name, a)
+                continue
+            bad_pad = regions and (mask is None or _any_and(stored, mask))
+            bad_scale = scale and bool((stored == 0xFF).any())  # scale layouts move whole bytes
+            if regions and mask is not None:
+                pads += mask_pads * (b - a)
+            if bad_pad or bad_scale:
+                model = to_model(stored, info["layout"]).reshape(b - a, *byte_shape(info["model_shape"][1:], ht.item))
+                if bad_pad:
+                    n = check_pads(report, model, info, ht, rf, role, rank, name, a, b)
+                    pads += 0 if mask is not None else n
+                if bad_scale:
+                    check_scales(report, model, info, ht, rf, role, rank, name, a)
+        d = h.hexdigest()
+        tensor_digests.append(d)
+        digests[(role, rank, name)] = d
+        if info is not None and info.get("digest") != "blake3:" + d:
+            report.add(Problem("data", f"digest {d[:16]}... differs from the manifest's "
+                               f"{str(info.get('digest'))[7:23]}...: the bytes changed after conversion",
+                               role, rank, name, rf.rel))
+    if complete:
+        fd = file_digest(rf.header, tensor_digests)
+        if entry.get("digest") != "blake3:" + fd:
+            report.add(Problem("file", f"{rf.rel}: file digest {fd[:16]}... differs from the manifest's "
+                               f"{str(entry.get('digest'))[7:23]}...", role, rank, file=rf.rel))
+    return report, digests, len(ordered), pads
+
+
+def _any_and(stored: np.ndarray, mask: np.ndarray) -> bool:
+    out = scratch("and", stored.nbytes).reshape(stored.shape)
+    np.bitwise_and(stored, mask, out=out)
+    return bool(out.any())
+
+
+def _check_replicas(report: Report, manifest: dict, digests: dict) -> None:
+    for role, doc in (manifest.get("roles") or {}).items():
+        ranks = doc.get("ranks") or []
+        if len(ranks) < 2:
+            continue
+        for name, info in sorted(ranks[0].get("tensors", {}).items()):
+            if not is_replicated(manifest, role, name):
+                continue
+            recorded = {r: ranks[r]["tensors"][name].get("digest") for r in range(len(ranks))}
+            if len(set(recorded.values())) > 1:
+                report.add(Problem("replica", f"replicated tensor has different manifest digests across ranks "
+                                   f"({', '.join(f'rank {r}: {str(d)[7:19]}' for r, d in recorded.items())})",
+                                   role, None, name))
+            got = {r: digests.get((role, r, name)) for r in range(len(ranks))}
+            seen = {d for d in got.values() if d is not None}
+            if len(seen) > 1:
+                ref = got[0] or next(iter(seen))
+                bad = [r for r, d in got.items() if d is not None and d != ref]
+                report.add(Problem("replica", f"replicated tensor differs between ranks: rank(s) "
+                                   f"{', '.join(map(str, bad))} differ from rank 0", role, bad[0], name,
+                                   ranks[bad[0]]["tensors"][name].get("file")))
+
+
+def _stray_files(report: Report, out: Path, manifest: dict) -> None:
+    listed = {f.get("path") for _, _, f in manifest_files(manifest)}
+    roles = manifest.get("roles") or {}
+    tp = manifest.get("tp_size") or 0
+    for role in ("target", "draft"):
+        folder = out / role
+        if not folder.is_dir():
+            continue
+        if role not in roles:
+            report.add(Problem("file", f"{role}/: folder of a role this conversion did not write; remove it",
+                               file=role))
+            continue
+        for child in sorted(folder.iterdir()):
+            rel = str(child.relative_to(out))
+            ok_rank = child.is_dir() and child.name.startswith("rank-") and child.name[5:].isdigit() \
+                and int(child.name[5:]) < tp
+            if not ok_rank:
+                report.add(Problem("file", f"{rel}: unexpected entry in {role}/ (TP is {tp}); remove it", file=rel))
+                continue
+            for p in sorted(child.iterdir()):
+                prel = str(p.relative_to(out))
+                if prel not in listed:
+                    report.add(Problem("file", f"{prel}: unexpected file in a rank folder (not in the manifest); "
+                                       f"remove it", role, int(child.name[5:]), file=prel))
+
+
+def verify_lines(report: Report) -> list[str]:
+    s = report.stats
+    lines = [f"verify {report.info.get('out')}  conversion {str(report.info.get('conversion_id'))[:16]}...", ""]
+    lines += [
+        f"  files checked      {s.get('files', 0)}",
+        f"  tensors checked    {s.get('tensors', 0)}",
+        f"  bytes hashed       {size(s.get('bytes_hashed', 0))}",
+        f"  pad bytes checked  {size(s.get('pad_bytes_checked', 0))}",
+        f"  time               {duration(s.get('seconds', 0))}",
+        f"  throughput         {rate(s.get('bytes_per_s', 0))}",
+        "",
+    ]
+    return lines + report.outcome_lines("manifest, files, digests, zero regions, scales and replicas all check out",
+                                        "problem(s)")

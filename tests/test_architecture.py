@@ -1,0 +1,117 @@
+"""The architecture the tree draws (converter/__init__.py), checked from the source with `ast`: every
+import, absolute or relative, at module level or inside a function, of every module of
+`lucifer_shard` and `lucifer_shard.runtime_shim`. spec/ is below the engine and the proof, which
+never import each other; cli/ is on top; the runtime shim reuses spec/ (and proof/), never the
+engine or the commands. No module grows past 600 lines."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = {"lucifer_shard": REPO / "converter", "lucifer_shard.runtime_shim": REPO / "runtime_shim"}
+ROOMS = ("spec", "engine", "proof", "cli")
+# What each part may not import. "shared" is errors.py, units.py and the package's __init__: below every room.
+FORBIDDEN = {
+    "shared": {"spec", "engine", "proof", "cli", "runtime_shim"},
+    "spec": {"engine", "proof", "cli"},
+    "engine": {"proof", "cli"},
+    "proof": {"engine", "cli"},
+    "runtime_shim": {"engine", "cli"},
+}
+MAX_LINES = 600
+
+
+def modules(packages: dict[str, Path]) -> dict[str, Path]:
+    """Dotted name -> file of every module under each package's folder (a package is its __init__)."""
+    out = {}
+    for package, root in packages.items():
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join((package, *parts))] = path
+    return out
+
+
+def imported(name: str, path: Path) -> set[str]:
+    """The dotted names a module imports anywhere in its file, relative imports resolved; for
+    `from X import y` both X and X.y (y may be a module: `from ..engine import diskspace`)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def part_of(name: str) -> str | None:
+    """The room (or "runtime_shim", "shared") of a dotted name; None outside lucifer_shard."""
+    parts = name.split(".")
+    if parts[0] != "lucifer_shard":
+        return None
+    if len(parts) > 1 and parts[1] in (*ROOMS, "runtime_shim"):
+        return parts[1]
+    return "shared"
+
+
+def violations(packages: dict[str, Path]) -> list[str]:
+    """One line per forbidden import (the outermost name it reaches) and per module past MAX_LINES."""
+    found = []
+    top = {root: root.parent for root in packages.values()}
+    for name, path in modules(packages).items():
+        shown = next(path.relative_to(parent) for root, parent in top.items() if root in path.parents)
+        own = part_of(name)
+        bad = {target for target in imported(name, path) if part_of(target) in FORBIDDEN.get(own, ())}
+        found += [f"{shown} ({own}) imports {target}" for target in sorted(bad)
+                  if target.rpartition(".")[0] not in bad]
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            found.append(f"{shown}: {lines} lines, more than {MAX_LINES}")
+    return found
+
+
+def test_every_room_imports_only_what_it_may():
+    assert violations(PACKAGES) == []
+
+
+def test_the_check_reads_every_room():
+    """Not vacuous: the tree has the four rooms, the shim, and modules that import across them."""
+    found = modules(PACKAGES)
+    assert {part_of(n) for n in found} == {*ROOMS, "runtime_shim", "shared"}
+    # a relative import inside a function, an absolute one at module level
+    assert "lucifer_shard.engine.convert" in imported("lucifer_shard.cli.group", found["lucifer_shard.cli.group"])
+    loader = "lucifer_shard.runtime_shim.loader"
+    assert "lucifer_shard.spec.manifest" in imported(loader, found[loader])
+
+
+def test_a_forbidden_import_is_found_wherever_it_is(tmp_path):
+    """Relative and absolute imports, at module level and inside functions, and a module past the limit."""
+    root = tmp_path / "converter"
+    for room in ROOMS:
+        (root / room).mkdir(parents=True)
+        (root / room / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("from .engine import convert\n")
+    (root / "spec" / "plan.py").write_text("def f():\n    from ..proof.diff import diff\n")
+    (root / "engine" / "convert.py").write_text("import lucifer_shard.cli.group\nfrom .. import proof\n")
+    (root / "proof" / "verify.py").write_text("from ..spec import rules\n" + "x = 1\n" * MAX_LINES)
+    (root / "cli" / "group.py").write_text("from ..engine.convert import convert\nfrom ..proof import diff\n")
+    shim = tmp_path / "runtime_shim"
+    shim.mkdir()
+    (shim / "loader.py").write_text("def load():\n    from lucifer_shard.engine.stwriter import file_digest\n")
+    got = violations({"lucifer_shard": root, "lucifer_shard.runtime_shim": shim})
+    assert got == [
+        "converter/__init__.py (shared) imports lucifer_shard.engine",
+        "converter/engine/convert.py (engine) imports lucifer_shard.cli.group",
+        "converter/engine/convert.py (engine) imports lucifer_shard.proof",
+        f"converter/proof/verify.py: {MAX_LINES + 1} lines, more than {MAX_LINES}",
+        "converter/spec/plan.py (spec) imports lucifer_shard.proof.diff",
+        "runtime_shim/loader.py (runtime_shim) imports lucifer_shard.engine.stwriter",
+    ]
