@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import drop_caches  # noqa: E402
 
 from lucifer_shard.runtime_shim import reader  # noqa: E402
-from lucifer_shard.stheader import read_header  # noqa: E402
-from lucifer_shard.outdir import TORCH_DTYPE  # noqa: E402
+from lucifer_shard.spec.stheader import read_header  # noqa: E402
+from lucifer_shard.spec.dtypes import TORCH_DTYPE  # noqa: E402
 
 
 def page_cache_read(source: Path) -> None:

@@ -231,7 +231,7 @@ def _plugin_checks() -> list[Check]:
     if plugins is not None and ENTRY_NAME not in [p.strip() for p in plugins.split(",")]:
         out.append(Check("env VLLM_PLUGINS", FAIL, f"{plugins!r} excludes {ENTRY_NAME}",
                          f"add {ENTRY_NAME} to VLLM_PLUGINS or unset it"))
-    from . import patches, register, registration_error
+    from . import register, registration_error
 
     register()
     err = registration_error()

@@ -161,9 +161,9 @@ def summarize(out: Path) -> dict:
                 per = item * (info.get("experts") or 1)
                 for dim, lo, hi in info.get("zero_regions") or []:
                     k = per * (hi - lo)
-                    for d, size in enumerate(matrix):
+                    for d, extent in enumerate(matrix):
                         if d != dim:
-                            k *= size
+                            k *= extent
                     pad += k
             files = entry.get("files") or []
             ranks.append({"rank": entry.get("rank"), "files": len(files),

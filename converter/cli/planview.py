@@ -152,8 +152,8 @@ def _pad_bytes(spec: TensorSpec) -> int:
     for p in spec.pieces:
         lo, hi = p.tail
         other = 1
-        for d, size in enumerate(shape):
+        for d, extent in enumerate(shape):
             if d != p.dim:
-                other *= size
+                other *= extent
         n += (hi - lo) * other * item
     return n * (spec.experts or 1)

@@ -10,7 +10,7 @@ built here; nothing else slices tensors.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import PlanError, SourceError

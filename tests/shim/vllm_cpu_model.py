@@ -67,7 +67,6 @@ def allow_construction_on_this_cpu() -> None:
 
     Each replaced check is about the machine, not the model: it refuses before any parameter exists,
     or picks the class an SM120 GPU would get."""
-    import importlib
 
     from vllm.model_executor.kernels.linear.scaled_mm import cpu as scaled_mm_cpu
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe, flashinfer_cutlass_moe
