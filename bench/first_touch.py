@@ -12,15 +12,16 @@ No vLLM: the reader is the loader's, the destinations are plain `torch.empty` li
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "shim")]
 from bench import drop_caches  # noqa: E402
+from vllm_cpu_model import read_once  # noqa: E402  (the load bench's floor; imports no vLLM)
 
 from lucifer_shard.runtime_shim import reader  # noqa: E402
 from lucifer_shard.spec.stheader import read_header  # noqa: E402
@@ -28,14 +29,7 @@ from lucifer_shard.spec.dtypes import TORCH_DTYPE  # noqa: E402
 
 
 def page_cache_read(source: Path) -> None:
-    view = memoryview(bytearray(16 << 20))
-    for f in sorted(source.glob("*.safetensors")):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            while os.readv(fd, [view]):
-                pass
-        finally:
-            os.close(fd)
+    read_once(sorted(source.glob("*.safetensors")))
     drop_caches([source], everything=False)
 
 
