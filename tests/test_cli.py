@@ -77,7 +77,7 @@ def test_plan_prints_the_audit_table_and_the_footprint(flash_dir):
     assert re.search(r"draft +2 +39 +1 +1,376,049,444 +1\.28 GiB", r.output)
     assert re.search(r"read +148\.65 GiB", r.output) and re.search(r"write +169\.34 GiB +48 rank files", r.output)
     assert "room   not checked" in r.output
-    assert re.search(r"time +\d+ min \d\d s +at 1\.51 GiB/s read \+ written", r.output)
+    assert re.search(r"time +\d+ min \d\d s +at 0\.60 GiB/s read \+ written", r.output)
     assert "bench/results.json" in r.output
 
 
