@@ -45,9 +45,9 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def in_place(t: torch.Tensor) -> bool:
-    """Whether reads can land in `t` itself."""
-    return t.device.type == "cpu"
+def in_place(t: torch.Tensor, staged: bool | None = None) -> bool:
+    """Whether reads land in `t` itself (a CPU tensor, unless `staged` says otherwise)."""
+    return t.device.type == "cpu" if staged is None else not staged
 
 
 def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
@@ -60,7 +60,7 @@ def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
         if not r.dst.is_contiguous():
             raise ShimError(f"parameter {r.name} is not contiguous in memory; this vLLM build lays out parameters "
                             f"differently, use a supported build (lucifer-shard doctor)")
-    _advise_huge_pages([r for r in reads if (in_place(r.dst) if staged is None else not staged)])
+    _advise_huge_pages([r for r in reads if in_place(r.dst, staged)])
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -101,7 +101,7 @@ def _chunks(fd: int, path: Path, reads: list[TensorRead], staged: bool | None) -
     k = 0
     for r in reads:
         dst = flat_bytes(r.dst)
-        direct = in_place(r.dst) if staged is None else not staged
+        direct = in_place(r.dst, staged)
         host = memoryview(dst.numpy()) if direct else None
         for pos in range(0, r.nbytes, CHUNK):
             n = min(CHUNK, r.nbytes - pos)
