@@ -202,26 +202,24 @@ def load_section(args, work: Path) -> dict:
                                     for r in range(tp)]}
         rmtree(out)
         rmtree(sharded)
-    res["extrapolation_input"] = flash_bytes()
+    res["extrapolation_input"] = flash_bytes(work)
     res["seconds"] = round(time.time() - t0, 1)
     if not args.keep:
         rmtree(model)
     return res
 
 
-def flash_bytes() -> dict:
-    """The full DeepSeek-V4-Flash from the plan (subprocess: this process imports no torch): the
-    checkpoint's tensor bytes and each TP3 rank's target rank-file bytes."""
-    code = ("import json; from importlib import resources; from lucifer_shard.spec.config import parse_config; "
-            "from lucifer_shard.spec.plan import make_plan; "
-            "from lucifer_shard.spec.rules import expected_sources, build_specs, DTYPE_SIZE; import math\n"
-            "cfg = parse_config(json.loads(resources.files('lucifer_shard.configs').joinpath("
-            "'deepseek-v4-flash.json').read_text()))\n"
-            "src = sum(math.prod(s.shape) * DTYPE_SIZE[s.dtype] for s in expected_sources(cfg).values())\n"
-            f"ranks = [sum(s.nbytes for s in r) for r in build_specs(cfg, make_plan(cfg, {FLASH_TP}), 'target')]\n"
-            f"print(json.dumps({{'checkpoint_bytes': src, 'rank_bytes': ranks, 'tp': {FLASH_TP}}}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return json.loads(out)
+def flash_bytes(work: Path) -> dict:
+    """The full DeepSeek-V4-Flash at TP3, from `plan --json` on the shipped config: the checkpoint's
+    bytes a conversion reads and each rank's target rank-file bytes (headers included)."""
+    model = work / "flash-config"
+    model.mkdir(exist_ok=True)
+    shutil.copy2(ROOT / "configs" / "deepseek-v4-flash.json", model / "config.json")
+    out = subprocess.run([*lucifer(), "plan", "--tp", str(FLASH_TP), "--arch", "sm120", "--json", str(model)],
+                         capture_output=True, text=True, check=True).stdout
+    fp = json.loads(out)["result"]["footprint"]
+    return {"checkpoint_bytes": fp["read_bytes"], "tp": FLASH_TP,
+            "rank_bytes": [r["bytes"] for r in fp["ranks"] if r["role"] == "target"]}
 
 
 # ---------------------------------------------------------------- report
