@@ -191,7 +191,8 @@ def test_policy_wrapper_installed_only_when_signature_and_hash_match(tmp_path, m
 
     patches.install(builds=(bad,))
     assert not patches.installed(compat.POLICY)
-    assert "match no supported build (fake0002)" in patches.why_not_installed(compat.POLICY)
+    assert "maybe_apply_b12x_virtual_tp_padding sha256:" in patches.why_not_installed(compat.POLICY)
+    assert "matches no build vetted for it (fake0002)" in patches.why_not_installed(compat.POLICY)
     assert mod.maybe_apply_b12x_virtual_tp_padding is original
 
     patches.install(builds=(good,))
