@@ -15,7 +15,8 @@ SPEC = {"tp": N, "results": DIR, "engine"?: {EngineArgs overrides}, "dump"?: [SU
                   "model_class"?: DOTTED, "plan"?: "fork-helper", "files"?: ROLE_DIR,
                   "compare_to"?: RUN_NAME, "capture"?: false, "save_sharded"?: DIR}, ...]}
 
-Each rank writes DIR/rank-<r>.json with, per run, the model class, the live virtual-TP plan, every
+Each rank writes DIR/rank-<r>.json with, per run, the model class, the live virtual-TP plan (the fork's
+plan or the plugin's stock padding) and the config sizes the layers were built from, every
 parameter (shape, dtype, blake3), the construction and load times, what the load cost this process
 (CPU seconds, /proc/self/io read_bytes and rchar, peak RSS during the load), or the one-line error
 the configuration or load raised; with "compare_to", the parameters that differ from that run's
@@ -61,6 +62,7 @@ NVIDIA_ENGINE = {"attention_backend": "FLASHINFER_MLA_SPARSE_DSV4", "moe_backend
 SM120 = (12, 0)  # the GPU the Lucifer tuple targets
 CAPABILITY = list(SM120)  # what the NVIDIA classes are told the GPU is, per run ("capability" in the spec)
 FLOOR = "floor"  # the pseudo load format: read the rank files once, build no model
+HF_SIZES = ("num_attention_heads", "o_groups", "moe_intermediate_size", "vocab_size")  # what vLLM sizes the layers by
 
 
 def allow_construction_on_this_cpu() -> None:
@@ -281,7 +283,10 @@ def run_one(spec: dict, run: dict, rank: int, hook=None) -> tuple[dict, dict[str
         return rec, None
     # The MTP draft: the model config vLLM's speculative config derived from the target's.
     model_config = cfg.speculative_config.draft_model_config if run.get("role") == "draft" else cfg.model_config
-    rec["virtual_tp_plan"] = getattr(getattr(model_config, "hf_text_config", None), "vllm_virtual_tp_plan", None)
+    text = getattr(model_config, "hf_text_config", None)
+    rec["virtual_tp_plan"] = getattr(text, "vllm_virtual_tp_plan", None)  # the fork's
+    rec["stock_padding"] = getattr(text, "lucifer_tp3_padding", None)  # the plugin's, on stock vLLM
+    rec["hf_sizes"] = {k: getattr(text, k, None) for k in HF_SIZES}
     loader = get_model_loader(cfg.load_config)
     rec["loader"] = type(loader).__name__
     with set_current_vllm_config(cfg), set_default_torch_dtype(model_config.dtype):
