@@ -29,6 +29,10 @@ def register() -> None:
         from .loader import LuciferTP3Loader
 
         patches.install()
+        why = patches.virtual_tp_missing()
+        if why:
+            logger.warning("lucifer_tp3: no virtual TP on this vLLM (%s): outputs whose plan pads (TP3) cannot be "
+                           "served; pip install vllm==0.33.0 or run lucifer-shard doctor", why)
         from vllm.model_executor import model_loader as ml
 
         registry = getattr(ml, "_LOAD_FORMAT_TO_MODEL_LOADER", {})

@@ -226,6 +226,8 @@ def _output_needs(out_dir) -> dict | None:
 
 
 def _virtual_tp_check(verdicts: dict, needs: dict | None) -> Check:
+    from . import patches
+
     pol = verdicts[compat.POLICY]
     if pol.ok:
         return Check("virtual TP", OK, f"present; policy wrapper installed (build {pol.build.commit}): "
@@ -236,7 +238,7 @@ def _virtual_tp_check(verdicts: dict, needs: dict | None) -> Check:
                      f"pads heads, output groups, experts and vocabulary to the manifest's plan")
     # TP sizes that divide DeepSeek-V4's geometry (64 heads: TP 1/2/4/8) need none
     status = INFO if needs is not None and not needs["virtual_tp"] else (FAIL if needs is not None else WARN)
-    why = next(v.reason for v in stock if not v.ok)
+    why = patches.virtual_tp_missing()
     return Check("virtual TP", status,
                  f"not available: this vLLM has no virtual TP of its own and the plugin's stock wrappers are off "
                  f"({why}); outputs whose plan pads (TP3) cannot be served here",

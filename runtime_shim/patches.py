@@ -325,6 +325,14 @@ def plan_difference(model_config, manifest) -> str | None:
     return compare_plan(fork_plan, manifest.plan)
 
 
+def virtual_tp_missing() -> str | None:
+    """Why this vLLM gets no virtual TP, neither the fork's (policy wrapper) nor the plugin's (the stock
+    wrappers); None when it has one."""
+    if installed(compat.POLICY) or all(installed(w) for w in compat.STOCK_WRAPPERS):
+        return None
+    return next(why_not_installed(w) for w in compat.STOCK_WRAPPERS if not installed(w))
+
+
 def b12x_moe_env() -> str | None:
     v = os.environ.get("VLLM_USE_B12X_MOE")
     return v if v is not None and v.strip().lower() not in ("", "0", "false", "no", "off") else None

@@ -22,6 +22,7 @@ import math
 from typing import Any
 
 from lucifer_shard.spec.config import MODEL_TYPE
+from lucifer_shard.spec.manifest import RUNTIME
 
 from . import compat
 from .errors import ShimError
@@ -32,7 +33,7 @@ CONFIG_KEYS = {"heads": "num_attention_heads", "groups": "o_groups", "routed": "
 # hf config attribute `pad_config` leaves behind: what it applied, read by the vocabulary wrapper and
 # the loader (a fork config has `vllm_virtual_tp_plan` instead)
 MARKER = "lucifer_tp3_padding"
-LOAD_FORMAT = "lucifer_tp3"
+LOAD_FORMAT = RUNTIME["load_format"]
 # What stock vLLM runs for each --arch of an output (the experts in model layout: vLLM lays them out
 # itself). SM90 has no FlashInfer DSv4 sparse MLA (`_resolve_dsv4_sparse_mla_backend`: SM100/103/107/
 # 120/121), so FlashMLA sparse (24 local heads padded to 64) and Marlin, which ship in the wheel.

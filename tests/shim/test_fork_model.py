@@ -8,7 +8,10 @@ before post-load processing, each into a fresh model:
 * by the fork's `DefaultModelLoader` from the original checkpoint, under the fork's own virtual-TP
   plan (`apply_b12x_virtual_tp_padding_to_model_config`, the guard bypassed as in the audit);
 * by `lucifer_tp3` from the rank files (`--expert-layout model`), the plan applied by the shim's
-  policy wrapper on the fork's `maybe_apply_b12x_virtual_tp_padding`, as `lucifer-shard serve` does.
+  policy wrapper on the fork's `maybe_apply_b12x_virtual_tp_padding`, as `lucifer-shard serve` does;
+
+and, once, stock vLLM 0.33.0's NVIDIA classes with the plugin's virtual TP on the same rank files,
+compared with the fork's loader like ours.
 
 Expected, and asserted: the same plan, names, shapes and dtypes; every parameter byte-identical
 except the routed experts' `w2_weight` and `w2_weight_scale`, where the fork's loader takes W2
@@ -101,6 +104,20 @@ def world(request, converted, tmp_path_factory) -> dict:
     results = Path(spec["results"])
     return {"build": build, "overlay": overlay, "model": model, "out": out, "reports": reports, "results": results,
             "cfg": json.loads((model / "config.json").read_text())}
+
+
+@pytest.fixture(scope="module")
+def stock(converted, tmp_path_factory) -> list[dict]:
+    """The same rank files in stock vLLM 0.33.0 with the plugin's virtual TP (no overlay): its NVIDIA
+    DeepSeek-V4 classes, as an SM120 GPU gets them, loaded by lucifer_tp3."""
+    _, out = converted
+    base = tmp_path_factory.mktemp("stock-nvidia")
+    lucifer_run = {"load_format": "lucifer_tp3", "model": str(out)}
+    spec = {"tp": TP, "results": str(base / "results"), "engine": NVIDIA_ENGINE, "runs": [
+        {"name": "lucifer", **lucifer_run, "model_class": "vllm.models.deepseek_v4.nvidia.model.DeepseekV4ForCausalLM"},
+        {"name": "draft_lucifer", **lucifer_run, **DRAFT, "model_class": "vllm.models.deepseek_v4.nvidia.mtp.DeepSeekV4MTP"},
+    ]}
+    return sf.run_world(spec, f"vllm-0.33.0-stock-nvidia-tp{TP}", timeout=WORLD_TIMEOUT_S)
 
 
 def _w2_names(prefix: str) -> set[str]:
@@ -202,3 +219,23 @@ def test_draft_in_the_forks_mtp_model(world):
     if build.draft_virtual_tp:
         n = world["cfg"]["num_hidden_layers"]
         _check_w2_slices(world, "draft", "draft_fork", "draft_lucifer", "mtp.0", f"model.layers.{n}.mtp_block")
+
+
+def test_stock_vllm_with_the_plugin_loads_the_forks_bytes_except_w2(world, stock):
+    """Stock 0.33.0 + the plugin's virtual TP and the fork's own virtual TP build the same parameters;
+    every one holds the same bytes as the fork's loader reads from the checkpoint, except W2 (the fork's
+    unit-blind slicing): the plugin replaces the fork, not its geometry."""
+    build = world["build"]
+    for role, fork_run, stock_run in (("target", "fork", "lucifer"), ("draft", "draft_fork", "draft_lucifer")):
+        if role == "draft" and not build.draft_virtual_tp:
+            continue  # the fork builds no TP3 draft on this build (test_draft_in_the_forks_mtp_model)
+        w2 = _w2_names(_moe_prefixes(world["cfg"], role)[0]) if role == "draft" else \
+            set().union(*(_w2_names(p) for p in _moe_prefixes(world["cfg"], role)))
+        for rep, st in zip(world["reports"], stock):
+            fork, ours = rep["runs"][fork_run], st["runs"][stock_run]
+            assert "error" not in ours, ours.get("error")
+            assert set(fork["params"]) == set(ours["params"]), set(fork["params"]) ^ set(ours["params"])
+            owned = {n for n in fork["params"] if role == "draft" and (n in DRAFT_RUNTIME_OWNED
+                                                                       or n.endswith(DRAFT_RUNTIME_OWNED_SUFFIXES))}
+            differ = {n for n, p in fork["params"].items() if p != ours["params"][n]} - owned
+            assert differ == w2, (role, rep["rank"], sorted(differ ^ w2))
