@@ -169,7 +169,9 @@ def test_tp2_agrees_with_tp1_within_the_bf16_tolerance(engine, sources, pair):
     problems = []
     for gen in ("short", "long"):
         problems += [f"{gen} {p}" for p in compare.violations(outputs(a, gen), outputs(b, gen), tau)]
-    assert not problems, f"{pair[0]} vs {pair[1]}, tau {tau:.4f} nats:\n" + "\n".join(problems)
+    own = "vLLM's own TP noise exceeds tau: re-measure compare.GAIN on this machine (docs/serving-proof.md)\n"
+    assert not problems, (own if pair == ("ref1", "ck2") else "") + \
+        f"{pair[0]} vs {pair[1]}, tau {tau:.4f} nats:\n" + "\n".join(problems)
 
 
 def test_flipped_expert_byte_changes_the_logprobs(engine):
