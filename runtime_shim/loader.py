@@ -25,7 +25,6 @@ from .manifest import (
     DRAFT_RUNTIME_OWNED,
     DRAFT_RUNTIME_OWNED_SUFFIXES,
     Manifest,
-    compare_plan,
     load_manifest,
     read_header,
 )
@@ -137,10 +136,10 @@ class LuciferTP3Loader(BaseModelLoader):
         files = self._check_files(manifest, role, rank, entry, identity=verify != "none")
         params, buffers = self._targets(model)
         self._check_keys(manifest, role, rank, entry, params, buffers)
-        diff = compare_plan(patches.runtime_plan(model_config), manifest.plan)
+        diff = patches.plan_difference(model_config, manifest)
         if diff:
-            raise ShimError(f"{diff}; start vLLM through lucifer-shard serve (the virtual-TP policy wrapper must be "
-                            f"active) and check B12X_MOE_FORCE_A8 / NVFP4 env")
+            raise ShimError(f"{diff}; start vLLM through lucifer-shard serve (the plugin's virtual-TP wrappers must "
+                            f"be active) and check B12X_MOE_FORCE_A8 / NVFP4 env")
         expert_modules = self._expert_modules(manifest, entry, model)
         self._check_expert_modules(model, manifest, expert_modules, rank, tp)
         targets = {**buffers, **params}

@@ -1,4 +1,7 @@
-"""The two narrow wrappers around vLLM, installed only on vetted builds (see compat.py).
+"""The narrow wrappers around vLLM, installed only on the builds `compat.SUPPORTED_BUILDS` vets each for.
+
+The fork builds get (a) and (b); stock releases get the two of `stock_vtp` (virtual TP supplied by
+the plugin). `compat.WRAPPERS` says what each replaces, why, in which process, and when it can go.
 
 (a) virtual-TP policy: wraps `vllm.config.virtual_tp.maybe_apply_b12x_virtual_tp_padding`. With
     `--load-format lucifer_tp3` it accepts exactly the Lucifer tuple, builds the plan with the
@@ -24,7 +27,7 @@ from lucifer_shard.spec.layouts import EXPERT_TENSORS
 from lucifer_shard.spec.manifest import RUNTIME
 from lucifer_shard.spec.plan import arch_of_capability
 
-from . import compat
+from . import compat, stock_vtp
 from .errors import ShimError, ShimRuntimeError
 from .manifest import compare_plan, load_manifest, virtual_tp_needed
 
@@ -124,10 +127,10 @@ def _model_problems(vllm_config) -> list[str]:
     return problems
 
 
-def tuple_problems(vllm_config, manifest=None) -> list[str]:
-    """Each way `vllm_config` differs from the Lucifer tuple (empty = it is the tuple)."""
+def parallel_problems(vllm_config, manifest=None) -> list[str]:
+    """Each way the parallel layout and features differ from what per-TP-rank files need (empty: fine)."""
     pc = vllm_config.parallel_config
-    problems = _model_problems(vllm_config)
+    problems = []
     for k, _flag in PARALLEL_SIZES:
         v = getattr(pc, k, 1)
         if int(v) != 1:
@@ -143,6 +146,13 @@ def tuple_problems(vllm_config, manifest=None) -> list[str]:
         if tp != manifest.tp_size:
             problems.append(f"tensor_parallel_size {tp} (files were built for {manifest.tp_size}: start with "
                             f"-tp {manifest.tp_size} or rebuild with lucifer-shard convert --tp {tp})")
+    return problems
+
+
+def tuple_problems(vllm_config, manifest=None) -> list[str]:
+    """Each way `vllm_config` differs from the Lucifer tuple (empty = it is the tuple)."""
+    problems = _model_problems(vllm_config) + parallel_problems(vllm_config, manifest)
+    if manifest is not None:
         arch, cap = device_arch()
         if arch != manifest.arch:
             problems.append(f"GPU capability {cap} (files were laid out for {manifest.arch}, {manifest.moe_variant}; "
@@ -249,13 +259,14 @@ def make_relayout_wrapper(original):
 
 
 def install(builds=None) -> dict[str, compat.WrapperVerdict]:
-    """Install each wrapper whose symbols match a supported build; idempotent; never raises."""
+    """Install each wrapper of `compat.WRAPPERS` whose symbols match a build vetted for it; idempotent;
+    never raises."""
     builds = compat.SUPPORTED_BUILDS if builds is None else builds
-    for wrapper, fn in ((compat.POLICY, _install_policy), (compat.RELAYOUT, _install_relayout)):
+    for wrapper in compat.WRAPPERS:
         try:
             verdict = compat.judge_wrapper(wrapper, builds)
             if verdict.ok:
-                fn()
+                INSTALLERS[wrapper]()
             VERDICTS[wrapper] = verdict
         except Exception as e:  # noqa: BLE001 - register() must never raise
             VERDICTS[wrapper] = compat.WrapperVerdict(wrapper, False, None, (), f"install failed: {e!r}")
@@ -267,13 +278,23 @@ def install(builds=None) -> dict[str, compat.WrapperVerdict]:
     return dict(VERDICTS)
 
 
-def _install_policy() -> None:
-    mod = importlib.import_module("vllm.config.virtual_tp")
-    current = mod.maybe_apply_b12x_virtual_tp_padding
+def _replace(symbol_key: str, make) -> None:
+    """Put `make(original)` where the symbol lives (a module function or a class attribute), once."""
+    sym = compat.SYMBOLS[symbol_key]
+    owner = importlib.import_module(sym.module)
+    *path, name = sym.qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    current = getattr(owner, name)
     if getattr(current, "__lucifer_wrapped__", None) is not None:
         return
-    mod.maybe_apply_b12x_virtual_tp_padding = make_policy_wrapper(
-        current, mod.apply_b12x_virtual_tp_padding_to_model_config)
+    setattr(owner, name, make(current))
+
+
+def _install_policy() -> None:
+    mod = importlib.import_module("vllm.config.virtual_tp")
+    _replace("maybe_apply_b12x_virtual_tp_padding",
+             lambda current: make_policy_wrapper(current, mod.apply_b12x_virtual_tp_padding_to_model_config))
 
 
 def _install_relayout() -> None:
@@ -285,6 +306,23 @@ def _install_relayout() -> None:
     if compat.unwrap(current) is not oracle:
         raise RuntimeError(f"{compat.RELAYOUT_PATCH_MODULE}.{compat.RELAYOUT_PATCH_ATTR} is not the oracle function")
     setattr(mod, compat.RELAYOUT_PATCH_ATTR, make_relayout_wrapper(current))
+
+
+INSTALLERS = {
+    compat.POLICY: _install_policy,
+    compat.RELAYOUT: _install_relayout,
+    compat.STOCK_CONFIG: lambda: _replace("EngineArgs.create_engine_config", stock_vtp.make_engine_config_wrapper),
+    compat.STOCK_VOCAB: lambda: _replace("VocabParallelEmbedding.__init__", stock_vtp.make_vocab_wrapper),
+}
+
+
+def plan_difference(model_config, manifest) -> str | None:
+    """How the live model config's virtual-TP geometry differs from the manifest's plan (None: equal):
+    the fork's `vllm_virtual_tp_plan`, or on stock vLLM the padding the plugin applied."""
+    fork_plan = runtime_plan(model_config)
+    if fork_plan is None and (stock_vtp.applied(model_config) is not None or installed(compat.STOCK_CONFIG)):
+        return stock_vtp.geometry_problem(model_config, manifest)
+    return compare_plan(fork_plan, manifest.plan)
 
 
 def b12x_moe_env() -> str | None:

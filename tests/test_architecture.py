@@ -115,3 +115,57 @@ def test_a_forbidden_import_is_found_wherever_it_is(tmp_path):
         "converter/spec/plan.py (spec) imports lucifer_shard.proof.diff",
         "runtime_shim/loader.py (runtime_shim) imports lucifer_shard.engine.stwriter",
     ]
+
+
+# Inside the runtime shim: vLLM at module level only where a vLLM class is subclassed (the loader),
+# so that doctor and `serve --dry-run` import on a machine without vLLM; compat.py (the one table
+# of builds -> wrappers) imports no other shim module; no other module decides by version or commit.
+SHIM_VLLM_AT_IMPORT = {"lucifer_shard.runtime_shim.loader"}
+SHIM_TABLE = "lucifer_shard.runtime_shim.compat"
+
+
+def module_level_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add(node.module or "")
+    return found
+
+
+def shim_problems(mods: dict[str, Path]) -> list[str]:
+    problems = []
+    for name, path in mods.items():
+        if not name.startswith("lucifer_shard.runtime_shim"):
+            continue
+        at_import = {m for m in module_level_imports(path) if m.split(".")[0] == "vllm"}
+        if at_import and name not in SHIM_VLLM_AT_IMPORT:
+            problems.append(f"{name} imports {sorted(at_import)} at module level")
+        tree = ast.parse(path.read_text(), str(path))
+        builds = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Build"]
+        if builds and name != SHIM_TABLE:
+            problems.append(f"{name} defines vLLM builds (line {builds[0].lineno}); the table is {SHIM_TABLE}")
+    table = {m for m in imported(SHIM_TABLE, mods[SHIM_TABLE]) if m.startswith("lucifer_shard.")}
+    if table:
+        problems.append(f"{SHIM_TABLE} imports {sorted(table)}")
+    return problems
+
+
+def test_the_shim_keeps_vllm_lazy_and_its_build_table_in_one_place():
+    assert shim_problems(modules(PACKAGES)) == []
+
+
+def test_the_shim_check_finds_each_kind(tmp_path):
+    root = tmp_path / "runtime_shim"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "compat.py").write_text("from lucifer_shard.runtime_shim import patches\nB = 1\n")
+    (root / "patches.py").write_text("import vllm.config\nX = Build('1.0', 'x', {}, True, '', ())\n")
+    (root / "loader.py").write_text("from vllm.model_executor import model_loader\n")
+    found = shim_problems(modules({"lucifer_shard.runtime_shim": root}))
+    assert found == ["lucifer_shard.runtime_shim.patches imports ['vllm.config'] at module level",
+                     "lucifer_shard.runtime_shim.patches defines vLLM builds (line 2); the table is "
+                     "lucifer_shard.runtime_shim.compat",
+                     "lucifer_shard.runtime_shim.compat imports ['lucifer_shard.runtime_shim', "
+                     "'lucifer_shard.runtime_shim.patches']"], found

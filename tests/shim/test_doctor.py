@@ -1,4 +1,4 @@
-"""doctor and serve against the real vllm==0.33.0 (upstream: no virtual TP)."""
+"""doctor and serve against the real vllm==0.33.0 (stock: virtual TP supplied by the plugin)."""
 from __future__ import annotations
 
 import json
@@ -10,36 +10,64 @@ def _by_name(checks):
     return {c.name: c for c in checks}
 
 
-def test_doctor_on_upstream_0_33_reports_virtual_tp_missing(shim):
+def test_doctor_on_stock_0_33_reports_plugin_virtual_tp(shim):
     from lucifer_shard.runtime_shim.doctor import FAIL, OK, WARN, doctor_report, format_report
 
     checks = doctor_report()
     c = _by_name(checks)
-    assert c["vllm"].detail.startswith("0.33.0 (commit 4ba787ec9)")
-    assert "not one of the vetted builds" in c["vllm"].detail
+    assert c["vllm"].status == OK and c["vllm"].detail == "0.33.0 (commit 4ba787ec9) = vetted build vLLM 0.33.0 (PyPI, CUDA 13 wheel)"
     vt = c["virtual TP"]
-    assert vt.status == FAIL
-    assert "no vllm.config.virtual_tp" in vt.detail and "TP3 outputs cannot be served" in vt.detail
-    assert "n_heads % tp_size == 0" in vt.detail and "45c1582e9" in vt.fix
-    rel = c["expert re-layout wrapper"]
+    assert vt.status == OK and vt.detail.startswith("supplied by the plugin on vLLM 0.33.0"), vt
+    rel = c["expert re-layout wrapper"]  # no output given: kernel-layout outputs cannot load here
     assert rel.status == WARN and "signature" in rel.detail and "--expert-layout model" in rel.detail
+    assert c["source vllm.engine.arg_utils.EngineArgs.create_engine_config"].status == OK
     assert c["plugin entry point"].status == OK and "lucifer_shard.runtime_shim:register" in c["plugin entry point"].detail
     assert c["load format lucifer_tp3"].status == OK
     for mod_attr in ("vllm.model_executor.model_loader.register_model_loader", "vllm.config.LoadConfig"):
         assert c[f"symbol {mod_attr}"].status == OK
     assert c["GPU"].status == WARN  # CPU box
-    text = format_report(checks)
-    assert "lucifer_tp3 serving will not work here" in text
-    assert all(c.fix for c in checks if c.status in (FAIL, WARN)), [str(c) for c in checks if not c.fix]
+    assert not [x for x in checks if x.status == FAIL], [str(x) for x in checks if x.status == FAIL]
+    assert "lucifer_tp3 serving can work here" in format_report(checks)
+    assert all(x.fix for x in checks if x.status in (FAIL, WARN)), [str(x) for x in checks if not x.fix]
 
 
-def test_doctor_with_output_dir(out_kernel, shim):
-    from lucifer_shard.runtime_shim.doctor import FAIL, doctor_report
+def test_doctor_gates_on_what_the_output_needs(out_kernel, out_model, tmp_path, shim):
+    from lucifer_shard.runtime_shim.doctor import FAIL, INFO, OK, doctor_report
 
-    c = _by_name(doctor_report(out_kernel))
+    c = _by_name(doctor_report(out_kernel))  # TP3, experts in kernel layout: only a fork build loads them
     assert "tp 3, arch sm120, experts kernel layout (FLASHINFER_CUTLASS_MXFP4_MXFP8)" in c["output"].detail
-    assert c["output needs virtual TP"].status == FAIL
+    assert "output needs virtual TP" not in c  # the plugin supplies it
     assert c["output kernel-layout experts"].status == FAIL
+    c = _by_name(doctor_report(out_model))  # TP3, model layout: stock 0.33.0 serves it
+    assert c["virtual TP"].status == OK and c["expert re-layout wrapper"].status == INFO
+    assert not [x for x in c.values() if x.status == FAIL], [str(x) for x in c.values() if x.status == FAIL]
+    import shim_fixtures as sf
+
+    tp2 = tmp_path / "tp2"
+    sf.cli("convert", "--tp", "2", "--arch", "sm120", "--expert-layout", "model", str(out_model.parent / "model"),
+           str(tp2), "--quiet")
+    c = _by_name(doctor_report(tp2))
+    assert c["virtual TP"].status == OK and not [x for x in c.values() if x.status == FAIL]
+
+
+def test_unvetted_vllm_gets_one_line_naming_the_function(monkeypatch, shim):
+    """A stock vLLM whose create_engine_config is not a vetted release's: the wrappers stay off and the
+    doctor says which function's hash did not match and what to do, in one line."""
+    from lucifer_shard.runtime_shim import compat, patches
+    from lucifer_shard.runtime_shim.doctor import FAIL, WARN, doctor_report
+
+    other = tuple(compat.Build(b.commit, b.label, {**b.hashes, "EngineArgs.create_engine_config": "sha256:" + "0" * 64},
+                               b.draft_virtual_tp, b.flashinfer, b.branches, b.wrappers, b.install)
+                  for b in compat.SUPPORTED_BUILDS)
+    monkeypatch.setattr(compat, "SUPPORTED_BUILDS", other)
+    monkeypatch.setattr(patches, "VERDICTS", {})
+    checks = _by_name(doctor_report())
+    vt = checks["virtual TP"]
+    assert vt.status == WARN and "\n" not in str(vt), vt
+    assert "source hash of vllm.engine.arg_utils.EngineArgs.create_engine_config sha256:" in vt.detail
+    assert "matches no build vetted for it (0.33.0, 0.32.0)" in vt.detail and "pip install vllm==0.33.0" in vt.fix
+    assert not patches.installed(compat.STOCK_CONFIG)
+    assert all(x.status != FAIL for x in checks.values() if x.name != "virtual TP")
 
 
 def test_doctor_flags_b12x_env_and_plugin_allow_list(monkeypatch, shim):
@@ -65,22 +93,22 @@ def test_serve_argv_and_refusals(out_kernel, shim):
     assert "lucifer-shard serve sets it from the manifest" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_cli_commands(out_kernel, shim):
+def test_cli_commands(out_kernel, out_model, shim):
     from click.testing import CliRunner
 
     from lucifer_shard.cli import cli
 
-    r = CliRunner().invoke(cli, ["doctor", str(out_kernel)])
-    assert r.exit_code == 1 and "virtual TP: missing" in r.output
-    assert "vetted vLLM builds for lucifer_tp3" in r.output and "[  ok] vllm command:" in r.output
-    r = CliRunner().invoke(cli, ["serve", str(out_kernel), "--dry-run", "--", "--max-model-len", "4096"])
-    assert r.exit_code == 1, r.output  # upstream 0.33: the preflight fails; the report and command are printed
-    assert "[FAIL] virtual TP: missing" in r.stdout
+    r = CliRunner().invoke(cli, ["doctor", str(out_model)])
+    assert r.exit_code == 0, r.output
+    assert "[  ok] virtual TP: supplied by the plugin" in r.output and "vetted vLLM builds for lucifer_tp3" in r.output
+    r = CliRunner().invoke(cli, ["serve", str(out_model), "--dry-run", "--", "--max-model-len", "4096"])
+    assert r.exit_code == 0, r.output  # stock 0.33: the preflight passes for a TP3 model-layout output
     assert r.stdout.strip().splitlines()[-1].endswith(
         "--load-format lucifer_tp3 --attention-backend FLASHINFER_MLA_SPARSE_DSV4 --moe-backend flashinfer_cutlass "
         "--max-model-len 4096")
-    r = CliRunner().invoke(cli, ["serve", str(out_kernel)])
-    assert r.exit_code == 1 and "error: serve: preflight failed" in r.output and "[FAIL] virtual TP" in r.stderr
+    r = CliRunner().invoke(cli, ["serve", str(out_kernel)])  # kernel layout: only a fork build loads it
+    assert r.exit_code == 1 and "error: serve: preflight failed" in r.output
+    assert "[FAIL] output kernel-layout experts" in r.stderr
 
 
 @pytest.fixture

@@ -191,7 +191,8 @@ def test_policy_wrapper_installed_only_when_signature_and_hash_match(tmp_path, m
 
     patches.install(builds=(bad,))
     assert not patches.installed(compat.POLICY)
-    assert "match no supported build (fake0002)" in patches.why_not_installed(compat.POLICY)
+    assert "maybe_apply_b12x_virtual_tp_padding sha256:" in patches.why_not_installed(compat.POLICY)
+    assert "matches no build vetted for it (fake0002)" in patches.why_not_installed(compat.POLICY)
     assert mod.maybe_apply_b12x_virtual_tp_padding is original
 
     patches.install(builds=(good,))
@@ -238,3 +239,55 @@ def test_load_model_refuses_kernel_layout_on_vllm_without_relayout_wrapper(out_k
     with pytest.raises(ValueError) as e:
         loader.load_model(vcfg, vcfg.model_config)
     _refusal(e, "built for tensor_parallel_size=3, vLLM was started with 2")
+
+
+def test_stock_padding_comes_from_the_manifest_and_refuses_another_config(out_model, shim):
+    from lucifer_shard.runtime_shim import stock_vtp
+    from lucifer_shard.runtime_shim.manifest import load_manifest
+
+    pad = stock_vtp.padding(load_manifest(out_model))
+    assert pad == {"sizes": {"num_attention_heads": (64, 72), "o_groups": (8, 9), "moe_intermediate_size": (2048, 2304)},
+                   "vocab": (1000, 1152), "tp": 3}
+    cfg = SimpleNamespace(num_attention_heads=64, o_groups=8, moe_intermediate_size=2048)
+    assert stock_vtp.pad_config(cfg, pad) is cfg
+    assert (cfg.num_attention_heads, cfg.original_num_attention_heads, cfg.o_groups, cfg.moe_intermediate_size) == (
+        72, 64, 9, 2304)
+    stock_vtp.pad_config(cfg, pad)  # twice: a no-op
+    assert cfg.num_attention_heads == 72
+    probe = SimpleNamespace()  # the bare config vLLM's get_config probes first
+    assert stock_vtp.pad_config(probe, pad) is probe and not vars(probe)
+    with pytest.raises(ValueError) as e:
+        stock_vtp.pad_config(SimpleNamespace(num_attention_heads=64, o_groups=8, moe_intermediate_size=1024), pad)
+    _refusal(e, "config moe_intermediate_size=1024, but the rank files were converted from 2048")
+
+
+def test_vocab_wrapper_pads_only_lucifer_models_and_checks_the_manifest(out_model, tp_world, monkeypatch):
+    import vllm.config as vc
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    from lucifer_shard.runtime_shim import stock_vtp
+
+    pad = {"sizes": {}, "vocab": (1000, 1152), "tp": 3}
+    text = SimpleNamespace(lucifer_tp3_padding=pad)
+    cfg = SimpleNamespace(load_config=SimpleNamespace(load_format="lucifer_tp3"),
+                          model_config=SimpleNamespace(hf_text_config=text))
+    monkeypatch.setattr(vc, "get_current_vllm_config_or_none", lambda: cfg)
+    import vllm.distributed as vd
+    import vllm.model_executor.layers.vocab_parallel_embedding as vpe
+
+    for mod in (vd, vpe):  # rank 0 of 3, where the layer and the wrapper look it up
+        monkeypatch.setattr(mod, "get_tensor_model_parallel_world_size", lambda: 3)
+        monkeypatch.setattr(mod, "get_tensor_model_parallel_rank", lambda: 0)
+    assert VocabParallelEmbedding.__init__.__lucifer_wrapped__ is not None  # installed on 0.33.0
+    emb = VocabParallelEmbedding(1000, 8)
+    assert (emb.num_embeddings_padded, emb.num_embeddings_per_partition, emb.org_vocab_size) == (1152, 384, 1000)
+    other = VocabParallelEmbedding(960, 8)  # not the model's vocabulary: vLLM's own padding
+    assert other.padding_size == 64
+    pad["vocab"] = (1000, 1344)  # a manifest that disagrees with lcm(64, 3)
+    with pytest.raises(ValueError) as e:
+        VocabParallelEmbedding(1000, 8)
+    _refusal(e, "vocabulary 1000 padded to a multiple of 192 is 1152, the rank files hold 1344 rows")
+    cfg.load_config.load_format = "auto"  # another loader: untouched, and vLLM's own assert fires
+    with pytest.raises(AssertionError):
+        VocabParallelEmbedding(1000, 8)
+    assert stock_vtp._vocab_padded(1000) is None

@@ -11,11 +11,12 @@ before `process_weights_after_loading`.
     python vllm_cpu_model.py SPEC.json
 
 SPEC = {"tp": N, "results": DIR, "engine"?: {EngineArgs overrides}, "dump"?: [SUBSTRING, ...],
-        "runs": [{"name", "model", "load_format", "extra"?, "engine"?, "role"?: "draft",
+        "runs": [{"name", "model", "load_format", "extra"?, "engine"?, "role"?: "draft", "capability"?: [9, 0],
                   "model_class"?: DOTTED, "plan"?: "fork-helper", "files"?: ROLE_DIR,
                   "compare_to"?: RUN_NAME, "capture"?: false, "save_sharded"?: DIR}, ...]}
 
-Each rank writes DIR/rank-<r>.json with, per run, the model class, the live virtual-TP plan, every
+Each rank writes DIR/rank-<r>.json with, per run, the model class, the live virtual-TP plan (the fork's
+plan or the plugin's stock padding) and the config sizes the layers were built from, every
 parameter (shape, dtype, blake3), the construction and load times, what the load cost this process
 (CPU seconds, /proc/self/io read_bytes and rchar, peak RSS during the load), or the one-line error
 the configuration or load raised; with "compare_to", the parameters that differ from that run's
@@ -59,7 +60,9 @@ MAX_MODEL_LEN = 256  # sizes only the model's scratch buffers (topk indices); we
 NVIDIA_ENGINE = {"attention_backend": "FLASHINFER_MLA_SPARSE_DSV4", "moe_backend": "flashinfer_cutlass",
                "kv_cache_dtype": "fp8"}
 SM120 = (12, 0)  # the GPU the Lucifer tuple targets
+CAPABILITY = list(SM120)  # what the NVIDIA classes are told the GPU is, per run ("capability" in the spec)
 FLOOR = "floor"  # the pseudo load format: read the rank files once, build no model
+HF_SIZES = ("num_attention_heads", "o_groups", "moe_intermediate_size", "vocab_size")  # what vLLM sizes the layers by
 
 
 def allow_construction_on_this_cpu() -> None:
@@ -69,7 +72,7 @@ def allow_construction_on_this_cpu() -> None:
     or picks the class an SM120 GPU would get."""
 
     from vllm.model_executor.kernels.linear.scaled_mm import cpu as scaled_mm_cpu
-    from vllm.model_executor.layers.fused_moe.experts import cpu_moe, flashinfer_cutlass_moe
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe, flashinfer_cutlass_moe, marlin_moe
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
 
@@ -92,9 +95,12 @@ def allow_construction_on_this_cpu() -> None:
     # They pick the attention class and MoE variant from the GPU capability: at 12.0 the layers create
     # the parameters an SM120 GPU would (attn_sink padded to 32 by DeepseekV4FlashInferSM120Attention,
     # routed width rounded to 128 for the MXFP4 x MXFP8 CUTLASS MoE).
-    type(current_platform).get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(*SM120))
-    # FlashInferExperts also requires current_platform.is_cuda(); its kernel is never called here.
+    # A run's "capability" picks another GPU family (9.0: FlashMLA's sink padded to 64).
+    type(current_platform).get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(*CAPABILITY))
+    # FlashInferExperts also requires current_platform.is_cuda(); its kernel is never called here. So does
+    # MarlinExperts, the MXFP4 MoE stock vLLM runs on SM90 (lucifer-shard serve's choice there).
     flashinfer_cutlass_moe.FlashInferExperts._supports_current_device = staticmethod(lambda: True)
+    marlin_moe.MarlinExperts._supports_current_device = staticmethod(lambda: True)
 
 
 @contextlib.contextmanager
@@ -266,6 +272,7 @@ def run_one(spec: dict, run: dict, rank: int, hook=None) -> tuple[dict, dict[str
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     rec: dict = {"load_format": run["load_format"], "model": run.get("model")}
+    CAPABILITY[:] = run.get("capability", SM120)
     if run["load_format"] == FLOOR:
         measured_load(rec, run, lambda: read_once(rank_files(Path(run["files"]), rank)), hook)
         return rec, None
@@ -276,7 +283,10 @@ def run_one(spec: dict, run: dict, rank: int, hook=None) -> tuple[dict, dict[str
         return rec, None
     # The MTP draft: the model config vLLM's speculative config derived from the target's.
     model_config = cfg.speculative_config.draft_model_config if run.get("role") == "draft" else cfg.model_config
-    rec["virtual_tp_plan"] = getattr(getattr(model_config, "hf_text_config", None), "vllm_virtual_tp_plan", None)
+    text = getattr(model_config, "hf_text_config", None)
+    rec["virtual_tp_plan"] = getattr(text, "vllm_virtual_tp_plan", None)  # the fork's
+    rec["stock_padding"] = getattr(text, "lucifer_tp3_padding", None)  # the plugin's, on stock vLLM
+    rec["hf_sizes"] = {k: getattr(text, k, None) for k in HF_SIZES}
     loader = get_model_loader(cfg.load_config)
     rec["loader"] = type(loader).__name__
     with set_current_vllm_config(cfg), set_default_torch_dtype(model_config.dtype):

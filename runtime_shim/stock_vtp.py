@@ -1,0 +1,230 @@
+"""Virtual TP on stock vLLM, supplied by the plugin (DESIGN §6a; facts in stock-vllm.md §2).
+
+The rank files are already padded and `lucifer_tp3` is their only loader, so stock vLLM needs only
+its *shapes* padded, and only when the manifest's plan pads (TP3; TP 1/2/4 need nothing):
+
+* engine process (`STOCK_CONFIG`, around `EngineArgs.create_engine_config`): the target's hf config
+  gets the manifest's padded heads, output groups and expert width through a callable
+  `hf_overrides` (`pad_config`, bound with `functools.partial` so that it pickles into the engine
+  core); vLLM composes a callable override into the draft's config itself
+  (`SpeculativeConfig.compose_draft_hf_overrides`), so the MTP draft is padded by the same call.
+  `config.json` on disk is never touched. The resulting config is then checked (`stock_problems`);
+* worker processes (`STOCK_VOCAB`, around `VocabParallelEmbedding.__init__`): the vocabulary layers
+  of that model pad to `lcm(64, tp)`, which must give the manifest's padded vocabulary.
+
+Imports vLLM only inside the functions that run under it.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from typing import Any
+
+from lucifer_shard.spec.config import MODEL_TYPE
+
+from . import compat
+from .errors import ShimError
+from .manifest import Manifest, load_manifest
+
+# manifest plan axis -> the hf config key vLLM sizes it from
+CONFIG_KEYS = {"heads": "num_attention_heads", "groups": "o_groups", "routed": "moe_intermediate_size"}
+# hf config attribute `pad_config` leaves behind: what it applied, read by the vocabulary wrapper and
+# the loader (a fork config has `vllm_virtual_tp_plan` instead)
+MARKER = "lucifer_tp3_padding"
+LOAD_FORMAT = "lucifer_tp3"
+# What stock vLLM runs for each --arch of an output (the experts in model layout: vLLM lays them out
+# itself). SM90 has no FlashInfer DSv4 sparse MLA (`_resolve_dsv4_sparse_mla_backend`: SM100/103/107/
+# 120/121), so FlashMLA sparse (24 local heads padded to 64) and Marlin, which ship in the wheel.
+STOCK_BACKENDS = {
+    "sm120": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),
+    "sm100": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),
+    "sm90": ("FLASHMLA_SPARSE_DSV4", "marlin"),
+}
+# attention backends a GPU family cannot run, with what to pass instead
+UNRUNNABLE_ATTENTION = {"sm90": {"FLASHINFER_MLA_SPARSE_DSV4": "FLASHMLA_SPARSE_DSV4"}}
+
+
+def padding(manifest: Manifest) -> dict[str, Any]:
+    """What the model configs must say for `manifest`'s padded plan: per hf key (original, padded),
+    and the padded vocabulary. The expert width is the routed experts' kernel-local width times TP:
+    the rank files hold 704 real + 64 zero columns per rank at TP3 (768), and vLLM builds the
+    shared expert from the same field (the CPU class unpadded), whose per-rank share must be 768 too."""
+    axes, tp = manifest.plan["axes"], manifest.tp_size
+    routed, shared = axes["routed"], axes.get("shared")
+    if shared is not None and int(shared["local"]) != int(routed["kernel_local"]):
+        raise ShimError(f"{manifest.path}: routed experts are {routed['kernel_local']} and shared experts "
+                        f"{shared['local']} wide per rank; stock vLLM sizes both from moe_intermediate_size, so "
+                        f"they must be equal; serve this output on a vetted mlow/vllm build")
+    padded = {"heads": int(axes["heads"]["padded"]), "groups": int(axes["groups"]["padded"]),
+              "routed": int(routed["kernel_local"]) * tp}
+    return {"sizes": {CONFIG_KEYS[a]: (int(axes[a]["original"]), padded[a]) for a in CONFIG_KEYS},
+            "vocab": (int(axes["vocab"]["original"]), int(axes["vocab"]["padded"])), "tp": tp}
+
+
+def pad_config(hf_config, padding: dict[str, Any]):
+    """vLLM `hf_overrides` callable: the padded sizes into the (text) config, each original kept as
+    `original_<key>` (the fork's convention), and `MARKER`. Refuses a config that is not the one
+    converted. Applying it twice is a no-op."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if getattr(text, MARKER, None) == padding or all(getattr(text, k, None) is None for k in padding["sizes"]):
+        return hf_config  # padded already, or the bare config vLLM's get_config probes before the model's own
+    for key, (original, padded) in padding["sizes"].items():
+        found = getattr(text, key, None)
+        if found != original:
+            raise ShimError(f"config {key}={found!r}, but the rank files were converted from {original}; the output "
+                            f"directory's config.json was changed, re-run lucifer-shard convert")
+        setattr(text, f"original_{key}", original)
+        setattr(text, key, padded)
+    setattr(text, MARKER, padding)
+    return hf_config
+
+
+def applied(model_config) -> dict[str, Any] | None:
+    """The padding `pad_config` applied to a vLLM model config, None if it did not."""
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    return getattr(hf, MARKER, None)
+
+
+def geometry_problem(model_config, manifest: Manifest) -> str | None:
+    """How a model config's padded geometry differs from the manifest's plan (None: equal)."""
+    want = padding(manifest) if manifest.needs_virtual_tp() else None
+    got = applied(model_config)
+    if want is None:
+        return None if got is None else "the config is padded but the manifest's plan pads nothing"
+    if got != want:
+        needs = ", ".join(f"{k} {o} -> {p}" for k, (o, p) in want["sizes"].items())
+        found = "was not padded" if got is None else f"was padded for another plan ({got['sizes']})"
+        return f"stock virtual TP: the model config {found}; the manifest's plan needs {needs}"
+    hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    for key, (_, padded) in want["sizes"].items():
+        if getattr(hf, key, None) != padded:
+            return f"stock virtual TP: config {key}={getattr(hf, key, None)}, the manifest's plan needs {padded}"
+    return None
+
+
+# ---------------------------------------------------------------------------- engine process
+
+
+def _backend_name(value) -> str | None:
+    return None if value is None else str(getattr(value, "name", value))
+
+
+def stock_problems(vllm_config, manifest: Manifest) -> list[str]:
+    """Each way a stock vLLM config cannot serve `manifest` with lucifer_tp3 (empty: it can)."""
+    from vllm.platforms import current_platform
+
+    from . import patches
+
+    mc = vllm_config.model_config
+    text = getattr(mc, "hf_text_config", None) or mc.hf_config
+    problems = []
+    if getattr(text, "model_type", None) != MODEL_TYPE:
+        problems.append(f"model_type {getattr(text, 'model_type', None)!r} (files require {MODEL_TYPE!r})")
+    if getattr(text, "expert_dtype", "fp4") != "fp4":
+        problems.append(f"expert_dtype {text.expert_dtype!r} (files require 'fp4')")
+    problems += patches.parallel_problems(vllm_config, manifest)
+    if manifest.expert_layout != "model" and not patches.installed(compat.RELAYOUT):
+        problems.append(f"routed experts in kernel layout ({manifest.moe_variant}), which only the fork builds load "
+                        f"(re-convert with --expert-layout model)")
+    for role, cfg in (("target", mc), ("draft", getattr(getattr(vllm_config, "speculative_config", None),
+                                                         "draft_model_config", None))):
+        diff = geometry_problem(cfg, manifest) if cfg is not None else None
+        if diff:
+            problems.append(f"{role}: {diff} (this vLLM did not apply the plugin's hf_overrides to it)")
+    if current_platform.is_cpu():
+        experts = int(getattr(text, "n_routed_experts", 0) or 0)
+        if manifest.tp_size > 1 and experts % manifest.tp_size:
+            # cpu/model.py asserts it; the values it computes from it are unused, but the assert is vLLM's
+            problems.append(f"vLLM's CPU DeepSeek-V4 class requires n_routed_experts ({experts}) % tp "
+                            f"({manifest.tp_size}) == 0; serve on GPUs (the NVIDIA class has no such requirement)")
+        return problems
+    arch, cap = patches.device_arch()
+    attn = _backend_name(getattr(getattr(vllm_config, "attention_config", None), "backend", None))
+    instead = UNRUNNABLE_ATTENTION.get(arch or "", {}).get(attn or "")
+    if instead:
+        problems.append(f"attention backend {attn} does not run on capability {cap} (pass --attention-backend "
+                        f"{instead})")
+    return problems
+
+
+def make_engine_config_wrapper(original):
+    """`EngineArgs.create_engine_config` with the manifest's padding for lucifer_tp3 outputs."""
+
+    def create_engine_config(self, usage_context=None, headless=False):
+        if str(getattr(self, "load_format", "")).lower() != LOAD_FORMAT:
+            return original(self, usage_context, headless)
+        manifest = load_manifest(self.model)
+        tp = int(self.tensor_parallel_size)
+        if tp != manifest.tp_size:
+            raise ShimError(f"tensor_parallel_size {tp}, but the files were built for {manifest.tp_size}: start with "
+                            f"-tp {manifest.tp_size} or rebuild with lucifer-shard convert --tp {tp}")
+        if manifest.needs_virtual_tp():
+            want = functools.partial(pad_config, padding=padding(manifest))
+            current = self.hf_overrides
+            if current and not _is_ours(current, want):
+                raise ShimError(f"--hf-overrides {current!r} with --load-format {LOAD_FORMAT}: the model must be the "
+                                f"config the rank files were converted from (the padding comes from "
+                                f"{manifest.path}); drop --hf-overrides")
+            self.hf_overrides = want
+        vllm_config = original(self, usage_context, headless)
+        problems = stock_problems(vllm_config, manifest)
+        if problems:
+            raise ShimError(f"--load-format {LOAD_FORMAT} on this vLLM cannot serve {manifest.out}: "
+                            + "; ".join(problems))
+        return vllm_config
+
+    create_engine_config.__lucifer_wrapped__ = original
+    create_engine_config.__wrapped__ = original
+    return create_engine_config
+
+
+def _is_ours(current, want: functools.partial) -> bool:
+    return (isinstance(current, functools.partial) and current.func is want.func
+            and current.keywords == want.keywords)
+
+
+# ---------------------------------------------------------------------------- worker processes
+
+
+def _vocab_padded(num_embeddings: int) -> int | None:
+    """The manifest's padded vocabulary when the layer being built is the vocabulary of a lucifer_tp3
+    model that `pad_config` padded; None for every other layer and model."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    load = getattr(getattr(cfg, "load_config", None), "load_format", None)
+    if cfg is None or str(load).lower() != LOAD_FORMAT or cfg.model_config is None:
+        return None
+    pad = applied(cfg.model_config)
+    if pad is None or int(num_embeddings) != pad["vocab"][0]:
+        return None
+    return pad["vocab"][1]
+
+
+def make_vocab_wrapper(original):
+    """`VocabParallelEmbedding.__init__` (ParallelLMHead's too) padding to lcm(padding_size, tp)."""
+    sig = inspect.signature(original)
+
+    def __init__(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        want = _vocab_padded(a["num_embeddings"])
+        if want is not None and not a["disable_tp"]:
+            from vllm.distributed import get_tensor_model_parallel_world_size
+            from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size
+
+            group = a["parallel_group"]
+            tp = group.world_size if group is not None else get_tensor_model_parallel_world_size()
+            size = a["org_num_embeddings"] or a["num_embeddings"]
+            step = math.lcm(int(a["padding_size"]), tp)
+            if pad_vocab_size(size, step) != want:
+                raise ShimError(f"vocabulary {size} padded to a multiple of {step} is {pad_vocab_size(size, step)}, "
+                                f"the rank files hold {want} rows; re-run lucifer-shard convert for this TP size")
+            a["padding_size"] = step
+        return original(*bound.args, **bound.kwargs)
+
+    __init__.__lucifer_wrapped__ = original
+    __init__.__wrapped__ = original
+    return __init__

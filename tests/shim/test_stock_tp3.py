@@ -1,0 +1,150 @@
+"""TP3 on stock vLLM 0.33.0: the plugin supplies virtual TP, vLLM's own DeepSeek-V4 models load the rank files.
+
+One world of three gloo processes (`vllm_cpu_model.py`) builds, with nothing but `--load-format
+lucifer_tp3` (no overrides passed, no config patched here; the harness replaces only its machine
+checks), each into a fresh model:
+
+* vLLM's CPU `DeepseekV4ForCausalLM` and its NVIDIA `DeepSeekV4MTP` draft (the CPU draft class is a
+  stub), loaded by `lucifer_tp3` from the rank files (`--expert-layout model`: stock vLLM has no
+  kernel-layout path for them);
+* the NVIDIA `DeepseekV4ForCausalLM` told the GPU is 12.0 (FlashInfer's SM120 sparse MLA pads 24 local
+  heads to 32, FlashInfer CUTLASS MoE) and 9.0 (FlashMLA pads to 64, Marlin MoE), as `lucifer-shard
+  serve` starts them on those GPU families;
+* vLLM's own `DefaultModelLoader` on the original checkpoint, which stock vLLM refuses at TP3, and two
+  lucifer_tp3 starts the plugin refuses (kernel-layout experts; `--hf-overrides`).
+
+The source has 6 routed experts: vLLM's CPU class asserts `n_routed_experts % tp_size == 0`
+(`cpu/model.py:192`, values it never uses), which Flash's 256 experts do not satisfy at TP3; the
+plugin refuses that case on the CPU platform with the reason (`stock_vtp.stock_problems`). Every
+other padded axis is `tiny`'s, Flash's real sizes: 64 heads, 8 output groups, 2048-wide experts.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shim_fixtures as sf
+from lucifer_shard.runtime_shim.manifest import DRAFT_RUNTIME_OWNED, DRAFT_RUNTIME_OWNED_SUFFIXES
+from vllm_cpu_model import NVIDIA_ENGINE
+
+TP = 3
+EXPERTS = 6
+CPU_CLASS = "vllm.models.deepseek_v4.cpu.model.DeepseekV4ForCausalLM"
+NVIDIA_CLASS = "vllm.models.deepseek_v4.nvidia.model.DeepseekV4ForCausalLM"
+DRAFT_CLASS = "vllm.models.deepseek_v4.nvidia.mtp.DeepSeekV4MTP"
+SPECULATIVE = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
+SM90_ENGINE = {"attention_backend": "FLASHMLA_SPARSE_DSV4", "moe_backend": "marlin", "kv_cache_dtype": "fp8"}
+LOADED = ("lucifer", "draft", "nvidia_sm120", "nvidia_sm90")
+WORLD_TIMEOUT_S = 900
+
+
+def synth_tiny(path: Path, experts: int) -> None:
+    """`synth tiny` with another routed-expert count: lucifer-shard's own synth, its preset changed in that
+    process only."""
+    code = ("import sys, lucifer_shard.engine.synth as s; base = s.preset_config; "
+            "s.preset_config = lambda *a, **k: {**base(*a, **k), 'n_routed_experts': int(sys.argv[2])}; "
+            "s.synth('tiny', sys.argv[1], progress=False)")
+    subprocess.run([sys.executable, "-c", code, str(path), str(experts)], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("stock-tp3")
+    source, out, kernel = base / "model", base / "out", base / "out-kernel"
+    synth_tiny(source, EXPERTS)
+    sf.cli("convert", "--tp", str(TP), "--arch", "sm120", str(source), str(out), "--expert-layout", "model", "--quiet")
+    sf.cli("convert", "--tp", str(TP), "--arch", "sm120", str(source), str(kernel), "--quiet")
+    lucifer = {"model": str(out), "load_format": "lucifer_tp3"}
+    spec = {"tp": TP, "results": str(base / "results"), "runs": [
+        {"name": "lucifer", **lucifer, "files": str(out / "target")},
+        {"name": "draft", **lucifer, "files": str(out / "draft"), "role": "draft", "model_class": DRAFT_CLASS,
+         "engine": {**NVIDIA_ENGINE, **SPECULATIVE}},
+        {"name": "nvidia_sm120", **lucifer, "files": str(out / "target"), "model_class": NVIDIA_CLASS,
+         "engine": NVIDIA_ENGINE},
+        {"name": "nvidia_sm90", **lucifer, "files": str(out / "target"), "model_class": NVIDIA_CLASS,
+         "engine": SM90_ENGINE, "capability": [9, 0]},
+        {"name": "default", "model": str(source), "load_format": "auto"},
+        {"name": "kernel_layout", "model": str(kernel), "load_format": "lucifer_tp3"},
+        {"name": "hf_overrides", **lucifer, "engine": {"hf_overrides": {"rope_theta": 5000}}},
+    ]}
+    return {"out": out, "source": source,
+            "reports": sf.run_world(spec, "vllm-0.33.0-stock-tp3", timeout=WORLD_TIMEOUT_S)}
+
+
+def test_stock_vllm_itself_refuses_tp3(world):
+    """The control: without the plugin's padding (vLLM's own loader on the checkpoint), stock vLLM refuses."""
+    for rep in world["reports"]:
+        err = rep["runs"]["default"].get("error", "")
+        assert "Total number of attention heads (64) must be divisible by tensor parallel size (3)" in err, err
+
+
+def test_geometry_is_the_manifests_plan(world):
+    man = sf.manifest(world["out"])
+    axes = man["plan"]["axes"]
+    want = {"num_attention_heads": axes["heads"]["padded"], "o_groups": axes["groups"]["padded"],
+            "moe_intermediate_size": axes["routed"]["kernel_local"] * TP, "vocab_size": axes["vocab"]["original"]}
+    assert want == {"num_attention_heads": 72, "o_groups": 9, "moe_intermediate_size": 2304, "vocab_size": 1000}
+    cfg = json.loads((world["out"] / "config.json").read_text())
+    assert (world["out"] / "config.json").read_bytes() == (world["source"] / "config.json").read_bytes()
+    for rep in world["reports"]:
+        assert rep["vllm"] == "0.33.0" and rep["tp_rank"] == rep["rank"]
+        for name in LOADED:
+            run = rep["runs"][name]
+            assert "error" not in run, (name, run.get("error"))
+            assert run["hf_sizes"] == want, (name, run["hf_sizes"])
+            assert run["virtual_tp_plan"] is None and run["stock_padding"]["vocab"] == [1000, 1152], name
+        for name in ("lucifer", "nvidia_sm120", "nvidia_sm90"):
+            params = rep["runs"][name]["params"]
+            assert params["model.embed_tokens.weight"][0] == params["lm_head.weight"][0] == [384, cfg["hidden_size"]]
+            assert params["model.layers.0.attn.wq_b.weight"][0][0] == 24 * cfg["head_dim"]  # 24 local heads of 72
+
+
+def test_vllms_own_classes(world):
+    for rep in world["reports"]:
+        runs = rep["runs"]
+        assert runs["lucifer"]["model_class"] == CPU_CLASS and runs["draft"]["model_class"] == DRAFT_CLASS
+        assert runs["nvidia_sm120"]["model_class"] == runs["nvidia_sm90"]["model_class"] == NVIDIA_CLASS
+        assert {runs[n]["loader"] for n in LOADED} == {"LuciferTP3Loader"}
+
+
+def test_every_loaded_parameter_is_its_rank_file_tensor(world):
+    man = sf.manifest(world["out"])
+    for rep in world["reports"]:
+        for name, role in (("lucifer", "target"), ("draft", "draft"), ("nvidia_sm120", "target"),
+                           ("nvidia_sm90", "target")):
+            run = rep["runs"][name]
+            entry = man["roles"][role]["ranks"][rep["rank"]]["tensors"]
+            assert run["file_tensors"] == len(entry) and run["file_problems"] == [], (name, run["file_problems"])
+            # the draft borrows the target's embedding and LM head after loading: no file holds them
+            owned = {n for n in run["params"] if role == "draft" and (n in DRAFT_RUNTIME_OWNED
+                                                                      or n.endswith(DRAFT_RUNTIME_OWNED_SUFFIXES))}
+            assert set(run["params"]) - owned == set(entry), (name, set(run["params"]) ^ set(entry))
+            assert len(owned) == (2 if role == "draft" else 0), (name, owned)
+
+
+def test_the_backends_make_the_shapes_the_files_fill(world):
+    """SM120: FlashInfer pads 24 local heads' sink to 32; SM90: FlashMLA to 64 (the loader fills the 24-entry
+    prefix, the rest stays -inf, checked in the comparison above). Both MoE backends keep the rank files'
+    kernel-local width 768 (704 real + 64 zero columns per rank)."""
+    for rep in world["reports"]:
+        for name, sink in (("nvidia_sm120", 32), ("nvidia_sm90", 64)):
+            p = rep["runs"][name]["params"]
+            assert p["model.layers.0.attn.attn_sink"][0] == [sink], name
+            experts = "model.layers.1.ffn.experts.routed_experts"
+            assert p[f"{experts}.w13_weight"][0] == [EXPERTS, 2 * 768, 128], name  # hidden 256 / 2 per byte
+            assert p[f"{experts}.w2_weight"][0] == [EXPERTS, 256, 768 // 2], name
+        assert rep["runs"]["lucifer"]["params"]["model.layers.0.attn.attn_sink"][0] == [24]  # the CPU class: unpadded
+
+
+def test_the_plugin_refuses_what_stock_vllm_cannot_serve(world):
+    for rep in world["reports"]:
+        err = rep["runs"]["kernel_layout"].get("error", "")
+        assert err.startswith("ShimError: lucifer_tp3: --load-format lucifer_tp3 on this vLLM cannot serve "), err
+        assert "routed experts in kernel layout (FLASHINFER_CUTLASS_MXFP4_MXFP8)" in err and "--expert-layout model" in err
+        err = rep["runs"]["hf_overrides"].get("error", "")
+        assert err.startswith("ShimError: lucifer_tp3: --hf-overrides {'rope_theta': 5000} with --load-format "), err
+        assert "\n" not in err and "drop --hf-overrides" in err
