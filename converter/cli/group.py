@@ -170,7 +170,7 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
 
 
 @cli.command()
-@click.argument("preset", type=click.Choice(["tiny", "flash-layer", "flash-moe"]))
+@click.argument("preset", type=click.Choice(["tiny", "flash-layer", "flash-moe", "forward"]))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--layers", type=int, default=None, help="Decoder layers (flash-layer: default 1).")
 @click.option("--fill", type=click.Choice(["pattern", "random"]), default="pattern", show_default=True,
@@ -186,6 +186,8 @@ def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_m
                  2048, vocab 1000), hidden 256, 8 experts, 4 layers (hash, SWA, C4, C128) + MTP
     flash-layer  exact Flash dimensions, --layers K (default 1), for benchmarks
     flash-moe    Flash expert geometry (hidden 4096, routed 2048, top-6), 1 layer, small rest
+    forward      tiny with what vLLM's DeepSeek-V4 CPU kernels require: head_dim 512,
+                 index_topk 512, 64 experts (about 300 MB; make test-forward)
     """
     from ..engine.synth import synth as run
 

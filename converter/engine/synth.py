@@ -27,6 +27,10 @@ PRESETS = {
     "tiny": "tiny.json",
     "flash-layer": "deepseek-v4-flash.json",
     "flash-moe": "flash-moe.json",
+    # tiny's padded axes with the geometry vLLM's DeepSeek-V4 CPU kernels require (tests/forward):
+    # head_dim 512 (the sparse-MLA kernel and fp8_ds_mla cache), index_topk 512 (the CPU indexer's
+    # top-k), 64 experts (the CPU top-k routers take 64/128/256/384 only).
+    "forward": "forward.json",
 }
 FILLS = ("pattern", "random")
 MAX_SHARD_BYTES = 1 << 30
