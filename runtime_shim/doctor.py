@@ -126,8 +126,9 @@ def doctor_report(out_dir: str | Path | None = None, mtp: bool = False) -> list[
     checks: list[Check] = [Check("python", INFO, sys.version.split()[0]), *_package_checks()]
     version, commit = vllm_identity()
     if version is None:
-        checks.append(Check("vllm", FAIL, "not installed in this environment; lucifer_tp3 needs a vetted "
-                            "mlow/vllm build (listed below)",
+        checks.append(Check("vllm", FAIL, f"not installed in this environment; lucifer_tp3 serves on stock "
+                            f"vllm=={STOCK.commit} (the plugin supplies virtual TP) or a vetted mlow/vllm build "
+                            f"(listed below)",
                             "run doctor inside the serving image, or install a vetted build here, then "
                             "lucifer-shard into it (below)"))
         if out_dir is not None:
@@ -222,7 +223,7 @@ def _output_needs(out_dir) -> dict | None:
         m = load_manifest(out_dir)
     except ShimError:
         return None
-    return {"virtual_tp": m.needs_virtual_tp(), "kernel": m.expert_layout != "model", "tp": m.tp_size}
+    return {"virtual_tp": m.needs_virtual_tp(), "kernel": m.expert_layout != "model"}
 
 
 def _virtual_tp_check(verdicts: dict, needs: dict | None) -> Check:
@@ -318,8 +319,8 @@ def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
                             "path, which no vetted build has", "convert again with --expert-layout model"))
     if verdicts is None:
         return checks
-    stock_vtp = all(verdicts[w].ok for w in compat.STOCK_WRAPPERS)
-    if m.needs_virtual_tp() and not (verdicts[compat.POLICY].ok or stock_vtp):
+    plugin_vtp = all(verdicts[w].ok for w in compat.STOCK_WRAPPERS)
+    if m.needs_virtual_tp() and not (verdicts[compat.POLICY].ok or plugin_vtp):
         checks.append(Check("output needs virtual TP", FAIL, f"the plan pads tp {m.tp_size} but neither the fork's "
                             f"policy wrapper nor the plugin's stock virtual TP is installed "
                             f"({verdicts[compat.STOCK_CONFIG].reason})",
@@ -360,12 +361,12 @@ def builds() -> list[dict]:
 def guide_lines() -> list[str]:
     """Which vLLM builds serve lucifer-shard outputs, where they come from, and how to put lucifer-shard in."""
     cols = list(compat.SUPPORTED_BUILDS[0].serves())
-    head = f"  {'build':<10} {'from':<34} {'FlashInfer':<11} " + "  ".join(cols)
+    head = f"  {'build':<10} {'FlashInfer':<11} " + "  ".join(cols) + "  from"
     lines = ["vetted vLLM builds for lucifer_tp3:", head]
     for b in sorted(compat.SUPPORTED_BUILDS, key=lambda b: not b.stock):
-        where = b.install.split(" (")[0] if b.stock else f"mlow/vllm {', '.join(b.branches)}"
+        where = b.install if b.stock else f"{compat.REPOSITORY} ({', '.join(b.branches)})"
         cells = "  ".join(f"{'yes' if ok else 'no':<{len(c)}}" for c, ok in b.serves().items())
-        lines.append(f"  {b.commit:<10} {where[:34]:<34} {b.flashinfer:<11} {cells}".rstrip())
+        lines.append(f"  {b.commit:<10} {b.flashinfer:<11} {cells}  {where}")
     return lines + [
         f"stock vLLM (the route to take): pip install vllm=={STOCK.commit}; the plugin supplies virtual TP for TP3",
         "  outputs converted with --expert-layout model (kernel-layout experts need a fork build).",

@@ -116,18 +116,21 @@ def test_doctor_without_vllm_says_which_build_and_how_to_install(converted):
     text = r.stdout
     assert "[  ok] lucifer-shard dependencies: all present" in text
     assert "[FAIL] vllm: not installed in this environment" in text and "-> run doctor inside the serving image" in text
-    assert f"vetted vLLM builds for lucifer_tp3 ({compat.REPOSITORY}):" in text
+    assert "vetted vLLM builds for lucifer_tp3:" in text and "pip install vllm==0.33.0" in text
+    cols = list(compat.SUPPORTED_BUILDS[0].serves())
     for b in compat.SUPPORTED_BUILDS:
-        row = next(line for line in text.splitlines() if line.strip().startswith(b.commit))
-        assert all(branch in row for branch in b.branches) and b.flashinfer in row
-        assert row.split()[-1] == ("yes" if b.draft_virtual_tp else "no")  # the MTP draft column
+        row = next(line for line in text.splitlines() if line.strip().startswith(b.commit + " "))
+        assert b.install in row if b.stock else all(branch in row for branch in b.branches), row
+        words = row.split()
+        assert words[1] == b.flashinfer
+        assert words[2:2 + len(cols)] == ["yes" if ok else "no" for ok in b.serves().values()], row
     wheel = f"lucifer_shard-{__version__}-py3-none-any.whl"
     assert "make wheel" in text and f"pip install --no-deps {wheel}" in text and "pip check" in text
     assert "[  ok] output: " in text and "tp 3, arch sm120" in text
     assert r.stderr.startswith("error: doctor: 1 check(s) failed; first: [FAIL] vllm")
     doc = json.loads(run("doctor", "--json").stdout)
     assert not doc["ok"] and doc["error"]["exit_code"] == 1
-    assert [b["commit"] for b in doc["result"]["builds"]] == ["45c1582e9", "cece381c4", "81564374e"]
+    assert [b["commit"] for b in doc["result"]["builds"]] == ["45c1582e9", "cece381c4", "81564374e", "0.33.0", "0.32.0"]
     assert doc["result"]["builds"][1]["serves"]["MTP draft (--mtp)"] is False
     failed = [c for c in doc["result"]["checks"] if c["status"] == FAIL]
     assert failed and all(c["fix"] for c in failed)

@@ -18,14 +18,18 @@ RUN_ROWS = [("ref1", "TP1, checkpoint, vLLM's default loader (reference)"),
             ("lu2", "TP2, rank files (`--tp 2`), lucifer_tp3"),
             ("flip1", "TP1, rank files with one routed-expert byte flipped, verify=headers"),
             ("full1", "the same, verify=full"),
-            ("mtp1", "TP1, rank files, MTP draft (`num_speculative_tokens` 1)")]
+            ("mtp1", "TP1, rank files, MTP draft (`num_speculative_tokens` 1)"),
+            ("ref384", "TP1, 384-expert variant's checkpoint, vLLM's default loader (the TP3 reference)"),
+            ("lu3", "TP3, the variant's rank files (`--tp 3`), lucifer_tp3, the plugin's stock virtual TP")]
+PAIRS = (("ref1", "ck2", "model"), ("ref1", "lu2", "model"), ("lu1", "lu2", "model"), ("ref384", "lu3", "model384"))
 
 
 def main(out: Path) -> None:
     runs = json.loads((out / "summary.json").read_text())
-    tau = compare.tolerance(out / "model")
-    base = compare.tolerance(out / "model", gain=1.0)
-    print(f"S = {compare.logit_scale(out / 'model'):.4f} nats, first-order bound {base:.4f}, tau = {tau:.4f} nats\n")
+    for model in dict.fromkeys(m for *_, m in PAIRS):
+        if (out / model).is_dir():
+            print(f"{model}: S = {compare.logit_scale(out / model):.4f} nats, first-order bound "
+                  f"{compare.tolerance(out / model, gain=1.0):.4f}, tau = {compare.tolerance(out / model):.4f} nats\n")
     print("| run | engine build s | short: 3 prompts x 8 tokens, 1st / 2nd generate s | long: 2300 + 4 tokens s "
           "| sparse indexer ops called | result |")
     print("|---|---|---|---|---|---|")
@@ -55,9 +59,10 @@ def main(out: Path) -> None:
           "in both top-20 lists, and that over the first-order bound (the gain):\n")
     print("| pair | prompt | steps compared | tokens first differ at | margin there | max abs logprob diff | gain |")
     print("|---|---|---|---|---|---|---|")
-    for a, b in (("ref1", "ck2"), ("ref1", "lu2"), ("lu1", "lu2")):
+    for a, b, model in PAIRS:
         if a not in runs or b not in runs:
             continue
+        base = compare.tolerance(out / model, gain=1.0)
         for gen in ("short", "long"):
             for p, (x, y) in enumerate(zip(runs[a]["generates"][gen][0]["outputs"],
                                            runs[b]["generates"][gen][0]["outputs"])):

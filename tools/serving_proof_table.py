@@ -23,6 +23,25 @@ PAIRS = (  # (run, the run it was compared with, what the row shows)
 )
 
 
+FILE_RUNS = (  # (run, what the row shows): stock vLLM with the plugin's virtual TP, tests/shim/test_stock_tp3.py
+    ("lucifer", "target: lucifer_tp3 vs its rank files, CPU class"),
+    ("draft", "draft: lucifer_tp3 vs its rank files"),
+    ("nvidia_sm120", "target: lucifer_tp3 vs its rank files, capability 12.0"),
+    ("nvidia_sm90", "target: lucifer_tp3 vs its rank files, capability 9.0"),
+)
+REFUSED_RUNS = (
+    ("default", "DefaultModelLoader on the checkpoint"),
+    ("kernel_layout", "lucifer_tp3, experts in kernel layout"),
+    ("hf_overrides", "lucifer_tp3 with --hf-overrides"),
+)
+
+
+def one_line(err: str) -> str:
+    """An error on one table line; of pydantic's multi-line messages, the validator's own sentence."""
+    err = " ".join(err.split())
+    return err.split("Value error, ", 1)[1].split(" [type=")[0] if "Value error, " in err else err
+
+
 def leaf(name: str) -> str:
     """`model.layers.3.ffn.experts.routed_experts.w2_weight: byte ...` -> `ffn.experts.routed_experts.w2_weight`."""
     return re.sub(r"^model\.(layers\.\d+\.)?(mtp_block\.)?", "", name.split(":")[0])
@@ -36,12 +55,12 @@ def rows(world: Path) -> list[list[str]]:
         recs = [r["runs"].get(run) for r in reports]
         if not all(recs) or not all(ref in r["runs"] for r in reports):
             continue
+        if not any("vs_reference" in x or "error" in x for x in recs):
+            continue  # not compared with `ref` (a world that checks each run against the rank files)
         if any("error" in x for x in recs) or any("error" in r["runs"][ref] for r in reports):
             err = next(x.get("error") or r["runs"][ref].get("error") for x, r in zip(recs, reports)
                        if "error" in x or "error" in r["runs"][ref])
-            err = " ".join(err.split())  # pydantic's multi-line messages, on one table line
-            if "Value error, " in err:  # pydantic: the validator's own sentence
-                err = err.split("Value error, ", 1)[1].split(" [type=")[0]
+            err = one_line(err)
             out.append([world.name, first["vllm"], str(len(reports)), what, "-", "-", f"not built: {err[:150]}",
                         f"{first.get('world_s', 0):.0f}"])
             continue
@@ -53,6 +72,20 @@ def rows(world: Path) -> list[list[str]]:
         out.append([world.name, first["vllm"], str(len(reports)), f"{what} ({cls})", str(params),
                     f"{nbytes / 1e6:.1f} MB", f"{n_differ}: {', '.join(differ)}" if differ else "0",
                     f"{first.get('world_s', 0):.0f}"])
+    for run, what in FILE_RUNS:  # loaded by lucifer_tp3 and compared with the rank files only (stock TP3)
+        recs = [r["runs"].get(run) for r in reports]
+        if not all(recs) or any("vs_reference" in x or "file_problems" not in x for x in recs):
+            continue
+        cls = recs[0]["model_class"].rsplit(".", 1)[-1]
+        problems = sum(len(x["file_problems"]) for x in recs)
+        out.append([world.name, first["vllm"], str(len(reports)), f"{what} ({cls})",
+                    str(sum(len(x["params"]) for x in recs)), f"{sum(x['file_tensors'] for x in recs)} tensors",
+                    str(problems), f"{first.get('world_s', 0):.0f}"])
+    for run, what in REFUSED_RUNS:
+        err = next((r["runs"].get(run, {}).get("error") for r in reports if "error" in r["runs"].get(run, {})), None)
+        if err:
+            err = re.sub(r"/\S*/(out[\w-]*)", r"\1", one_line(err))
+            out.append([world.name, first["vllm"], str(len(reports)), what, "-", "-", f"refused: {err[:220]}", ""])
     tamper = [r["runs"].get("tampered_full", {}).get("error") for r in reports]
     if any(tamper):
         line = re.sub(r"/\S*/(target|draft)/", r"OUT/\1/", next(t for t in tamper if t).split(": ", 1)[-1])

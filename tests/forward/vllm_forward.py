@@ -27,6 +27,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+# One OpenMP thread per rank on this 2-core machine; at TP3 ranks 0 and 2 share core 0 (vLLM does not
+# refuse overlapping lists).
+THREADS_BIND = {2: "0|1", 3: "0|1|0"}
+
+
 def engine_env(tp: int) -> dict[str, str]:
     """The environment of an engine run. Each entry is harness-only, with its reason:
 
@@ -35,7 +40,7 @@ def engine_env(tp: int) -> dict[str, str]:
     * VLLM_CPU_KVCACHE_SPACE=1 (GiB): by default the CPU worker sizes the KV cache from free memory
       (20 GiB here), and profiling plus zeroing it costs 46-49 s per engine; 1 GiB holds the 4096-token
       context many times over and builds in 16-17 s.
-    * VLLM_CPU_OMP_THREADS_BIND="0|1" at TP2 (one core per rank): the default "auto" binds each rank
+    * VLLM_CPU_OMP_THREADS_BIND="0|1" at TP2, "0|1|0" at TP3 (`THREADS_BIND`): the default "auto" binds each rank
       to a NUMA node and refuses "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers.
       Allowed NUMA nodes are [0]." on this one-node machine.
     * TORCHDYNAMO_DISABLE=1: at TP > 1 `VocabParallelEmbedding` masks the token ids in a
@@ -50,10 +55,8 @@ def engine_env(tp: int) -> dict[str, str]:
     env.update(LUCIFER_FORWARD_HARNESS="1", TORCHDYNAMO_DISABLE="1", VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONDONTWRITEBYTECODE="1", TQDM_DISABLE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE / "boot"), *filter(None, [env.get("PYTHONPATH")])])
-    if tp == 2:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    elif tp > 2:
-        raise ValueError(f"tp={tp}: this harness binds one core per rank and knows 1 and 2 ranks")
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = THREADS_BIND[tp]
     return env
 
 

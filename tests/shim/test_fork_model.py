@@ -1,6 +1,6 @@
 """TP3 in the target fork's own code: mlow/vllm's DeepSeek-V4 models, virtual-TP plan and loaders.
 
-For each vetted fork build (`compat.SUPPORTED_BUILDS`), one world of three gloo processes
+For each vetted fork build (`compat.SUPPORTED_BUILDS`, the stock releases left out), one world of three gloo processes
 (`vllm_cpu_model.py` with the fork's source first on PYTHONPATH, from tools/fork-overlay.sh) builds
 the fork's own `DeepseekV4ForCausalLM` and `DeepSeekV4MTP` at tensor-parallel size 3 and loads them
 before post-load processing, each into a fresh model:
@@ -34,6 +34,8 @@ import torch
 
 import shim_fixtures as sf
 from lucifer_shard.runtime_shim.compat import SUPPORTED_BUILDS
+
+FORK_BUILDS = tuple(b for b in SUPPORTED_BUILDS if not b.stock)
 from lucifer_shard.runtime_shim.manifest import DRAFT_RUNTIME_OWNED, DRAFT_RUNTIME_OWNED_SUFFIXES, compare_plan
 from vllm_cpu_model import NVIDIA_ENGINE
 
@@ -70,16 +72,17 @@ def source_tensor(model: Path, key: str) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def converted(shim_base) -> tuple[Path, Path]:
-    model = shim_base / "model"
+    # 6 routed experts, so that stock vLLM's CPU platform takes the same files (`stock`)
+    model = shim_base / "model-6-experts"
     if not model.exists():
-        sf.cli("synth", "tiny", str(model), "--quiet")
+        sf.synth_tiny(model, 6)
     out = shim_base / "fork-tp3-model-layout"
     if not (out / "COMPLETE").exists():
         sf.cli("convert", "--tp", str(TP), "--arch", "sm120", str(model), str(out), "--expert-layout", "model", "--quiet")
     return model, out
 
 
-@pytest.fixture(scope="module", params=SUPPORTED_BUILDS, ids=[b.commit for b in SUPPORTED_BUILDS])
+@pytest.fixture(scope="module", params=FORK_BUILDS, ids=[b.commit for b in FORK_BUILDS])
 def world(request, converted, tmp_path_factory) -> dict:
     build = request.param
     overlay = CACHE / f"fork-{build.commit}"

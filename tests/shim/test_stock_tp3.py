@@ -21,8 +21,6 @@ other padded axis is `tiny`'s, Flash's real sizes: 64 heads, 8 output groups, 20
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -42,20 +40,11 @@ LOADED = ("lucifer", "draft", "nvidia_sm120", "nvidia_sm90")
 WORLD_TIMEOUT_S = 900
 
 
-def synth_tiny(path: Path, experts: int) -> None:
-    """`synth tiny` with another routed-expert count: lucifer-shard's own synth, its preset changed in that
-    process only."""
-    code = ("import sys, lucifer_shard.engine.synth as s; base = s.preset_config; "
-            "s.preset_config = lambda *a, **k: {**base(*a, **k), 'n_routed_experts': int(sys.argv[2])}; "
-            "s.synth('tiny', sys.argv[1], progress=False)")
-    subprocess.run([sys.executable, "-c", code, str(path), str(experts)], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("stock-tp3")
     source, out, kernel = base / "model", base / "out", base / "out-kernel"
-    synth_tiny(source, EXPERTS)
+    sf.synth_tiny(source, EXPERTS)
     sf.cli("convert", "--tp", str(TP), "--arch", "sm120", str(source), str(out), "--expert-layout", "model", "--quiet")
     sf.cli("convert", "--tp", str(TP), "--arch", "sm120", str(source), str(kernel), "--quiet")
     lucifer = {"model": str(out), "load_format": "lucifer_tp3"}
