@@ -25,7 +25,7 @@ test-cpu:
 test-shim:
 	$(VLLM_ENV) python -m pytest -q tests/shim -m vllm; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
-# vLLM's own DeepSeek-V4 CPU forward from the checkpoint and from rank files, TP 1 and 2 (about 7 minutes
+# vLLM's own DeepSeek-V4 CPU forward from the checkpoint and from rank files, TP 1, 2 and 3 (about 10 minutes
 # on 2 cores; skips, saying why, on a CPU without avx512_bf16). -rsx prints skip and xfail reasons.
 test-forward:
 	$(VLLM_CPU_ENV) python -m pytest -q -rsx tests/forward -m forward; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc

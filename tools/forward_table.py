@@ -20,8 +20,10 @@ RUN_ROWS = [("ref1", "TP1, checkpoint, vLLM's default loader (reference)"),
             ("full1", "the same, verify=full"),
             ("mtp1", "TP1, rank files, MTP draft (`num_speculative_tokens` 1)"),
             ("ref384", "TP1, 384-expert variant's checkpoint, vLLM's default loader (the TP3 reference)"),
-            ("lu3", "TP3, the variant's rank files (`--tp 3`), lucifer_tp3, the plugin's stock virtual TP")]
-PAIRS = (("ref1", "ck2", "model"), ("ref1", "lu2", "model"), ("lu1", "lu2", "model"), ("ref384", "lu3", "model384"))
+            ("lu3", "TP3, the variant's rank files (`--tp 3`), lucifer_tp3, the plugin's stock virtual TP"),
+            ("ck4", "TP4, the variant's checkpoint, vLLM's default loader")]
+PAIRS = (("ref1", "ck2", "model"), ("ref1", "lu2", "model"), ("lu1", "lu2", "model"), ("ref384", "lu3", "model384"),
+         ("ref384", "ck4", "model384"))
 
 
 def main(out: Path) -> None:

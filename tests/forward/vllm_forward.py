@@ -27,9 +27,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-# One OpenMP thread per rank on this 2-core machine; at TP3 ranks 0 and 2 share core 0 (vLLM does not
-# refuse overlapping lists).
-THREADS_BIND = {2: "0|1", 3: "0|1|0"}
+# One OpenMP thread per rank on this 2-core machine: at TP2 one core each; at TP3 and TP4 unpinned, scheduled by
+# the OS (with "0|1|0", ranks 0 and 2 pinned to one core, the first execute_model once hung until vLLM's
+# 300 s timeout; unpinned it ran every time, the 2300-token prompt in 70 s).
+THREADS_BIND = {2: "0|1", 3: "nobind", 4: "nobind"}
 
 
 def engine_env(tp: int) -> dict[str, str]:
@@ -40,9 +41,9 @@ def engine_env(tp: int) -> dict[str, str]:
     * VLLM_CPU_KVCACHE_SPACE=1 (GiB): by default the CPU worker sizes the KV cache from free memory
       (20 GiB here), and profiling plus zeroing it costs 46-49 s per engine; 1 GiB holds the 4096-token
       context many times over and builds in 16-17 s.
-    * VLLM_CPU_OMP_THREADS_BIND="0|1" at TP2, "0|1|0" at TP3 (`THREADS_BIND`): the default "auto" binds each rank
-      to a NUMA node and refuses "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers.
-      Allowed NUMA nodes are [0]." on this one-node machine.
+    * VLLM_CPU_OMP_THREADS_BIND="0|1" at TP2, "nobind" with OMP_NUM_THREADS=1 at TP3/4 (`THREADS_BIND`):
+      the default "auto" binds each rank to a NUMA node and refuses "Not enough allowed NUMA nodes to
+      bind threads of 2 local CPUWorkers. Allowed NUMA nodes are [0]." on this one-node machine.
     * TORCHDYNAMO_DISABLE=1: at TP > 1 `VocabParallelEmbedding` masks the token ids in a
       `torch.compile`d helper (`get_masked_input_and_mask`, integer ops only, so eager gives the same
       values); inductor's C++ build of it (ISA probes, then the compile) cost 50-97 s of the first
@@ -57,6 +58,8 @@ def engine_env(tp: int) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(HERE / "boot"), *filter(None, [env.get("PYTHONPATH")])])
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = THREADS_BIND[tp]
+    if tp > 2:
+        env["OMP_NUM_THREADS"] = "1"  # "nobind" leaves OpenMP's thread count to the environment
     return env
 
 
