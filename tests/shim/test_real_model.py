@@ -10,8 +10,9 @@ models vLLM selects and loads each into a fresh model, before post-load processi
 * the MTP draft, vLLM's NVIDIA `DeepSeekV4MTP` class (the CPU class is a stub that raises in
   `__init__`), from the checkpoint and from the draft rank files.
 
-TP3 cannot be built here: stock vLLM asserts `n_heads % tp_size == 0` (64 / 3); the fork's own
-code covers TP3 (`test_fork_model.py`).
+At TP3 vLLM's own loader cannot run (stock vLLM refuses 64 heads / 3), so there is no such pair:
+TP3 is loaded with the plugin's stock virtual TP and compared with the rank files
+(`test_stock_tp3.py`), and in the fork's own code with the fork's loader (`test_fork_model.py`).
 """
 from __future__ import annotations
 
