@@ -147,6 +147,9 @@ _FORK_POLICY_HASHES = {
 }
 _FORK_SETUP_KERNEL = {"Mxfp4MoEMethod._setup_kernel":
                       "sha256:c0affd064e176be46068a4bf65c8a9a72da33bae8faab50fae29f23c5ba47a86"}
+# cece381c4 and 81564374e share every vetted function
+_FORK_FF_HASHES = {**_FORK_POLICY_HASHES, **_FORK_SETUP_KERNEL, "convert_weight_to_mxfp4_moe_kernel_format":
+                   "sha256:450a446ab3afb7d3626aa9870434b54f318e01984b3ceede81a87f4abc63b4f0"}
 _STOCK_VOCAB_INIT = {"VocabParallelEmbedding.__init__":
                      "sha256:cf1293c90859a554f9fd011358565590048acafc7af7f36c78fc30d37a4593f2"}
 
@@ -167,8 +170,7 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
     Build(
         commit="cece381c4",
         label="mlow/vllm branch mlow/vllm-gb10-b12x-ff",
-        hashes={**_FORK_POLICY_HASHES, **_FORK_SETUP_KERNEL, "convert_weight_to_mxfp4_moe_kernel_format":
-                "sha256:450a446ab3afb7d3626aa9870434b54f318e01984b3ceede81a87f4abc63b4f0"},
+        hashes=_FORK_FF_HASHES,
         draft_virtual_tp=False,
         flashinfer="0.6.13",
         branches=("mlow/vllm-gb10-b12x-ff",),
@@ -177,8 +179,7 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
     Build(
         commit="81564374e",
         label="mlow/vllm branch gg-fix",
-        hashes={**_FORK_POLICY_HASHES, **_FORK_SETUP_KERNEL, "convert_weight_to_mxfp4_moe_kernel_format":
-                "sha256:450a446ab3afb7d3626aa9870434b54f318e01984b3ceede81a87f4abc63b4f0"},
+        hashes=_FORK_FF_HASHES,
         draft_virtual_tp=True,
         flashinfer="0.6.14",
         branches=("gg-fix",),

@@ -20,6 +20,7 @@ from lucifer_shard.spec.manifest import file_digest, file_metadata
 from lucifer_shard.spec.stheader import Header
 
 from . import compat, patches, reader
+from .configview import backend_name
 from .errors import ShimError, ShimRuntimeError
 from .manifest import (
     DRAFT_RUNTIME_OWNED,
@@ -377,7 +378,7 @@ class LuciferTP3Loader(BaseModelLoader):
                 raise ShimError(f"{prefix}: experts arrive in kernel layout but the re-layout wrapper is not "
                                 f"installed ({patches.why_not_installed(compat.RELAYOUT)}); use a supported vLLM build "
                                 f"or convert with --expert-layout model")
-            backend = patches._backend_name(getattr(qm, "mxfp4_backend", None))
+            backend = backend_name(getattr(qm, "mxfp4_backend", None))
             if backend != manifest.moe_variant:
                 raise ShimError(f"MoE backend resolved to {backend} on layer {prefix}; files require "
                                 f"{manifest.moe_variant} (--moe-backend {patches.MOE_BACKEND}, unset VLLM_USE_B12X_MOE)")

@@ -22,12 +22,13 @@ import os
 from dataclasses import dataclass, field
 
 from lucifer_shard.errors import SourceError
-from lucifer_shard.spec.config import MODEL_TYPE, ModelConfig, parse_config
+from lucifer_shard.spec.config import ModelConfig, parse_config
 from lucifer_shard.spec.layouts import EXPERT_TENSORS
 from lucifer_shard.spec.manifest import RUNTIME
 from lucifer_shard.spec.plan import arch_of_capability
 
 from . import compat, stock_vtp
+from .configview import backend_name, model_problems, text_config
 from .errors import ShimError, ShimRuntimeError
 from .manifest import compare_plan, load_manifest, virtual_tp_needed
 
@@ -74,12 +75,6 @@ def why_not_installed(wrapper: str) -> str:
 # ------------------------------------------------------------------------- the Lucifer tuple
 
 
-def _backend_name(value) -> str | None:
-    if value is None:
-        return None
-    return str(getattr(value, "name", value))
-
-
 def device_arch() -> tuple[str | None, str]:
     """(arch, 'major.minor') of the current GPU as vLLM sees it; (None, reason) without one."""
     try:
@@ -94,13 +89,9 @@ def device_arch() -> tuple[str | None, str]:
     return arch_of_capability(major), f"{major}.{minor}"
 
 
-def _text_config(model_config):
-    return getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
-
-
 def runtime_plan(model_config) -> dict | None:
     """vLLM's live virtual-TP plan (`hf_text_config.vllm_virtual_tp_plan`), None without one."""
-    return getattr(_text_config(model_config), "vllm_virtual_tp_plan", None)
+    return getattr(text_config(model_config), "vllm_virtual_tp_plan", None)
 
 
 def model_dir(model_config) -> str:
@@ -109,16 +100,8 @@ def model_dir(model_config) -> str:
 
 def _model_problems(vllm_config) -> list[str]:
     """How the model and the two backends differ from the Lucifer tuple (empty = they are the tuple)."""
-    mc = vllm_config.model_config
-    text = _text_config(mc)
-    problems = []
-    model_type = getattr(getattr(mc, "hf_config", None), "model_type", None)
-    if model_type != MODEL_TYPE and getattr(text, "model_type", None) != MODEL_TYPE:
-        problems.append(f"model_type {model_type!r} (files require {MODEL_TYPE!r})")
-    expert_dtype = getattr(text, "expert_dtype", "fp4")
-    if expert_dtype != "fp4":
-        problems.append(f"expert_dtype {expert_dtype!r} (files require 'fp4')")
-    attn = _backend_name(getattr(getattr(vllm_config, "attention_config", None), "backend", None))
+    problems = model_problems(vllm_config)
+    attn = backend_name(getattr(getattr(vllm_config, "attention_config", None), "backend", None))
     if attn != ATTENTION_BACKEND:
         problems.append(f"attention backend {attn} (pass --attention-backend {ATTENTION_BACKEND})")
     moe = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)
@@ -163,7 +146,7 @@ def tuple_problems(vllm_config, manifest=None) -> list[str]:
 def source_config(model_config) -> ModelConfig | None:
     """The converter's view (`lucifer_shard.spec.config.parse_config`) of vLLM's hf config, with any
     virtual-TP padding the fork applied undone; None when it is not a config lucifer-shard converts."""
-    text = _text_config(model_config)
+    text = text_config(model_config)
     to_dict = getattr(text, "to_dict", None)
     raw = dict(to_dict() if callable(to_dict) else vars(text))
     for key in VTP_PADDED_KEYS:
@@ -234,7 +217,7 @@ def make_relayout_wrapper(original):
         tag: ExpertTag | None = getattr(layer, TAG_ATTR, None)
         if tag is None:
             return original(*args, **kwargs)
-        backend = _backend_name(bound.arguments.get("mxfp4_backend"))
+        backend = backend_name(bound.arguments.get("mxfp4_backend"))
         if backend != tag.moe_variant:
             raise ShimError(f"MoE backend resolved to {backend} on layer {tag.prefix}; files require "
                             f"{tag.moe_variant} (--moe-backend {MOE_BACKEND}, unset VLLM_USE_B12X_MOE)")

@@ -21,10 +21,10 @@ import inspect
 import math
 from typing import Any
 
-from lucifer_shard.spec.config import MODEL_TYPE
 from lucifer_shard.spec.manifest import RUNTIME
 
 from . import compat
+from .configview import backend_name, model_problems, text_config
 from .errors import ShimError
 from .manifest import Manifest, load_manifest
 
@@ -83,8 +83,7 @@ def pad_config(hf_config, padding: dict[str, Any]):
 
 def applied(model_config) -> dict[str, Any] | None:
     """The padding `pad_config` applied to a vLLM model config, None if it did not."""
-    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
-    return getattr(hf, MARKER, None)
+    return getattr(text_config(model_config), MARKER, None)
 
 
 def geometry_problem(model_config, manifest: Manifest) -> str | None:
@@ -97,7 +96,7 @@ def geometry_problem(model_config, manifest: Manifest) -> str | None:
         needs = ", ".join(f"{k} {o} -> {p}" for k, (o, p) in want["sizes"].items())
         found = "was not padded" if got is None else f"was padded for another plan ({got['sizes']})"
         return f"stock virtual TP: the model config {found}; the manifest's plan needs {needs}"
-    hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    hf = text_config(model_config)
     for key, (_, padded) in want["sizes"].items():
         if getattr(hf, key, None) != padded:
             return f"stock virtual TP: config {key}={getattr(hf, key, None)}, the manifest's plan needs {padded}"
@@ -107,10 +106,6 @@ def geometry_problem(model_config, manifest: Manifest) -> str | None:
 # ---------------------------------------------------------------------------- engine process
 
 
-def _backend_name(value) -> str | None:
-    return None if value is None else str(getattr(value, "name", value))
-
-
 def stock_problems(vllm_config, manifest: Manifest) -> list[str]:
     """Each way a stock vLLM config cannot serve `manifest` with lucifer_tp3 (empty: it can)."""
     from vllm.platforms import current_platform
@@ -118,13 +113,7 @@ def stock_problems(vllm_config, manifest: Manifest) -> list[str]:
     from . import patches
 
     mc = vllm_config.model_config
-    text = getattr(mc, "hf_text_config", None) or mc.hf_config
-    problems = []
-    if getattr(text, "model_type", None) != MODEL_TYPE:
-        problems.append(f"model_type {getattr(text, 'model_type', None)!r} (files require {MODEL_TYPE!r})")
-    if getattr(text, "expert_dtype", "fp4") != "fp4":
-        problems.append(f"expert_dtype {text.expert_dtype!r} (files require 'fp4')")
-    problems += patches.parallel_problems(vllm_config, manifest)
+    problems = model_problems(vllm_config) + patches.parallel_problems(vllm_config, manifest)
     if manifest.expert_layout != "model" and not patches.installed(compat.RELAYOUT):
         problems.append(f"routed experts in kernel layout ({manifest.moe_variant}), which only the fork builds load "
                         f"(re-convert with --expert-layout model)")
@@ -134,14 +123,14 @@ def stock_problems(vllm_config, manifest: Manifest) -> list[str]:
         if diff:
             problems.append(f"{role}: {diff} (this vLLM did not apply the plugin's hf_overrides to it)")
     if current_platform.is_cpu():
-        experts = int(getattr(text, "n_routed_experts", 0) or 0)
+        experts = int(getattr(text_config(mc), "n_routed_experts", 0) or 0)
         if manifest.tp_size > 1 and experts % manifest.tp_size:
             # cpu/model.py asserts it; the values it computes from it are unused, but the assert is vLLM's
             problems.append(f"vLLM's CPU DeepSeek-V4 class requires n_routed_experts ({experts}) % tp "
                             f"({manifest.tp_size}) == 0; serve on GPUs (the NVIDIA class has no such requirement)")
         return problems
     arch, cap = patches.device_arch()
-    attn = _backend_name(getattr(getattr(vllm_config, "attention_config", None), "backend", None))
+    attn = backend_name(getattr(getattr(vllm_config, "attention_config", None), "backend", None))
     instead = UNRUNNABLE_ATTENTION.get(arch or "", {}).get(attn or "")
     if instead:
         problems.append(f"attention backend {attn} does not run on capability {cap} (pass --attention-backend "
