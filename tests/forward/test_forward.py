@@ -31,19 +31,13 @@ from pathlib import Path
 import pytest
 
 import compare
+from inputs import FLIP_TENSOR, LOGPROBS, LONG, LONG_STEPS, MAX_MODEL_LEN, SHORT, SHORT_STEPS, flip_routed_expert_byte
 from vllm_forward import run_engine
 
-SHORT = [[1, 17, 42, 99, 256, 512, 7, 3], [5, 900, 33, 2, 71, 640, 128, 999, 4, 12, 300, 77], [2, 3, 5, 7, 11, 13, 17]]
-LONG = [[(i * 7919 + 13) % 997 + 2 for i in range(2300)]]
-SHORT_STEPS, LONG_STEPS, LOGPROBS, MAX_MODEL_LEN = 8, 4, 20, 4096
 GENERATES = [{"name": "short", "prompts": SHORT, "max_tokens": SHORT_STEPS, "reps": 2},
              {"name": "long", "prompts": LONG, "max_tokens": LONG_STEPS, "reps": 1}]
 SHORT_ONLY = GENERATES[:1]
 MTP = {"method": "mtp", "num_speculative_tokens": 1}
-# The byte flipped: in layer 0 (hash routing: token id -> experts through tid2eid, so the expert that
-# the first prompt token uses is known without running the model), that expert's first w13 byte.
-FLIP_TENSOR = "model.layers.0.ffn.experts.routed_experts.w13_weight"
-
 RUNS = {  # name: (source, TP, load format, extra config, generates, speculative config)
     "ref1": ("model", 1, "auto", None, GENERATES, None),
     "lu1": ("out1", 1, "lucifer_tp3", None, GENERATES, None),
@@ -92,30 +86,6 @@ def sources(forward_dir: Path) -> dict[str, Path]:
     shutil.copytree(paths["out1"], paths["flipped"])
     flip_routed_expert_byte(paths["model"], paths["flipped"])
     return paths
-
-
-def flip_routed_expert_byte(model: Path, out: Path) -> dict:
-    """XOR 0xFF into the first byte of FLIP_TENSOR's row block of the expert that layer 0's hash routing
-    gives SHORT[0][0]; returns where."""
-    from safetensors import safe_open
-
-    from lucifer_shard.spec.stheader import read_header
-
-    index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
-    with safe_open(str(model / index["layers.0.ffn.gate.tid2eid"]), "pt") as f:
-        expert = int(f.get_tensor("layers.0.ffn.gate.tid2eid")[SHORT[0][0], 0])
-    part = next(p for p in sorted((out / "target" / "rank-0").glob("*.safetensors"))
-                if FLIP_TENSOR in read_header(p).tensors)
-    header = read_header(part)
-    t = header.tensors[FLIP_TENSOR]
-    per_expert = (t.end - t.start) // t.shape[0]
-    offset = header.data_start + t.start + expert * per_expert
-    with open(part, "r+b") as fh:
-        fh.seek(offset)
-        b = fh.read(1)[0]
-        fh.seek(offset)
-        fh.write(bytes([b ^ 0xFF]))
-    return {"file": str(part), "expert": expert, "offset": offset}
 
 
 @pytest.fixture(scope="session")

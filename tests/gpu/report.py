@@ -71,7 +71,8 @@ in `tests/gpu/results/`, and this page is rendered from them:
 
 ```bash
 python3 tests/gpu/report.py tests/gpu/results/gpu-results.json tests/gpu/results/machine.txt \\
-    --log tests/gpu/results/gpu-tests.log --notes tests/gpu/results/notes.md --command "..." -o docs/gpu-validation.md
+    --log tests/gpu/results/gpu-tests.log --notes tests/gpu/results/notes.md \\
+    --serving tests/gpu/results/serving.md --command "..." -o docs/gpu-validation.md
 ```
 """
 
@@ -231,7 +232,7 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def render(recs: list[dict], machine_text: str, log_text: str = "", build: dict | None = None,
-           command: str = DEFAULT_COMMAND, notes: str = "") -> str:
+           command: str = DEFAULT_COMMAND, notes: str = "", serving: str = "") -> str:
     go, checks = evaluate(recs)
     mach = parse_machine(machine_text)
     kind = lambda k: [r for r in recs if r.get("kind") == k]  # noqa: E731
@@ -423,6 +424,9 @@ def render(recs: list[dict], machine_text: str, log_text: str = "", build: dict 
                      "partials == single-process"], rows) if rows else ["(no rows)"]
         L += ["", f"Tolerances: vs unsharded rel <= {tol.get('vs_ref_rel')}, vs emulation rel <= {tol.get('vs_emul_rel')}.", ""]
 
+    if serving.strip():
+        L += ["## 8. Served inside vLLM: stock vLLM 0.33.0 on the H200 (issue 24, a separate run)", "", serving.strip(), ""]
+
     L += [RECIPE.strip(), ""]
 
     L += ["## What this does not prove", "",
@@ -454,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build-status", type=Path, help="build_status.json of .gpu/build_fi.py (build wall time)")
     ap.add_argument("--command", default=DEFAULT_COMMAND)
     ap.add_argument("--notes", type=Path, help="markdown quoted under 'Notes on this run'")
+    ap.add_argument("--serving", type=Path, help="markdown of the serving run (tests/gpu/serve_run.py), section 8")
     ap.add_argument("-o", "--output", type=Path)
     a = ap.parse_args(argv)
     recs = load_records(a.results)
@@ -461,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     log = a.log.read_text(errors="replace") if a.log and a.log.exists() else ""
     build = json.loads(a.build_status.read_text()) if a.build_status and a.build_status.exists() else None
     notes = a.notes.read_text() if a.notes else ""
-    text = render(recs, machine, log, build, a.command, notes)
+    text = render(recs, machine, log, build, a.command, notes, a.serving.read_text() if a.serving else "")
     if a.output:
         a.output.parent.mkdir(parents=True, exist_ok=True)
         a.output.write_text(text)

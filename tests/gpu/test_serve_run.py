@@ -1,0 +1,63 @@
+"""The GPU serving run's own logic, on the CPU (tests/gpu/serve_run.py runs on the device; these parts
+decide what it reports): the comparison of two servers' generations, which phases may run, and that the
+command it gives `lucifer-shard serve` passes the real CLI's check of the flags it owns."""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+
+import report
+import serve_run as S
+from test_gpu_report import MACHINE, _good_records, _write
+
+
+def _gen(tokens: list[int], lp: float) -> dict:
+    one = {"tokens": tokens, "token_logprobs": [lp] * len(tokens), "top_logprobs": [{f"token_id:{t}": lp} for t in tokens]}
+    return {"short": [one], "short_again": [one], "long": [one]}
+
+
+def test_same_is_bitwise_and_reports_the_largest_logprob_difference():
+    a = _gen([1, 2, 3], -0.5)
+    assert S.same(a, copy.deepcopy(a)) == {"tokens_equal": True, "identical": True, "max_abs_logprob_diff": 0.0}
+    b = _gen([1, 2, 3], -0.25)
+    r = S.same(a, b)
+    assert r["tokens_equal"] and not r["identical"] and r["max_abs_logprob_diff"] == 0.25
+    assert not S.same(a, _gen([1, 2, 4], -0.5))["tokens_equal"]
+
+
+@pytest.mark.parametrize("phase,results,why", [
+    ("prepare", {"probe": {"import_ok": False}}, "does not import"),
+    ("eager", {}, "does not import"),
+    ("graphs", {"probe": {"import_ok": True}, "eager": {"runs": {"ref_eager": {"started": False}}}}, "did not start"),
+    ("startup", {"probe": {"import_ok": True}}, "did not start"),
+])
+def test_phases_wait_for_what_they_need(phase, results, why):
+    assert why in S._missing_prerequisite(phase, results)
+
+
+def test_phases_run_when_their_prerequisites_held():
+    ok = {"probe": {"import_ok": True}, "eager": {"runs": {"ref_eager": {"started": True}}}}
+    assert all(S._missing_prerequisite(p, ok) is None for p in S.PHASES)
+
+
+def test_lucifer_serve_command_passes_the_clis_owned_flag_check(converted):
+    """`serve --dry-run` with exactly the arguments the serving run passes: the CLI must not refuse a
+    flag it owns (the run leaves the backends to the manifest's arch); without vLLM here it stops at the
+    environment check, after the argument check."""
+    out = converted(tp=1, arch="sm90", expert_layout="model")
+    argv = S.lucifer_serve(out, S.EAGER, verify="full")
+    assert argv[:3] == [sys.executable, "-m", "lucifer_shard.cli"]
+    r = subprocess.run([*argv[:4], argv[4], "--dry-run", *argv[5:]], capture_output=True, text=True)
+    assert "in the vLLM arguments" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert r.returncode in (0, 1), r.stderr
+    assert not {"--attention-backend", "--moe-backend"} & set(argv)
+
+
+def test_report_renders_the_serving_section(tmp_path):
+    recs = report.load_records(_write(tmp_path / "r.json", _good_records()))
+    md = report.render(recs, MACHINE, serving="No token was served.")
+    assert "## 8. Served inside vLLM" in md and "No token was served." in md
+    assert "## 8." not in report.render(recs, MACHINE)
