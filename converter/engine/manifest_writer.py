@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import __version__
+from ..guarded_io import Tree
 from ..spec.content import ALGORITHM, BLOCK, checkpoint_digest, shard_digests
 from ..spec.layouts import LAYOUT_VERSION
 from ..spec.manifest import (FLASHINFER_VERSIONS, FORMAT, FORMAT_VERSION, MANIFEST_NAME, RUNTIME, manifest_text,
@@ -12,7 +13,6 @@ from ..spec.manifest import (FLASHINFER_VERSIONS, FORMAT, FORMAT_VERSION, MANIFE
 from ..spec.plan import MOE_VARIANT
 from ..spec.rules import TensorSpec
 from ..spec.source import side_files
-from .fsutil import atomic_write_text
 from .job import Job, layout_name, stored_shape
 
 
@@ -92,4 +92,4 @@ def build_manifest(job: Job, files: dict[str, dict]) -> dict:
 
 
 def write_manifest(out: Path, doc: dict) -> None:
-    atomic_write_text(out / MANIFEST_NAME, manifest_text(doc))
+    Tree(out).write_bytes(MANIFEST_NAME, manifest_text(doc).encode())

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SourceError
+from ..guarded_io import JSON_LIMIT, read_regular
 
 ARCHITECTURE = "DeepseekV4ForCausalLM"
 MODEL_TYPE = "deepseek_v4"
@@ -151,10 +152,10 @@ def _check_geometry(cfg: ModelConfig, where: str) -> None:
 
 def load_config(path: Path) -> ModelConfig:
     try:
-        raw = json.loads(Path(path).read_text())
+        raw = json.loads(read_regular(path, JSON_LIMIT, follow=True))
     except FileNotFoundError:
         raise SourceError(f"{path}: not found; a model directory needs config.json") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:
         raise SourceError(f"{path}: cannot read config ({e})") from None
     if not isinstance(raw, dict):
         raise SourceError(f"{path}: config is not a JSON object")
