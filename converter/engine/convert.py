@@ -27,7 +27,8 @@ from tqdm import tqdm
 from ..errors import SourceError
 from ..spec.content import ContentDigests
 from ..spec.layouts import Layout
-from ..spec.manifest import COMPLETE_NAME, STATE_DIR, Options, file_metadata, part_path, rank_dir
+from ..spec.manifest import (COMPLETE_NAME, CONTENT_PLACEHOLDER, STATE_DIR, Options, file_metadata, part_content,
+                             part_path, rank_dir)
 from ..spec.outlock import OutLock, describe
 from ..spec.source import side_files
 from ..units import byte_bar, duration, rate, size
@@ -104,7 +105,9 @@ class _RankSink:
 
 
 def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPoolExecutor | None],
-                digests: ContentDigests) -> list[WrittenFile]:
+                digests: ContentDigests) -> tuple[list[WrittenFile], dict[str, str]]:
+    """Write one part's file on every rank; its files and its source tensors' digests. The files are
+    stamped with those digests (`part_content`) before they are published."""
     from .assemble import Assembler, EngineBufferPool, swap_folded
     from .stwriter import partial_path
 
@@ -118,7 +121,7 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
         for rank in range(job.plan.tp):
             headers = part_headers(specs_by_name[rank], part, job.layouts)
             path = out / part_path(part.role, rank, part.index)
-            meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp)
+            meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp, CONTENT_PLACEHOLDER)
             sinks.append(_RankSink(StreamWriter(path, headers, meta, align=job.options.align), pools[rank] or shared, buffers))
         work = []
         for name in part.names:
@@ -140,7 +143,13 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
             bar.update(sum(buf.nbytes for buf in bufs))
         for sink in sinks:
             sink.drain()
-        return [sink.writer.close() for sink in sinks]
+        keys = part_keys(specs_by_name[0], part)
+        sources = digests.finished(keys)
+        if len(sources) != len(keys):
+            raise RuntimeError(f"{part.role} part {part.index}: {len(keys) - len(sources)} source tensor(s) "
+                               f"not read completely")
+        content = part_content(sources)
+        return [sink.writer.close(content) for sink in sinks], sources
     except BaseException:
         for sink in sinks:
             try:
@@ -220,13 +229,8 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
         with open(state / JOURNAL, "a") as journal:
             for part in todo:
                 t_part = time.perf_counter()
-                files = _write_part(job, out, part, bar, pools, digests)
-                keys = part_keys(by_name[part.role], part)
-                sources = digests.finished(keys)
-                if len(sources) != len(keys):
-                    raise RuntimeError(f"{part.role} part {part.index}: {len(keys) - len(sources)} source tensor(s) "
-                                       f"not read completely")
-                summary.bytes_read += sum(sizes[k] for k in keys)
+                files, sources = _write_part(job, out, part, bar, pools, digests)
+                summary.bytes_read += sum(sizes[k] for k in sources)
                 entries = {}
                 for i, f in enumerate(files):
                     rel = str(f.path.relative_to(out))
@@ -243,7 +247,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
                             size(sum(f.bytes for f in files)), time.perf_counter() - t_part)
         for name in side_files(job.ckpt.root):
             atomic_copy(job.ckpt.root / name, out / name)
-        write_manifest(out, build_manifest(job, results))
+        write_manifest(out, build_manifest(job, results, out))
         atomic_write_text(out / COMPLETE_NAME, job.cid + "\n")
     except SourceError:
         # The source itself is bad: no rerun can finish this output, so leave nothing behind.
