@@ -69,8 +69,12 @@ def open_regular(path: Path | str, follow: bool = False, flags: int = 0, dir_fd:
     if not stat.S_ISREG(st.st_mode):
         raise _not_regular(shown, st.st_mode)
     # O_NONBLOCK: should a FIFO be swapped in after the stat, opening it does not wait for a writer.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC | flags | (0 if follow else os.O_NOFOLLOW),
-                 dir_fd=dir_fd)
+    # A regular file under a lease (Samba, NFS servers, a test) answers EAGAIN to that: wait for it.
+    flags |= os.O_RDONLY | _CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK, dir_fd=dir_fd)
+    except BlockingIOError:
+        fd = os.open(path, flags, dir_fd=dir_fd)
     try:
         now = os.fstat(fd)
         if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
@@ -368,3 +372,11 @@ def create_private(path: Path | str, data: bytes) -> None:
         write_all(fd, data)
     finally:
         os.close(fd)
+
+
+def remove_empty_dir(path: Path | str) -> None:
+    """Remove the directory `path` this process made, if it is still an empty real directory."""
+    try:
+        os.rmdir(path)  # refuses a link (ENOTDIR) and a non-empty directory
+    except OSError:
+        pass

@@ -10,6 +10,7 @@ A command declared with `@conventions(interrupted=...)` (under `@click.command`)
                  ok false, error {"kind", "message", "exit_code"}, and the result the command had
                  reached (a diff report with its findings)
   Ctrl-C         the command's own interrupt message on stderr, exit 130
+  SIGTERM        handled as Ctrl-C (the same clean stop and message), exit 143
   anything else  a bug: `error: internal error: <type>: <message>; details in <log>` (the traceback
                  goes to OUT/.lucifer/ or a temporary file), exit 70; with --json also the envelope
 
@@ -17,11 +18,13 @@ The console lives in the click context's `meta` (shared by a command and its gro
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
@@ -32,6 +35,7 @@ from ..errors import LuciferError, UsageRefused
 
 SCHEMA_VERSION = 1
 INTERNAL_ERROR = 70  # EX_SOFTWARE: a bug, not bad input
+TERMINATED = 143  # 128 + SIGTERM
 BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a reader that went away
 EXIT_CODES = (
     (0, "ok"),
@@ -40,6 +44,7 @@ EXIT_CODES = (
         "another writer)"),
     (INTERNAL_ERROR, "internal error: a bug; one line names the log file holding the traceback"),
     (130, "interrupted (Ctrl-C)"),
+    (143, "terminated (SIGTERM), stopped as cleanly as for Ctrl-C"),
     (BROKEN_PIPE, "stdout closed before the output was written (e.g. `| head`)"),
 )
 LOGGER = "lucifer_shard"
@@ -111,10 +116,9 @@ def internal_error_log(out: str | os.PathLike | None) -> str:
     import platform
     import tempfile
     import traceback
-    from pathlib import Path
 
     from .. import __version__
-    from ..guarded_io import create_private
+    from ..guarded_io import Tree
     from ..spec.manifest import STATE_DIR
 
     try:
@@ -125,13 +129,13 @@ def internal_error_log(out: str | os.PathLike | None) -> str:
         name = f"internal-error-{now:%Y%m%d-%H%M%S}-{os.getpid()}.log"
     except Exception as e:  # noqa: BLE001 - the handler of last resort must not fail itself
         return f"no log file (composing it failed: {type(e).__name__})"
-    try:
-        state = Path(out) / STATE_DIR if out else None
-        if state is not None and state.is_dir() and not state.is_symlink() and os.access(state, os.W_OK):
-            create_private(state / name, text.encode("utf-8", "replace"))
-            return str(state / name)
-    except (OSError, ValueError, TypeError):
-        pass  # OUT unreachable (ENAMETOOLONG, EACCES), a full disk: the temporary folder then
+    try:  # OUT may be anything here (a name too long, unreadable): the handler itself cannot fail
+        tree = Tree(out) if out else None
+        if tree is not None and tree.lstat(STATE_DIR) is not None:
+            tree.write_bytes(f"{STATE_DIR}/{name}", text.encode("utf-8", "replace"))
+            return str(tree.path(f"{STATE_DIR}/{name}"))
+    except (OSError, LuciferError, ValueError, TypeError):
+        pass  # a full disk, a link, say: try the temporary folder
     try:
         fd, path = tempfile.mkstemp(prefix="lucifer-shard-", suffix=f"-{name}")
         with os.fdopen(fd, "w", errors="replace") as f:
@@ -189,6 +193,28 @@ def _internal(con: Console, e: BaseException, out) -> NoReturn:
     con.fail(message, INTERNAL_ERROR, "internal", line=f"error: {message}; details in {log}")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what containers and systemd send), raised where Ctrl-C would be: the same clean stop."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """While a command runs, SIGTERM raises Terminated in the main thread, as SIGINT raises
+    KeyboardInterrupt; elsewhere (a command run from a worker thread) signals stay as they are."""
+    def handler(signum, frame):
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def conventions(interrupted: str) -> Callable:
     """Give a click command -q/-v/--json and route its outcome through its Console (module docstring)."""
 
@@ -203,9 +229,12 @@ def conventions(interrupted: str) -> Callable:
                     raise UsageRefused("-q and -v exclude each other; pass one")
                 con.verbosity = -1 if quiet else verbose
                 _configure_logging(con.verbosity)
-                f(*args, **kwargs)
+                with _sigterm_interrupts():
+                    f(*args, **kwargs)
             except LuciferError as e:
                 con.fail(str(e), e.exit_code, type(e).__name__)
+            except Terminated:
+                con.fail(interrupted, TERMINATED, "terminated", line=interrupted)
             except KeyboardInterrupt:
                 con.fail(interrupted, 130, "interrupted", line=interrupted)
             except BrokenPipeError:  # stdout closed early (`| head`): nothing is wrong, nothing to say

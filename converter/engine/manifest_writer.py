@@ -8,6 +8,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from .. import __version__
+from ..guarded_io import Tree
 from ..spec.content import ALGORITHM, BLOCK, checkpoint_digest, shard_digests
 from ..spec.layouts import LAYOUT_VERSION
 from ..guarded_io import JSON_LIMIT, read_regular
@@ -16,7 +17,6 @@ from ..spec.manifest import (FLASHINFER_VERSIONS, FORMAT, FORMAT_VERSION, MANIFE
 from ..spec.plan import MOE_VARIANT
 from ..spec.rules import TensorSpec
 from ..spec.source import side_files
-from .fsutil import atomic_write_text
 from .job import Job, layout_name, stored_shape
 
 
@@ -110,4 +110,4 @@ def build_manifest(job: Job, files: dict[str, dict], out: Path | None = None) ->
 
 
 def write_manifest(out: Path, doc: dict) -> None:
-    atomic_write_text(out / MANIFEST_NAME, manifest_text(doc))
+    Tree(out).write_bytes(MANIFEST_NAME, manifest_text(doc).encode())

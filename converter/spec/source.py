@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 from safetensors import safe_open
 
 from ..errors import SourceError
+from ..guarded_io import JSON_LIMIT, kind, read_regular
 from .config import ModelConfig, load_config
 from .rules import ROLES, check_source_keys
 from .stheader import Header, HeaderError, read_header
@@ -102,7 +104,7 @@ def _read_shard(path: Path) -> Header:
 def _weight_map(index_path: Path) -> dict[str, str]:
     """The index's key -> shard map; every shard a relative path inside the model directory."""
     try:
-        weight_map = json.loads(index_path.read_bytes())["weight_map"]
+        weight_map = json.loads(read_regular(index_path, JSON_LIMIT, follow=True))["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SourceError(f"{index_path}: unreadable index ({type(e).__name__}: {e}); re-download it") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -150,7 +152,7 @@ def open_checkpoint(root: Path, roles: tuple[str, ...] = ROLES) -> Checkpoint:
     else:
         raise SourceError(f"{root}: no {INDEX_NAME} or {SINGLE_NAME}; not a safetensors checkpoint")
     digest = hashlib.sha256()
-    digest.update((root / "config.json").read_bytes())
+    digest.update(read_regular(root / "config.json", JSON_LIMIT, follow=True))
     tensors: dict[str, TensorEntry] = {}
     files: dict[str, int] = {}
     data_start: dict[str, int] = {}
@@ -179,5 +181,21 @@ def open_checkpoint(root: Path, roles: tuple[str, ...] = ROLES) -> Checkpoint:
 
 
 def side_files(root: Path) -> list[str]:
-    """Config, tokenizer and generation files present in the model directory."""
-    return [n for n in SIDE_FILES if (Path(root) / n).is_file()]
+    """Config, tokenizer and generation files present in the model directory. One that is there but
+    not a readable regular file (a dangling link to a Hugging Face blob never downloaded, a FIFO, a
+    folder) is refused by name: skipping it would serve the model without it."""
+    found = []
+    for n in SIDE_FILES:
+        path = Path(root) / n
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode) and not path.exists():
+            raise SourceError(f"{path}: is a symlink to {os.readlink(path)}, which does not exist (a download that "
+                              f"did not finish); download it again, or remove the link to convert without it")
+        if not path.is_file():
+            raise SourceError(f"{path}: is {kind(path.stat().st_mode)}, not a regular file; replace it with the "
+                              f"file, or remove it to convert without it")
+        found.append(n)
+    return found
