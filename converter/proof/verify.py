@@ -228,7 +228,11 @@ def _stray_files(report: Report, out: Path, manifest: dict) -> None:
             continue
         for child in sorted(folder.iterdir()):
             rel = str(child.relative_to(out))
-            ok_rank = not child.is_symlink() and child.is_dir() and child.name.startswith("rank-") and child.name[5:].isdigit() \
+            if child.is_symlink():
+                report.add(Problem("file", f"{rel}: is a symlink; an output's folders are real directories, "
+                                   f"re-run convert --force", file=rel))
+                continue
+            ok_rank = child.is_dir() and child.name.startswith("rank-") and child.name[5:].isdigit() \
                 and int(child.name[5:]) < tp
             if not ok_rank:
                 report.add(Problem("file", f"{rel}: unexpected entry in {role}/ (TP is {tp}); remove it", file=rel))
