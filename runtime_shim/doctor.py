@@ -308,6 +308,10 @@ def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
         return [Check("output", FAIL, str(e), "lucifer-shard verify OUT; re-run convert if it is damaged")]
     checks = [Check("output", OK, f"{m.out}: conversion {m.conversion_id[:12]}, tp {m.tp_size}, arch {m.arch}, "
                     f"experts {m.expert_layout} layout ({m.moe_variant}), roles {', '.join(m.roles)}")]
+    from lucifer_shard.spec.manifest import copy_problems
+
+    for name, problem in copy_problems(m.out, m.doc):  # vLLM reads OUT/config.json and the tokenizer
+        checks.append(Check(f"output {name}", FAIL, problem, "lucifer-shard verify OUT"))
     if mtp and "draft" not in m.roles:
         checks.append(Check("output MTP draft", FAIL, "OUT has no draft/ (converted with --no-mtp)",
                             "serve without --mtp, or convert again without --no-mtp"))

@@ -19,6 +19,7 @@ The console lives in the click context's `meta` (shared by a command and its gro
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -108,7 +109,9 @@ class Console:
 
 def internal_error_log(out: str | os.PathLike | None) -> str:
     """Write the current exception's traceback, with the command line and versions, to
-    OUT/.lucifer/ when that folder exists and is writable, else to a temporary file; its path."""
+    OUT/.lucifer/ when that folder exists and is writable, else to a temporary file; its path.
+    Never raises: an OUT that cannot even be stat'ed (a name too long, no permission) gets the
+    temporary file, and if nothing can be written the line says so."""
     import datetime
     import platform
     import tempfile
@@ -118,25 +121,48 @@ def internal_error_log(out: str | os.PathLike | None) -> str:
     from ..guarded_io import Tree
     from ..spec.manifest import STATE_DIR
 
-    now = datetime.datetime.now().astimezone()
-    text = (f"lucifer-shard {__version__} internal error at {now.isoformat(timespec='seconds')}\n"
-            f"command: {' '.join(sys.argv)}\npython {platform.python_version()} on {platform.platform()}\n\n"
-            + traceback.format_exc())
-    name = f"internal-error-{now:%Y%m%d-%H%M%S}-{os.getpid()}.log"
+    try:
+        now = datetime.datetime.now().astimezone()
+        text = (f"lucifer-shard {__version__} internal error at {now.isoformat(timespec='seconds')}\n"
+                f"command: {' '.join(sys.argv)}\npython {platform.python_version()} on {platform.platform()}\n\n"
+                + traceback.format_exc())
+        name = f"internal-error-{now:%Y%m%d-%H%M%S}-{os.getpid()}.log"
+    except Exception as e:  # noqa: BLE001 - the handler of last resort must not fail itself
+        return f"no log file (composing it failed: {type(e).__name__})"
     try:  # OUT may be anything here (a name too long, unreadable): the handler itself cannot fail
         tree = Tree(out) if out else None
         if tree is not None and tree.lstat(STATE_DIR) is not None:
-            tree.write_bytes(f"{STATE_DIR}/{name}", text.encode())
+            tree.write_bytes(f"{STATE_DIR}/{name}", text.encode("utf-8", "replace"))
             return str(tree.path(f"{STATE_DIR}/{name}"))
-    except (OSError, LuciferError, ValueError):
+    except (OSError, LuciferError, ValueError, TypeError):
         pass  # a full disk, a link, say: try the temporary folder
     try:
         fd, path = tempfile.mkstemp(prefix="lucifer-shard-", suffix=f"-{name}")
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", errors="replace") as f:
             f.write(text)
         return path
     except OSError as e:
         return f"no log file (writing one failed: {e.strerror})"
+
+
+# OS errors that come from the machine or the input (permissions, limits, a full or read-only disk,
+# a bad name), not from a bug: one line naming the file and the errno, exit 2.
+ENVIRONMENT_ERRNOS = {errno.EACCES: "check its permissions", errno.EPERM: "check its permissions and attributes",
+                      errno.EROFS: "the filesystem is read-only", errno.ENOSPC: "free some room",
+                      errno.EDQUOT: "the disk quota is exhausted", errno.ENAMETOOLONG: "use a shorter path",
+                      errno.ELOOP: "too many symbolic links in the path", errno.EMFILE: "raise `ulimit -n`",
+                      errno.ENFILE: "the system is out of file descriptors", errno.EIO: "the disk reported an "
+                      "I/O error", errno.ENOENT: "it does not exist", errno.ENOTDIR: "a part of the path is not "
+                      "a directory", errno.EISDIR: "it is a directory", errno.ENXIO: "no such device"}
+
+
+def os_error_line(e: OSError) -> str | None:
+    """`<file>: <strerror>; <advice>` for an OSError of ENVIRONMENT_ERRNOS, else None (a bug)."""
+    advice = ENVIRONMENT_ERRNOS.get(e.errno)
+    if advice is None:
+        return None
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None) or "a file"
+    return f"{where}: {e.strerror}; {advice}"
 
 
 class _ClickStderr(logging.Handler):
@@ -154,6 +180,17 @@ def _configure_logging(verbosity: int) -> None:
         log.addHandler(handler)
         log.propagate = False
     log.setLevel(logging.DEBUG if verbosity >= 2 else logging.INFO if verbosity == 1 else logging.WARNING)
+
+
+def _internal(con: Console, e: BaseException, out) -> NoReturn:
+    """A bug: one line naming the log that holds the traceback, exit 70."""
+    log = internal_error_log(out)
+    try:
+        text = " ".join(str(e).split())
+    except Exception:  # noqa: BLE001 - an exception whose str() fails still gets its line
+        text = "(no message)"
+    message = f"internal error: {type(e).__name__}: {text}"
+    con.fail(message, INTERNAL_ERROR, "internal", line=f"error: {message}; details in {log}")
 
 
 class Terminated(KeyboardInterrupt):
@@ -205,10 +242,13 @@ def conventions(interrupted: str) -> Callable:
                 sys.exit(BROKEN_PIPE)
             except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
                 raise  # click's own usage errors and exits
+            except OSError as e:
+                line = os_error_line(e)
+                if line is None:
+                    _internal(con, e, kwargs.get("out"))
+                con.fail(line, 2, "OSError")
             except Exception as e:  # noqa: BLE001 - the one place an unexpected exception is reported
-                log = internal_error_log(kwargs.get("out"))
-                message = f"internal error: {type(e).__name__}: {' '.join(str(e).split())}"
-                con.fail(message, INTERNAL_ERROR, "internal", line=f"error: {message}; details in {log}")
+                _internal(con, e, kwargs.get("out"))
             con.succeed()
 
         for option in reversed((

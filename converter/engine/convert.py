@@ -27,7 +27,8 @@ from ..errors import OutputError, SourceError
 from ..guarded_io import Tree, write_all
 from ..spec.content import ContentDigests
 from ..spec.layouts import Layout
-from ..spec.manifest import COMPLETE_NAME, Options, file_metadata, part_path, rank_dir
+from ..spec.manifest import (COMPLETE_NAME, CONTENT_PLACEHOLDER, Options, file_metadata, part_content, part_path,
+                             rank_dir)
 from ..spec.outlock import OutLock, describe
 from ..spec.source import side_files
 from ..units import byte_bar, duration, rate, size
@@ -105,7 +106,9 @@ class _RankSink:
 
 
 def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPoolExecutor | None],
-                digests: ContentDigests) -> list[WrittenFile]:
+                digests: ContentDigests) -> tuple[list[WrittenFile], dict[str, str]]:
+    """Write one part's file on every rank; its files and its source tensors' digests. The files are
+    stamped with those digests (`part_content`) before they are published."""
     from .assemble import Assembler, EngineBufferPool, swap_folded
 
     tree = Tree(out)
@@ -119,7 +122,7 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
         for rank in range(job.plan.tp):
             headers = part_headers(specs_by_name[rank], part, job.layouts)
             rel = part_path(part.role, rank, part.index)
-            meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp)
+            meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp, CONTENT_PLACEHOLDER)
             sinks.append(_RankSink(StreamWriter(tree, rel, headers, meta, align=job.options.align), pools[rank] or shared,
                                    buffers))
         work = []
@@ -142,7 +145,13 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
             bar.update(sum(buf.nbytes for buf in bufs))
         for sink in sinks:
             sink.drain()
-        return [sink.writer.close() for sink in sinks]
+        keys = part_keys(specs_by_name[0], part)
+        sources = digests.finished(keys)
+        if len(sources) != len(keys):
+            raise RuntimeError(f"{part.role} part {part.index}: {len(keys) - len(sources)} source tensor(s) "
+                               f"not read completely")
+        content = part_content(sources)
+        return [sink.writer.close(content) for sink in sinks], sources
     except BaseException:
         for sink in sinks:
             try:
@@ -241,13 +250,8 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
         try:
             for part in todo:
                 t_part = time.perf_counter()
-                files = _write_part(job, out, part, bar, pools, digests)
-                keys = part_keys(by_name[part.role], part)
-                sources = digests.finished(keys)
-                if len(sources) != len(keys):
-                    raise RuntimeError(f"{part.role} part {part.index}: {len(keys) - len(sources)} source tensor(s) "
-                                       f"not read completely")
-                summary.bytes_read += sum(sizes[k] for k in keys)
+                files, sources = _write_part(job, out, part, bar, pools, digests)
+                summary.bytes_read += sum(sizes[k] for k in sources)
                 entries = {}
                 for i, f in enumerate(files):
                     rel = str(f.path.relative_to(out))
@@ -270,7 +274,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
             raise OutputError(f"{job.ckpt.root / changed}: changed while it was being converted (its size or time "
                               f"differs from when convert started); {out} is not finished: when the checkpoint is "
                               f"complete, run the same command with --force")
-        write_manifest(out, build_manifest(job, results))
+        write_manifest(out, build_manifest(job, results, out))
         tree.write_bytes(COMPLETE_NAME, (job.cid + "\n").encode())
     except SourceError:
         # The source itself is bad: no rerun can finish this output, so leave nothing of ours behind.

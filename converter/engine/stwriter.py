@@ -37,7 +37,7 @@ import numpy as np
 from blake3 import blake3
 
 from ..guarded_io import Tree, partial_name
-from ..spec.manifest import file_digest
+from ..spec.manifest import CONTENT_PLACEHOLDER, file_digest
 from ..spec.rules import DTYPE_SIZE
 from ..spec.stheader import read_header
 
@@ -217,7 +217,23 @@ class StreamWriter:
                 current = self.tensors[self._index]
                 self._left = current.nbytes
 
-    def close(self) -> WrittenFile:
+    def _stamp(self, content: str) -> None:
+        """Write the content stamp over its placeholder in the header (same length: nothing moves).
+        The stamp is known only once every source byte of the file was read, i.e. now."""
+        key = b'"lucifer.content":"'
+        at = self.header.index(key + CONTENT_PLACEHOLDER.encode()) + len(key)
+        value = content.encode()
+        if len(value) != len(CONTENT_PLACEHOLDER):
+            raise AssertionError(f"content stamp {content!r} is not {len(CONTENT_PLACEHOLDER)} characters")
+        self.header = self.header[:at] + value + self.header[at + len(value):]
+        if self._direct:  # a small unaligned write: through the page cache
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self._direct = False
+        if os.pwrite(self._fd, value, at) != len(value):
+            raise OSError(errno.EIO, "short write of the content stamp", str(self._tmp))
+
+    def close(self, content: str | None = None) -> WrittenFile:
+        """Finish and publish the file; `content` fills the header's content stamp placeholder."""
         if self._index != len(self.tensors):
             raise AssertionError(f"{self.path.name}: closed before {self.tensors[self._index].name} was written")
         if self._fill:  # direct I/O: the last block, zero-padded to ALIGN, then cut to the real size
@@ -227,6 +243,8 @@ class StreamWriter:
         try:
             if self._was_direct:
                 os.ftruncate(self._fd, self.size)
+            if content is not None:
+                self._stamp(content)
             os.fsync(self._fd)
         except OSError as e:
             raise OSError(e.errno, e.strerror, str(self._tmp)) from None
