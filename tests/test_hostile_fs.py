@@ -106,16 +106,40 @@ def clean(converted) -> Path:
 
 
 @pytest.fixture
+def tmp_path(tmp_path):
+    """pytest's, removed after the test: a case holds a whole output (the disk is shared)."""
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.fixture
 def work(tmp_path_factory):
-    """work() -> a fresh folder for one case (hypothesis runs many cases in one test)."""
+    """work() -> a fresh folder for one case (hypothesis runs many cases in one test); the previous
+    case's folder is removed then, the last one after the test."""
+    made: list[Path] = []
+
     def make() -> Path:
-        return tmp_path_factory.mktemp("case")
-    return make
+        while made:
+            shutil.rmtree(made.pop(), ignore_errors=True)
+        made.append(tmp_path_factory.mktemp("case"))
+        return made[-1]
+
+    yield make
+    for p in made:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _copy(src: str, dst: str) -> None:
+    """Rank files as hard links (no case writes into one: convert replaces them by name), the rest copied."""
+    if src.endswith(".safetensors"):
+        os.link(src, dst)
+    else:
+        shutil.copy2(src, dst)
 
 
 def finished_copy(clean: Path, where: Path) -> Path:
     out = where / "out"
-    shutil.copytree(clean, out, symlinks=True)
+    shutil.copytree(clean, out, symlinks=True, copy_function=_copy)
     return out
 
 
