@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -253,6 +254,9 @@ class Tree:
         An existing one is used only when it is a regular file with a single link (never a symlink,
         a FIFO, or a hard link to a file elsewhere)."""
         with self._in_parent(rel, create=True) as (fd, name):
+            there = _lstat_at(name, fd)
+            if there is not None and not stat.S_ISREG(there.st_mode):  # not even opened: a device may act on it
+                raise _not_regular(self.path(rel), there.st_mode)
             try:
                 f = os.open(name, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, mode, dir_fd=fd)
             except OSError as e:
@@ -372,6 +376,20 @@ def create_private(path: Path | str, data: bytes) -> None:
         write_all(fd, data)
     finally:
         os.close(fd)
+
+
+def mount_points() -> set[str]:
+    """Every mount point of this process's mount namespace (/proc/self/mountinfo; empty without /proc)."""
+    try:
+        text = read_regular("/proc/self/mountinfo", limit=STATE_LIMIT, follow=True).decode(errors="replace")
+    except (OSError, Refused):
+        return set()
+    points = set()
+    for line in text.splitlines():
+        fields = line.split(" ")
+        if len(fields) > 4:  # the 5th field, with spaces and the like as octal escapes
+            points.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4]))
+    return points
 
 
 def remove_empty_dir(path: Path | str) -> None:

@@ -35,6 +35,8 @@ def check_out(out: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]
     tree = Tree(out)
     others = [n for n in tree.entries() if n != STATE_DIR]
     ours = is_output(tree)
+    if ours and not force:  # --force names them among what it will not delete
+        refuse_entries(tree, planned_files(job))
     if force:
         if ours or not others:
             return {}  # convert clears it once the room is checked (`owned.plan_clearing`)
@@ -47,7 +49,6 @@ def check_out(out: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]
         return {}
     if not resume:
         raise OutputError(f"{out} holds an unfinished conversion; pass --resume to finish it or --force to restart")
-    refuse_entries(tree, planned_files(job))
     record = read_json(tree, RECORD_REL)
     if not isinstance(record, dict) or not isinstance(record.get("source_files"), dict):
         raise OutputError(f"--resume: {tree.path(RECORD_REL)} is missing or not a conversion record; pass --force "
@@ -124,7 +125,8 @@ def journal_line(entry: dict) -> str:
 def _describe_diff(old: dict, new: dict) -> str:
     if old.get("source_fingerprint") != new.get("source_fingerprint"):
         return "source checkpoint changed"
-    a, b = old.get("options", {}), new.get("options", {})
+    a, b = old.get("options"), new["options"]
+    a = a if isinstance(a, dict) else {}
     diffs = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     return "; ".join(diffs) or f"tool version {old.get('tool_version')} -> {new.get('tool_version')}"
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
 from ..errors import OutputError
-from ..guarded_io import Refused, Tree, kind, partial_name
+from ..guarded_io import Refused, Tree, kind, mount_points, partial_name
 from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR
 from ..spec.outlock import LOCK_NAME
 from ..spec.source import SIDE_FILES
@@ -44,17 +44,29 @@ def is_output_name(rel: object) -> bool:
     return isinstance(rel, str) and (rel in OUTPUT_FILES or RANK_FILE.fullmatch(rel) is not None)
 
 
+def mounted_below(tree: Tree) -> set[str]:
+    """rel of every mount point inside OUT: a bind mount of the same filesystem has the same
+    st_dev, so the kernel's mount table is asked, not st_dev alone."""
+    root = os.path.realpath(tree.root)
+    dev = os.stat(root).st_dev
+    found = {os.path.relpath(p, root) for p in mount_points() if p.startswith(root.rstrip("/") + "/")}
+    for rel, st in tree.entries().items():  # and what st_dev shows where /proc is not mounted
+        if stat.S_ISDIR(st.st_mode) and st.st_dev != dev:
+            found.add(rel)
+    return found
+
+
 def scan(tree: Tree) -> dict[str, os.stat_result]:
     """rel -> lstat of everything under OUT, parents first; links, other filesystems and foreign
     folders are listed but not entered."""
-    dev = os.stat(tree.root).st_dev
     found: dict[str, os.stat_result] = {}
+    mounts = mounted_below(tree)
 
     def walk(rel: str) -> None:
         for name, st in sorted(tree.entries(rel).items()):
             sub = f"{rel}/{name}" if rel else name
             found[sub] = st
-            if stat.S_ISDIR(st.st_mode) and st.st_dev == dev and OUR_DIR.fullmatch(sub):
+            if stat.S_ISDIR(st.st_mode) and sub not in mounts and OUR_DIR.fullmatch(sub):
                 walk(sub)
 
     walk("")
@@ -78,20 +90,21 @@ def _dicts(value: object, key: str) -> list:
 
 
 def listed(tree: Tree) -> set[str]:
-    """The output files that OUT's record, manifest and journal list (only names a conversion writes)."""
-    names: set[str] = set()
+    """The output files that OUT's record, manifest and journal list (only names a conversion writes;
+    anything else they hold, of any type, is ignored)."""
+    names: list[object] = []
     record = read_json(tree, RECORD_REL)
     if isinstance(record, dict) and isinstance(record.get("files"), list):
-        names.update(record["files"])
+        names += record["files"]
     manifest = read_json(tree, MANIFEST_NAME)
     if isinstance(manifest, dict):
-        names.add(MANIFEST_NAME)
+        names.append(MANIFEST_NAME)
         for role in _dicts(manifest, "roles"):
             for rank in _dicts(role, "ranks"):
-                names.update(f.get("path") for f in _dicts(rank, "files") if isinstance(f, dict))
+                names += [f.get("path") for f in _dicts(rank, "files") if isinstance(f, dict)]
         source = manifest.get("source")
         if isinstance(source, dict) and isinstance(source.get("side_files"), list):
-            names.update(source["side_files"])
+            names += source["side_files"]
     try:
         lines = tree.read(JOURNAL_REL).splitlines()
     except FileNotFoundError:
@@ -102,7 +115,7 @@ def listed(tree: Tree) -> set[str]:
         except (ValueError, RecursionError):
             continue
         if isinstance(entry, dict):
-            names.add(entry.get("path"))
+            names.append(entry.get("path"))
     return {n for n in names if is_output_name(n)}
 
 
@@ -139,7 +152,7 @@ def plan_clearing(tree: Tree) -> Clearing:
     entries = scan(tree)
     names = listed(tree)
     ours = names | {partial_name(n) for n in names} | {partial_name(RECORD_REL)}
-    dev = os.stat(tree.root).st_dev
+    mounts = mounted_below(tree)
     plan = Clearing()
     foreign: set[str] = set()
     for rel, st in entries.items():
@@ -147,7 +160,11 @@ def plan_clearing(tree: Tree) -> Clearing:
             continue  # inside something foreign: the folder is named already
         if rel == LOCK_REL and stat.S_ISREG(st.st_mode):
             continue  # held by this process
-        if stat.S_ISDIR(st.st_mode) and OUR_DIR.fullmatch(rel) and st.st_dev == dev:
+        if rel in mounts:
+            plan.foreign.append(f"{rel} (another filesystem mounted there)")
+            foreign.add(rel)
+            continue
+        if stat.S_ISDIR(st.st_mode) and OUR_DIR.fullmatch(rel):
             if rel != STATE_DIR:  # it holds the lock
                 plan.dirs.append(rel)
             continue
@@ -157,8 +174,6 @@ def plan_clearing(tree: Tree) -> Clearing:
                 plan.freed += st.st_blocks * 512
             continue
         what = kind(st.st_mode) if not stat.S_ISREG(st.st_mode) else "not listed by its conversion"
-        if stat.S_ISDIR(st.st_mode) and st.st_dev != dev:
-            what = "another filesystem mounted there"
         plan.foreign.append(f"{rel} ({what})")
         foreign.add(rel)
     plan.files.sort(key=_order)
