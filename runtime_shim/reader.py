@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from lucifer_shard.guarded_io import open_regular
+
 from .errors import ShimError
 
 CHUNK = 16 << 20  # bytes per read
@@ -64,7 +66,7 @@ def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
     _advise_huge_pages([r for r in reads if in_place(r.dst, staged)])
     own = fd is None
     if own:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         chunks = _chunks(fd, path, reads, staged)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import OutputError
-from ..guarded_io import Tree
+from ..guarded_io import Tree, open_regular
 from ..spec.rules import DTYPE_SIZE
 from ..spec.stheader import read_header
 
@@ -181,7 +181,7 @@ class DirectFile:
     def __init__(self, path: Path, direct: bool | None = None, opener: Callable[[int], int] | None = None):
         """`opener(flags)`: a read-only descriptor of the file with `flags` added (default: `path` opened)."""
         self.path = path
-        self._opener = opener or (lambda flags: os.open(path, os.O_RDONLY | flags))
+        self._opener = opener or (lambda flags: open_regular(path, follow=True, flags=flags))  # a source shard
         self.direct = (DIRECT if direct is None else direct) and hasattr(os, "O_DIRECT")
         self.fd = -1
         self._retired: list[int] = []
