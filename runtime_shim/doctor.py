@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lucifer_shard import __version__
+from lucifer_shard.guarded_io import read_regular
 
 from . import compat, stock_vtp
 from .errors import ShimError
@@ -79,7 +80,7 @@ def vllm_identity() -> tuple[str | None, str | None]:
         spec = importlib.util.find_spec("vllm._version")
         if spec and spec.origin:
             ns: dict = {}
-            exec(compile(Path(spec.origin).read_text(), spec.origin, "exec"), ns)  # noqa: S102 - vLLM's own file
+            exec(compile(read_regular(spec.origin, follow=True).decode(), spec.origin, "exec"), ns)  # noqa: S102
             commit = ns.get("__commit_id__") or ns.get("commit_id")
     except Exception:  # noqa: BLE001
         commit = None

@@ -66,7 +66,7 @@ def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
     _advise_huge_pages([r for r in reads if in_place(r.dst, staged)])
     own = fd is None
     if own:
-        fd = open_regular(path)  # no link followed, only a regular file
+        fd = open_regular(path)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         chunks = _chunks(fd, path, reads, staged)

@@ -289,7 +289,11 @@ def mutable_out(converted, tmp_path_factory):
 def test_manifest_field_mutations_are_findings_or_refusals(mutable_out, data, value):
     """Any node of the manifest (the whole document, a role, a rank entry, a file entry, a tensor
     field) replaced by a value of another type and the manifest re-sealed: verify and inspect end
-    with a finding (exit 1) or a one-line refusal (exit 2), never an internal error."""
+    with a finding (exit 1) or a one-line refusal (exit 2), never an internal error; the loader's
+    manifest reader raises its one-line ShimError or reads the rank entries it would load."""
+    from lucifer_shard.runtime_shim.errors import ShimError
+    from lucifer_shard.runtime_shim.manifest import load_manifest as shim_load
+
     out, text, nodes, shallow = mutable_out
     path = data.draw(st.one_of(st.sampled_from(shallow), st.sampled_from(nodes)))
     doc = _set(json.loads(text), path, value)
@@ -299,6 +303,13 @@ def test_manifest_field_mutations_are_findings_or_refusals(mutable_out, data, va
             r = run(command, "--quiet", out)
             if r.exit_code != 0:
                 one_error(r, (1, 2))
+        try:
+            m = shim_load(out)
+            for role in m.roles:
+                for rank in range(m.tp_size):
+                    m.kernel_tensors(m.rank_entry(role, rank))
+        except ShimError as e:
+            assert "\n" not in str(e)
     finally:
         (out / MANIFEST_NAME).write_text(text)
 

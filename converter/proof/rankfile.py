@@ -181,7 +181,7 @@ class DirectFile:
     def __init__(self, path: Path, direct: bool | None = None, opener: Callable[[int], int] | None = None):
         """`opener(flags)`: a read-only descriptor of the file with `flags` added (default: `path` opened)."""
         self.path = path
-        self._opener = opener or (lambda flags: open_regular(path, follow=True, flags=flags))
+        self._opener = opener or (lambda flags: open_regular(path, follow=True, flags=flags))  # a source shard
         self.direct = (DIRECT if direct is None else direct) and hasattr(os, "O_DIRECT")
         self.fd = -1
         self._retired: list[int] = []

@@ -227,7 +227,8 @@ def complete_problem(out: Path, cid: str) -> str | None:
     try:
         text = read_regular(path, 4096).decode("utf-8", "replace").strip()
     except FileNotFoundError:
-        return f"{COMPLETE_NAME} missing: the conversion did not finish (run convert again with --resume)"
+        return (f"no {COMPLETE_NAME} marker ({COMPLETE_NAME} missing): the conversion did not finish (run convert "
+                f"again with --resume)")
     except Refused as e:
         return f"{e}"
     except OSError as e:
