@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lucifer_shard import __version__
+from lucifer_shard.guarded_io import read_regular
 
 from . import compat, stock_vtp
 from .errors import ShimError
@@ -79,7 +80,7 @@ def vllm_identity() -> tuple[str | None, str | None]:
         spec = importlib.util.find_spec("vllm._version")
         if spec and spec.origin:
             ns: dict = {}
-            exec(compile(Path(spec.origin).read_text(), spec.origin, "exec"), ns)  # noqa: S102 - vLLM's own file
+            exec(compile(read_regular(spec.origin, follow=True).decode(), spec.origin, "exec"), ns)  # noqa: S102
             commit = ns.get("__commit_id__") or ns.get("commit_id")
     except Exception:  # noqa: BLE001
         commit = None
@@ -308,6 +309,10 @@ def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
         return [Check("output", FAIL, str(e), "lucifer-shard verify OUT; re-run convert if it is damaged")]
     checks = [Check("output", OK, f"{m.out}: conversion {m.conversion_id[:12]}, tp {m.tp_size}, arch {m.arch}, "
                     f"experts {m.expert_layout} layout ({m.moe_variant}), roles {', '.join(m.roles)}")]
+    from lucifer_shard.spec.manifest import copy_problems
+
+    for name, problem in copy_problems(m.out, m.doc):  # vLLM reads OUT/config.json and the tokenizer
+        checks.append(Check(f"output {name}", FAIL, problem, "lucifer-shard verify OUT"))
     if mtp and "draft" not in m.roles:
         checks.append(Check("output MTP draft", FAIL, "OUT has no draft/ (converted with --no-mtp)",
                             "serve without --mtp, or convert again without --no-mtp"))

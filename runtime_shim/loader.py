@@ -6,6 +6,7 @@ by the converter.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +27,11 @@ from .manifest import (
     DRAFT_RUNTIME_OWNED,
     DRAFT_RUNTIME_OWNED_SUFFIXES,
     Manifest,
+    check_watch,
     load_manifest,
+    open_rank_file,
     read_header,
+    watch,
 )
 
 logger = logging.getLogger("lucifer_shard.runtime_shim")
@@ -57,8 +61,9 @@ NEG_INF = float("-inf")
 @dataclass(frozen=True)
 class RankFile:
     path: Path
-    declared: dict  # the manifest's entry: path, bytes, digest
+    declared: dict  # the manifest's entry: path, bytes, digest, content
     header: Header  # validated: tensors in data order, offsets count from header.data_start
+    identity: tuple[int, int]  # (st_dev, st_ino) of the file the header was read from: the data must be its
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -127,6 +132,7 @@ class LuciferTP3Loader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config) -> None:
         verify = self.options["verify"]
+        seen = watch(self._dir(model_config))
         manifest = load_manifest(self._dir(model_config), check_digest=verify != "none")
         tp, rank = self._tp_rank()
         if tp != manifest.tp_size:
@@ -146,9 +152,11 @@ class LuciferTP3Loader(BaseModelLoader):
         targets = {**buffers, **params}
         with torch.no_grad():
             for f in files:
-                digests = self._copy_file(f, entry["tensors"], targets, digests=verify == "full")
+                digests = self._copy_file(manifest, role, rank, f, entry["tensors"], targets,
+                                          digests=verify == "full")
                 if verify == "full":
                     self._check_digests(f, entry, digests)
+        check_watch(seen)  # a convert that ran meanwhile: the bytes may be two outputs' mix
         if verify == "full":
             self._check_zero_regions(entry, targets)
         self._tag(model, manifest, expert_modules)
@@ -249,18 +257,23 @@ class LuciferTP3Loader(BaseModelLoader):
             by_file.setdefault(t["file"], []).append(name)
         for f in declared:
             path = manifest.out / f["path"]
-            if not path.is_file():
-                raise ShimError(f"rank files missing: {path} (listed in the manifest for {role} rank {rank}) does not "
-                                f"exist; copy the whole output directory or re-run lucifer-shard convert --resume")
-            if identity and "bytes" in f and path.stat().st_size != int(f["bytes"]):
-                raise ShimError(f"{path} is {path.stat().st_size} bytes, the manifest says {f['bytes']}; the copy is "
-                                f"truncated or from another conversion, re-copy it")
-            header = read_header(path)
+            fd = open_rank_file(manifest.out, f["path"], role, rank)
+            try:
+                st = os.fstat(fd)
+                if identity and st.st_size != f["bytes"]:
+                    raise ShimError(f"{path} is {st.st_size} bytes, the manifest says {f['bytes']}; the copy is "
+                                    f"truncated or from another conversion, re-copy it")
+                header = read_header(path, fd=fd)
+            finally:
+                os.close(fd)
             meta = header.metadata
-            want_meta = file_metadata(manifest.conversion_id, role, rank, 0, manifest.tp_size) if identity else {}
+            want_meta = (file_metadata(manifest.conversion_id, role, rank, 0, manifest.tp_size, f["content"])
+                         if identity else {})
             for k, v in want_meta.items():
                 if k != "lucifer.part" and meta.get(k) != v:  # the part index is the file's name
-                    what = "from another conversion" if k == "lucifer.conversion_id" else "misplaced"
+                    what = {"lucifer.conversion_id": "from another conversion",
+                            "lucifer.content": "made from other source weights (another checkpoint or revision)"
+                            }.get(k, "misplaced")
                     raise ShimError(f"{path} metadata {k}={meta.get(k)!r}, manifest expects {v!r}: the file is {what}; "
                                     f"do not mix outputs, re-run lucifer-shard convert into a fresh directory")
             names = by_file.get(f["path"], [])
@@ -273,7 +286,7 @@ class LuciferTP3Loader(BaseModelLoader):
                 if h.dtype != t["dtype"] or list(h.shape) != list(t["shape"]):
                     raise ShimError(f"{path}: tensor {name} is {h.dtype}{_shape(h.shape)} but the manifest says "
                                     f"{t['dtype']}{_shape(t['shape'])}; re-run lucifer-shard convert --force")
-            out.append(RankFile(path, f, header))
+            out.append(RankFile(path, f, header, (st.st_dev, st.st_ino)))
         return out
 
     @staticmethod
@@ -389,16 +402,26 @@ class LuciferTP3Loader(BaseModelLoader):
                     raise ShimError(f"{prefix}: MoE parallel (tp_rank, tp_size, ep_size)={got}, files need "
                                     f"({rank}, {tp}, 1); disable DP/PCP/expert parallel")
 
-    def _copy_file(self, f: RankFile, tensors: dict, targets: dict, digests: bool) -> dict[str, str]:
+    def _copy_file(self, manifest: Manifest, role: str, rank: int, f: RankFile, tensors: dict, targets: dict,
+                   digests: bool) -> dict[str, str]:
         """Read every tensor of `f` straight into its parameter (`attn_sink`: into the prefix, whose
-        backend-padded rest must be -inf); the tensors' BLAKE3 digests when `digests`."""
+        backend-padded rest must be -inf), from the very file whose header was checked; the tensors'
+        BLAKE3 digests when `digests`."""
         reads = []
         for name, h in f.header.tensors.items():
             p = targets[name].data
             dst = p[: int(tensors[name]["shape"][0])] if self._is_sink(name, tensors[name]) else p
             # the span is dtype x shape (stheader), = the manifest's (_check_files), = the parameter's
             reads.append(reader.TensorRead(name, f.header.data_start + h.start, dst))
-        got = reader.read_tensors(f.path, reads, digests=digests)
+        fd = open_rank_file(manifest.out, f.declared["path"], role, rank)
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != f.identity:
+                raise ShimError(f"{f.path} was replaced while vLLM loaded it (a lucifer-shard convert ran meanwhile?); "
+                                f"start vLLM again when nothing writes the output directory")
+            got = reader.read_tensors(f.path, reads, digests=digests, fd=fd)
+        finally:
+            os.close(fd)
         for name in f.header.tensors:
             t, p = tensors[name], targets[name].data
             if self._is_sink(name, t):

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from lucifer_shard.errors import OutputError, PlanError
+from lucifer_shard.guarded_io import Refused, Tree
 from lucifer_shard.spec.config import ModelConfig
-from lucifer_shard.spec.manifest import COMPLETE_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME
+from lucifer_shard.spec.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, complete_problem
 from lucifer_shard.spec.manifest import load_manifest as _load_manifest_doc
 from lucifer_shard.spec.outlock import writer_of
+from lucifer_shard.spec.outwatch import ReadWatch
 from lucifer_shard.spec.plan import MOE_VARIANT, make_plan, stock_padded
 from lucifer_shard.spec.rules import ROLES
 from lucifer_shard.spec.stheader import Header, HeaderError
@@ -114,25 +116,50 @@ def load_manifest(out: str | Path, require_complete: bool = True, check_digest: 
         hint = ("; use the lucifer-shard version that wrote it"
                 if f"expected {FORMAT!r} v{FORMAT_VERSION}" in str(e) else "")
         raise ShimError(f"{e}{hint}") from None
-    for key in ("conversion_id", "tp_size", "plan", "roles"):
-        if key not in doc:
-            raise ShimError(f"{path}: key {key!r} missing; re-run lucifer-shard convert --force")
-    if require_complete and not (out / COMPLETE_NAME).exists():
-        raise ShimError(f"{out / COMPLETE_NAME} missing: the conversion did not finish; re-run lucifer-shard "
-                        f"convert --resume")
+    problem = complete_problem(out, doc["conversion_id"]) if require_complete else None
+    if problem:
+        raise ShimError(f"{out}: {problem}")
     m = Manifest(out, doc)
     if m.expert_layout != "model" and m.moe_variant not in MOE_VARIANTS:
         raise ShimError(f"{path}: moe_variant {m.moe_variant!r} is not one of {', '.join(MOE_VARIANTS)}")
     return m
 
 
-def read_header(path: Path) -> Header:
+def read_header(path: Path, fd: int | None = None) -> Header:
     """The validated header of a rank file (`lucifer_shard.spec.stheader`, the reader the converter
-    uses): every tensor's dtype, shape and offsets and the `__metadata__`; one-line ShimErrors."""
+    uses; from `fd` when given): every tensor's dtype, shape and offsets and the `__metadata__`;
+    one-line ShimErrors."""
     try:
-        return _read_header(path)
+        return _read_header(path, fd=fd)
     except HeaderError as e:
         raise ShimError(f"{e}; the file is corrupt, re-run lucifer-shard convert") from None
+
+
+def open_rank_file(out: Path, rel: str, role: str, rank: int) -> int:
+    """A read-only descriptor of OUT/`rel` reached through real directories (no link followed: the
+    loader reads nothing outside OUT, whatever the manifest or the folders say)."""
+    try:
+        return Tree(out).open_read(rel)
+    except FileNotFoundError:
+        raise ShimError(f"rank files missing: {Path(out) / rel} (listed in the manifest for {role} rank {rank}) "
+                        f"does not exist; copy the whole output directory or re-run lucifer-shard convert "
+                        f"--resume") from None
+    except Refused as e:
+        raise ShimError(f"{e}; copy the output directory with its files, not links to them") from None
+    except OSError as e:
+        raise ShimError(f"{Path(out) / rel}: cannot be read ({e.strerror})") from None
+
+
+def watch(out: Path) -> ReadWatch:
+    """Note OUT's manifest and COMPLETE before a load; `check_watch` after it."""
+    return ReadWatch.start(Path(out))
+
+
+def check_watch(w: ReadWatch) -> None:
+    """ShimError when a convert wrote OUT during the load: what was loaded may mix two outputs."""
+    problem = w.problem("vLLM")
+    if problem:
+        raise ShimError(problem)
 
 
 # ---------------------------------------------------------------------------- virtual-TP plan

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from lucifer_shard.guarded_io import open_regular
+
 from .errors import ShimError
 
 CHUNK = 16 << 20  # bytes per read
@@ -51,17 +53,20 @@ def in_place(t: torch.Tensor, staged: bool | None = None) -> bool:
 
 
 def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
-                 staged: bool | None = None) -> dict[str, str]:
-    """Fill every read's destination from `path`, in file order; with `digests`, the BLAKE3 hex
-    digest of each tensor's bytes. `staged` forces (True) or forbids (False) the host-buffer path
-    that non-CPU destinations take (tests use it to exercise that path on CPU)."""
+                 staged: bool | None = None, fd: int | None = None) -> dict[str, str]:
+    """Fill every read's destination from `path` (from `fd` when given, which stays open), in file
+    order; with `digests`, the BLAKE3 hex digest of each tensor's bytes. `staged` forces (True) or
+    forbids (False) the host-buffer path that non-CPU destinations take (tests use it to exercise
+    that path on CPU)."""
     reads = sorted(reads, key=lambda r: r.offset)
     for r in reads:
         if not r.dst.is_contiguous():
             raise ShimError(f"parameter {r.name} is not contiguous in memory; this vLLM build lays out parameters "
                             f"differently, use a supported build (lucifer-shard doctor)")
     _advise_huge_pages([r for r in reads if in_place(r.dst, staged)])
-    fd = os.open(path, os.O_RDONLY)
+    own = fd is None
+    if own:
+        fd = open_regular(path)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         chunks = _chunks(fd, path, reads, staged)
@@ -71,7 +76,8 @@ def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
             return {}
         return _hash_while_reading(chunks, reads)
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
 
 
 def _advise_huge_pages(reads: list[TensorRead]) -> None:

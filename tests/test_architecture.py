@@ -169,3 +169,82 @@ def test_the_shim_check_finds_each_kind(tmp_path):
                      "lucifer_shard.runtime_shim.compat",
                      "lucifer_shard.runtime_shim.compat imports ['lucifer_shard.runtime_shim', "
                      "'lucifer_shard.runtime_shim.patches']"], found
+
+
+# File I/O goes through lucifer_shard.guarded_io (issue 26): no other module opens, deletes or
+# renames a file itself. A primitive is a call of one of these; `.replace(x)` with one argument is
+# Path.replace (str.replace takes two). A method of the guarded helpers' `Tree` (its receiver is
+# `Tree(...)`, or a name or attribute called `tree`) is the helper itself, not a primitive.
+GUARDED = "lucifer_shard.guarded_io"
+IO_CALLS = {"open", "safe_open", "save_file"}
+IO_MODULE_CALLS = {"os": {"open", "unlink", "remove", "rmdir", "removedirs", "rename", "renames", "replace",
+                          "truncate", "mkfifo", "mknod"},
+                   "shutil": {"rmtree", "copy", "copy2", "copyfile", "copytree", "move"}}
+IO_METHODS = {"unlink", "rmdir", "rename", "read_text", "write_text", "read_bytes", "write_bytes", "touch", "open"}
+# (module, call as reported) -> why it is not a file of a user, a model or an output.
+IO_EXEMPT = {
+    ("lucifer_shard.engine.synth", "read_text"): "a preset config shipped inside the package",
+    ("lucifer_shard.engine.job", "footprint.read_bytes"): "arithmetic: the bytes a plan reads",
+    ("lucifer_shard.cli.console", "os.open"): "os.devnull, in place of a stdout that was closed",
+    ("lucifer_shard.runtime_shim.compat", "f.read_text"): "vLLM's own sources in an unpacked wheel (the build table "
+                                                          "imports nothing, not even the guarded helpers)",
+    ("lucifer_shard.proof.outdir", "safe_open"): "/proc/self/fd/N of a rank file opened by Tree.open_read",
+}
+
+
+def _is_tree(node: ast.expr) -> bool:
+    if isinstance(node, ast.Call):
+        return isinstance(node.func, ast.Name) and node.func.id == "Tree"
+    return (isinstance(node, ast.Name) and node.id == "tree") or (isinstance(node, ast.Attribute)
+                                                                   and node.attr == "tree")
+
+
+def io_calls(path: Path) -> list[tuple[int, str]]:
+    """(line, primitive) of every file-I/O primitive called in a module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id in IO_CALLS:
+            found.append((node.lineno, f.id))
+        elif isinstance(f, ast.Attribute):
+            owner = f.value.id if isinstance(f.value, ast.Name) else None
+            if owner in IO_MODULE_CALLS:
+                if f.attr in IO_MODULE_CALLS[owner]:
+                    found.append((node.lineno, f"{owner}.{f.attr}"))
+            elif _is_tree(f.value):
+                continue
+            elif f.attr in IO_METHODS or (f.attr == "replace" and len(node.args) == 1 and not node.keywords):
+                found.append((node.lineno, f"{owner}.{f.attr}" if owner else f.attr))
+    return found
+
+
+def unguarded_io(packages: dict[str, Path]) -> list[str]:
+    found = []
+    top = {root: root.parent for root in packages.values()}
+    for name, path in modules(packages).items():
+        if name == GUARDED:
+            continue
+        shown = next(path.relative_to(parent) for root, parent in top.items() if root in path.parents)
+        found += [f"{shown}:{line} calls {call}" for line, call in io_calls(path) if (name, call) not in IO_EXEMPT]
+    return found
+
+
+def test_file_io_goes_through_the_guarded_helpers():
+    assert unguarded_io(PACKAGES) == []
+
+
+def test_the_io_check_finds_each_primitive(tmp_path):
+    root = tmp_path / "converter"
+    (root / "engine").mkdir(parents=True)
+    (root / "guarded_io.py").write_text("import os\nos.unlink('x')\n")
+    (root / "engine" / "bad.py").write_text(
+        "import os, shutil\nfrom pathlib import Path\nopen('a')\nos.open('b', 0)\nshutil.rmtree('c')\n"
+        "Path('d').unlink()\nPath('e').replace(Path('f'))\n'g'.replace('h', 'i')\nPath('j').write_text('k')\n"
+        "os.replace('l', 'm')\ntree.write_bytes('n', b'')\nTree(o).remove('p')\npath.read_bytes()\n")
+    assert unguarded_io({"lucifer_shard": root}) == [
+        "converter/engine/bad.py:3 calls open", "converter/engine/bad.py:4 calls os.open",
+        "converter/engine/bad.py:5 calls shutil.rmtree", "converter/engine/bad.py:6 calls unlink",
+        "converter/engine/bad.py:7 calls replace", "converter/engine/bad.py:9 calls write_text",
+        "converter/engine/bad.py:10 calls os.replace", "converter/engine/bad.py:13 calls path.read_bytes"]

@@ -116,7 +116,7 @@ def test_diff_names_what_differs_in_the_fingerprint(converted, tiny_pattern, tmp
 def test_resume_keeps_the_content_digests(tiny_pattern, tmp_path, converted):
     """A conversion finished by --resume records the same content as one run straight through."""
     from lucifer_shard.engine.convert import convert
-    from lucifer_shard.engine.outstate import JOURNAL
+    from lucifer_shard.engine.owned import JOURNAL
     from lucifer_shard.spec.manifest import STATE_DIR, Options
 
     options = Options(tp=3, max_file_bytes=1 << 20)

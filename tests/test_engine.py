@@ -8,6 +8,7 @@ import pytest
 
 from lucifer_shard.engine import assemble, stwriter
 from lucifer_shard.engine.convert import convert
+from lucifer_shard.guarded_io import Tree
 from lucifer_shard.spec.manifest import Options
 
 
@@ -116,7 +117,7 @@ def test_direct_writer_matches_buffered_and_falls_back(tmp_path, monkeypatch, fa
     headers = [stwriter.TensorHeader(k, "U8", (len(v),)) for k, v in arrays.items()]
 
     def write(path: Path, direct: bool, switch: int | None):
-        w = stwriter.StreamWriter(path, headers, {"k": "v"}, direct=direct)
+        w = stwriter.StreamWriter(Tree(path.parent), path.name, headers, {"k": "v"}, direct=direct)
         for i, (k, v) in enumerate(arrays.items()):
             if i == switch and w._direct:
                 w._buffered()
@@ -128,7 +129,7 @@ def test_direct_writer_matches_buffered_and_falls_back(tmp_path, monkeypatch, fa
     b = write(tmp_path / "b.safetensors", False, None)
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
     assert (a.digest, a.tensor_digests) == (b.digest, b.tensor_digests)
-    assert stwriter.hash_file(tmp_path / "a.safetensors") == (a.digest, a.tensor_digests)
+    assert stwriter.hash_file(Tree(tmp_path), "a.safetensors") == (a.digest, a.tensor_digests)
     back = load_file(str(tmp_path / "a.safetensors"))
     assert all(np.array_equal(back[k], v) for k, v in arrays.items())
 

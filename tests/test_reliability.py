@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import fcntl
 import os
 import re
 import resource
@@ -120,20 +121,25 @@ def test_sigkill_then_resume(tiny_pattern, clean_out, tmp_path, point):
     elif point == "between-files":
         _wait_for(lambda: _journal_lines(out) >= 9, proc)
     else:
-        # A FIFO in place of the manifest's temporary file blocks the writer exactly there.
+        # A write lease on the source's config.json blocks the writer when it opens it to copy it,
+        # right before the manifest (a FIFO in the manifest's place, as before, is now refused).
         _wait_for(lambda: _journal_lines(out) >= 1, proc)
-        os.mkfifo(out / ".lucifer-manifest.json.partial")
-        _wait_for(lambda: _journal_lines(out) == _journal_lines(clean_out), proc)
-        time.sleep(0.5)  # every rank file is journaled: the process now blocks opening the FIFO
-        assert proc.poll() is None
+        signal.signal(signal.SIGIO, signal.SIG_IGN)  # the kernel signals the lease's holder on a break
+        lease = os.open(tiny_pattern / "config.json", os.O_RDONLY)
+        try:
+            fcntl.fcntl(lease, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+            _wait_for(lambda: _journal_lines(out) == _journal_lines(clean_out), proc)
+            time.sleep(0.5)  # every rank file is journaled: the process now blocks opening config.json
+            assert proc.poll() is None
+            proc.kill()
+        finally:
+            os.close(lease)
     proc.kill()
     proc.wait()
     assert not (out / "COMPLETE").exists() and not (out / "lucifer-manifest.json").exists()
     whole_files(out)
     refused = cli("verify", out)
     one_line_error(refused)
-    if point == "manifest":
-        (out / ".lucifer-manifest.json.partial").unlink()
     resumed = cli(*CONVERT, "--resume", tiny_pattern, out)
     assert resumed.returncode == 0, resumed.stderr
     # the kernel released the dead writer's lock; its record is recognised and taken over
@@ -322,8 +328,8 @@ def small_fs(tmp_path):
 
 
 def _output_bytes(out: Path) -> int:
-    """What a conversion writes: every file but the lock and the conversion record."""
-    return sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and p.name not in ("lock", "conversion.json"))
+    """What a conversion writes: every file but the lock."""
+    return sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and p.name != "lock")
 
 
 def _bytes_stated(msg: str) -> int:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import click
 
-from ..errors import LuciferError, MismatchError, OutputError
-from ..spec.manifest import COMPLETE_NAME, load_manifest
-from ..spec.outlock import refuse_if_written
+from ..errors import MismatchError, OutputError
+from ..spec.manifest import MANIFEST_NAME, complete_problem, digest_ok, parse_manifest, read_manifest_bytes
+from ..spec.outwatch import ReadWatch
 from ..spec.rules import DTYPE_SIZE
 from ..units import size
 from .argorder import refuse_swapped
@@ -20,7 +20,6 @@ from .console import Console, conventions
 
 MAX_MISMATCHES = click.option("--max-mismatches", type=click.IntRange(1), default=10, show_default=True,
                               help="How many findings to report in full (all are counted).")
-MALFORMED = (KeyError, TypeError, AttributeError, IndexError, ValueError)  # what a hand-broken manifest raises
 CHECK_INTERRUPTED = "interrupted: {} stopped before checking everything (it writes nothing); run it again"
 
 
@@ -34,35 +33,28 @@ def _fail(report, noun: str, fix: str) -> None:
     raise MismatchError(f"{report.command}: {report.count} {noun}; first: {first}{where}; {fix}")
 
 
-def _report(out: Path, run, lines, noun: str, fix: str) -> None:
-    """Run a check, emit its report (text or the JSON envelope), and fail with one line when it found anything.
-
-    An OUT that a `convert` is writing is refused before the check, and after it too if the check
-    failed meanwhile: files being written are unfinished, not damaged."""
-    command = click.get_current_context().info_name
-    refuse_if_written(out, command)
+def watched(out: Path, command: str, run):
+    """`run()` between two looks at OUT (`ReadWatch`): an OUT that a `convert` is writing, or that one
+    rewrote while `run` read it, is refused with that reason instead of a report on a mix of two
+    outputs (or an error the mix caused)."""
+    watch = ReadWatch.start(out)
+    watch.check(command)
     try:
-        report = run()
-    except Exception as e:
-        refuse_if_written(out, command)
-        if isinstance(e, MALFORMED):
-            _malformed(out, e)
+        result = run()
+    except Exception:
+        watch.check(command)
         raise
-    if not report.ok:
-        refuse_if_written(out, command)
+    watch.check(command)
+    return result
+
+
+def _report(out: Path, run, lines, noun: str, fix: str) -> None:
+    """Run a check (`watched`), emit its report (text or the JSON envelope), and fail with one line
+    when it found anything."""
+    report = watched(out, click.get_current_context().info_name, run)
     Console.of().emit(report.to_dict(), lines(report))
     if not report.ok:
         _fail(report, noun, fix)
-
-
-def _malformed(out: Path, e: Exception) -> None:
-    """A manifest whose structure a hand edit broke is an OutputError; anything else is a bug: re-raise."""
-    try:
-        load_manifest(out)
-    except LuciferError:
-        raise OutputError(f"{out / 'lucifer-manifest.json'}: malformed and edited after conversion "
-                          f"({type(e).__name__}: {e}); re-run convert --force") from None
-    raise e
 
 
 @click.command("diff")
@@ -125,11 +117,7 @@ def verify(out: Path, max_mismatches: int) -> None:
 @conventions(interrupted="interrupted: inspect writes nothing")
 def inspect(out: Path) -> None:
     """Summarize OUT's manifest: source, plan, arch and layouts, files and bytes per rank."""
-    refuse_if_written(out, "inspect")
-    try:
-        doc = summarize(out)
-    except MALFORMED as e:
-        _malformed(out, e)
+    doc = watched(out, "inspect", lambda: summarize(out))
     Console.of().emit(doc, summary_lines(doc))
 
 
@@ -137,13 +125,7 @@ def summarize(out: Path) -> dict:
     out = Path(out)
     if not out.is_dir():
         raise OutputError(f"{out}: no such output directory")
-    m = load_manifest(out, check_digest=False)
-    try:
-        load_manifest(out)
-        digest_ok = True
-    except LuciferError:
-        digest_ok = False
-    complete = out / COMPLETE_NAME
+    m = parse_manifest(read_manifest_bytes(out), out / MANIFEST_NAME)
     roles = {}
     for role, rdoc in (m.get("roles") or {}).items():
         ranks = []
@@ -174,8 +156,8 @@ def summarize(out: Path) -> dict:
     src = m.get("source") or {}
     return {
         "out": str(out),
-        "complete": complete.is_file() and complete.read_text().strip() == m.get("conversion_id"),
-        "manifest_digest_ok": digest_ok,
+        "complete": complete_problem(out, m["conversion_id"]) is None,
+        "manifest_digest_ok": digest_ok(m),
         "conversion_id": m.get("conversion_id"),
         "tool_version": m.get("tool_version"),
         "format_version": m.get("format_version"),

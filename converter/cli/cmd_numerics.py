@@ -37,12 +37,12 @@ def check_numerics(out: Path, model: str | None, layers: str | None, tokens: int
     Only the experts the routing picks are read, one layer at a time. Exits 1 past tolerance.
     """
     from ..proof.check_numerics import check_numerics as run
-    from ..spec.outlock import refuse_if_written
+    from .cmd_check import watched
 
     refuse_swapped("check-numerics", model, out, model_first=False)
-    refuse_if_written(out, "check-numerics")
     con = Console.of()
-    report = run(out, model, layers=layers, tokens=tokens, seed=seed, progress=con.progress)
+    report = watched(out, "check-numerics",
+                     lambda: run(out, model, layers=layers, tokens=tokens, seed=seed, progress=con.progress))
     con.emit(report.to_dict(), report.lines())
     if not report.ok:
         bad = [f"layer {r.layer} {r.component}" for r in report.results if not r.ok]

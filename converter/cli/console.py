@@ -10,6 +10,7 @@ A command declared with `@conventions(interrupted=...)` (under `@click.command`)
                  ok false, error {"kind", "message", "exit_code"}, and the result the command had
                  reached (a diff report with its findings)
   Ctrl-C         the command's own interrupt message on stderr, exit 130
+  SIGTERM        handled as Ctrl-C (the same clean stop and message), exit 143
   anything else  a bug: `error: internal error: <type>: <message>; details in <log>` (the traceback
                  goes to OUT/.lucifer/ or a temporary file), exit 70; with --json also the envelope
 
@@ -17,10 +18,13 @@ The console lives in the click context's `meta` (shared by a command and its gro
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
@@ -31,6 +35,7 @@ from ..errors import LuciferError, UsageRefused
 
 SCHEMA_VERSION = 1
 INTERNAL_ERROR = 70  # EX_SOFTWARE: a bug, not bad input
+TERMINATED = 143  # 128 + SIGTERM
 BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a reader that went away
 EXIT_CODES = (
     (0, "ok"),
@@ -39,6 +44,7 @@ EXIT_CODES = (
         "another writer)"),
     (INTERNAL_ERROR, "internal error: a bug; one line names the log file holding the traceback"),
     (130, "interrupted (Ctrl-C)"),
+    (143, "terminated (SIGTERM), stopped as cleanly as for Ctrl-C"),
     (BROKEN_PIPE, "stdout closed before the output was written (e.g. `| head`)"),
 )
 LOGGER = "lucifer_shard"
@@ -103,35 +109,60 @@ class Console:
 
 def internal_error_log(out: str | os.PathLike | None) -> str:
     """Write the current exception's traceback, with the command line and versions, to
-    OUT/.lucifer/ when that folder exists and is writable, else to a temporary file; its path."""
+    OUT/.lucifer/ when that folder exists and is writable, else to a temporary file; its path.
+    Never raises: an OUT that cannot even be stat'ed (a name too long, no permission) gets the
+    temporary file, and if nothing can be written the line says so."""
     import datetime
     import platform
     import tempfile
     import traceback
-    from pathlib import Path
 
     from .. import __version__
+    from ..guarded_io import Tree
     from ..spec.manifest import STATE_DIR
 
-    now = datetime.datetime.now().astimezone()
-    text = (f"lucifer-shard {__version__} internal error at {now.isoformat(timespec='seconds')}\n"
-            f"command: {' '.join(sys.argv)}\npython {platform.python_version()} on {platform.platform()}\n\n"
-            + traceback.format_exc())
-    name = f"internal-error-{now:%Y%m%d-%H%M%S}-{os.getpid()}.log"
-    state = Path(out) / STATE_DIR if out else None
-    if state is not None and state.is_dir() and os.access(state, os.W_OK):
-        try:
-            (state / name).write_text(text)
-            return str(state / name)
-        except OSError:
-            pass  # a full disk, say: try the temporary folder
+    try:
+        now = datetime.datetime.now().astimezone()
+        text = (f"lucifer-shard {__version__} internal error at {now.isoformat(timespec='seconds')}\n"
+                f"command: {' '.join(sys.argv)}\npython {platform.python_version()} on {platform.platform()}\n\n"
+                + traceback.format_exc())
+        name = f"internal-error-{now:%Y%m%d-%H%M%S}-{os.getpid()}.log"
+    except Exception as e:  # noqa: BLE001 - the handler of last resort must not fail itself
+        return f"no log file (composing it failed: {type(e).__name__})"
+    try:  # OUT may be anything here (a name too long, unreadable): the handler itself cannot fail
+        tree = Tree(out) if out else None
+        if tree is not None and tree.lstat(STATE_DIR) is not None:
+            tree.write_bytes(f"{STATE_DIR}/{name}", text.encode("utf-8", "replace"))
+            return str(tree.path(f"{STATE_DIR}/{name}"))
+    except (OSError, LuciferError, ValueError, TypeError):
+        pass  # a full disk, a link, say: try the temporary folder
     try:
         fd, path = tempfile.mkstemp(prefix="lucifer-shard-", suffix=f"-{name}")
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", errors="replace") as f:
             f.write(text)
         return path
     except OSError as e:
         return f"no log file (writing one failed: {e.strerror})"
+
+
+# OS errors that come from the machine or the input (permissions, limits, a full or read-only disk,
+# a bad name), not from a bug: one line naming the file and the errno, exit 2.
+ENVIRONMENT_ERRNOS = {errno.EACCES: "check its permissions", errno.EPERM: "check its permissions and attributes",
+                      errno.EROFS: "the filesystem is read-only", errno.ENOSPC: "free some room",
+                      errno.EDQUOT: "the disk quota is exhausted", errno.ENAMETOOLONG: "use a shorter path",
+                      errno.ELOOP: "too many symbolic links in the path", errno.EMFILE: "raise `ulimit -n`",
+                      errno.ENFILE: "the system is out of file descriptors", errno.EIO: "the disk reported an "
+                      "I/O error", errno.ENOENT: "it does not exist", errno.ENOTDIR: "a part of the path is not "
+                      "a directory", errno.EISDIR: "it is a directory", errno.ENXIO: "no such device"}
+
+
+def os_error_line(e: OSError) -> str | None:
+    """`<file>: <strerror>; <advice>` for an OSError of ENVIRONMENT_ERRNOS, else None (a bug)."""
+    advice = ENVIRONMENT_ERRNOS.get(e.errno)
+    if advice is None:
+        return None
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None) or "a file"
+    return f"{where}: {e.strerror}; {advice}"
 
 
 class _ClickStderr(logging.Handler):
@@ -151,6 +182,39 @@ def _configure_logging(verbosity: int) -> None:
     log.setLevel(logging.DEBUG if verbosity >= 2 else logging.INFO if verbosity == 1 else logging.WARNING)
 
 
+def _internal(con: Console, e: BaseException, out) -> NoReturn:
+    """A bug: one line naming the log that holds the traceback, exit 70."""
+    log = internal_error_log(out)
+    try:
+        text = " ".join(str(e).split())
+    except Exception:  # noqa: BLE001 - an exception whose str() fails still gets its line
+        text = "(no message)"
+    message = f"internal error: {type(e).__name__}: {text}"
+    con.fail(message, INTERNAL_ERROR, "internal", line=f"error: {message}; details in {log}")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what containers and systemd send), raised where Ctrl-C would be: the same clean stop."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """While a command runs, SIGTERM raises Terminated in the main thread, as SIGINT raises
+    KeyboardInterrupt; elsewhere (a command run from a worker thread) signals stay as they are."""
+    def handler(signum, frame):
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def conventions(interrupted: str) -> Callable:
     """Give a click command -q/-v/--json and route its outcome through its Console (module docstring)."""
 
@@ -165,9 +229,12 @@ def conventions(interrupted: str) -> Callable:
                     raise UsageRefused("-q and -v exclude each other; pass one")
                 con.verbosity = -1 if quiet else verbose
                 _configure_logging(con.verbosity)
-                f(*args, **kwargs)
+                with _sigterm_interrupts():
+                    f(*args, **kwargs)
             except LuciferError as e:
                 con.fail(str(e), e.exit_code, type(e).__name__)
+            except Terminated:
+                con.fail(interrupted, TERMINATED, "terminated", line=interrupted)
             except KeyboardInterrupt:
                 con.fail(interrupted, 130, "interrupted", line=interrupted)
             except BrokenPipeError:  # stdout closed early (`| head`): nothing is wrong, nothing to say
@@ -175,10 +242,13 @@ def conventions(interrupted: str) -> Callable:
                 sys.exit(BROKEN_PIPE)
             except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
                 raise  # click's own usage errors and exits
+            except OSError as e:
+                line = os_error_line(e)
+                if line is None:
+                    _internal(con, e, kwargs.get("out"))
+                con.fail(line, 2, "OSError")
             except Exception as e:  # noqa: BLE001 - the one place an unexpected exception is reported
-                log = internal_error_log(kwargs.get("out"))
-                message = f"internal error: {type(e).__name__}: {' '.join(str(e).split())}"
-                con.fail(message, INTERNAL_ERROR, "internal", line=f"error: {message}; details in {log}")
+                _internal(con, e, kwargs.get("out"))
             con.succeed()
 
         for option in reversed((

@@ -7,11 +7,12 @@ import click
 
 from .. import __version__
 from ..errors import MismatchError, UsageRefused
-from ..spec.manifest import Options
+from ..spec.manifest import MAX_ALIGN, Options
 from ..spec.plan import ARCHES
 from .argorder import refuse_swapped
 from .console import Console, conventions, exit_code_lines
 
+MAX_FILE_BYTES = 1 << 50
 TP = click.option("--tp", type=int, required=True, help="Tensor-parallel size, 1..8 (3 is the mission).")
 
 
@@ -54,12 +55,15 @@ def options_from(tp: int, arch: str | None, expert_layout: str, flashinfer_layou
     if flashinfer_layout is not None and not kernel90:
         raise UsageRefused("--flashinfer-layout applies only to --arch sm90 with --expert-layout kernel (sm120 and "
                            "sm100 have one layout generation); drop it")
-    if align < 8 or align & (align - 1):
-        raise UsageRefused(f"--align {align} is not a power of two >= 8")
+    if align < 8 or align > MAX_ALIGN or align & (align - 1):
+        raise UsageRefused(f"--align {align} is not a power of two from 8 to {MAX_ALIGN} (2 MiB, a huge page)")
     try:
         max_bytes = parse_size(max_file_size)
-    except ValueError as e:
-        raise UsageRefused(f"--max-file-size {e}") from None
+    except (ValueError, OverflowError):
+        raise UsageRefused(f"--max-file-size {max_file_size[:40]!r}: expected a size like 4GiB, 500MB or 1048576, "
+                           f"at least 1 byte") from None
+    if not 1 <= max_bytes <= MAX_FILE_BYTES:
+        raise UsageRefused(f"--max-file-size {max_file_size[:40]!r}: choose 1 byte to 1 PiB")
     if kernel90:
         Console.of().warn("no vetted vLLM build loads sm90 kernel-layout experts (the SM90 'c-full' load path is "
                           "not built), so lucifer-shard serve refuses these files; they serve FlashInfer-level "
@@ -172,10 +176,10 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
 @cli.command()
 @click.argument("preset", type=click.Choice(["tiny", "flash-layer", "flash-moe", "forward"]))
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--layers", type=int, default=None, help="Decoder layers (flash-layer: default 1).")
+@click.option("--layers", type=click.IntRange(1, 64), default=None, help="Decoder layers (flash-layer: default 1).")
 @click.option("--fill", type=click.Choice(["pattern", "random"]), default="pattern", show_default=True,
               help="pattern: every byte encodes tensor and position; random: valid FP4/E8M0/FP8 values.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, (1 << 32) - 1), default=0, show_default=True)
 @click.option("--no-mtp", is_flag=True, help="Leave the MTP layer out.")
 @conventions(interrupted="interrupted: OUT holds a partial checkpoint; remove it and run synth again")
 def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_mtp: bool) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import SourceError
+from ..guarded_io import open_regular
 from ..spec.content import ContentDigests
 from ..spec.rules import DTYPE_SIZE, TensorSpec
 from ..spec.source import Checkpoint
@@ -240,14 +241,13 @@ class EngineSourceReader:
     def _open(self, file: str, direct: bool) -> tuple[int, int, bool]:
         path = self.ckpt.root / file
         base = self.ckpt.data_start[file]  # as validated: the header is not read twice
-        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         if direct:
             try:
-                return os.open(path, flags | os.O_DIRECT), base, True
+                return open_regular(path, follow=True, flags=os.O_DIRECT), base, True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-        fd = os.open(path, flags)
+        fd = open_regular(path, follow=True)
         if _FADVISE:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return fd, base, False

@@ -13,7 +13,6 @@ resume, room still needed) is `outstate`; the manifest is `manifest_writer`.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -24,20 +23,23 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..errors import SourceError
+from ..errors import OutputError, SourceError
+from ..guarded_io import Tree, write_all
 from ..spec.content import ContentDigests
 from ..spec.layouts import Layout
-from ..spec.manifest import COMPLETE_NAME, STATE_DIR, Options, file_metadata, part_path, rank_dir
+from ..spec.manifest import (COMPLETE_NAME, CONTENT_PLACEHOLDER, Options, file_metadata, part_content, part_path,
+                             rank_dir)
 from ..spec.outlock import OutLock, describe
 from ..spec.source import side_files
 from ..units import byte_bar, duration, rate, size
 from .assemble import chunks
-from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, tree_bytes, write_failed
-from .fsutil import atomic_copy, atomic_write_text
+from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, write_failed
 from .job import Job, Part, part_headers, part_keys, prepare
 from .manifest_writer import build_manifest, write_manifest
-from .outstate import (JOURNAL, RECORD, check_out, check_paths, clear_out, conversion_record, journal_line, part_valid,
-                       planned_files, remove_partials, sizes_to_write)
+from .outstate import (check_out, check_paths, conversion_record, journal_line, part_valid, planned_files,
+                       record_text, remove_partials, sizes_to_write, source_changed)
+from .owned import JOURNAL_REL, RECORD_REL, clear, plan_clearing
+from .resumed import resumed_sources
 from .stwriter import StreamWriter, WrittenFile
 
 logger = logging.getLogger("lucifer_shard.convert")  # named for the command: -v prints "lucifer_shard.convert: ..."
@@ -104,10 +106,12 @@ class _RankSink:
 
 
 def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPoolExecutor | None],
-                digests: ContentDigests) -> list[WrittenFile]:
+                digests: ContentDigests) -> tuple[list[WrittenFile], dict[str, str]]:
+    """Write one part's file on every rank; its files and its source tensors' digests. The files are
+    stamped with those digests (`part_content`) before they are published."""
     from .assemble import Assembler, EngineBufferPool, swap_folded
-    from .stwriter import partial_path
 
+    tree = Tree(out)
     specs_by_name = [{s.name: s for s in rank_specs} for rank_specs in job.specs[part.role]]
     shared = ThreadPoolExecutor(1, thread_name_prefix="lucifer-write") if all(p is None for p in pools) else None
     buffers = EngineBufferPool()
@@ -117,9 +121,10 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
     try:
         for rank in range(job.plan.tp):
             headers = part_headers(specs_by_name[rank], part, job.layouts)
-            path = out / part_path(part.role, rank, part.index)
-            meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp)
-            sinks.append(_RankSink(StreamWriter(path, headers, meta, align=job.options.align), pools[rank] or shared, buffers))
+            rel = part_path(part.role, rank, part.index)
+            meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp, CONTENT_PLACEHOLDER)
+            sinks.append(_RankSink(StreamWriter(tree, rel, headers, meta, align=job.options.align), pools[rank] or shared,
+                                   buffers))
         work = []
         for name in part.names:
             specs = [specs_by_name[r][name] for r in range(job.plan.tp)]
@@ -140,7 +145,13 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
             bar.update(sum(buf.nbytes for buf in bufs))
         for sink in sinks:
             sink.drain()
-        return [sink.writer.close() for sink in sinks]
+        keys = part_keys(specs_by_name[0], part)
+        sources = digests.finished(keys)
+        if len(sources) != len(keys):
+            raise RuntimeError(f"{part.role} part {part.index}: {len(keys) - len(sources)} source tensor(s) "
+                               f"not read completely")
+        content = part_content(sources)
+        return [sink.writer.close(content) for sink in sinks], sources
     except BaseException:
         for sink in sinks:
             try:
@@ -148,8 +159,6 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
             except BaseException:
                 pass
             sink.writer.abort()
-        for rank in range(job.plan.tp):  # also a writer interrupted while it was being opened
-            partial_path(out / part_path(part.role, rank, part.index)).unlink(missing_ok=True)
         raise
     finally:
         if stream is not None:
@@ -177,83 +186,105 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     return summary
 
 
-def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int, progress: bool) -> Summary:
-    journaled = check_out(out, job, resume, force)
-    summary = Summary(out, job.cid)
-    results: dict[str, dict] = {}
-    todo = []
+def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) -> dict[str, dict]:
+    """The journal entries --resume keeps: every rank file of the part still hashes to its journaled
+    file and tensor digests, and the part's source tensors, read again, to its journaled source
+    digests (the manifest copies all three; a journal edited or torn elsewhere redoes the part)."""
+    kept: dict[str, dict] = {}
+    candidates = []
     for part in job.parts:
         paths = [part_path(part.role, r, part.index) for r in range(job.plan.tp)]
         # the first rank's entry carries the part's source digests (a journal without them is redone)
         if "sources" in journaled.get(paths[0], {}) and all(p in journaled and part_valid(out, journaled[p])
                                                              for p in paths):
-            for p in paths:
-                results[p] = journaled[p]
-            summary.files_resumed += len(paths)
+            candidates.append((part, paths))
+    keys = [k for part, _ in candidates for k in part_keys(by_name[part.role], part)]
+    sources = resumed_sources(job.ckpt, keys)
+    for part, paths in candidates:
+        want = {k: sources[k] for k in part_keys(by_name[part.role], part)}
+        if journaled[paths[0]]["sources"] == want:
+            kept.update({p: journaled[p] for p in paths})
         else:
-            todo.append(part)
+            logger.info("%s part %d: journaled source digests differ from the source; redoing it", part.role,
+                        part.index)
+    return kept
+
+
+def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int, progress: bool) -> Summary:
+    tree = Tree(out)
+    journaled = check_out(out, job, resume, force)
+    clearing = plan_clearing(tree) if force else None
+    if clearing is not None:
+        clearing.refuse_foreign(out)
+    summary = Summary(out, job.cid)
+    by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
+    results = _kept_parts(job, out, journaled, by_name) if journaled else {}
+    todo = [p for p in job.parts if part_path(p.role, 0, p.index) not in results]
+    summary.files_resumed = len(results)
     # Nothing in OUT has changed yet: check the room first, counting what this run removes.
     planned = planned_files(job)
-    given_back = tree_bytes(out) if force else tree_bytes(out, ".*.partial")
-    logger.info("room: %s to write, %s free on %s, %s given back by this run",
-                size(sum(sizes_to_write(job, planned, set(results)))), size(free_bytes(out)), filesystem(out),
-                size(given_back))
-    check_room(out, sizes_to_write(job, planned, set(results)), given_back,
-               "run the same command" + (" with --resume" if results else ""))
-    if force:
-        clear_out(out)
-    remove_partials(out)
+    record = conversion_record(job)
+    given_back = clearing.freed if clearing is not None else 0
+    left = sizes_to_write(job, planned, set(results), record)
+    logger.info("room: %s to write, %s free on %s, %s given back by this run", size(sum(left)), size(free_bytes(out)),
+                filesystem(out), size(given_back))
+    check_room(out, left, given_back, "run the same command" + (" with --resume" if results else ""))
+    if clearing is not None:
+        clear(tree, clearing)
+    remove_partials(out, job)
     logger.info("%d part(s) of %d files to write, %d file(s) kept from an earlier run", len(todo), job.plan.tp,
                 summary.files_resumed)
-    by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
     sizes = job.source_sizes
     digests = ContentDigests({k: sizes[k] for part in todo for k in part_keys(by_name[part.role], part)})
-    state = out / STATE_DIR
     total = sum(p.bytes_per_rank for p in todo) * job.plan.tp
     pools = [ThreadPoolExecutor(1) if workers > 1 else None for _ in range(job.plan.tp)]
     bar = byte_bar(total, f"convert tp{job.plan.tp}", progress)
+    unwritten: dict | None = record  # the record, until it is written
     try:
-        atomic_write_text(state / RECORD, json.dumps(conversion_record(job), indent=1, sort_keys=True) + "\n")
+        tree.write_bytes(RECORD_REL, record_text(record).encode())
+        unwritten = None
         for role in job.roles:
             for rank in range(job.plan.tp):
-                (out / rank_dir(role, rank)).mkdir(parents=True, exist_ok=True)
-        with open(state / JOURNAL, "a") as journal:
+                tree.make_dirs(rank_dir(role, rank))
+        journal = tree.open_own(JOURNAL_REL, os.O_WRONLY | os.O_APPEND)
+        try:
             for part in todo:
                 t_part = time.perf_counter()
-                files = _write_part(job, out, part, bar, pools, digests)
-                keys = part_keys(by_name[part.role], part)
-                sources = digests.finished(keys)
-                if len(sources) != len(keys):
-                    raise RuntimeError(f"{part.role} part {part.index}: {len(keys) - len(sources)} source tensor(s) "
-                                       f"not read completely")
-                summary.bytes_read += sum(sizes[k] for k in keys)
+                files, sources = _write_part(job, out, part, bar, pools, digests)
+                summary.bytes_read += sum(sizes[k] for k in sources)
                 entries = {}
                 for i, f in enumerate(files):
                     rel = str(f.path.relative_to(out))
                     entries[rel] = {"path": rel, "bytes": f.bytes, "digest": f.digest, "tensors": f.tensor_digests}
                     if i == 0:
                         entries[rel]["sources"] = sources
-                    journal.write(journal_line(entries[rel]))
                     summary.bytes_written += f.bytes
                     summary.files_written += 1
-                journal.flush()
-                os.fsync(journal.fileno())
+                write_all(journal, "".join(journal_line(e) for e in entries.values()).encode())
+                os.fsync(journal)
                 results.update(entries)  # only now would --resume keep them
                 logger.info("%s part %d: %d file(s), %s, %.1f s", part.role, part.index, len(files),
                             size(sum(f.bytes for f in files)), time.perf_counter() - t_part)
+        finally:
+            os.close(journal)
         for name in side_files(job.ckpt.root):
-            atomic_copy(job.ckpt.root / name, out / name)
-        write_manifest(out, build_manifest(job, results))
-        atomic_write_text(out / COMPLETE_NAME, job.cid + "\n")
+            tree.copy_in(job.ckpt.root / name, name)
+        changed = source_changed(job, record)
+        if changed:
+            raise OutputError(f"{job.ckpt.root / changed}: changed while it was being converted (its size or time "
+                              f"differs from when convert started); {out} is not finished: when the checkpoint is "
+                              f"complete, run the same command with --force")
+        write_manifest(out, build_manifest(job, results, out))
+        tree.write_bytes(COMPLETE_NAME, (job.cid + "\n").encode())
     except SourceError:
-        # The source itself is bad: no rerun can finish this output, so leave nothing behind.
-        clear_out(out)
+        # The source itself is bad: no rerun can finish this output, so leave nothing of ours behind.
+        clear(tree, plan_clearing(tree))
         raise
     except OSError as e:
         if e.errno not in WRITE_LIMITS:
             raise
         largest = max(entry["bytes"] for entry in planned.values())
-        raise write_failed(e, out, sizes_to_write(job, planned, set(results)), largest) from None
+        raise write_failed(e, out, sizes_to_write(job, planned, set(results), unwritten), largest) from None
     finally:
         bar.close()
         for pool in pools:

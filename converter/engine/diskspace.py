@@ -10,14 +10,15 @@ import errno
 import os
 import re
 import resource
-import stat
 from pathlib import Path
 
-from ..errors import OutputError
+from ..errors import LuciferError, OutputError
+from ..guarded_io import read_regular
 from ..units import size
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 WRITE_LIMITS = (*DISK_FULL, errno.EFBIG)
+INODE_SLACK = 16  # folders and temporary files a conversion creates besides its files
 
 
 def _existing(path: Path) -> Path:
@@ -34,6 +35,13 @@ def free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def free_inodes(path: Path) -> int | None:
+    """Files an unprivileged writer may still create there, or None where the filesystem does not
+    count them (btrfs, some network filesystems report 0 inodes in all)."""
+    st = os.statvfs(_existing(path))
+    return st.f_favail if st.f_files else None
+
+
 def on_disk(sizes: list[int], path: Path) -> int:
     """Bytes `sizes` occupy as files on the filesystem of `path`: each rounded up to whole blocks."""
     block = os.statvfs(_existing(path)).f_frsize or 1
@@ -45,14 +53,17 @@ def filesystem(path: Path) -> str:
     real = os.path.realpath(_existing(path))
     best = None
     try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                device, point, fstype = (_unescape(x) for x in line.split()[:3])
-                inside = real == point or real.startswith(point.rstrip("/") + "/")
-                if inside and (best is None or len(point) >= len(best[1])):
-                    best = (device, point, fstype)
-    except OSError:
-        pass
+        mounts = read_regular("/proc/mounts", follow=True).decode(errors="replace")
+    except (OSError, LuciferError):
+        mounts = ""
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        device, point, fstype = (_unescape(x) for x in fields[:3])
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[1])):
+            best = (device, point, fstype)
     if best is None:
         return f"the filesystem of {path}"
     device, point, fstype = best
@@ -63,24 +74,15 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
-def tree_bytes(root: Path, pattern: str = "*") -> int:
-    """Bytes of the regular files under `root` whose name matches `pattern` (what removing them gives back)."""
-    total = 0
-    for p in Path(root).rglob(pattern):
-        st = p.lstat()
-        if stat.S_ISREG(st.st_mode):
-            total += st.st_size
-    return total
-
-
 def shortfall(needed: int, free: int, given_back: int = 0) -> int:
     """Bytes missing on the filesystem (0 when the conversion fits)."""
     return max(0, needed - free - given_back)
 
 
 def check_room(out: Path, sizes: list[int], given_back: int, then: str) -> None:
-    """Refuse, before writing, when the files still to write do not fit; `given_back`: bytes this run
-    removes first (the output --force replaces, a resumed run's partial files)."""
+    """Refuse, before writing, when the files still to write do not fit, in bytes or in files the
+    filesystem can still create; `given_back`: bytes this run frees first (files --force deletes
+    that have no other link, a resumed run's partial files)."""
     need, free = on_disk(sizes, out), free_bytes(out)
     short = shortfall(need, free, given_back)
     if short:
@@ -89,6 +91,11 @@ def check_room(out: Path, sizes: list[int], given_back: int, then: str) -> None:
                           f"({sum(sizes):,} bytes: rank files, journal, manifest, config and tokenizer copies), "
                           f"{size(free)} free{back}; free {size(short)} more, then {then}, or choose an OUT on "
                           f"another filesystem")
+    inodes = free_inodes(out)
+    if inodes is not None and inodes < len(sizes) + INODE_SLACK:
+        raise OutputError(f"{out}: {filesystem(out)} can create only {inodes:,} more files (no free inodes) and "
+                          f"this conversion writes up to {len(sizes) + INODE_SLACK:,}; remove files there, then "
+                          f"{then}, or choose an OUT on another filesystem")
 
 
 def write_failed(err: OSError, out: Path, sizes: list[int], largest: int) -> OutputError:
@@ -100,8 +107,14 @@ def write_failed(err: OSError, out: Path, sizes: list[int], largest: int) -> Out
         return OutputError(f"{where}: write failed ({err.strerror}): this process may write files of at most {cap} "
                            f"(ulimit -f) and the largest rank file is {largest:,} bytes; raise the limit and run the "
                            f"same command with --resume (or lower --max-file-size and run with --force)")
-    need, free = on_disk(sizes, out), free_bytes(out)
-    short = f"free {size(need - free)} more, then run" if need > free else "there is room now: run"
+    need, free, inodes = on_disk(sizes, out), free_bytes(out), free_inodes(out)
+    if need > free:
+        short = f"free {size(need - free)} more, then run"
+    elif inodes is not None and inodes < len(sizes) + INODE_SLACK:
+        short = f"it can create only {inodes:,} more files (no free inodes): remove files there, then run"
+    else:  # the bytes fit by our count, yet the filesystem said no: do not claim there is room
+        short = ("that fits by this count, yet the filesystem refused (reserved blocks, a quota or another "
+                 "writer): free more room there, then run")
     return OutputError(f"{where}: write failed ({err.strerror}): {size(sum(sizes))} of this conversion still to "
                        f"write ({sum(sizes):,} bytes) and {filesystem(out)} has {size(free)} free; {short} the same "
                        f"command with --resume")

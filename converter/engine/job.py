@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..spec import footprint
 from ..spec.layouts import EXPERT_TENSORS, Layout, expert_layout
-from ..spec.manifest import Options, conversion_id, file_metadata, part_path
+from ..spec.manifest import CONTENT_PLACEHOLDER, Options, conversion_id, file_metadata, part_path
 from ..spec.plan import Plan, make_plan
 from ..spec.rules import TensorSpec, build_specs
 from ..spec.source import Checkpoint, open_checkpoint, resolve_model, side_files
@@ -51,14 +51,15 @@ def part_keys(specs_by_name: dict[str, TensorSpec], part: Part) -> list[str]:
 def plan_footprint(specs: dict[str, list[list[TensorSpec]]], parts: list[Part], layouts: dict[str, Layout], tp: int,
                    align: int, sizes: dict[str, int], cid: str = "0" * 64, side: int = 0) -> footprint.Footprint:
     """Bytes to read, and the exact size of every rank file (its header depends on names, shapes, the
-    64-hex-digit conversion id and the alignment; any id gives the same length)."""
+    64-hex-digit conversion id, the fixed-width content stamp and the alignment; any id gives the same
+    length)."""
     files = {}
     for role, ranks in specs.items():
         for rank, rank_specs in enumerate(ranks):
             by_name = {s.name: s for s in rank_specs}
             for part in (p for p in parts if p.role == role):
                 headers = part_headers(by_name, part, layouts)
-                meta = file_metadata(cid, role, rank, part.index, tp)
+                meta = file_metadata(cid, role, rank, part.index, tp, CONTENT_PLACEHOLDER)
                 files[part_path(role, rank, part.index)] = (len(encode_header(headers, meta, align))
                                                             + sum(h.nbytes for h in headers))
     tensors = sum(len(r) for ranks in specs.values() for r in ranks)

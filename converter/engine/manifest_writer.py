@@ -1,18 +1,22 @@
 """The manifest convert writes last but one (before COMPLETE): the job's plan, options and layouts,
-every rank file's and tensor's digest and source pieces, and the source's content digests."""
+every rank file's and tensor's digest, content stamp and source pieces, the source's content
+digests, and the digests of the copied config and tokenizer files (vLLM reads them from OUT)."""
 from __future__ import annotations
 
 from pathlib import Path
 
+from blake3 import blake3
+
 from .. import __version__
+from ..guarded_io import Tree
 from ..spec.content import ALGORITHM, BLOCK, checkpoint_digest, shard_digests
 from ..spec.layouts import LAYOUT_VERSION
+from ..guarded_io import JSON_LIMIT, read_regular
 from ..spec.manifest import (FLASHINFER_VERSIONS, FORMAT, FORMAT_VERSION, MANIFEST_NAME, RUNTIME, manifest_text,
-                             part_path)
+                             part_content, part_path)
 from ..spec.plan import MOE_VARIANT
 from ..spec.rules import TensorSpec
 from ..spec.source import side_files
-from .fsutil import atomic_write_text
 from .job import Job, layout_name, stored_shape
 
 
@@ -36,7 +40,18 @@ def _zero_regions(spec: TensorSpec) -> list[list[int]]:
     return regions
 
 
-def build_manifest(job: Job, files: dict[str, dict]) -> dict:
+def copies(root: Path, follow: bool) -> dict[str, dict]:
+    """name -> {bytes, digest} of the side files in `root` (OUT's copies; the source's, for sizes)."""
+    out = {}
+    for name in side_files(root):
+        data = read_regular(Path(root) / name, JSON_LIMIT, follow=follow)
+        out[name] = {"bytes": len(data), "digest": "blake3:" + blake3(data).hexdigest()}
+    return out
+
+
+def build_manifest(job: Job, files: dict[str, dict], out: Path | None = None) -> dict:
+    """The manifest of `job` with these rank files; the copies digested in `out` (without it, the
+    source's files: the same sizes, for the room check before anything is copied)."""
     o = job.options
     doc = {
         "format": FORMAT,
@@ -46,6 +61,7 @@ def build_manifest(job: Job, files: dict[str, dict]) -> dict:
         "source": {"fingerprint": job.ckpt.fingerprint, "path": str(job.ckpt.root.absolute()),
                    "files": dict(sorted(job.ckpt.files.items())), "side_files": side_files(job.ckpt.root),
                    "content": source_content(job, files)},
+        "copies": copies(out, follow=False) if out is not None else copies(job.ckpt.root, follow=True),
         "tp_size": job.plan.tp,
         "plan": job.plan.to_dict(),
         "options": o.to_dict(),
@@ -69,7 +85,9 @@ def build_manifest(job: Job, files: dict[str, dict]) -> dict:
             for part in parts:
                 rel = part_path(role, rank, part.index)
                 entry = files[rel]
-                rank_files.append({"path": rel, "bytes": entry["bytes"], "digest": "blake3:" + entry["digest"]})
+                content = part_content(files[part_path(role, 0, part.index)]["sources"])  # rank 0 carries them
+                rank_files.append({"path": rel, "bytes": entry["bytes"], "digest": "blake3:" + entry["digest"],
+                                   "content": content})
                 for name in part.names:
                     tensors[name] = {"file": rel, "digest": "blake3:" + entry["tensors"][name]}
             for spec in specs:
@@ -92,4 +110,4 @@ def build_manifest(job: Job, files: dict[str, dict]) -> dict:
 
 
 def write_manifest(out: Path, doc: dict) -> None:
-    atomic_write_text(out / MANIFEST_NAME, manifest_text(doc))
+    Tree(out).write_bytes(MANIFEST_NAME, manifest_text(doc).encode())

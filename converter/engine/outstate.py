@@ -4,20 +4,19 @@ digests, and the exact bytes still to write (the room convert checks before it c
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
+import re
+import stat
+from pathlib import Path, PurePosixPath
 
 from .. import __version__
 from ..errors import OutputError
 from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, manifest_text, part_path
-from ..spec.outlock import LOCK_NAME
+from ..guarded_io import Refused, Tree, kind, partial_name
 from ..spec.source import side_files
 from .job import Job, part_keys
 from .manifest_writer import build_manifest
+from .owned import JOURNAL_REL, OUTPUT_FILES, RECORD_REL, is_output, is_output_name, read_json, scan
 from .stwriter import hash_file
-
-JOURNAL = "journal.jsonl"
-RECORD = "conversion.json"
 
 
 def check_paths(out: Path, root: Path) -> None:
@@ -31,16 +30,18 @@ def check_paths(out: Path, root: Path) -> None:
 
 def check_out(out: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]:
     """Refuse unsafe targets; returns journal entries usable by --resume (path -> entry). Runs under
-    OUT's lock, so the lock file is not counted as content."""
-    state = out / STATE_DIR
-    kept = [p for p in state.iterdir() if p.name != LOCK_NAME] if state.is_dir() else []
-    others = [p for p in out.iterdir() if p.name != STATE_DIR]
-    ours = bool(kept) or (out / MANIFEST_NAME).exists()
+    OUT's lock, so the lock file is not counted as content. A link anywhere in OUT, or an entry of
+    the wrong type where the conversion writes, is refused by name before anything is read."""
+    tree = Tree(out)
+    others = [n for n in tree.entries() if n != STATE_DIR]
+    ours = is_output(tree)
+    if ours and not force:  # --force names them among what it will not delete
+        refuse_entries(tree, planned_files(job))
     if force:
         if ours or not others:
-            return {}  # convert clears it once the room is checked
+            return {}  # convert clears it once the room is checked (`owned.plan_clearing`)
         raise OutputError(f"{out} is not empty and not a lucifer-shard output; --force only replaces outputs of this tool")
-    if (out / COMPLETE_NAME).exists():
+    if tree.lstat(COMPLETE_NAME) is not None:
         raise OutputError(f"{out} already holds a complete conversion; pass --force to replace it")
     if not ours:
         if others:
@@ -48,14 +49,12 @@ def check_out(out: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]
         return {}
     if not resume:
         raise OutputError(f"{out} holds an unfinished conversion; pass --resume to finish it or --force to restart")
-    try:
-        record = json.loads((state / RECORD).read_text()) if (state / RECORD).exists() else {}
-    except (OSError, ValueError) as e:
-        raise OutputError(f"--resume: {state / RECORD} is unreadable ({e}); pass --force to restart") from None
-    if not isinstance(record, dict):
-        raise OutputError(f"--resume: {state / RECORD} is not a conversion record; pass --force to restart")
+    record = read_json(tree, RECORD_REL)
+    if not isinstance(record, dict) or not isinstance(record.get("source_files"), dict):
+        raise OutputError(f"--resume: {tree.path(RECORD_REL)} is missing or not a conversion record; pass --force "
+                          f"to restart")
     now = conversion_record(job)
-    changed = [n for n, st in now["source_files"].items() if record.get("source_files", {}).get(n) != st]
+    changed = [n for n, st in now["source_files"].items() if record["source_files"].get(n) != st]
     if record.get("conversion_id") == job.cid and changed:
         # Same headers and sizes, other bytes (a re-download or fine-tune): finished parts are stale.
         raise OutputError(f"--resume: source checkpoint changed since {out} was started ({changed[0]} was "
@@ -66,21 +65,56 @@ def check_out(out: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]
         raise OutputError(f"--resume: {out} was started with other {' and '.join(differs) or 'settings'} "
                           f"({_describe_diff(record, now)}); "
                           f"pass --force to restart")
-    return _journal(state / JOURNAL)
+    return _journal(tree)
 
 
-def _journal(path: Path) -> dict[str, dict]:
+def refuse_entries(tree: Tree, planned: dict[str, dict]) -> None:
+    """One line for the first link in OUT, or the first entry of the wrong type where a rank file
+    or its folder goes (a resumed run writes there)."""
+    entries = scan(tree)
+    for rel, st in entries.items():
+        if stat.S_ISLNK(st.st_mode):
+            raise OutputError(f"{tree.path(rel)}: is a symlink inside OUT; lucifer-shard writes only real files "
+                              f"and folders it made, so it does not follow it: remove it, or pass --force")
+    for rel in planned:
+        for folder in PurePosixPath(rel).parents:
+            st = entries.get(str(folder))
+            if str(folder) != "." and st is not None and not stat.S_ISDIR(st.st_mode):
+                raise OutputError(f"{tree.path(str(folder))}: is {kind(st.st_mode)} where the conversion keeps a "
+                                  f"folder of rank files; move it away, or pass --force")
+        st = entries.get(rel)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise OutputError(f"{tree.path(rel)}: is {kind(st.st_mode)} where the conversion writes a rank file; "
+                              f"move it away, or pass --force")
+
+
+HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _entry_ok(entry: object) -> bool:
+    """A journal entry of the shape convert writes (every digest 64 hex digits)."""
+    def digests(d: object) -> bool:
+        return isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) and HEX64.fullmatch(v)
+                                           for k, v in d.items())
+    return (isinstance(entry, dict) and is_output_name(entry.get("path")) and isinstance(entry.get("digest"), str)
+            and HEX64.fullmatch(entry["digest"]) is not None and type(entry.get("bytes")) is int
+            and digests(entry.get("tensors")) and ("sources" not in entry or digests(entry["sources"])))
+
+
+def _journal(tree: Tree) -> dict[str, dict]:
     """Journal entries by path; a line torn by a crash (or not an entry) is skipped: that part is redone."""
     entries = {}
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if (isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("digest"), str)
-                    and type(entry.get("bytes")) is int and isinstance(entry.get("tensors"), dict)):
-                entries[entry["path"]] = entry
+    try:
+        text = tree.read(JOURNAL_REL).decode(errors="replace")
+    except FileNotFoundError:
+        return entries
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if _entry_ok(entry):
+            entries[entry["path"]] = entry
     return entries
 
 
@@ -91,7 +125,8 @@ def journal_line(entry: dict) -> str:
 def _describe_diff(old: dict, new: dict) -> str:
     if old.get("source_fingerprint") != new.get("source_fingerprint"):
         return "source checkpoint changed"
-    a, b = old.get("options", {}), new.get("options", {})
+    a, b = old.get("options"), new["options"]
+    a = a if isinstance(a, dict) else {}
     diffs = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     return "; ".join(diffs) or f"tool version {old.get('tool_version')} -> {new.get('tool_version')}"
 
@@ -113,49 +148,62 @@ def planned_files(job: Job) -> dict[str, dict]:
     return files
 
 
-def sizes_to_write(job: Job, planned: dict[str, dict], done: set[str]) -> list[int]:
-    """Sizes of every file still to be written (or appended, for the journal) after the files in `done`."""
+def sizes_to_write(job: Job, planned: dict[str, dict], done: set[str], record: dict | None) -> list[int]:
+    """Sizes of every file still to be written (or appended, for the journal) after the files in
+    `done`, and of the conversion record unless it is written (None)."""
     left = [e for rel, e in planned.items() if rel not in done]
     sizes = [e["bytes"] for e in left] + [sum(len(journal_line(e)) for e in left)]
     sizes += [(job.ckpt.root / n).stat().st_size for n in side_files(job.ckpt.root)]
     sizes += [len(manifest_text(build_manifest(job, planned)).encode()), len(job.cid) + 1]
-    return sizes
+    return sizes + ([len(record_text(record).encode())] if record is not None else [])
 
 
-def clear_out(out: Path) -> None:
-    """Empty OUT, all but the lock file this process holds."""
-    for child in out.iterdir():
-        if child.name == STATE_DIR and child.is_dir():
-            for p in child.iterdir():
-                if p.is_dir():
-                    shutil.rmtree(p)
-                elif p.name != LOCK_NAME:
-                    p.unlink()
-        elif child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
+def record_text(record: dict) -> str:
+    return json.dumps(record, indent=1, sort_keys=True) + "\n"
+
+
+def source_stats(root: Path, names: list[str]) -> dict[str, list[int]]:
+    """name -> [size, mtime_ns] of source files (a rewritten file changes one or the other)."""
+    stats = {}
+    for n in names:
+        st = (root / n).stat()
+        stats[n] = [st.st_size, st.st_mtime_ns]
+    return stats
 
 
 def conversion_record(job: Job) -> dict:
-    stats = {n: [(job.ckpt.root / n).stat().st_size, (job.ckpt.root / n).stat().st_mtime_ns] for n in job.ckpt.files}
+    """What --resume and --force trust of an earlier run: its identity, the source files' sizes and
+    times, and every file it writes (what --force may delete)."""
+    files = [*planned_files(job), *side_files(job.ckpt.root), MANIFEST_NAME, COMPLETE_NAME]
     return {"conversion_id": job.cid, "source_fingerprint": job.ckpt.fingerprint,
-            "options": job.options.to_dict(), "tool_version": __version__, "source_files": stats}
+            "options": job.options.to_dict(), "tool_version": __version__,
+            "source_files": source_stats(job.ckpt.root, list(job.ckpt.files)),
+            "side_files": source_stats(job.ckpt.root, side_files(job.ckpt.root)), "files": files}
+
+
+def source_changed(job: Job, record: dict) -> str | None:
+    """The first source file (shard, config or tokenizer file) whose size or time differs from the
+    record taken before it was read, or None."""
+    now = {**source_stats(job.ckpt.root, list(job.ckpt.files)), **source_stats(job.ckpt.root, side_files(job.ckpt.root))}
+    then = {**record["source_files"], **record["side_files"]}
+    return next((n for n in sorted(set(now) | set(then)) if now.get(n) != then.get(n)), None)
 
 
 def part_valid(out: Path, entry: dict) -> bool:
-    """A journaled file counts only if it still exists and hashes to its recorded digest."""
-    path = out / entry["path"]
-    if not path.is_file() or path.stat().st_size != entry["bytes"]:
+    """A journaled file counts only if it is still a regular file of its size that hashes to its
+    recorded file and tensor digests (the manifest copies both)."""
+    tree = Tree(out)
+    st = tree.lstat(entry["path"])
+    if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != entry["bytes"]:
         return False
     try:
-        return hash_file(path)[0] == entry["digest"]
-    except (OSError, ValueError):
+        return hash_file(tree, entry["path"]) == (entry["digest"], entry["tensors"])
+    except (OSError, ValueError, Refused):
         return False
 
 
-def remove_partials(out: Path) -> None:
-    for p in out.glob("*/rank-*/.*.partial"):
-        p.unlink()
-    for p in out.glob(".*.partial"):
-        p.unlink()
+def remove_partials(out: Path, job: Job) -> None:
+    """The temporary files a stopped run may have left, by the names the conversion writes."""
+    tree = Tree(out)
+    for rel in [*planned_files(job), *OUTPUT_FILES, RECORD_REL]:
+        tree.remove(partial_name(rel))

@@ -36,10 +36,10 @@ from pathlib import Path
 import numpy as np
 from blake3 import blake3
 
-from ..spec.manifest import file_digest
+from ..guarded_io import Tree, partial_name
+from ..spec.manifest import CONTENT_PLACEHOLDER, file_digest
 from ..spec.rules import DTYPE_SIZE
 from ..spec.stheader import read_header
-from .fsutil import fsync_dir
 
 DIRECT = True  # try O_DIRECT first (module switch for experiments and tests)
 ALIGN = 4096  # O_DIRECT offset, length and address alignment (covers 512 B and 4 KiB sectors)
@@ -87,10 +87,6 @@ def encode_header(tensors: list[TensorHeader], metadata: dict[str, str], align: 
     return len(raw).to_bytes(8, "little") + raw
 
 
-def partial_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial")
-
-
 @dataclass(frozen=True)
 class WrittenFile:
     path: Path
@@ -100,29 +96,34 @@ class WrittenFile:
 
 
 class StreamWriter:
-    """Write one safetensors file tensor by tensor; `close()` publishes it atomically."""
+    """Write one safetensors file `rel` under `tree` tensor by tensor, into a new temporary file
+    (`Tree.open_new`: no link followed, nothing overwritten); `close()` publishes it atomically."""
 
-    def __init__(self, path: Path, tensors: list[TensorHeader], metadata: dict[str, str],
+    def __init__(self, tree: Tree, rel: str, tensors: list[TensorHeader], metadata: dict[str, str],
                  write_behind: int | None = None, direct: bool | None = None, align: int = 8):
-        self.path = Path(path)
+        self.tree, self.rel = tree, rel
+        self.path = tree.path(rel)
         self.tensors = tensors
         self.header = encode_header(tensors, metadata, align)
         self.size = len(self.header) + sum(t.nbytes for t in tensors)
-        self._tmp = partial_path(self.path)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self._tmp_rel = partial_name(rel)
+        self._tmp = tree.path(self._tmp_rel)
         self._fd: int | None = None
+        self._tmp_created = False  # abort removes only a temporary file this writer made
         self._direct = False
         self._stage = None
         try:
             if (DIRECT if direct is None else direct) and hasattr(os, "O_DIRECT"):
                 try:
-                    self._fd = os.open(self._tmp, flags | os.O_DIRECT, 0o666)
+                    self._fd = tree.open_new(self._tmp_rel, os.O_DIRECT)
                     self._direct = True
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
+                    tree.remove(self._tmp_rel)  # some filesystems create the file before refusing O_DIRECT
             if self._fd is None:
-                self._fd = os.open(self._tmp, flags, 0o666)
+                self._fd = tree.open_new(self._tmp_rel)
+            self._tmp_created = True
             self._was_direct = self._direct
             self._stage = np.frombuffer(mmap.mmap(-1, STAGE_BYTES), np.uint8) if self._direct else None
             self._fill = 0  # staged bytes not yet written
@@ -216,7 +217,23 @@ class StreamWriter:
                 current = self.tensors[self._index]
                 self._left = current.nbytes
 
-    def close(self) -> WrittenFile:
+    def _stamp(self, content: str) -> None:
+        """Write the content stamp over its placeholder in the header (same length: nothing moves).
+        The stamp is known only once every source byte of the file was read, i.e. now."""
+        key = b'"lucifer.content":"'
+        at = self.header.index(key + CONTENT_PLACEHOLDER.encode()) + len(key)
+        value = content.encode()
+        if len(value) != len(CONTENT_PLACEHOLDER):
+            raise AssertionError(f"content stamp {content!r} is not {len(CONTENT_PLACEHOLDER)} characters")
+        self.header = self.header[:at] + value + self.header[at + len(value):]
+        if self._direct:  # a small unaligned write: through the page cache
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self._direct = False
+        if os.pwrite(self._fd, value, at) != len(value):
+            raise OSError(errno.EIO, "short write of the content stamp", str(self._tmp))
+
+    def close(self, content: str | None = None) -> WrittenFile:
+        """Finish and publish the file; `content` fills the header's content stamp placeholder."""
         if self._index != len(self.tensors):
             raise AssertionError(f"{self.path.name}: closed before {self.tensors[self._index].name} was written")
         if self._fill:  # direct I/O: the last block, zero-padded to ALIGN, then cut to the real size
@@ -226,6 +243,8 @@ class StreamWriter:
         try:
             if self._was_direct:
                 os.ftruncate(self._fd, self.size)
+            if content is not None:
+                self._stamp(content)
             os.fsync(self._fd)
         except OSError as e:
             raise OSError(e.errno, e.strerror, str(self._tmp)) from None
@@ -234,8 +253,7 @@ class StreamWriter:
         os.close(self._fd)
         self._fd = None
         self._stage = None
-        os.replace(self._tmp, self.path)
-        fsync_dir(self.path.parent)
+        self.tree.rename(self._tmp_rel, self.rel)
         digests = [self.digests[t.name] for t in self.tensors]
         return WrittenFile(self.path, self.size, file_digest(self.header, digests), dict(self.digests))
 
@@ -244,23 +262,26 @@ class StreamWriter:
             os.close(self._fd)
             self._fd = None
         self._stage = None
-        self._tmp.unlink(missing_ok=True)
+        if self._tmp_created:
+            self.tree.remove(self._tmp_rel)
 
 
-def hash_file(path: Path, block: int = 16 << 20) -> tuple[str, dict[str, str]]:
+def hash_file(tree: Tree, rel: str, block: int = 16 << 20) -> tuple[str, dict[str, str]]:
     """Recompute a file's digest and its tensors' digests exactly as StreamWriter records them."""
-    header = read_header(path)
-    digests: dict[str, str] = {}
-    with open(path, "rb") as f:
+    fd = tree.open_read(rel)
+    try:
+        header = read_header(tree.path(rel), fd=fd)
+        digests: dict[str, str] = {}
         for name, t in header.tensors.items():  # in data order
-            f.seek(header.data_start + t.start)
+            pos, end = header.data_start + t.start, header.data_start + t.end
             h = blake3(max_threads=blake3.AUTO)
-            left = t.end - t.start
-            while left:
-                data = f.read(min(block, left))
+            while pos < end:
+                data = os.pread(fd, min(block, end - pos), pos)
                 if not data:
-                    raise ValueError(f"{path}: truncated inside tensor {name!r}")
+                    raise ValueError(f"{tree.path(rel)}: truncated inside tensor {name!r}")
                 h.update(data)
-                left -= len(data)
+                pos += len(data)
             digests[name] = h.hexdigest()
+    finally:
+        os.close(fd)
     return file_digest(header.block, list(digests.values())), digests

@@ -2,7 +2,7 @@
 
 `pattern` fill makes every byte a hash of its tensor and position, so a misplaced byte is
 identifiable (scale bytes never 0xFF); `random` fill writes valid values (FP4 codes, E8M0 scales
-in a realistic range, finite FP8 and BF16). Shards are written with `safetensors.torch.save_file`
+in a realistic range, finite FP8 and BF16). Shards are serialized by `safetensors.torch.save`
 so the converter's input is produced by the reference library, not by our own writer.
 """
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from ..errors import LuciferError
+from ..guarded_io import Tree
 from ..spec.dtypes import TORCH_DTYPE
 from ..spec.config import ModelConfig, parse_config
 from ..spec.rules import DTYPE_SIZE, Source, expected_sources
@@ -138,6 +139,7 @@ def synth(preset: str, out: Path, layers: int | None = None, fill: str = "patter
     out.mkdir(parents=True, exist_ok=True)
     if any(out.glob("*.safetensors")):
         raise LuciferError(f"{out}: already holds a checkpoint; choose an empty directory")
+    tree = Tree(out)
     sources = sorted(expected_sources(cfg).values(), key=_order)
     groups = list(_shards(sources))
     total = sum(map(_nbytes, sources))
@@ -149,13 +151,14 @@ def synth(preset: str, out: Path, layers: int | None = None, fill: str = "patter
         for src in group:
             tensors[src.key] = make_tensor(src, cfg, fill, seed)
             weight_map[src.key] = name
-        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        tree.write_bytes(name, save(tensors, metadata={"format": "pt"}))
         bar.update(sum(t.numel() * t.element_size() for t in tensors.values()))
         del tensors
     bar.close()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}, indent=2) + "\n")
-    (out / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1048576}, indent=2) + "\n")
+    docs = {"model.safetensors.index.json": index, "config.json": raw,
+            "generation_config.json": {"bos_token_id": 0, "eos_token_id": 1},
+            "tokenizer_config.json": {"model_max_length": 1048576}}
+    for name, doc in docs.items():
+        tree.write_bytes(name, (json.dumps(doc, indent=2) + "\n").encode())
     return out

@@ -36,6 +36,8 @@ from .outdir import Output
 
 ROUTED, SHARED, ATTN, VIRTUAL = "routed MoE", "shared expert", "output projection", "virtual heads"
 TOLERANCE = {ROUTED: 5e-3, SHARED: 1e-4, ATTN: 1e-4, VIRTUAL: 0.0}
+MAX_TOKENS = 4096  # x, attention output and routing per token: about 5 MiB each at Flash size
+MAX_SEED = (1 << 32) - 1  # seeds per layer are seed * 1_000_003 + layer: inside torch's 64 bits
 
 
 @dataclass
@@ -316,23 +318,30 @@ def default_layers(cfg) -> list[int]:
 
 
 def parse_layers(text: str | None, cfg) -> list[int]:
-    if not text:
+    """The layers `--layers` names; refused: a malformed or empty list, a range that runs backwards
+    (3-1 would check nothing and pass), an index that does not exist."""
+    if text is None:
         return default_layers(cfg)
     if text.strip() == "all":
         return cfg.layer_ids("target") + cfg.layer_ids("draft")
+    usage = f"--layers {text[:40]!r}: expected layer indices like 3,4 or 0-2 or all"
     out = []
     for part in text.split(","):
         part = part.strip()
         try:
-            if "-" in part:
-                a, b = part.split("-")
-                out.extend(range(int(a), int(b) + 1))
-            elif part:
-                out.append(int(part))
+            bounds = [int(x) for x in part.split("-")] if part else []
         except ValueError:
-            raise LuciferError(f"--layers {text!r}: expected layer indices like 3,4 or 0-2 or all") from None
-    for i in out:
-        _prefixes(cfg, i)
+            raise LuciferError(usage) from None
+        if len(bounds) not in (1, 2) or any(b < 0 for b in bounds):
+            raise LuciferError(usage)
+        for i in bounds:
+            _prefixes(cfg, i)  # exists (before a range is built from it)
+        if len(bounds) == 2 and bounds[0] > bounds[1]:
+            raise LuciferError(f"--layers {part!r}: the range runs backwards and names no layer; write low-high, "
+                               f"e.g. {bounds[1]}-{bounds[0]}")
+        out.extend(range(bounds[0], bounds[-1] + 1))
+    if not out:
+        raise LuciferError(f"{usage} (it names no layer)")
     return sorted(set(out))
 
 
@@ -340,8 +349,11 @@ def check_numerics(out: Path, model: str | None = None, layers: str | list[int] 
                    seed: int = 0, progress: bool = True) -> Report:
     """Run the check (MODEL default: the source the manifest records); never raises for a numerical
     failure (inspect `Report.ok`)."""
-    if tokens < 1:
-        raise LuciferError(f"--tokens {tokens}: need at least 1 token")
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise LuciferError(f"--tokens {tokens}: choose 1..{MAX_TOKENS} (the activations of every token are held "
+                           f"in memory; a few dozen already exercise every rank's slices)")
+    if not 0 <= seed <= MAX_SEED:
+        raise LuciferError(f"--seed {seed}: choose 0..{MAX_SEED}")
     output = Output(Path(out))
     model, _ = source_model(out, output.manifest, model)
     root = resolve_model(model)

@@ -45,6 +45,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import MismatchError, OutputError
+from ..guarded_io import JSON_LIMIT, Refused, read_regular
 from ..spec.manifest import source_model
 from ..spec.rules import DTYPE_SIZE, TensorSpec
 from ..spec.source import Checkpoint, open_checkpoint, resolve_model
@@ -66,10 +67,17 @@ def _what_differs(src: dict, ckpt: Checkpoint, out: Path) -> str:
     resized = [n for n in sorted(now) if now[n] != was[n]]
     if resized:
         return f"shard {resized[0]} has {now[resized[0]]:,} bytes, the converted one had {was[resized[0]]:,}"
-    copy = out / "config.json"
-    if copy.is_file() and copy.read_bytes() != (ckpt.root / "config.json").read_bytes():
+    if _read(out / "config.json", False) != _read(ckpt.root / "config.json", True):
         return "its config.json differs from the one converted (OUT/config.json)"
     return "its shard headers differ from the converted ones (same names and sizes)"
+
+
+def _read(path: Path, follow: bool) -> bytes | None:
+    """A side file's bytes (an output's copy: never through a link), None when it cannot be read."""
+    try:
+        return read_regular(path, JSON_LIMIT, follow=follow)
+    except (OSError, Refused):
+        return None
 
 
 def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress: bool = True,
@@ -101,8 +109,8 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
         report.add_first(Problem("source", f"{what}: source fingerprint {ckpt.fingerprint[:16]}... vs the manifest's "
                            f"{str(src.get('fingerprint'))[:16]}..."))
     for name in src.get("side_files") or []:
-        a, b = out / name, root / name
-        if not a.is_file() or not b.is_file() or a.read_bytes() != b.read_bytes():
+        a = _read(out / name, False)
+        if a is None or a != _read(root / name, True):
             report.add(Problem("file", f"{name}: not a byte-identical copy of the source's {name}", file=name))
     rules = check_manifest_rules(report, manifest, ckpt.config)
     stats = {"rank_tensors": 0, "source_tensors": 0, "rank_bytes": 0, "source_bytes": 0, "source_bytes_read": 0,
@@ -359,12 +367,25 @@ def _diff_data(report: Report, reader: ProofSourceReader, work: list[tuple[str, 
     when it was submitted. Block reads are queued before the rank tasks that wait for them, so a
     waiting task never waits for a read that has not started. `settle` runs after each merged chunk
     (the content check: it may stop the diff)."""
-    inflight: deque[tuple[ChunkSources, list[Future]]] = deque()
+    inflight: deque[tuple[ChunkSources, list[Future], list[RankFile]]] = deque()
     seen = 0
+    # A rank file's descriptors are closed once the last group reading it is merged: groups visit the
+    # files in order, so a few are open at a time however many OUT has (no EMFILE at 1024 files).
+    last: dict[str, int] = {}
+    for g, (_, per_rank) in enumerate(work):
+        for ms in per_rank:
+            for _, _, rf, _ in ms:
+                last[rf.rel] = g
+    done_with: dict[int, list[RankFile]] = {}
+    for g, (_, per_rank) in enumerate(work):
+        for ms in per_rank:
+            for _, _, rf, _ in ms:
+                if last[rf.rel] == g and rf not in done_with.setdefault(g, []):
+                    done_with[g].append(rf)
 
-    def merge(item: tuple[ChunkSources, list[Future]]) -> None:
+    def merge(item: tuple[ChunkSources, list[Future], list[RankFile]]) -> None:
         nonlocal seen
-        sources, futs = item
+        sources, futs, finished = item
         for fut in futs:
             sub, rank_bytes, pad_bytes = fut.result()
             report.merge(sub)
@@ -372,6 +393,8 @@ def _diff_data(report: Report, reader: ProofSourceReader, work: list[tuple[str, 
             stats["pad_bytes"] += pad_bytes
             bar.update(rank_bytes)
         sources.release()
+        for rf in finished:
+            rf.close()
         now = reader.bytes_needed
         bar.update(now - seen)
         seen = now
@@ -379,20 +402,22 @@ def _diff_data(report: Report, reader: ProofSourceReader, work: list[tuple[str, 
 
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="diff") as pool:
         try:
-            for role, per_rank in work:
+            for g, (role, per_rank) in enumerate(work):
                 stats["rank_tensors"] += sum(len(ms) for ms in per_rank)
-                for a, b in _group_chunks(reader, per_rank, chunk_bytes):
+                chunks = _group_chunks(reader, per_rank, chunk_bytes)
+                for c, (a, b) in enumerate(chunks):
                     sources = ChunkSources(reader, _regions(reader, per_rank, a, b))
                     for i in range(len(sources.blocks)):
                         pool.submit(sources.read, i)  # its outcome reaches the rank tasks through the block
                     inflight.append((sources, [pool.submit(_diff_rank_chunk, report.room, sources, role, ms, a, b)
-                                               for ms in per_rank if ms]))
+                                               for ms in per_rank if ms],
+                                     done_with.get(g, []) if c == len(chunks) - 1 else []))
                     while len(inflight) > 1:
                         merge(inflight.popleft())
             while inflight:
                 merge(inflight.popleft())
         finally:
-            for _, futs in inflight:
+            for _, futs, _ in inflight:
                 for fut in futs:
                     fut.cancel()
 

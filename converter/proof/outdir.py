@@ -1,6 +1,7 @@
 """Read a converted output directory back: its manifest, files and tensors in model layout."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -8,9 +9,10 @@ import torch
 from safetensors import safe_open
 
 from ..errors import OutputError
+from ..guarded_io import Refused, Tree
 from ..spec.dtypes import TORCH_DTYPE
 from ..spec.layouts import layout_by_name
-from ..spec.manifest import COMPLETE_NAME, load_manifest
+from ..spec.manifest import complete_problem, load_manifest
 from ..spec.rules import DTYPE_SIZE
 from ..spec.stheader import Header, HeaderError, read_header
 
@@ -22,10 +24,10 @@ class Output:
         self.root = Path(root)
         if not self.root.is_dir():
             raise OutputError(f"{root}: no such output directory")
-        if require_complete and not (self.root / COMPLETE_NAME).exists():
-            raise OutputError(f"{root}: no {COMPLETE_NAME} marker; the conversion did not finish "
-                              f"(run convert again with --resume)")
         self.manifest = load_manifest(self.root, check_digest)
+        problem = complete_problem(self.root, self.manifest["conversion_id"]) if require_complete else None
+        if problem:
+            raise OutputError(f"{root}: {problem}")
         self._handles: dict[str, object] = {}
         self._headers: dict[str, Header] = {}
 
@@ -48,13 +50,20 @@ class Output:
         path = self.root / rel
         h = self._handles.get(rel)
         if h is None:
-            if not path.is_file():
-                raise OutputError(f"{path}: rank file listed in the manifest is missing")
             try:
-                self._headers[rel] = read_header(path)  # a damaged file is named here, not mid-read
+                fd = Tree(self.root).open_read(rel)  # through real directories: no link is followed
+            except FileNotFoundError:
+                raise OutputError(f"{path}: rank file listed in the manifest is missing") from None
+            except Refused as e:
+                raise OutputError(f"{e}; run verify on {self.root}, then convert --force") from None
+            try:
+                self._headers[rel] = read_header(path, fd=fd)  # a damaged file is named here, not mid-read
+                # the library maps the very file the header was read from (its descriptor's name)
+                h = self._handles[rel] = safe_open(f"/proc/self/fd/{fd}", framework="pt")
             except HeaderError as e:
                 raise OutputError(f"{e}; run verify on {self.root}, then convert --force") from None
-            h = self._handles[rel] = safe_open(str(path), framework="pt")
+            finally:
+                os.close(fd)
         t = self._headers[rel].tensors.get(name)
         if t is None or t.dtype != info["dtype"] or list(t.shape) != list(info["shape"]):
             found = "no such tensor" if t is None else f"{t.dtype}{list(t.shape)}"

@@ -7,11 +7,14 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..errors import OutputError
+from ..guarded_io import Tree, open_regular
 from ..spec.rules import DTYPE_SIZE
 from ..spec.stheader import read_header
 
@@ -33,13 +36,23 @@ class HeaderTensor:
 
 
 class RankFile:
-    """A rank file opened through its own header (not the manifest's idea of it)."""
+    """A rank file opened through its own header (not the manifest's idea of it), reached through
+    real directories of OUT (`Tree.open_read`: a link anywhere on the way is refused). Descriptors are
+    opened when data is read and closed by `close()`, so callers bound how many are open at once;
+    each one must be the file whose header was read (a file replaced meanwhile is refused)."""
 
-    def __init__(self, rel: str, path: Path):
+    def __init__(self, tree: Tree, rel: str):
         self.rel = rel
-        self.path = path
-        # Not `whole`: a truncated file is reported tensor by tensor, bytes after the data as a finding.
-        header = read_header(path, whole=False)
+        self.tree = tree
+        self.path = tree.path(rel)
+        fd = tree.open_read(rel)
+        try:
+            st = os.fstat(fd)
+            self._identity = (st.st_dev, st.st_ino)
+            # Not `whole`: a truncated file is reported tensor by tensor, bytes after the data as a finding.
+            header = read_header(self.path, whole=False, fd=fd)
+        finally:
+            os.close(fd)
         self.size = header.file_size
         self.header = header.block
         self.meta: dict = header.metadata
@@ -54,16 +67,25 @@ class RankFile:
     def truncated(self, name: str) -> bool:
         return self.tensors[name].end > self.size
 
+    def _open(self, flags: int) -> int:
+        fd = self.tree.open_read(self.rel, flags)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self._identity:
+            os.close(fd)
+            raise OutputError(f"{self.path}: was replaced while it was being checked; a writer changed OUT during "
+                              f"this run, run the check again when it has finished")
+        return fd
+
     def fd(self) -> int:
         with self._lock:
             if self._fd is None:
-                self._fd = open_sequential(self.path)
+                self._fd = advise_sequential(self._open(0))
             return self._fd
 
     def direct(self) -> DirectFile:
         with self._lock:
             if self._direct is None:
-                self._direct = DirectFile(self.path)
+                self._direct = DirectFile(self.path, opener=self._open)
             return self._direct
 
     def read(self, name: str, a: int, b: int) -> np.ndarray:
@@ -100,9 +122,8 @@ def read_rows(fd: int, start: int, shape: tuple[int, ...], item: int, a: int, b:
 _local = threading.local()
 
 
-def open_sequential(path: Path) -> int:
-    """A read-only descriptor with the kernel told to read ahead aggressively."""
-    fd = os.open(path, os.O_RDONLY)
+def advise_sequential(fd: int) -> int:
+    """`fd`, with the kernel told to read ahead aggressively."""
     if hasattr(os, "posix_fadvise"):
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -157,27 +178,29 @@ class DirectFile:
     """A file read with positional O_DIRECT reads into aligned buffers (no page cache: no copy through
     it and none of its page faults), through the page cache where the filesystem refuses direct I/O."""
 
-    def __init__(self, path: Path, direct: bool | None = None):
+    def __init__(self, path: Path, direct: bool | None = None, opener: Callable[[int], int] | None = None):
+        """`opener(flags)`: a read-only descriptor of the file with `flags` added (default: `path` opened)."""
         self.path = path
+        self._opener = opener or (lambda flags: open_regular(path, follow=True, flags=flags))  # a source shard
         self.direct = (DIRECT if direct is None else direct) and hasattr(os, "O_DIRECT")
         self.fd = -1
         self._retired: list[int] = []
         self._lock = threading.Lock()
         if self.direct:
             try:
-                self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                self.fd = self._opener(os.O_DIRECT)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 self.direct = False
         if self.fd < 0:
-            self.fd = open_sequential(path)
+            self.fd = advise_sequential(self._opener(0))
 
     def _buffered(self, fd: int) -> None:
         with self._lock:
             if self.direct and self.fd == fd:
                 self._retired.append(fd)
-                self.fd = open_sequential(self.path)
+                self.fd = advise_sequential(self._opener(0))
                 self.direct = False
 
     @staticmethod

@@ -8,10 +8,11 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import LuciferError, OutputError
+from ..guarded_io import Refused, Tree
 from ..spec.config import ModelConfig
 from ..spec.layouts import EXPERT_TENSORS, expert_layout
-from ..spec.manifest import (COMPLETE_NAME, FORMAT_VERSION, MANIFEST_NAME, STATE_DIR, Options, conversion_id,
-                             file_metadata, load_manifest)
+from ..spec.manifest import (COMPLETE_NAME, FORMAT_VERSION, MANIFEST_NAME, STATE_DIR, Options, complete_problem,
+                             conversion_id, digest_ok, file_metadata, parse_manifest, read_manifest_bytes)
 from ..spec.plan import make_plan
 from ..spec.rules import TensorSpec, build_specs
 from ..spec.stheader import HeaderError
@@ -120,19 +121,13 @@ def read_manifest(report: Report, out: Path) -> dict:
     if not (out / MANIFEST_NAME).exists() and (out / STATE_DIR).is_dir():
         raise OutputError(f"{out} holds an unfinished conversion (no {MANIFEST_NAME}, no {COMPLETE_NAME}); "
                           f"run the same convert command with --resume")
-    manifest = load_manifest(out, check_digest=False)
-    try:
-        load_manifest(out, check_digest=True)
-    except LuciferError as e:
-        report.add(Problem("manifest", str(e), file=MANIFEST_NAME))
-    complete = out / COMPLETE_NAME
-    if not complete.is_file():
-        report.add(Problem("manifest", f"no {COMPLETE_NAME} marker: the conversion did not finish (convert --resume)",
-                           file=COMPLETE_NAME))
-    elif complete.read_text().strip() != manifest.get("conversion_id"):
-        report.add(Problem("manifest", f"{COMPLETE_NAME} holds {complete.read_text().strip()[:16]}..., the manifest's "
-                           f"conversion id is {str(manifest.get('conversion_id'))[:16]}...: files of two conversions "
-                           f"are mixed; re-run convert --force", file=COMPLETE_NAME))
+    manifest = parse_manifest(read_manifest_bytes(out), out / MANIFEST_NAME)
+    if not digest_ok(manifest):
+        report.add(Problem("manifest", f"{out / MANIFEST_NAME}: manifest_digest does not match its content: the "
+                           f"manifest was edited after conversion; re-run convert --force", file=MANIFEST_NAME))
+    problem = complete_problem(out, manifest["conversion_id"])
+    if problem:
+        report.add(Problem("manifest", problem, file=COMPLETE_NAME))
     if manifest.get("tool_version") == __version__ and manifest.get("format_version") == FORMAT_VERSION:
         try:
             cid = conversion_id(manifest["source"]["fingerprint"], options_of(manifest))
@@ -162,19 +157,23 @@ def open_files(report: Report, out: Path, manifest: dict, check_size: bool = Tru
     files: dict[str, RankFile] = {}
     tp = manifest.get("tp_size")
     cid = manifest.get("conversion_id")
+    tree = Tree(out)
     for role, rank, f in manifest_files(manifest):
         rel = f.get("path", "")
         path = out / rel
         held = sorted(n for n, t in manifest["roles"][role]["ranks"][rank]["tensors"].items() if t.get("file") == rel)
         holds = f"holds {len(held)} tensor(s): {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}"
-        if not path.is_file():
+        try:
+            rf = RankFile(tree, rel)
+        except FileNotFoundError:
             folder = path.parent
             what = f"rank folder {folder.relative_to(out)} is missing" if not folder.is_dir() else "file is missing"
             report.add(Problem("file", f"{rel}: {what} ({holds}); re-run convert --force", role, rank,
                                held[0] if held else None, rel))
             continue
-        try:
-            rf = RankFile(rel, path)
+        except Refused as e:  # a link or not a regular file: never followed out of OUT
+            report.add(Problem("file", f"{e}; re-run convert --force", role, rank, file=rel))
+            continue
         except HeaderError as e:
             report.add(Problem("file", f"{rel}: unreadable safetensors header: {e.reason}; re-run convert --force",
                                role, rank, file=rel))
@@ -191,7 +190,8 @@ def open_files(report: Report, out: Path, manifest: dict, check_size: bool = Tru
         elif rf.trailing:  # diff: safetensors (and so vLLM) refuses a file with bytes after its data
             report.add(Problem("file", f"{rel}: {rf.trailing} bytes follow the last tensor; safetensors "
                                f"refuses such a file, re-run convert --force", role, rank, file=rel))
-        want_meta = file_metadata(cid, role, rank, _part_of(rel), tp) if _part_of(rel) is not None else None
+        want_meta = file_metadata(cid, role, rank, _part_of(rel), tp, f["content"]) if _part_of(rel) is not None \
+            else None
         if want_meta is not None:
             for k, v in want_meta.items():
                 if rf.meta.get(k) != v:
@@ -228,6 +228,8 @@ def _part_of(rel: str) -> int | None:
 def _identity_hint(key: str) -> str:
     if key == "lucifer.conversion_id":
         return "this file comes from another conversion; re-run convert --force"
+    if key == "lucifer.content":
+        return "this file was made from other source weights (another checkpoint or revision); re-run convert --force"
     if key in ("lucifer.rank", "lucifer.role", "lucifer.part"):
         return "this file was moved or swapped from another rank/part; re-run convert --force"
     return "this file does not belong to this output; re-run convert --force"

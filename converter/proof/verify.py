@@ -27,7 +27,7 @@ from tqdm import tqdm
 from ..errors import LuciferError, OutputError
 from ..spec.config import load_config
 from ..spec.layouts import layout_by_name
-from ..spec.manifest import file_digest
+from ..spec.manifest import copy_problems, file_digest
 from ..units import byte_bar, duration, rate, size
 from .pads import check_pads, check_scales, chunk_slices, is_scale, to_model
 from .rankfile import CHUNK_BYTES, HeaderTensor, RankFile, byte_shape, read_rows, row_chunks, scratch
@@ -54,14 +54,13 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
     report.info.update({"out": str(out), "conversion_id": manifest.get("conversion_id")})
     cfg = None
     try:
-        cfg = load_config(out / "config.json")
+        cfg = load_config(out / "config.json", follow=False)
     except LuciferError as e:
         report.add(Problem("manifest", f"{e}; cannot check the manifest against the rule table", file="config.json"))
     if cfg is not None:
         check_manifest_rules(report, manifest, cfg)
-    for name in (manifest.get("source") or {}).get("side_files") or []:
-        if not (out / name).is_file():
-            report.add(Problem("file", f"{name}: copied from the source by convert, now missing", file=name))
+    for name, problem in copy_problems(out, manifest):
+        report.add(Problem("file", problem, file=name))
     _stray_files(report, out, manifest)
     files = open_files(report, out, manifest)
     total = sum(t.end - t.start for rf in files.values() for t in rf.tensors.values())
@@ -115,6 +114,14 @@ def _stored_pad_mask(layout: str, matrix: tuple[int, ...],
 def _verify_file(limit: int, rf: RankFile, entry: dict, role: str, rank: int, tensors: dict, bar: tqdm,
                  chunk_bytes: int) -> tuple[Report, dict, int, int]:
     """One streaming pass over a file: tensor digests, file digest, pad regions and scale bytes."""
+    try:
+        return _verify_open_file(limit, rf, entry, role, rank, tensors, bar, chunk_bytes)
+    finally:
+        rf.close()  # one descriptor per worker at a time, however many files OUT has
+
+
+def _verify_open_file(limit: int, rf: RankFile, entry: dict, role: str, rank: int, tensors: dict, bar: tqdm,
+                      chunk_bytes: int) -> tuple[Report, dict, int, int]:
     report = Report("verify", limit)
     digests: dict[tuple[str, int, str], str] = {}
     ordered = sorted(rf.tensors.items(), key=lambda kv: kv[1].start)
@@ -209,6 +216,10 @@ def _stray_files(report: Report, out: Path, manifest: dict) -> None:
     tp = manifest.get("tp_size") or 0
     for role in ("target", "draft"):
         folder = out / role
+        if folder.is_symlink():
+            report.add(Problem("file", f"{role}/: is a symlink; an output's folders are real directories, "
+                               f"re-run convert --force", file=role))
+            continue
         if not folder.is_dir():
             continue
         if role not in roles:
@@ -217,6 +228,10 @@ def _stray_files(report: Report, out: Path, manifest: dict) -> None:
             continue
         for child in sorted(folder.iterdir()):
             rel = str(child.relative_to(out))
+            if child.is_symlink():
+                report.add(Problem("file", f"{rel}: is a symlink; an output's folders are real directories, "
+                                   f"re-run convert --force", file=rel))
+                continue
             ok_rank = child.is_dir() and child.name.startswith("rank-") and child.name[5:].isdigit() \
                 and int(child.name[5:]) < tp
             if not ok_rank:

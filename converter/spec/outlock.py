@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from ..errors import OutputError
+from ..guarded_io import Refused, Tree, remove_empty_dir
 from .manifest import STATE_DIR
 
 LOCK_NAME = "lock"
@@ -28,14 +29,19 @@ LOCK_NAME = "lock"
 PROBE_GRACE_S = 0.25
 
 
+LOCK_REL = f"{STATE_DIR}/{LOCK_NAME}"
+
+
 def lock_path(out: Path) -> Path:
     return Path(out) / STATE_DIR / LOCK_NAME
 
 
 def _read_record(fd: int) -> dict | None:
+    """The holder record in the lock file, or None when there is none or it is not one (any JSON
+    of another shape, a torn line: the lock itself is what counts)."""
     try:
         record = json.loads(os.pread(fd, 4096, 0) or b"null")
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return record if isinstance(record, dict) else None
 
@@ -44,16 +50,25 @@ def describe(record: dict | None) -> str:
     """'pid 123 on host, started 2025-01-01T10:00:00+00:00' (or what is known of it)."""
     if not record:
         return "holder unknown: its record is not written yet"
-    return f"pid {record.get('pid')} on {record.get('host')}, started {record.get('started')}"
+    pid, host, started = (_shown(record.get(k)) for k in ("pid", "host", "started"))
+    return f"pid {pid} on {host}, started {started}"
+
+
+def _shown(value: object) -> str:
+    """A record field as one short line (a record of another shape is still described, not trusted)."""
+    return " ".join(str(value).split())[:80]
 
 
 class OutLock:
     """The exclusive writer lock on OUT, as a context manager. Creates OUT and its state folder if
     needed; on release removes what only the lock needed (a state folder holding nothing but the
-    lock file, and OUT itself if this lock created it and it is empty)."""
+    lock file, and OUT itself if this lock created it and it is empty). The lock file is opened
+    through `guarded_io.Tree.open_own`: a lock or state folder that is a link, a FIFO or a hard
+    link to a file elsewhere is refused by name, never truncated."""
 
     def __init__(self, out: Path):
         self.out = Path(out)
+        self.tree = Tree(self.out)
         self.path = lock_path(self.out)
         self.fd: int | None = None
         self.created_out = False
@@ -66,10 +81,12 @@ class OutLock:
         deadline = time.monotonic() + PROBE_GRACE_S
         while True:
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                self.out.mkdir(parents=True, exist_ok=True)
+                fd = self.tree.open_own(LOCK_REL, os.O_RDWR)
+            except Refused as e:
+                raise OutputError(f"refusing OUT: {e}") from None
             except OSError as e:
-                raise OutputError(f"{self.out}: cannot create {self.path.relative_to(self.out)} ({e.strerror}); "
+                raise OutputError(f"{self.out}: cannot create {LOCK_REL} ({e.strerror}); "
                                   f"choose a directory you can write") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -93,22 +110,18 @@ class OutLock:
         return self
 
     def _same_file(self, fd: int) -> bool:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return False
+        st = self.tree.lstat(LOCK_REL)
         mine = os.fstat(fd)
-        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+        return st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
     def release(self) -> None:
         if self.fd is None:
             return
-        state = self.path.parent
-        if state.is_dir() and [p.name for p in state.iterdir()] == [LOCK_NAME]:
-            self.path.unlink()  # under the lock: a waiting opener sees the file changed and retries
-            state.rmdir()
-            if self.created_out and not any(self.out.iterdir()):
-                self.out.rmdir()
+        if list(self.tree.entries(STATE_DIR)) == [LOCK_NAME]:
+            self.tree.remove(LOCK_REL)  # under the lock: a waiting opener sees the file changed and retries
+            self.tree.remove_dir(STATE_DIR)
+            if self.created_out and not self.tree.entries():
+                remove_empty_dir(self.out)
         else:
             os.ftruncate(self.fd, 0)  # a clean release leaves no holder record behind
         os.close(self.fd)
@@ -123,10 +136,10 @@ class OutLock:
 
 def writer_of(out: Path) -> str | None:
     """Who holds OUT's writer lock (see `describe`), or None. Takes nothing: a shared probe that is
-    dropped at once, and no file is created."""
+    dropped at once, and no file is created (nor a link followed: no writer holds such a lock)."""
     try:
-        fd = os.open(lock_path(out), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        fd = Tree(out).open_read(LOCK_REL)
+    except (OSError, Refused):
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

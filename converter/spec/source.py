@@ -10,13 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from safetensors import safe_open
-
 from ..errors import SourceError
+from ..guarded_io import JSON_LIMIT, kind, open_regular, read_regular
 from .config import ModelConfig, load_config
 from .rules import ROLES, check_source_keys
 from .stheader import Header, HeaderError, read_header
@@ -66,7 +66,8 @@ class TensorEntry:
 
 @dataclass
 class Checkpoint:
-    """A validated source checkpoint. Reads go through safetensors, one handle per shard."""
+    """A validated source checkpoint. Reads are positional, at the validated offsets, one
+    descriptor per shard (opened through `guarded_io.open_regular`)."""
 
     root: Path
     config: ModelConfig
@@ -74,22 +75,40 @@ class Checkpoint:
     files: dict[str, int]  # shard name -> size in bytes
     data_start: dict[str, int]  # shard name -> file offset of its data section
     fingerprint: str
-    _handles: dict = field(default_factory=dict, repr=False)
-
-    def handle(self, file: str):
-        h = self._handles.get(file)
-        if h is None:
-            h = self._handles[file] = safe_open(str(self.root / file), framework="pt")
-        return h
+    _fds: dict = field(default_factory=dict, repr=False)
 
     def read(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
-        """The region `box` of tensor `key` (element indices), as stored."""
+        """The region `box` of tensor `key` (element indices), as stored: the rows of its first dim
+        are read, the rest sliced in memory."""
+        import torch
+
+        from .dtypes import TORCH_DTYPE
+
         entry = self.tensors[key]
-        t = self.handle(entry.file).get_slice(key)[box]
-        return t
+        shape = entry.shape or (1,)
+        rows = range(shape[0])[box[0]] if box else range(shape[0])
+        row = (entry.offsets[1] - entry.offsets[0]) // max(1, shape[0])
+        first, count = (rows.start, len(rows)) if rows.step == 1 else (0, shape[0])
+        fd = self._fds.get(entry.file)
+        if fd is None:
+            fd = self._fds[entry.file] = open_regular(self.root / entry.file, follow=True)
+        at = self.data_start[entry.file] + entry.offsets[0] + first * row
+        data = bytearray(count * row)
+        view, got = memoryview(data), 0
+        while got < len(data):
+            n = os.preadv(fd, [view[got:]], at + got)
+            if n == 0:
+                raise SourceError(f"{entry.file}: truncated inside tensor {key!r}; re-download this shard", key=key)
+            got += n
+        dtype = TORCH_DTYPE[entry.dtype]
+        t = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        t = t.reshape(count, *shape[1:])[(slice(None) if rows.step == 1 else box[0], *box[1:])]
+        return t.reshape(()) if not entry.shape else t
 
     def close(self) -> None:
-        self._handles.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def _read_shard(path: Path) -> Header:
@@ -102,7 +121,7 @@ def _read_shard(path: Path) -> Header:
 def _weight_map(index_path: Path) -> dict[str, str]:
     """The index's key -> shard map; every shard a relative path inside the model directory."""
     try:
-        weight_map = json.loads(index_path.read_bytes())["weight_map"]
+        weight_map = json.loads(read_regular(index_path, JSON_LIMIT, follow=True))["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SourceError(f"{index_path}: unreadable index ({type(e).__name__}: {e}); re-download it") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -150,13 +169,13 @@ def open_checkpoint(root: Path, roles: tuple[str, ...] = ROLES) -> Checkpoint:
     else:
         raise SourceError(f"{root}: no {INDEX_NAME} or {SINGLE_NAME}; not a safetensors checkpoint")
     digest = hashlib.sha256()
-    digest.update((root / "config.json").read_bytes())
+    digest.update(read_regular(root / "config.json", JSON_LIMIT, follow=True))
     tensors: dict[str, TensorEntry] = {}
     files: dict[str, int] = {}
     data_start: dict[str, int] = {}
     for name in names:
         path = root / name
-        if not path.is_file():
+        if not path.exists():  # anything else there is refused by the reader, by name
             raise SourceError(f"{INDEX_NAME} maps tensors to {name}, which is missing from {root}")
         header = _read_shard(path)
         files[name] = header.file_size
@@ -179,5 +198,21 @@ def open_checkpoint(root: Path, roles: tuple[str, ...] = ROLES) -> Checkpoint:
 
 
 def side_files(root: Path) -> list[str]:
-    """Config, tokenizer and generation files present in the model directory."""
-    return [n for n in SIDE_FILES if (Path(root) / n).is_file()]
+    """Config, tokenizer and generation files present in the model directory. One that is there but
+    not a readable regular file (a dangling link to a Hugging Face blob never downloaded, a FIFO, a
+    folder) is refused by name: skipping it would serve the model without it."""
+    found = []
+    for n in SIDE_FILES:
+        path = Path(root) / n
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode) and not path.exists():
+            raise SourceError(f"{path}: is a symlink to {os.readlink(path)}, which does not exist (a download that "
+                              f"did not finish); download it again, or remove the link to convert without it")
+        if not path.is_file():
+            raise SourceError(f"{path}: is {kind(path.stat().st_mode)}, not a regular file; replace it with the "
+                              f"file, or remove it to convert without it")
+        found.append(n)
+    return found

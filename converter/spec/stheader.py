@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..guarded_io import open_regular
 from .rules import DTYPE_SIZE
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's MAX_HEADER_SIZE
@@ -77,21 +78,32 @@ class Header:
         return None
 
 
-def read_header(path: Path | str, whole: bool = True) -> Header:
+def read_header(path: Path | str, whole: bool = True, fd: int | None = None) -> Header:
     """Read and validate the header of a safetensors file; with `whole`, its size must match too.
+    `fd`: the file already opened through the guarded helpers (else `path` is opened, and must be
+    a regular file: a link to one is followed, as in a Hugging Face cache).
 
-    Raises HeaderError (a ValueError) for anything wrong in the file, OSError if it cannot be read."""
+    Raises HeaderError (a ValueError) for anything wrong in the file, OSError if it cannot be read,
+    guarded_io.Refused if it is not a regular file."""
     path = Path(path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
+    own = fd is None
+    if own:
+        fd = open_regular(path, follow=True)
+    try:
+        size = os.fstat(fd).st_size
+        prefix = os.pread(fd, 8, 0)
         if len(prefix) < 8:
             raise HeaderError(path, f"{size} bytes, too short for a safetensors header")
         n = int.from_bytes(prefix, "little")
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise HeaderError(path, f"header length {n} exceeds the file ({size} bytes) or the safetensors limit "
                                     f"of {MAX_HEADER_BYTES} bytes")
-        raw = f.read(n)
+        raw = b""
+        while len(raw) < n and (more := os.pread(fd, n - len(raw), 8 + len(raw))):
+            raw += more
+    finally:
+        if own:
+            os.close(fd)
     if len(raw) != n:
         raise HeaderError(path, f"shrank to {8 + len(raw)} bytes while its header was read")
     doc = _parse(path, raw)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -324,3 +325,76 @@ def test_post_processing_checks(out_kernel, tp_world):
     with pytest.raises(RuntimeError) as e:
         loader.check_after_processing(model)
     _refusal(e, f"{prefix}.w13_weight was re-laid-out after loading")
+
+
+# ------------------------------------------------------- hostile outputs (issue 26: classes 3, 4, 5, 11)
+
+
+@pytest.fixture(scope="session")
+def out_twin(shim_base) -> Path:
+    """A checkpoint with out_kernel's headers and sizes but other weights (`--fill random`), converted
+    with the same options: the same conversion id, other content stamps."""
+    base = shim_base / "twin"
+    sf.cli("synth", "tiny", str(base / "model"), "--fill", "random", "--quiet")
+    return sf.convert_tiny(base)
+
+
+def test_refuses_a_rank_file_of_other_weights_at_verify_headers(out_kernel, out_twin, tmp_path, tp_world):
+    assert sf.manifest(out_twin)["conversion_id"] == sf.manifest(out_kernel)["conversion_id"]
+    out = sf.link_copy(out_kernel, tmp_path / "out")
+    p = "target/rank-0/part-00000.safetensors"
+    (out / p).unlink()
+    (out / p).write_bytes((out_twin / p).read_bytes())
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(sf.build_model(sf.manifest(out), "target"), sf.model_config(out))
+    _refusal(e, "metadata lucifer.content", "other source weights")
+
+
+@pytest.mark.parametrize("where", ["link", "outside"])
+def test_reads_nothing_outside_the_output(out_kernel, tmp_path, tp_world, where):
+    """A rank file that is a symlink (to the very same bytes), or a re-sealed manifest that points
+    outside OUT, is refused before a byte is loaded."""
+    from lucifer_shard.spec.manifest import manifest_text
+
+    out = sf.link_copy(out_kernel, tmp_path / "out")
+    p = "target/rank-0/part-00000.safetensors"
+    if where == "link":
+        (out / p).unlink()
+        (out / p).symlink_to(out_kernel / p)
+        needle = "is a symlink"
+    else:
+        doc = sf.manifest(out)
+        rank = doc["roles"]["target"]["ranks"][0]
+        rank["files"][0]["path"] = str(out_kernel / p)
+        for t in rank["tensors"].values():
+            t["file"] = str(out_kernel / p)
+        (out / "lucifer-manifest.json").unlink()
+        (out / "lucifer-manifest.json").write_text(manifest_text(doc))
+        (out / p).unlink()
+        needle = "files[0].path"
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(sf.build_model(sf.manifest(out_kernel), "target"), sf.model_config(out))
+    _refusal(e, needle)
+
+
+def test_a_convert_during_the_load_is_named_not_loaded(out_kernel, out_twin, tmp_path, tp_world, monkeypatch):
+    """A whole `convert --force` of other weights while the loader reads: refused with the reason
+    (on main the mixed bytes were loaded at verify=headers)."""
+    from lucifer_shard.engine.convert import convert
+    from lucifer_shard.runtime_shim import reader
+    from lucifer_shard.spec.manifest import Options
+
+    out = tmp_path / "out"
+    shutil.copytree(out_kernel, out)
+    source = sf.manifest(out_twin)["source"]["path"]
+    real = reader.read_tensors
+
+    def rewritten_meanwhile(*a, **k):
+        got = real(*a, **k)
+        convert(source, out, Options(tp=3), force=True, progress=False)
+        return got
+
+    monkeypatch.setattr(reader, "read_tensors", rewritten_meanwhile)
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(sf.build_model(sf.manifest(out_kernel), "target"), sf.model_config(out))
+    _refusal(e, "was rewritten while vLLM ran")

@@ -1,0 +1,40 @@
+"""The source digests of the parts `--resume` keeps, computed again from the source.
+
+The journal records each part's source tensor digests, and the manifest's content digest is built
+from them; copying them unchecked would let one edited hex digit in the journal give a COMPLETE
+output whose content digest blames an unchanged source. So the kept parts' source tensors are
+read once more (sequential reads, no rank file written) and hashed as convert hashes them."""
+from __future__ import annotations
+
+import os
+
+from ..errors import SourceError
+from ..guarded_io import open_regular
+from ..spec.content import ContentDigests
+from ..spec.source import Checkpoint
+
+BLOCK = 16 << 20
+
+
+def resumed_sources(ckpt: Checkpoint, keys: list[str]) -> dict[str, str]:
+    """key -> content digest (`spec.content`) of these source tensors, read from their shards."""
+    entries = [ckpt.tensors[k] for k in dict.fromkeys(keys)]
+    digests = ContentDigests({e.key: e.offsets[1] - e.offsets[0] for e in entries})
+    by_file: dict[str, list] = {}
+    for e in entries:
+        by_file.setdefault(e.file, []).append(e)
+    for file, group in by_file.items():
+        fd = open_regular(ckpt.root / file, follow=True)
+        try:
+            for e in sorted(group, key=lambda e: e.offsets[0]):
+                base = ckpt.data_start[file] + e.offsets[0]
+                done = 0
+                while done < e.offsets[1] - e.offsets[0]:
+                    data = os.pread(fd, min(BLOCK, e.offsets[1] - e.offsets[0] - done), base + done)
+                    if not data:
+                        raise SourceError(f"{file}: truncated inside tensor {e.key!r}; re-download this shard")
+                    digests.feed(e.key, done, memoryview(data))
+                    done += len(data)
+        finally:
+            os.close(fd)
+    return digests.finished()
