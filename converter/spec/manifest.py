@@ -183,7 +183,7 @@ def parse_manifest(data: bytes, path: Path | str) -> dict:
                           f"--force")
     if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
         raise OutputError(f"{path}: format {str(doc.get('format'))[:60]!r} v{str(doc.get('format_version'))[:20]}, "
-                          f"expected {FORMAT!r} v{FORMAT_VERSION}")
+                          f"expected {FORMAT!r} v{FORMAT_VERSION}; re-run lucifer-shard convert --force")
     try:
         check(MANIFEST_FIELDS, doc)
     except SchemaError as e:
