@@ -179,7 +179,8 @@ def check(spec: Spec, value: Any, where: str = "") -> None:
     spec.check(value, where)
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """json.loads object_pairs_hook: a key given twice is refused (json keeps the last one silently)."""
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
@@ -188,7 +189,8 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
-def _refuse_constant(name: str):
+def refuse_constant(name: str):
+    """json.loads parse_constant: NaN, Infinity and -Infinity are not JSON."""
     raise SchemaError(f"{name} is not a JSON number")
 
 
@@ -212,7 +214,7 @@ def loads(data: bytes) -> Any:
     except UnicodeDecodeError as e:
         raise SchemaError(f"not UTF-8 text (byte {e.start})") from None
     try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_refuse_constant)
+        doc = json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=refuse_constant)
     except RecursionError:
         raise SchemaError(f"nested more than {MAX_DEPTH} levels deep") from None
     except SchemaError:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..guarded_io import open_regular
 from .rules import DTYPE_SIZE
+from .schema import no_duplicate_keys, refuse_constant
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's MAX_HEADER_SIZE
 MAX_DIM = (1 << 63) - 1  # torch and numpy index with int64
@@ -116,26 +117,13 @@ def read_header(path: Path | str, whole: bool = True, fd: int | None = None) -> 
     return header
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"key {dup!r} appears twice")
-    return out
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
 def _parse(path: Path, raw: bytes) -> dict:
     try:
         text = raw.decode("utf-8")  # strict: no BOM sniffing, no UTF-16 as json.loads(bytes) would allow
     except UnicodeDecodeError as e:
         raise HeaderError(path, f"header is not valid UTF-8 (byte {e.start})") from None
     try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+        doc = json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=refuse_constant)
     except RecursionError:
         raise HeaderError(path, "header is not valid JSON (nested too deeply)") from None
     except ValueError as e:  # JSONDecodeError included
