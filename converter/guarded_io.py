@@ -41,6 +41,8 @@ STATE_LIMIT = 256 << 20  # the journal of a full-size conversion, with room to s
 class Refused(LuciferError):
     """A path the guarded helpers will not open, write or delete; the message says why."""
 
+    kind = "refused"
+
 
 def kind(mode: int) -> str:
     """What a file mode is, in words ('a symlink', 'a FIFO', ...)."""

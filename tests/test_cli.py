@@ -274,13 +274,13 @@ def test_bad_config_is_one_line_also_in_json(tmp_path, edit, needle):
     r = CliRunner().invoke(cli, ["plan", "--tp", "3", "--json", str(tmp_path)])
     doc = envelope(r)
     assert r.exit_code == 2 and not doc["ok"] and doc["result"] is None
-    assert doc["error"]["exit_code"] == 2 and doc["error"]["kind"] == "SourceError" and needle in doc["error"]["message"]
+    assert doc["error"]["exit_code"] == 2 and doc["error"]["kind"] == "source" and needle in doc["error"]["message"]
 
 
 def test_verify_json_on_failure(converted, tmp_path):
     r = run("verify", "--json", tmp_path)  # no output at all
     doc = envelope(r)
-    assert r.exit_code == 2 and doc["command"] == "verify" and not doc["ok"] and doc["error"]["kind"] == "OutputError"
+    assert r.exit_code == 2 and doc["command"] == "verify" and not doc["ok"] and doc["error"]["kind"] == "output"
     out = tmp_path / "out"
     shutil.copytree(converted(), out)
     (out / "COMPLETE").unlink()

@@ -31,7 +31,7 @@ from typing import Any, Callable, NoReturn
 
 import click
 
-from ..errors import LuciferError, UsageRefused
+from ..errors import ERROR_KINDS, LuciferError, UsageRefused
 
 SCHEMA_VERSION = 1
 INTERNAL_ERROR = 70  # EX_SOFTWARE: a bug, not bad input
@@ -232,7 +232,7 @@ def conventions(interrupted: str) -> Callable:
                 with _sigterm_interrupts():
                     f(*args, **kwargs)
             except LuciferError as e:
-                con.fail(str(e), e.exit_code, type(e).__name__)
+                con.fail(str(e), e.exit_code, e.kind)
             except Terminated:
                 con.fail(interrupted, TERMINATED, "terminated", line=interrupted)
             except KeyboardInterrupt:
@@ -246,7 +246,7 @@ def conventions(interrupted: str) -> Callable:
                 line = os_error_line(e)
                 if line is None:
                     _internal(con, e, kwargs.get("out"))
-                con.fail(line, 2, "OSError")
+                con.fail(line, ERROR_KINDS["environment"][0], "environment")
             except Exception as e:  # noqa: BLE001 - the one place an unexpected exception is reported
                 _internal(con, e, kwargs.get("out"))
             con.succeed()

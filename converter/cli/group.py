@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from .. import __version__
-from ..errors import MismatchError, UsageRefused
+from ..errors import NoRoom, UsageRefused
 from ..spec.manifest import MAX_ALIGN, Options
 from ..spec.plan import ARCHES
 from .argorder import refuse_swapped
@@ -130,8 +130,8 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     Console.of().emit({**plan_json(specs, p, options, given), "footprint": footprint_json(fp, room)},
                       plan_lines(specs, p, options, fp, given) + footprint_lines(fp, room))
     if room is not None and room.short:
-        raise MismatchError(f"{out}: not enough room: {size(room.needed)} to write, {size(room.free)} free on "
-                            f"{room.filesystem}; free {size(room.short)} more or choose another OUT")
+        raise NoRoom(f"{out}: not enough room: {size(room.needed)} to write, {size(room.free)} free on "
+                            f"{room.filesystem}; free {size(room.short)} more or choose another OUT", exit_code=1)
 
 
 @cli.command()

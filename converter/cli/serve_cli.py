@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import MismatchError, UsageRefused
+from ..errors import CheckFailed, PreflightFailed, UsageRefused
 from .console import Console, conventions
 
 SERVE_EXAMPLE = "lucifer-shard serve OUT [OPTIONS] -- --max-model-len 65536"
@@ -63,7 +63,7 @@ def doctor(out: Path | None, mtp: bool) -> None:
                       [format_report(checks), "", *guide_lines()])
     failed = _failed(checks)
     if failed:
-        raise MismatchError(f"doctor: {len(failed)} check(s) failed; first: {failed[0]}")
+        raise CheckFailed(f"doctor: {len(failed)} check(s) failed; first: {failed[0]}")
 
 
 @click.command("serve", cls=ServeCommand)
@@ -122,7 +122,7 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
     else:
         con.note(f"preflight passed ({len(checks)} checks); exec {line}")
     if failed:
-        raise MismatchError(f"serve: preflight failed ({len(failed)} check(s)); first: {failed[0]}; "
+        raise PreflightFailed(f"serve: preflight failed ({len(failed)} check(s)); first: {failed[0]}; "
                             f"lucifer-shard doctor OUT shows every check")
     if not dry_run:
         exec_vllm(argv)

@@ -12,7 +12,7 @@ import re
 import resource
 from pathlib import Path
 
-from ..errors import LuciferError, OutputError
+from ..errors import LuciferError, NoRoom, OutputError
 from ..guarded_io import read_regular
 from ..units import size
 
@@ -87,13 +87,13 @@ def check_room(out: Path, sizes: list[int], given_back: int, then: str) -> None:
     short = shortfall(need, free, given_back)
     if short:
         back = f" (+{size(given_back)} this run removes)" if given_back else ""
-        raise OutputError(f"{out}: not enough room on {filesystem(out)}: {size(sum(sizes))} still to write "
+        raise NoRoom(f"{out}: not enough room on {filesystem(out)}: {size(sum(sizes))} still to write "
                           f"({sum(sizes):,} bytes: rank files, journal, manifest, config and tokenizer copies), "
                           f"{size(free)} free{back}; free {size(short)} more, then {then}, or choose an OUT on "
                           f"another filesystem")
     inodes = free_inodes(out)
     if inodes is not None and inodes < len(sizes) + INODE_SLACK:
-        raise OutputError(f"{out}: {filesystem(out)} can create only {inodes:,} more files (no free inodes) and "
+        raise NoRoom(f"{out}: {filesystem(out)} can create only {inodes:,} more files (no free inodes) and "
                           f"this conversion writes up to {len(sizes) + INODE_SLACK:,}; remove files there, then "
                           f"{then}, or choose an OUT on another filesystem")
 

@@ -19,7 +19,7 @@ import socket
 import time
 from pathlib import Path
 
-from ..errors import OutputError
+from ..errors import Locked, OutputError
 from ..guarded_io import Refused, Tree, remove_empty_dir
 from .manifest import STATE_DIR
 
@@ -96,7 +96,7 @@ class OutLock:
                 if time.monotonic() < deadline:
                     time.sleep(0.01)
                     continue
-                raise OutputError(f"{self.out} is locked by another writer ({describe(record)}); wait for it to "
+                raise Locked(f"{self.out} is locked by another writer ({describe(record)}); wait for it to "
                                   f"finish or stop it, then run again") from None
             if self._same_file(fd):
                 break
@@ -154,5 +154,5 @@ def refuse_if_written(out: Path, command: str) -> None:
     """OutputError when a `convert` holds OUT: its files are not finished, so not damaged either."""
     holder = writer_of(out)
     if holder is not None:
-        raise OutputError(f"{out} is being written by lucifer-shard convert ({holder}); run {command} when it "
+        raise Locked(f"{out} is being written by lucifer-shard convert ({holder}); run {command} when it "
                           f"has finished")
