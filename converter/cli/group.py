@@ -163,6 +163,7 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     from .planview import (footprint_json, footprint_lines, plan_footprint_of, plan_json, plan_lines, plan_specs,
                            planned_paths, room_of)
 
+    # --workers changes no number plan shows: it is taken so that plan's command line is convert's.
     refuse_swapped("plan", model, out, model_first=True)
     _refuse_resume_force(resume, force)
     config = resolve_config(model, revision)

@@ -106,7 +106,7 @@ class Job:
     layouts: dict[str, Layout]
     cid: str
     dropped: dict[str, str] = field(default_factory=dict)
-    origin: dict = field(default_factory=lambda: {"repo": None, "revision": None})  # `source_spec.hub_origin`
+    origin: dict = field(default_factory=lambda: {"repo": None, "revision": None})  # repo id and commit (`spec.source.hub_origin`)
 
     @property
     def roles(self) -> list[str]:
