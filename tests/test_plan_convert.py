@@ -278,3 +278,16 @@ def test_max_file_size_below_the_floor_is_refused(text, tiny_pattern, tmp_path):
         assert r.exit_code == 2 and not (tmp_path / "out").exists()
         assert r.output.startswith(f"error: --max-file-size {text!r} is below the floor of 1.00 MiB: a tensor larger "
                                    f"than the limit gets a file of its own anyway"), r.output
+
+
+def test_plan_resume_refuses_a_changed_source_as_convert_does(converted, tiny_pattern, tmp_path):
+    """With a local checkpoint, plan --resume holds the earlier run's record against its headers too."""
+    out = _unfinished(converted, tmp_path)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_pattern, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": cfg["rms_norm_eps"] * 2}))
+    args = ["--tp", 3, "--arch", "sm120", "--resume", other, out]
+    planned, converting = run("plan", *args), run("convert", *args)
+    assert planned.exit_code == converting.exit_code == 2
+    assert planned.output == converting.output and "was started with other source" in planned.output, planned.output

@@ -10,7 +10,7 @@ from ..errors import NoRoom, UsageRefused
 from ..spec.manifest import FLASHINFER_VERSIONS, MAX_ALIGN, Options
 from ..spec.plan import ARCHES
 from ..units import SIZE_SYNTAX
-from .argorder import refuse_swapped
+from .argorder import is_checkpoint, refuse_swapped
 from .console import Console, conventions, exit_code_lines
 
 MAX_FILE_BYTES = 1 << 50
@@ -155,6 +155,7 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     the same command line with `plan` for `convert` shows what convert will do.
     --json: every output tensor with its source slices, and the footprint in bytes.
     """
+    from ..engine.job import prepare
     from ..engine.outstate import refuse_target
     from ..spec.config import load_config
     from ..spec.plan import make_plan
@@ -172,8 +173,11 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     p = make_plan(cfg, tp)
     specs = plan_specs(cfg, p, options.mtp)
     if out is not None:
-        refuse_target(out, config_root(model, config), resume, force, options=options,
-                      planned=planned_paths(specs, options))
+        root = config_root(model, config)
+        # --resume trusts an earlier run only for the same source: with a local checkpoint, its
+        # headers are read (as convert reads them) so that a changed source is refused here too.
+        job = prepare(model, options) if resume and root is not None and is_checkpoint(Path(model)) else None
+        refuse_target(out, root, resume, force, job, options, planned_paths(specs, options))
     fp = plan_footprint_of(cfg, specs, p, options)
     room = room_of(fp, out, force)
     given = arch is not None
