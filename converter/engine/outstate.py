@@ -10,8 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
 from .. import __version__
-from ..errors import OutputError
-from ..errors import Locked
+from ..errors import Locked, OutputError
 from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, Options, manifest_text, part_path
 from ..spec.outlock import writer_of
 from ..guarded_io import Refused, Tree, kind, partial_name
