@@ -6,8 +6,13 @@ from __future__ import annotations
 
 _PREFIXES = ("B", "KiB", "MiB", "GiB", "TiB")
 GIB = 1 << 30
-_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": GIB, "tib": 1 << 40,
+# Binary like every report: K, M, G, T and KiB..TiB are powers of 1024 (as dd, truncate and
+# `numfmt --from=iec` read them); only the spelled-out KB..TB are powers of 1000.
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": GIB, "t": 1 << 40,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": GIB, "tib": 1 << 40,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+SIZE_SYNTAX = ("K, M, G, T (4G) and KiB, MiB, GiB, TiB are binary (4G = 4 GiB = 4 x 2^30 bytes, as dd reads it); "
+               "KB, MB, GB, TB are decimal")
 
 
 def size(n: float) -> str:
@@ -36,7 +41,7 @@ def duration(seconds: float) -> str:
 
 
 def parse_size(text: str) -> int:
-    """`4GiB`, `500MB`, `1048576` -> bytes; ValueError on anything else."""
+    """`4G`, `4GiB`, `500MB`, `1048576` -> bytes (see SIZE_SYNTAX); ValueError on anything else."""
     t = text.strip().lower()
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = t[len(num):]
@@ -45,7 +50,7 @@ def parse_size(text: str) -> int:
     except ValueError:
         value = -1.0
     if unit not in _SIZE_UNITS or value < 0:
-        raise ValueError(f"{text!r}: expected a size like 4GiB, 500MB or 1048576")
+        raise ValueError(f"{text!r}: expected a size like 4G, 4GiB, 500MB or 1048576")
     return int(value * _SIZE_UNITS[unit])
 
 

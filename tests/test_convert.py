@@ -167,7 +167,7 @@ def _cli(*args: str) -> list[str]:
 def test_sigkill_then_resume_equals_clean_run(tiny_pattern, tmp_path, converted):
     """Kill convert mid-way: no final-named file is incomplete; --resume then matches a clean run."""
     out = tmp_path / "killed"
-    args = ["convert", "--tp", "3", "--arch", "sm120", "--quiet", "--max-file-size", "64KiB", str(tiny_pattern), str(out)]
+    args = ["convert", "--tp", "3", "--arch", "sm120", "--quiet", "--max-file-size", "1M", str(tiny_pattern), str(out)]
     proc = subprocess.Popen(_cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     journal = out / ".lucifer" / "journal.jsonl"
     deadline = time.time() + 60

@@ -7,13 +7,27 @@ import click
 
 from .. import __version__
 from ..errors import NoRoom, UsageRefused
-from ..spec.manifest import MAX_ALIGN, Options
+from ..spec.manifest import FLASHINFER_VERSIONS, MAX_ALIGN, Options
 from ..spec.plan import ARCHES
-from .argorder import refuse_swapped
+from ..units import SIZE_SYNTAX
+from .argorder import is_checkpoint, refuse_swapped
 from .console import Console, conventions, exit_code_lines
 
 MAX_FILE_BYTES = 1 << 50
-TP = click.option("--tp", type=int, required=True, help="Tensor-parallel size, 1..8 (3 is the mission).")
+# The smallest --max-file-size: a tensor larger than the limit gets a file of its own anyway, so a
+# smaller limit only splits the small tensors into more files (at 1 byte, one file per tensor:
+# about 4,600 for Flash at TP3), each with its own header, open and fsync.
+MIN_FILE_BYTES = 1 << 20
+TP = click.option("--tp", "-tp", "--tensor-parallel-size", "tp", type=int, required=True,
+                  help="Tensor-parallel size, 1..8 (3 is the mission); -tp and --tensor-parallel-size as in vLLM.")
+REVISION = click.option("--revision", default=None,
+                        help="With a Hugging Face repo id: the branch, tag or commit to use (as `hf download "
+                             "--revision`); the manifest records the commit, so `diff OUT` finds it again.")
+
+
+def _flashinfer_help() -> str:
+    gens = ", ".join(f"{g} = FlashInfer {v}" for g, v in FLASHINFER_VERSIONS.items())
+    return f"Only with --arch sm90 and kernel layout: FlashInfer's layout generation, {gens}  [default: folded]"
 
 
 def conversion_options(f):
@@ -21,19 +35,34 @@ def conversion_options(f):
     for option in reversed((
         click.option("--arch", type=click.Choice(ARCHES), default=None,
                      help="The serving GPU family: sm120/sm100 (MXFP4 x MXFP8 CUTLASS: swap + 128x4 scale swizzle) "
-                          "or sm90 (MXFP4 x BF16: swap + nibble and scale interleave). Required by convert: the "
-                          "experts' kernel layout follows it and the loader refuses other GPUs."),
+                          "or sm90 (MXFP4 x BF16: swap + nibble and scale interleave). Required by convert with "
+                          "--expert-layout kernel: the experts' kernel layout follows it and the loader refuses "
+                          "other GPUs. Optional with --expert-layout model, whose files are the same for every "
+                          "arch: without it the output serves on any GPU family (the manifest's arch is null)."),
         click.option("--expert-layout", type=click.Choice(["kernel", "model"]), default="kernel", show_default=True,
                      help="kernel: routed experts pre-laid-out for the FlashInfer-CUTLASS kernel of --arch; "
                           "model: as vLLM holds them before post-load processing (vLLM lays them out at load)."),
         click.option("--flashinfer-layout", type=click.Choice(["folded", "legacy"]), default=None,
-                     help="Only with --arch sm90 and kernel layout: FlashInfer's layout generation, "
-                          "legacy = 0.6.10-0.6.15, folded = 0.6.16+/0.7.x  [default: folded]"),
-        click.option("--max-file-size", default="4GiB", show_default=True, help="Largest rank file part."),
+                     help=_flashinfer_help()),
+        click.option("--max-file-size", default="4G", show_default=True,
+                     help=f"Largest rank file part, at least 1M (a larger tensor gets a file of its own); {SIZE_SYNTAX}."),
         click.option("--align", type=int, default=8, show_default=True,
                      help="Start the data section and every tensor whose size is a multiple of ALIGN at a "
                           "multiple of ALIGN bytes (e.g. 4096 for O_DIRECT loaders); a power of two >= 8."),
         click.option("--no-mtp", is_flag=True, help="Leave the MTP draft model (draft/) out."),
+        REVISION,
+    )):
+        f = option(f)
+    return f
+
+
+def target_options(f):
+    """What convert may do to an existing OUT (plan takes them too: it runs convert's refusals of OUT)."""
+    for option in reversed((
+        click.option("--workers", type=click.IntRange(1), default=1, show_default=True,
+                     help="Threads for layout, hashing and writing (one per rank is the useful maximum)."),
+        click.option("--resume", is_flag=True, help="Finish an interrupted conversion, keeping verified files."),
+        click.option("--force", is_flag=True, help="Replace an existing lucifer-shard output in OUT."),
     )):
         f = option(f)
     return f
@@ -42,15 +71,18 @@ def conversion_options(f):
 def options_from(tp: int, arch: str | None, expert_layout: str, flashinfer_layout: str | None, max_file_size: str,
                  align: int, no_mtp: bool, require_arch: bool) -> Options:
     """The Options a command line asks for: options that do not apply are refused, a combination no
-    vetted runtime loads is warned about with the reason."""
+    vetted runtime loads is warned about with the reason. Kernel layout without --arch is refused
+    when `require_arch` (convert) and shown for the first arch otherwise (plan); model layout
+    without --arch is Options.arch None: the same files serve every GPU family."""
     from ..spec.plan import local_gpu
-    from ..units import parse_size
+    from ..units import parse_size, size
 
-    if arch is None and require_arch:
+    if arch is None and require_arch and expert_layout == "kernel":
         gpu = local_gpu()
         here = f" (this machine has {gpu})" if gpu else ""
-        raise UsageRefused(f"--arch is required: the routed experts are laid out for one GPU family and the loader "
-                           f"refuses other GPUs; pass the serving GPU's, --arch {'|'.join(ARCHES)}{here}")
+        raise UsageRefused(f"--arch is required with --expert-layout kernel: the routed experts are laid out for one "
+                           f"GPU family and the loader refuses other GPUs; pass the serving GPU's, --arch "
+                           f"{'|'.join(ARCHES)}{here}, or --expert-layout model (any GPU family)")
     kernel90 = arch == "sm90" and expert_layout == "kernel"
     if flashinfer_layout is not None and not kernel90:
         raise UsageRefused("--flashinfer-layout applies only to --arch sm90 with --expert-layout kernel (sm120 and "
@@ -60,15 +92,21 @@ def options_from(tp: int, arch: str | None, expert_layout: str, flashinfer_layou
     try:
         max_bytes = parse_size(max_file_size)
     except (ValueError, OverflowError):
-        raise UsageRefused(f"--max-file-size {max_file_size[:40]!r}: expected a size like 4GiB, 500MB or 1048576, "
-                           f"at least 1 byte") from None
-    if not 1 <= max_bytes <= MAX_FILE_BYTES:
-        raise UsageRefused(f"--max-file-size {max_file_size[:40]!r}: choose 1 byte to 1 PiB")
+        raise UsageRefused(f"--max-file-size {max_file_size[:40]!r}: expected a size like 4G, 500M, 4GiB or "
+                           f"1048576 ({SIZE_SYNTAX})") from None
+    if max_bytes < MIN_FILE_BYTES:
+        raise UsageRefused(f"--max-file-size {max_file_size[:40]!r} is below the floor of {size(MIN_FILE_BYTES)}: a "
+                           f"tensor larger than the limit gets a file of its own anyway, so a smaller limit only "
+                           f"splits the small tensors into more files (at 1 byte one file per tensor, about 4,600 "
+                           f"for Flash at TP3); choose 1M or more (default 4G)")
+    if max_bytes > MAX_FILE_BYTES:
+        raise UsageRefused(f"--max-file-size {max_file_size[:40]!r}: choose 1M to 1024T (1 PiB)")
     if kernel90:
         Console.of().warn("no vetted vLLM build loads sm90 kernel-layout experts (the SM90 'c-full' load path is "
                           "not built), so lucifer-shard serve refuses these files; they serve FlashInfer-level "
                           "tests. To serve on sm90, use --expert-layout model")
-    return Options(tp=tp, arch=arch or ARCHES[0], expert_layout=expert_layout,
+    shown = arch or (ARCHES[0] if expert_layout == "kernel" else None)
+    return Options(tp=tp, arch=shown, expert_layout=expert_layout,
                    flashinfer_layout=flashinfer_layout or "folded", mtp=not no_mtp, max_file_bytes=max_bytes,
                    align=align)
 
@@ -99,33 +137,49 @@ def cli() -> None:
 @click.argument("model")
 @click.argument("out", required=False, type=click.Path(path_type=Path))
 @conversion_options
+@target_options
 @conventions(interrupted="interrupted: plan writes nothing")
 def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout: str, flashinfer_layout: str | None,
-         max_file_size: str, align: int, no_mtp: bool) -> None:
-    """Dry run: the virtual-TP plan and the conversion's disk footprint. Writes nothing.
+         max_file_size: str, align: int, no_mtp: bool, revision: str | None, workers: int, resume: bool,
+         force: bool) -> None:
+    """Dry run of convert: the virtual-TP plan and the conversion's disk footprint. Writes nothing.
 
-    Needs only config.json, so a Hugging Face repo id is planned before any weight is
-    downloaded. Prints the axis table (original, padded, per rank, kernel-local), per tensor
-    family the source range of each rank in stored units with its zero tail, per rank its
-    tensors, files and bytes; then the bytes to read and write, the free space of OUT's
-    filesystem (with OUT given; exit 1 when it is short) and a time estimate. Takes convert's
-    options, so the same command line with `plan` for `convert` shows what convert will do.
+    MODEL is a checkpoint directory, a repo id or a config.json file: plan needs only
+    config.json, so a Hugging Face repo id is planned before any weight is downloaded. Prints
+    the axis table (original, padded, per rank, kernel-local), per tensor family the source
+    range of each rank in stored units with its zero tail, per rank its tensors, files and
+    bytes, and ranks that hold only padding; then the bytes to read and write, the free space
+    of OUT's filesystem (with OUT given; exit 1 when it is short) and a time estimate. Takes
+    convert's options and makes convert's refusals of MODEL and OUT (a file, a non-empty
+    directory, a finished output, --resume/--force that do not apply), with the same words, so
+    the same command line with `plan` for `convert` shows what convert will do.
     --json: every output tensor with its source slices, and the footprint in bytes.
     """
+    from ..engine.job import prepare
+    from ..engine.outstate import refuse_target
     from ..spec.config import load_config
     from ..spec.plan import make_plan
-    from ..spec.source import resolve_model
+    from ..spec.source import config_root, resolve_config
     from ..units import size
     from .planview import (footprint_json, footprint_lines, plan_footprint_of, plan_json, plan_lines, plan_specs,
-                           room_of)
+                           planned_paths, room_of)
 
+    # --workers changes no number plan shows: it is taken so that plan's command line is convert's.
     refuse_swapped("plan", model, out, model_first=True)
-    cfg = load_config(resolve_model(model, weights=False) / "config.json")
+    _refuse_resume_force(resume, force)
+    config = resolve_config(model, revision)
+    cfg = load_config(config)
     options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, False)
     p = make_plan(cfg, tp)
     specs = plan_specs(cfg, p, options.mtp)
+    if out is not None:
+        root = config_root(model, config)
+        # --resume trusts an earlier run only for the same source: with a local checkpoint, its
+        # headers are read (as convert reads them) so that a changed source is refused here too.
+        job = prepare(model, options) if resume and root is not None and is_checkpoint(Path(model)) else None
+        refuse_target(out, root, resume, force, job, options, planned_paths(specs, options))
     fp = plan_footprint_of(cfg, specs, p, options)
-    room = room_of(fp, out)
+    room = room_of(fp, out, force)
     given = arch is not None
     Console.of().emit({**plan_json(specs, p, options, given), "footprint": footprint_json(fp, room)},
                       plan_lines(specs, p, options, fp, given) + footprint_lines(fp, room))
@@ -134,18 +188,21 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
                             f"{room.filesystem}; free {size(room.short)} more or choose another OUT", exit_code=1)
 
 
+def _refuse_resume_force(resume: bool, force: bool) -> None:
+    if resume and force:
+        raise UsageRefused("--resume keeps the finished files of OUT and --force deletes them; pass one")
+
+
 @cli.command()
 @TP
 @click.argument("model")
 @click.argument("out", type=click.Path(path_type=Path))
 @conversion_options
-@click.option("--workers", type=click.IntRange(1), default=1, show_default=True,
-              help="Threads for layout, hashing and writing (one per rank is the useful maximum).")
-@click.option("--resume", is_flag=True, help="Finish an interrupted conversion, keeping verified files.")
-@click.option("--force", is_flag=True, help="Replace an existing lucifer-shard output in OUT.")
+@target_options
 @conventions(interrupted="interrupted: finished files are kept; run the same command with --resume to continue")
 def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str, flashinfer_layout: str | None,
-            max_file_size: str, align: int, no_mtp: bool, workers: int, resume: bool, force: bool) -> None:
+            max_file_size: str, align: int, no_mtp: bool, revision: str | None, workers: int, resume: bool,
+            force: bool) -> None:
     """Write per-rank safetensors of MODEL into OUT: sliced, zero-padded, experts laid out.
 
     \b
@@ -165,11 +222,11 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
     from ..engine.convert import convert as run
 
     refuse_swapped("convert", model, out, model_first=True)
-    if resume and force:
-        raise UsageRefused("--resume keeps the finished files of OUT and --force deletes them; pass one")
+    _refuse_resume_force(resume, force)
     options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, True)
     con = Console.of()
-    summary = run(model, out, options, resume=resume, force=force, workers=workers, progress=con.progress)
+    summary = run(model, out, options, resume=resume, force=force, workers=workers, progress=con.progress,
+                  revision=revision, warn=con.warn)
     con.emit(summary.to_dict(), summary.lines())
 
 

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine import diskspace
+from ..engine.owned import plan_clearing
 from ..engine.job import layout_name, plan_footprint, plan_parts, stored_shape, tensor_layouts
+from ..guarded_io import Tree
 from ..spec import footprint as fpm
 from ..spec.config import ModelConfig
-from ..spec.manifest import Options
-from ..spec.plan import MOE_VARIANT, Plan
+from ..spec.manifest import Options, part_path
+from ..spec.plan import MOE_VARIANT, Plan, padding_only
 from ..spec.rules import DTYPE_SIZE, TensorSpec, build_specs, expected_sources
 from ..units import duration, rate, size
 
@@ -36,14 +38,15 @@ class Room:
     filesystem: str
     free: int
     needed: int
+    given_back: int = 0  # what --force deletes first (convert counts it the same way)
 
     @property
     def short(self) -> int:
-        return diskspace.shortfall(self.needed, self.free)
+        return diskspace.shortfall(self.needed, self.free, self.given_back)
 
     def to_dict(self) -> dict:
         return {"out": str(self.out), "filesystem": self.filesystem, "free_bytes": self.free,
-                "needed_bytes": self.needed, "enough": not self.short}
+                "needed_bytes": self.needed, "given_back_bytes": self.given_back, "enough": not self.short}
 
 
 def plan_footprint_of(cfg: ModelConfig, specs: dict[str, list[list[TensorSpec]]], plan: Plan,
@@ -54,10 +57,17 @@ def plan_footprint_of(cfg: ModelConfig, specs: dict[str, list[list[TensorSpec]]]
     return plan_footprint(specs, parts, tensor_layouts(options), plan.tp, options.align, sizes)
 
 
-def room_of(fp: fpm.Footprint, out: Path | None) -> Room | None:
+def planned_paths(specs: dict[str, list[list[TensorSpec]]], options: Options) -> list[str]:
+    """Every rank file convert writes, by path (what its refusals of OUT look at)."""
+    parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align)]
+    return [part_path(p.role, r, p.index) for p in parts for r in range(len(specs[p.role]))]
+
+
+def room_of(fp: fpm.Footprint, out: Path | None, force: bool = False) -> Room | None:
     if out is None:
         return None
-    return Room(Path(out), diskspace.filesystem(out), diskspace.free_bytes(out), fp.needed)
+    given_back = plan_clearing(Tree(out)).freed if force and Path(out).is_dir() else 0
+    return Room(Path(out), diskspace.filesystem(out), diskspace.free_bytes(out), fp.needed, given_back)
 
 
 def footprint_json(fp: fpm.Footprint, room: Room | None) -> dict:
@@ -78,7 +88,8 @@ def footprint_lines(fp: fpm.Footprint, room: Room | None) -> list[str]:
         lines.append("  room   not checked   name OUT (plan ... MODEL OUT) to check its filesystem's free space")
     else:
         verdict = "enough" if not room.short else f"NOT enough: free {size(room.short)} more or choose another OUT"
-        lines.append(f"  room   {size(room.free):>11}   free on {room.filesystem}, the filesystem of {room.out}: "
+        back = f" (+{size(room.given_back)} --force removes)" if room.given_back else ""
+        lines.append(f"  room   {size(room.free):>11}   free{back} on {room.filesystem}, the filesystem of {room.out}: "
                      f"{verdict}")
     lines += [f"  time   {duration(fpm.seconds(fp)):>11}   at {rate(fpm.MEASURED_BYTES_PER_S)} read + written,",
               f"                       {fpm.MEASURED_WHERE}; it scales with your disk"]
@@ -100,19 +111,27 @@ def plan_json(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Opt
             for r, specs in enumerate(ranks)
         ]
     return {"plan": plan.to_dict(), "arch": options.arch if arch_given else None,
-            "moe_variant": MOE_VARIANT[options.arch], "expert_layout": options.expert_layout, "roles": roles}
+            "moe_variant": MOE_VARIANT.get(options.arch), "expert_layout": options.expert_layout,
+            "padding_only": [{"rank": p.rank, "axes": list(p.axes), "message": p.message} for p in padding_only(plan)],
+            "roles": roles}
 
 
 def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Options, fp: fpm.Footprint,
                arch_given: bool) -> list[str]:
-    arch = (f"arch {options.arch}: {MOE_VARIANT[options.arch]}" if arch_given else
-            f"no --arch (shown for {options.arch}; convert requires one; sizes are the same for every arch)")
+    if arch_given:
+        arch = f"arch {options.arch}: {MOE_VARIANT[options.arch]}"
+    elif options.arch is None:
+        arch = "any arch (model layout: vLLM lays the experts out at load for the GPU it runs on)"
+    else:
+        arch = (f"no --arch (shown for {options.arch}; convert requires one with kernel layout; sizes are the "
+                f"same for every arch)")
     lines = [f"virtual-TP plan for TP={plan.tp} ({'padded' if plan.pads else 'plain split, nothing pads'}); "
              f"{arch}, experts in {options.expert_layout} layout", ""]
     lines.append(f"{'axis':<8} {'original':>9} {'padded':>9} {'per rank':>9} {'kernel-local':>13}   real per rank")
     for a in plan.axes.values():
         reals = "/".join(str(a.real(r)) for r in range(plan.tp))
         lines.append(f"{a.name:<8} {a.original:>9} {a.padded:>9} {a.local:>9} {a.kernel_local:>13}   {reals}")
+    lines += [f"  note: {p.message}" for p in padding_only(plan)]
     layouts = tensor_layouts(options)
     lines += ["", "per tensor family: source range per rank in stored units [start, end) -> tail"]
     seen = set()

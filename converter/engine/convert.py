@@ -19,6 +19,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from tqdm import tqdm
@@ -30,14 +31,15 @@ from ..spec.layouts import Layout
 from ..spec.manifest import (COMPLETE_NAME, CONTENT_PLACEHOLDER, Options, file_metadata, part_content, part_path,
                              rank_dir)
 from ..spec.outlock import OutLock, describe
+from ..spec.plan import padding_only
 from ..spec.source import side_files
 from ..units import byte_bar, duration, rate, size
 from .assemble import chunks
 from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, write_failed
 from .job import Job, Part, part_headers, part_keys, prepare
 from .manifest_writer import build_manifest, write_manifest
-from .outstate import (check_out, check_paths, conversion_record, journal_line, part_valid, planned_files,
-                       record_text, remove_partials, sizes_to_write, source_changed)
+from .outstate import (check_out, conversion_record, journal_line, part_valid, planned_files,
+                       record_text, refuse_target, remove_partials, sizes_to_write, source_changed)
 from .owned import JOURNAL_REL, RECORD_REL, clear, plan_clearing
 from .resumed import resumed_sources
 from .stwriter import StreamWriter, WrittenFile
@@ -169,14 +171,19 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
 
 
 def convert(model: str, out: Path, options: Options, resume: bool = False, force: bool = False,
-            workers: int = 1, progress: bool = True) -> Summary:
-    """Convert MODEL into OUT; see the module docstring for the order and crash safety.
+            workers: int = 1, progress: bool = True, revision: str | None = None,
+            warn: Callable[[str], None] = logger.warning) -> Summary:
+    """Convert MODEL (at `revision`, for a repo id) into OUT; see the module docstring for the order
+    and crash safety. `warn` gets the plan's remarks (a rank that holds only padding).
 
-    Only the source is read before OUT's writer lock is taken; everything in OUT after."""
+    Before OUT's writer lock is taken the source is read and OUT only looked at (`refuse_target`,
+    plan's refusals too); everything in OUT happens after."""
     t0 = time.perf_counter()
-    job = prepare(model, options)
+    job = prepare(model, options, revision)
     out = Path(out)
-    check_paths(out, job.ckpt.root)
+    refuse_target(out, job.ckpt.root, resume, force, job)
+    for remark in padding_only(job.plan):
+        warn(remark.message)
     with OutLock(out) as lock:
         summary = _convert_locked(job, out, resume, force, workers, progress)
     if lock.previous:

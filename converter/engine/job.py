@@ -10,7 +10,7 @@ from ..spec.layouts import EXPERT_TENSORS, Layout, expert_layout
 from ..spec.manifest import CONTENT_PLACEHOLDER, Options, conversion_id, file_metadata, part_path
 from ..spec.plan import Plan, make_plan
 from ..spec.rules import TensorSpec, build_specs
-from ..spec.source import Checkpoint, open_checkpoint, resolve_model, side_files
+from ..spec.source import Checkpoint, hub_origin, open_checkpoint, resolve_model, side_files
 from .stwriter import TensorHeader, encode_header
 
 
@@ -106,6 +106,7 @@ class Job:
     layouts: dict[str, Layout]
     cid: str
     dropped: dict[str, str] = field(default_factory=dict)
+    origin: dict = field(default_factory=lambda: {"repo": None, "revision": None})  # repo id and commit (`spec.source.hub_origin`)
 
     @property
     def roles(self) -> list[str]:
@@ -121,8 +122,8 @@ class Job:
                               self.source_sizes, self.cid, side)
 
 
-def prepare(model: str, options: Options) -> Job:
-    root = resolve_model(model)
+def prepare(model: str, options: Options, revision: str | None = None) -> Job:
+    root = resolve_model(model, revision)
     roles = ("target", "draft") if options.mtp else ("target",)
     ckpt = open_checkpoint(root, roles)
     plan = make_plan(ckpt.config, options.tp)
@@ -136,4 +137,5 @@ def prepare(model: str, options: Options) -> Job:
     dropped = {}
     if not options.mtp:
         dropped = {k: "--no-mtp: the MTP draft model was not converted" for k in ckpt.tensors if k.startswith("mtp.")}
-    return Job(ckpt, options, plan, specs, parts, layouts, conversion_id(ckpt.fingerprint, options), dropped)
+    return Job(ckpt, options, plan, specs, parts, layouts, conversion_id(ckpt.fingerprint, options), dropped,
+               hub_origin(model, root))

@@ -12,7 +12,7 @@ from ..guarded_io import Tree
 from ..spec.content import ALGORITHM, BLOCK, checkpoint_digest, shard_digests
 from ..spec.layouts import LAYOUT_VERSION
 from ..guarded_io import JSON_LIMIT, read_regular
-from ..spec.manifest import (FLASHINFER_VERSIONS, FORMAT, FORMAT_VERSION, MANIFEST_NAME, RUNTIME, manifest_text,
+from ..spec.manifest import (FORMAT, FORMAT_VERSION, MANIFEST_NAME, RUNTIME, flashinfer_requirement, manifest_text,
                              part_content, part_path)
 from ..spec.plan import MOE_VARIANT
 from ..spec.rules import TensorSpec
@@ -58,21 +58,21 @@ def build_manifest(job: Job, files: dict[str, dict], out: Path | None = None) ->
         "format_version": FORMAT_VERSION,
         "tool_version": __version__,
         "conversion_id": job.cid,
-        "source": {"fingerprint": job.ckpt.fingerprint, "path": str(job.ckpt.root.absolute()),
+        "source": {"fingerprint": job.ckpt.fingerprint, "path": str(job.ckpt.root.absolute()), **job.origin,
                    "files": dict(sorted(job.ckpt.files.items())), "side_files": side_files(job.ckpt.root),
                    "content": source_content(job, files)},
         "copies": copies(out, follow=False) if out is not None else copies(job.ckpt.root, follow=True),
         "tp_size": job.plan.tp,
         "plan": job.plan.to_dict(),
         "options": o.to_dict(),
-        "arch": o.arch,
-        "moe_variant": MOE_VARIANT[o.arch],
+        "arch": o.arch,  # null: model layout converted without --arch, for any GPU family
+        "moe_variant": MOE_VARIANT.get(o.arch),  # null with arch: vLLM picks it for the GPU it runs on
         "expert_layout": o.expert_layout,
         "flashinfer_layout": o.flashinfer_layout if o.arch == "sm90" and o.expert_layout == "kernel" else None,
         "layouts": {t: {"name": lay.name, "steps": list(lay.steps), "version": lay.version}
                     for t, lay in job.layouts.items()},
         "layout_version": LAYOUT_VERSION,
-        "runtime": {**RUNTIME, "flashinfer": FLASHINFER_VERSIONS[o.flashinfer_layout] if o.arch == "sm90" else "any"},
+        "runtime": {**RUNTIME, "flashinfer": flashinfer_requirement(o)},
         "dropped": dict(sorted(job.dropped.items())),
         "roles": {},
     }

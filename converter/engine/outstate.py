@@ -6,16 +6,18 @@ from __future__ import annotations
 import json
 import re
 import stat
+from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
 from .. import __version__
-from ..errors import OutputError
-from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, manifest_text, part_path
+from ..errors import Locked, OutputError
+from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, Options, manifest_text, part_path
+from ..spec.outlock import writer_of
 from ..guarded_io import Refused, Tree, kind, partial_name
 from ..spec.source import side_files
 from .job import Job, part_keys
 from .manifest_writer import build_manifest
-from .owned import JOURNAL_REL, OUTPUT_FILES, RECORD_REL, is_output, is_output_name, read_json, scan
+from .owned import JOURNAL_REL, OUTPUT_FILES, RECORD_REL, is_output, is_output_name, plan_clearing, read_json, scan
 from .stwriter import hash_file
 
 
@@ -28,15 +30,39 @@ def check_paths(out: Path, root: Path) -> None:
         raise OutputError(f"OUT {out} contains MODEL {root}; choose a directory outside the checkpoint")
 
 
-def check_out(out: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]:
+def refuse_target(out: Path, root: Path | None, resume: bool, force: bool, job: Job | None = None,
+                  options: Options | None = None, planned: Iterable[str] = ()) -> None:
+    """Every refusal of OUT (and of OUT against MODEL's directory `root`) that convert makes before it
+    takes OUT's lock, in convert's words: `plan` runs it as convert's dry run, without a `job` (it
+    reads config.json only, so `planned` names the rank files and `options` the settings). Reads
+    OUT, writes nothing: no lock, no state folder (convert checks again under its lock)."""
+    out = Path(out)
+    if root is not None:
+        check_paths(out, root)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputError(f"{out} exists and is not a directory; choose a directory for OUT")
+    holder = writer_of(out)
+    if holder is not None:
+        raise Locked(f"{out} is locked by another writer ({holder}); wait for it to finish or stop it, then run again")
+    check_out(out, job, resume, force, options, planned)
+    if force:
+        plan_clearing(Tree(out)).refuse_foreign(out)
+
+
+def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Options | None = None,
+              planned: Iterable[str] = ()) -> dict[str, dict]:
     """Refuse unsafe targets; returns journal entries usable by --resume (path -> entry). Runs under
     OUT's lock, so the lock file is not counted as content. A link anywhere in OUT, or an entry of
-    the wrong type where the conversion writes, is refused by name before anything is read."""
+    the wrong type where the conversion writes, is refused by name before anything is read. Without
+    a job (plan) a --resume record is held against `options` and the tool version; its source is
+    convert's to check."""
     tree = Tree(out)
     others = [n for n in tree.entries() if n != STATE_DIR]
     ours = is_output(tree)
     if ours and not force:  # --force names them among what it will not delete
-        refuse_entries(tree, planned_files(job))
+        refuse_entries(tree, planned_files(job) if job is not None else dict.fromkeys(planned))
     if force:
         if ours or not others:
             return {}  # convert clears it once the room is checked (`owned.plan_clearing`)
@@ -53,6 +79,12 @@ def check_out(out: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]
     if not isinstance(record, dict) or not isinstance(record.get("source_files"), dict):
         raise OutputError(f"--resume: {tree.path(RECORD_REL)} is missing or not a conversion record; pass --force "
                           f"to restart")
+    if job is None:
+        now = {"source_fingerprint": record.get("source_fingerprint"), "options": options.to_dict(),
+               "tool_version": __version__}
+        if any(record.get(k) != v for k, v in now.items()):
+            _refuse_other_settings(out, record, now)
+        return {}
     now = conversion_record(job)
     changed = [n for n, st in now["source_files"].items() if record["source_files"].get(n) != st]
     if record.get("conversion_id") == job.cid and changed:
@@ -60,12 +92,16 @@ def check_out(out: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]
         raise OutputError(f"--resume: source checkpoint changed since {out} was started ({changed[0]} was "
                           f"modified); pass --force to restart")
     if record.get("conversion_id") != job.cid:
-        differs = [label for k, label in (("source_fingerprint", "source"), ("options", "options"),
-                                          ("tool_version", "tool version")) if record.get(k) != now.get(k)]
-        raise OutputError(f"--resume: {out} was started with other {' and '.join(differs) or 'settings'} "
-                          f"({_describe_diff(record, now)}); "
-                          f"pass --force to restart")
+        _refuse_other_settings(out, record, now)
     return _journal(tree)
+
+
+def _refuse_other_settings(out: Path, record: dict, now: dict) -> None:
+    differs = [label for k, label in (("source_fingerprint", "source"), ("options", "options"),
+                                      ("tool_version", "tool version")) if record.get(k) != now.get(k)]
+    raise OutputError(f"--resume: {out} was started with other {' and '.join(differs) or 'settings'} "
+                      f"({_describe_diff(record, now)}); "
+                      f"pass --force to restart")
 
 
 def refuse_entries(tree: Tree, planned: dict[str, dict]) -> None:

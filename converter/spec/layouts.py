@@ -388,12 +388,14 @@ def layout_by_name(name: str) -> Layout:
     return Layout(name, steps, LAYOUT_VERSION)
 
 
-def expert_layout(arch: str, expert_layout: str, flashinfer_layout: str, tensor: str) -> Layout:
-    """The layout of one routed-expert tensor for --arch, --expert-layout and --flashinfer-layout."""
-    for what, value, allowed in (("arch", arch, ARCHS), ("expert layout", expert_layout, EXPERT_LAYOUTS),
+def expert_layout(arch: str | None, expert_layout: str, flashinfer_layout: str, tensor: str) -> Layout:
+    """The layout of one routed-expert tensor for --arch, --expert-layout and --flashinfer-layout
+    (arch None: model layout for any arch, which is the same for every arch)."""
+    archs = ARCHS + (None,) if expert_layout == MODEL else ARCHS
+    for what, value, allowed in (("arch", arch, archs), ("expert layout", expert_layout, EXPERT_LAYOUTS),
                                  ("flashinfer layout", flashinfer_layout, FLASHINFER_LAYOUTS),
                                  ("expert tensor", tensor, EXPERT_TENSORS)):
         if value not in allowed:
-            raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(allowed)}")
+            raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(map(str, allowed))}")
     steps = KERNEL_STEPS[(arch, flashinfer_layout)][tensor] if expert_layout == "kernel" else ()
     return layout_by_name("+".join(steps) or MODEL)

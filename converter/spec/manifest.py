@@ -39,7 +39,12 @@ RUNTIME = {
     "moe_backend": "flashinfer_cutlass",
     "attention_backend": "FLASHINFER_MLA_SPARSE_DSV4",
 }
+# The one table of FlashInfer layout generations (kernel-layouts.md §1): --flashinfer-layout's help,
+# the manifest's runtime.flashinfer and the README's layout table all say this.
 FLASHINFER_VERSIONS = {"folded": "0.6.16, >=0.6.18, 0.7.x", "legacy": "0.6.10-0.6.15, 0.6.17"}
+# runtime.flashinfer of an output whose files do not depend on the FlashInfer version.
+FLASHINFER_ANY = "any"  # sm120/sm100 kernel layout: one layout generation
+FLASHINFER_NOT_REQUIRED = "not required"  # model layout: vLLM lays the experts out at load, for any backend
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class Options:
     """Everything that decides the bytes of a conversion (and so its identity)."""
 
     tp: int
-    arch: str = "sm120"
+    arch: str | None = "sm120"  # None: model layout for any GPU family (the files do not depend on it)
     expert_layout: str = "kernel"
     flashinfer_layout: str = "folded"
     mtp: bool = True
@@ -56,6 +61,14 @@ class Options:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def flashinfer_requirement(options: Options) -> str:
+    """The manifest's runtime.flashinfer: the versions whose layout the experts are in (sm90 kernel
+    layout), FLASHINFER_ANY (sm120/sm100 kernel layout) or FLASHINFER_NOT_REQUIRED (model layout)."""
+    if options.expert_layout == "model":
+        return FLASHINFER_NOT_REQUIRED
+    return FLASHINFER_VERSIONS[options.flashinfer_layout] if options.arch == "sm90" else FLASHINFER_ANY
 
 
 def conversion_id(fingerprint: str, options: Options) -> str:
@@ -122,7 +135,7 @@ _HEX64 = Str(r"[0-9a-f]{64}")
 _DIGEST = Str(r"blake3:[0-9a-f]{64}")
 _N = Int()
 _SIDE = OneOf(SIDE_FILES)  # the names convert copies: a manifest cannot send a reader elsewhere
-OPTIONS = Obj({"tp": Int(1, MAX_TP), "arch": OneOf(ARCHES), "expert_layout": OneOf(("kernel", "model")),
+OPTIONS = Obj({"tp": Int(1, MAX_TP), "arch": Null(OneOf(ARCHES)), "expert_layout": OneOf(("kernel", "model")),
                "flashinfer_layout": OneOf(("folded", "legacy")), "mtp": Bool(), "max_file_bytes": Int(1),
                "align": Where(Int(8, MAX_ALIGN), _power_of_two)}, closed=True)
 _FILE = Obj({"path": Str(), "bytes": _N, "digest": _DIGEST, "content": _DIGEST})
@@ -138,10 +151,11 @@ MANIFEST_FIELDS = Obj({
     "manifest_digest": Str(),
     "source": Obj({"fingerprint": _HEX64, "path": Str(), "files": MapOf(_N), "side_files": ListOf(_SIDE),
                    "content": Obj({"algorithm": Str(), "block_bytes": _N, "tensors": _N, "files": MapOf(_DIGEST),
-                                   "digest": _DIGEST})}),
+                                   "digest": _DIGEST})},
+                  optional={"repo": Null(Str(r"[^/\s]+/[^/\s]+")), "revision": Null(Str(r"[0-9a-f]{40}"))}),
     "copies": MapOf(Obj({"bytes": _N, "digest": _DIGEST}), key=_SIDE),
     "tp_size": Int(1, MAX_TP), "plan": Obj({"tp": Int(1, MAX_TP), "axes": MapOf(_AXIS)}), "options": OPTIONS,
-    "arch": OneOf(ARCHES), "moe_variant": Str(), "expert_layout": OneOf(("kernel", "model")),
+    "arch": Null(OneOf(ARCHES)), "moe_variant": Null(Str()), "expert_layout": OneOf(("kernel", "model")),
     "flashinfer_layout": Null(OneOf(("folded", "legacy"))),
     "layouts": MapOf(Obj({"name": Str(), "steps": ListOf(Str()), "version": _N})), "layout_version": _N,
     "runtime": MapOf(Str()), "dropped": MapOf(Str()),
@@ -154,6 +168,8 @@ def _layout_problem(doc: dict) -> str | None:
     """Why the manifest's file paths are not the output contract's, or None: rank entry r of a role
     lists exactly `part_path(role, r, 0..)` and its tensors live in those files. A manifest is public
     (its self-digest can be recomputed), so this, not the digest, keeps readers inside OUT."""
+    if doc["arch"] is None and doc["expert_layout"] != "model":
+        return "arch is null (any GPU family) but the experts are in kernel layout, which is laid out for one"
     for role, rdoc in doc["roles"].items():
         for r, entry in enumerate(rdoc["ranks"]):
             if entry["rank"] != r:
@@ -270,16 +286,28 @@ def copy_problems(out: Path, doc: dict) -> list[tuple[str, str]]:
 
 
 def source_model(out: Path, doc: dict, model: str | None) -> tuple[str, bool]:
-    """MODEL as given, or else the source path the manifest recorded (then True): `diff OUT`."""
+    """MODEL as given, or else the source the manifest recorded (then True): `diff OUT`. That is its
+    path, or, where the path is not a directory here, the repo id at the recorded commit through
+    the Hugging Face cache (so `diff OUT` checks the revision that was converted)."""
     if model is not None:
         return model, False
     path = doc["source"]["path"]
+    repo, revision = doc["source"].get("repo"), doc["source"].get("revision")
     if not path:
         raise OutputError(f"{out}'s manifest records no source path; pass MODEL after OUT")
     try:
         is_dir = Path(path).is_dir()
     except (OSError, ValueError):  # a name too long, a NUL byte
         is_dir = False
-    if not is_dir:
-        raise SourceError(f"{out} was converted from {path}, which is not a directory here; pass MODEL after OUT")
-    return path, True
+    if is_dir:
+        return path, True
+    if repo and revision:
+        from .source import resolve_model  # huggingface_hub: only when needed
+
+        try:
+            return str(resolve_model(repo, revision, cached_only=True)), True
+        except SourceError:
+            raise SourceError(f"{out} was converted from {repo} at {revision}, which is neither at {path} nor in "
+                              f"the local Hugging Face cache (diff downloads nothing); run `hf download {repo} "
+                              f"--revision {revision}`, or pass MODEL after OUT") from None
+    raise SourceError(f"{out} was converted from {path}, which is not a directory here; pass MODEL after OUT")

@@ -81,6 +81,36 @@ class Plan:
         return any(a.padded != a.original or a.kernel_local != a.local for a in self.axes.values())
 
 
+# What a rank holds along each axis, for the remark on a rank whose share of an axis is only padding.
+AXIS_HOLDS = {"heads": "attention heads", "groups": "output groups", "routed": "routed-expert columns",
+              "shared": "shared-expert columns", "vocab": "vocabulary rows"}
+
+
+@dataclass(frozen=True)
+class PaddingOnly:
+    """A rank whose whole share of one or more axes is virtual-TP padding (zeros)."""
+
+    rank: int
+    axes: tuple[str, ...]
+    message: str
+
+
+def padding_only(plan: Plan) -> list[PaddingOnly]:
+    """Each rank that holds no real index of some axis: its weights there are zeros that take memory
+    and compute for nothing (`plan` shows it, `convert` warns; one text)."""
+    found = []
+    for rank in range(plan.tp):
+        axes = tuple(a.name for a in plan.axes.values() if a.real(rank) == 0)
+        if not axes:
+            continue
+        held = [f"{plan.axes[n].local} {AXIS_HOLDS[n]}" for n in axes]
+        what = ", ".join(held[:-1]) + " and " + held[-1] if len(held) > 1 else held[0]
+        found.append(PaddingOnly(rank, axes, (
+            f"--tp {plan.tp}: rank {rank} holds only padding on {', '.join(axes)}: its {what} are zeros that cost "
+            f"memory and compute for nothing")))
+    return found
+
+
 def make_plan(cfg: ModelConfig, tp: int) -> Plan:
     """The plan for `tp` ranks; raises PlanError where the model cannot be served at that size."""
     if not 1 <= tp <= MAX_TP:

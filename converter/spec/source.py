@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from ..errors import SourceError
+from ..errors import SourceError, UsageRefused
 from ..guarded_io import JSON_LIMIT, kind, open_regular, read_regular
 from .config import ModelConfig, load_config
 from .rules import ROLES, check_source_keys
@@ -31,28 +31,91 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
 
 
-def resolve_model(model: str, weights: bool = True) -> Path:
-    """A local directory, or a Hugging Face repo id resolved through huggingface_hub's cache.
+def _refuse_output(path: Path) -> None:
+    """A lucifer-shard output where MODEL belongs is named (it is not a checkpoint)."""
+    from .manifest import MANIFEST_NAME, STATE_DIR  # manifest imports this module
 
-    With `weights=False` only config.json is fetched, so a plan can be made before downloading.
-    HF_HUB_OFFLINE and the cache location are honoured by huggingface_hub itself.
-    """
+    if (path / MANIFEST_NAME).is_file() or (path / STATE_DIR).is_dir():
+        raise SourceError(f"MODEL {path} is a lucifer-shard output, not a checkpoint; pass the checkpoint it was "
+                          f"converted from (`lucifer-shard inspect {path}` shows its source)")
+
+
+def _local(model: str) -> Path | None:
+    """MODEL as a local path, or None when it has the shape of a repo id (owner/name) and is not there."""
     path = Path(model)
-    if path.is_dir():
+    if path.exists() or path.is_symlink() or model.startswith((".", "/", "~")) or model.count("/") != 1:
         return path
-    if path.exists() or model.startswith((".", "/")) or model.count("/") != 1:
-        raise SourceError(f"{model}: not a model directory (expected a directory with config.json, or a repo id owner/name)")
-    from huggingface_hub import snapshot_download
+    return None
+
+
+def _no_revision(model: str, revision: str | None) -> None:
+    if revision is not None:
+        raise UsageRefused(f"--revision applies only to a Hugging Face repo id, and {model} is a local path; "
+                           f"drop --revision")
+
+
+def _from_hub(repo: str, revision: str | None, what: str, fetch: str, patterns: list[str], instead: str,
+              cached_only: bool = False) -> Path:
+    """A snapshot of `repo` at `revision` holding `patterns`, through huggingface_hub's cache; a
+    failure says which file is missing, where it was looked for and the command that fetches it."""
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    patterns = ["config.json"] if not weights else ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+    at = revision or "main"
+    flag = f" --revision {revision}" if revision else ""
     try:
-        return Path(snapshot_download(model, allow_patterns=patterns))
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns, local_files_only=cached_only))
     except LocalEntryNotFoundError:
-        raise SourceError(f"{model}: not in the local Hugging Face cache and the hub is unreachable or offline "
-                          f"(HF_HUB_OFFLINE); download it first or pass a local directory") from None
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub is unreachable"
+        raise SourceError(f"{repo}: {what} of {repo} at {at} is not in the local Hugging Face cache "
+                          f"({constants.HF_HUB_CACHE}) and {why}; run `hf download {repo}{fetch}{flag}` where the "
+                          f"hub is reachable, or {instead}") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
-        raise SourceError(f"{model}: cannot resolve on the Hugging Face hub ({type(e).__name__}: {e})") from None
+        raise SourceError(f"{repo}: cannot resolve {repo} at {at} on the Hugging Face hub "
+                          f"({type(e).__name__}: {e})") from None
+
+
+def resolve_model(model: str, revision: str | None = None, cached_only: bool = False) -> Path:
+    """The checkpoint directory of MODEL: a local directory, or a Hugging Face repo id at `revision`
+    resolved through huggingface_hub's cache (its location and HF_HUB_OFFLINE are honoured;
+    `cached_only`: nothing is downloaded)."""
+    path = _local(model)
+    if path is None:
+        return _from_hub(model, revision, "the checkpoint", "", ["*.json", "*.safetensors", "tokenizer*", "*.jinja"],
+                         "pass a local checkpoint directory", cached_only)
+    _no_revision(model, revision)
+    if path.is_dir():
+        _refuse_output(path)
+        return path
+    if path.is_file():
+        raise SourceError(f"MODEL {model} is a file; convert needs the checkpoint directory (config.json with its "
+                          f"safetensors shards); a config.json alone is enough for plan")
+    raise SourceError(f"{model}: not a model directory (expected a directory with config.json, a config.json "
+                      f"file for plan, or a repo id owner/name)")
+
+
+def resolve_config(model: str, revision: str | None = None) -> Path:
+    """The config.json of MODEL, which may also be the path of a config.json file; for a repo id only
+    that file is fetched, so a plan is made before any weight is downloaded."""
+    path = _local(model)
+    if path is None:
+        return _from_hub(model, revision, "config.json", " config.json", ["config.json"],
+                         "pass the path of a config.json") / "config.json"
+    _no_revision(model, revision)
+    return path if path.is_file() else resolve_model(model) / "config.json"
+
+
+def config_root(model: str, config: Path) -> Path | None:
+    """The checkpoint directory a config.json belongs to (None for a config file given alone)."""
+    return None if Path(model).is_file() else config.parent
+
+
+def hub_origin(model: str, root: Path) -> dict:
+    """What the manifest records of where MODEL came from: the repo id and the commit of its cache
+    snapshot (the folder name), or nulls for a local directory."""
+    if _local(model) is not None:
+        return {"repo": None, "revision": None}
+    return {"repo": model, "revision": root.name}
 
 
 @dataclass(frozen=True)

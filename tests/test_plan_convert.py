@@ -1,0 +1,293 @@
+"""What `plan` and `convert` accept (issue 27): a config.json path and --revision for MODEL, vLLM's
+-tp spellings, plan as convert's dry run (the same refusals of MODEL and OUT, in the same words,
+writing nothing), the remark on a rank that holds only padding, --arch optional with model layout,
+one table of FlashInfer generations, and --max-file-size's units and floor."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from helpers import CONFIGS, rank_tensors
+from lucifer_shard.cli import cli
+from lucifer_shard.errors import OutputError
+from lucifer_shard.spec.manifest import FLASHINFER_VERSIONS, MANIFEST_NAME, load_manifest, manifest_text, parse_manifest
+from lucifer_shard.units import parse_size
+
+REPO = Path(__file__).resolve().parent.parent
+FLASH = CONFIGS / "deepseek-v4-flash.json"
+SHA = "b" * 40
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def listing(path: Path) -> list:
+    """Everything under `path` (names, types and sizes), or None when it does not exist."""
+    if not path.exists():
+        return None
+    if path.is_file():
+        return [("", "file", path.stat().st_size)]
+    return sorted((str(p.relative_to(path)), p.is_dir(), p.stat().st_size if p.is_file() else 0)
+                  for p in path.rglob("*"))
+
+
+def cli_subprocess(*args: str, env: dict) -> subprocess.CompletedProcess:
+    """huggingface_hub reads its environment at import: a fresh process."""
+    return subprocess.run([sys.executable, "-m", "lucifer_shard.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+
+
+# ---------------------------------------------------------------- 1. MODEL: a config.json, --revision, -tp
+
+
+def test_plan_takes_the_shipped_config_json():
+    r = run("plan", "--tp", 3, FLASH)
+    assert r.exit_code == 0, r.output
+    assert re.search(r"routed +2048 +2112 +704 +768", r.output)
+
+
+def test_convert_refuses_a_config_file_with_the_reason(tmp_path):
+    r = run("convert", "--tp", 3, "--arch", "sm120", FLASH, tmp_path / "out")
+    assert r.exit_code == 2 and not (tmp_path / "out").exists()
+    assert r.output == (f"error: MODEL {FLASH} is a file; convert needs the checkpoint directory (config.json with "
+                        f"its safetensors shards); a config.json alone is enough for plan\n")
+
+
+def test_repo_id_offline_names_the_missing_file_and_the_fix(tmp_path):
+    r = cli_subprocess("plan", "--tp", "3", "--revision", "v2", "deepseek-ai/DeepSeek-V4-Flash",
+                       env={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert r.returncode == 2, r.stderr
+    assert (f"error: deepseek-ai/DeepSeek-V4-Flash: config.json of deepseek-ai/DeepSeek-V4-Flash at v2 is not in "
+            f"the local Hugging Face cache ({tmp_path / 'hub'}) and HF_HUB_OFFLINE is set; run `hf download "
+            f"deepseek-ai/DeepSeek-V4-Flash config.json --revision v2` where the hub is reachable, or pass the path "
+            f"of a config.json") in r.stderr
+
+
+def test_revision_applies_only_to_a_repo_id(tiny_pattern):
+    r = run("plan", "--tp", 3, "--revision", "main", tiny_pattern)
+    assert r.exit_code == 2 and "--revision applies only to a Hugging Face repo id" in r.output
+
+
+def _cache_with(model: Path, hub: Path, repo: str = "org/tiny") -> Path:
+    """A Hugging Face cache holding `model` as `repo` at commit SHA (refs/main points at it)."""
+    root = hub / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(model, root / "snapshots" / SHA)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(SHA)
+    return root
+
+
+def test_revision_is_recorded_and_diff_finds_it_again(tiny_pattern, tmp_path):
+    """convert --revision records repo and commit; `diff OUT` without MODEL re-resolves that commit
+    through the cache where the recorded path is gone (the cache moved)."""
+    _cache_with(tiny_pattern, tmp_path / "hub")
+    out = tmp_path / "out"
+    r = cli_subprocess("convert", "-q", "--tp", "3", "--expert-layout", "model", "--revision", "main", "org/tiny",
+                       str(out), env={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert r.returncode == 0, r.stderr
+    source = load_manifest(out)["source"]
+    assert source["repo"] == "org/tiny" and source["revision"] == SHA
+    assert source["path"] == str(tmp_path / "hub" / "models--org--tiny" / "snapshots" / SHA)
+    (tmp_path / "hub").rename(tmp_path / "moved")
+    r = cli_subprocess("diff", "-q", str(out), env={"HF_HUB_CACHE": str(tmp_path / "moved")})
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = cli_subprocess("diff", "-q", str(out), env={"HF_HUB_CACHE": str(tmp_path / "empty")})
+    assert r.returncode == 2 and f"was converted from org/tiny at {SHA}, which is neither at" in r.stderr
+    assert f"hf download org/tiny --revision {SHA}" in r.stderr
+
+
+def test_local_conversions_record_no_repo(converted):
+    source = load_manifest(converted())["source"]
+    assert source["repo"] is None and source["revision"] is None
+
+
+@pytest.mark.parametrize("spelling", ["-tp", "--tensor-parallel-size"])
+def test_vllm_spellings_of_tp(spelling, tiny_pattern, tmp_path):
+    for command in ("plan", "convert"):
+        ctx = cli.commands[command].make_context(command, [spelling, "3", str(tiny_pattern), str(tmp_path)])
+        assert ctx.params["tp"] == 3
+    assert run("plan", spelling, 3, FLASH).output == run("plan", "--tp", 3, FLASH).output
+
+
+# ---------------------------------------------------------------- 2. plan is convert's dry run
+
+
+def _unfinished(converted, tmp_path) -> Path:
+    out = tmp_path / "unfinished"
+    shutil.copytree(converted(), out)
+    (out / "COMPLETE").unlink()
+    (out / MANIFEST_NAME).unlink()
+    return out
+
+
+OUTS = {
+    "a file": lambda converted, tmp: (tmp / "afile").write_text("x") and tmp / "afile",
+    "a non-empty directory": lambda converted, tmp: ((tmp / "full").mkdir(), (tmp / "full" / "x").write_text("x"))
+    and tmp / "full",
+    "a finished output": lambda converted, tmp: Path(shutil.copytree(converted(), tmp / "done")),
+    "an unfinished output": _unfinished,
+}
+
+
+@pytest.mark.parametrize("state,flags,needle", [
+    ("a file", [], "exists and is not a directory; choose a directory for OUT"),
+    ("a non-empty directory", [], "is not empty and not a lucifer-shard output; choose an empty or new directory"),
+    ("a non-empty directory", ["--force"], "--force only replaces outputs of this tool"),
+    ("a finished output", [], "already holds a complete conversion; pass --force to replace it"),
+    ("an unfinished output", [], "holds an unfinished conversion; pass --resume to finish it or --force"),
+    ("an unfinished output", ["--resume", "--max-file-size", "2M"],
+     "was started with other options (max_file_bytes: 4294967296 -> 2097152)"),
+])
+def test_plan_refuses_what_convert_refuses_in_its_words(state, flags, needle, converted, tiny_pattern, tmp_path):
+    out = OUTS[state](converted, tmp_path)
+    before = listing(out)
+    args = ["--tp", 3, "--arch", "sm120", *flags, tiny_pattern, out]
+    planned, converting = run("plan", *args), run("convert", *args)
+    assert planned.exit_code == converting.exit_code == 2, (planned.output, converting.output)
+    assert planned.output == converting.output and planned.output.startswith("error: "), planned.output
+    assert needle in planned.output and planned.output.count("\n") == 1
+    assert listing(out) == before  # neither wrote anything, not even the lock folder
+
+
+def test_plan_takes_resume_force_and_workers(converted, tiny_pattern, tmp_path):
+    out = _unfinished(converted, tmp_path)
+    before = listing(out)
+    for flags in (["--resume", "--workers", "3"], ["--force"]):
+        r = run("plan", "--tp", 3, "--arch", "sm120", *flags, tiny_pattern, out)
+        assert r.exit_code == 0 and ": enough" in r.output, r.output
+    assert listing(out) == before
+
+
+def test_plan_writes_nothing_into_a_new_or_empty_out(tiny_pattern, tmp_path):
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "new" / "out", tmp_path / "empty"):
+        before = listing(out)
+        assert run("plan", "--tp", 3, tiny_pattern, out).exit_code == 0
+        assert listing(out) == before and listing(tmp_path / "new") is None
+
+
+@pytest.mark.parametrize("command", ["plan", "convert"])
+def test_an_output_as_model_is_named(command, converted, tmp_path):
+    out = converted()
+    r = run(command, "--tp", 3, "--arch", "sm120", out, tmp_path / "new")
+    assert r.exit_code == 2 and not (tmp_path / "new").exists()
+    assert r.output == (f"error: MODEL {out} is a lucifer-shard output, not a checkpoint; pass the checkpoint it was "
+                        f"converted from (`lucifer-shard inspect {out}` shows its source)\n")
+
+
+def test_a_rank_of_only_padding_is_remarked(tiny_pattern, tmp_path):
+    text = run("plan", "--tp", 5, FLASH).output
+    message = ("--tp 5: rank 4 holds only padding on heads, groups, shared: its 16 attention heads, 2 output groups "
+               "and 512 shared-expert columns are zeros that cost memory and compute for nothing")
+    assert f"  note: {message}\n" in text
+    doc = json.loads(run("plan", "--tp", 5, "--json", FLASH).stdout)["result"]
+    assert doc["padding_only"] == [{"rank": 4, "axes": ["heads", "groups", "shared"], "message": message}]
+    assert json.loads(run("plan", "--tp", 3, "--json", FLASH).stdout)["result"]["padding_only"] == []
+    assert "note:" not in run("plan", "--tp", 3, FLASH).output
+    # convert warns with the same words (the tiny checkpoint has Flash's 64 heads)
+    tiny = json.loads(run("plan", "--tp", 5, "--json", tiny_pattern).stdout)["result"]["padding_only"]
+    r = run("convert", "--tp", 5, "--expert-layout", "model", tiny_pattern, tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert [f"warning: {p['message']}" for p in tiny] == [l for l in r.stderr.splitlines() if "padding" in l]
+    assert tiny and tiny[0]["rank"] == 4
+
+
+# ---------------------------------------------------------------- 3. --arch and layouts
+
+
+def test_model_layout_needs_no_arch(tiny_pattern, tmp_path):
+    out = tmp_path / "out"
+    r = run("convert", "--tp", 3, "--expert-layout", "model", tiny_pattern, out)
+    assert r.exit_code == 0, r.output
+    m = load_manifest(out)
+    assert m["arch"] is None and m["options"]["arch"] is None and m["moe_variant"] is None
+    assert m["runtime"]["flashinfer"] == "not required"
+    assert run("verify", out).exit_code == 0 and run("diff", out).exit_code == 0
+    assert "any arch (model layout" in run("plan", "--tp", 3, "--expert-layout", "model", tiny_pattern).output
+
+
+def test_model_layout_files_are_the_same_for_every_arch(converted):
+    """Model-layout tensors are byte-identical for sm90, sm100, sm120 and no arch (only the
+    conversion id stamped in the headers differs): --arch buys nothing there."""
+    outs = [converted(expert_layout="model", arch=arch) for arch in ("sm90", "sm100", "sm120", None)]
+    for role in ("target", "draft"):
+        for rank in range(3):
+            first = rank_tensors(outs[0], role, rank)
+            assert first
+            for out in outs[1:]:
+                other = rank_tensors(out, role, rank)
+                assert other.keys() == first.keys()
+                assert all((other[k] == first[k]).all() and other[k].shape == first[k].shape for k in first)
+
+
+@pytest.mark.parametrize("kw,flashinfer", [
+    ({"arch": "sm90", "flashinfer_layout": "legacy"}, FLASHINFER_VERSIONS["legacy"]),
+    ({"arch": "sm90"}, FLASHINFER_VERSIONS["folded"]),
+    ({"arch": "sm120"}, "any"),
+    ({"arch": "sm90", "expert_layout": "model"}, "not required"),
+])
+def test_runtime_flashinfer_follows_the_layout(kw, flashinfer, converted):
+    assert load_manifest(converted(**kw))["runtime"]["flashinfer"] == flashinfer
+
+
+def test_flashinfer_generations_are_one_statement():
+    """--flashinfer-layout's help and the README's layout table say what the manifest records."""
+    helptext = " ".join(run("convert", "--help").output.split())
+    readme = (REPO / "README.md").read_text()
+    for gen, versions in FLASHINFER_VERSIONS.items():
+        assert f"{gen} = FlashInfer {versions}" in helptext
+        assert f"sm90 {gen} (FlashInfer {versions})" in readme
+
+
+def test_a_manifest_with_no_arch_but_kernel_layout_is_refused(converted):
+    doc = load_manifest(converted(expert_layout="model", arch=None))
+    edited = {**doc, "expert_layout": "kernel"}
+    with pytest.raises(OutputError, match="arch is null .* but the experts are in kernel layout"):
+        parse_manifest(manifest_text({k: v for k, v in edited.items() if k != "manifest_digest"}).encode(), "m")
+
+
+# ---------------------------------------------------------------- 4. sizes
+
+
+@pytest.mark.parametrize("text,n", [("1M", 1 << 20), ("4G", 4 << 30), ("4g", 4 << 30), ("1.5K", 1536),
+                                    ("2T", 2 << 40), ("4GiB", 4 << 30), ("500MB", 500 * 10**6), ("1048576", 1 << 20)])
+def test_sizes_are_binary_with_single_letter_suffixes(text, n):
+    assert parse_size(text) == n
+
+
+def test_max_file_size_in_gguf_split_style():
+    doc = json.loads(run("plan", "--tp", 3, "--json", "--max-file-size", "1G", FLASH).stdout)
+    same = json.loads(run("plan", "--tp", 3, "--json", "--max-file-size", "1GiB", FLASH).stdout)
+    assert doc["ok"] and doc["result"]["footprint"] == same["result"]["footprint"]
+    assert "4G = 4 GiB" in " ".join(run("plan", "--help").output.split())
+
+
+@pytest.mark.parametrize("text", ["0", "1", "4K", "1023K", "1048575"])
+def test_max_file_size_below_the_floor_is_refused(text, tiny_pattern, tmp_path):
+    for command in ("plan", "convert"):
+        r = run(command, "--tp", 3, "--arch", "sm120", "--max-file-size", text, tiny_pattern, tmp_path / "out")
+        assert r.exit_code == 2 and not (tmp_path / "out").exists()
+        assert r.output.startswith(f"error: --max-file-size {text!r} is below the floor of 1.00 MiB: a tensor larger "
+                                   f"than the limit gets a file of its own anyway"), r.output
+
+
+def test_plan_resume_refuses_a_changed_source_as_convert_does(converted, tiny_pattern, tmp_path):
+    """With a local checkpoint, plan --resume holds the earlier run's record against its headers too."""
+    out = _unfinished(converted, tmp_path)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_pattern, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": cfg["rms_norm_eps"] * 2}))
+    args = ["--tp", 3, "--arch", "sm120", "--resume", other, out]
+    planned, converting = run("plan", *args), run("convert", *args)
+    assert planned.exit_code == converting.exit_code == 2
+    assert planned.output == converting.output and "was started with other source" in planned.output, planned.output
