@@ -141,7 +141,10 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
 @conversion_options
 @click.option("--workers", type=click.IntRange(1), default=1, show_default=True,
               help="Threads for layout, hashing and writing (one per rank is the useful maximum).")
-@click.option("--resume", is_flag=True, help="Finish an interrupted conversion, keeping verified files.")
+@click.option("--resume", is_flag=True,
+              help="Finish an interrupted conversion, keeping verified files; on a finished output, re-check every "
+                   "file against the manifest and rewrite only the damaged or missing ones from MODEL (the "
+                   "converted source, same options).")
 @click.option("--force", is_flag=True, help="Replace an existing lucifer-shard output in OUT.")
 @conventions(interrupted="interrupted: finished files are kept; run the same command with --resume to continue")
 def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str, flashinfer_layout: str | None,

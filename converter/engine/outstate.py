@@ -28,10 +28,12 @@ def check_paths(out: Path, root: Path) -> None:
         raise OutputError(f"OUT {out} contains MODEL {root}; choose a directory outside the checkpoint")
 
 
-def check_out(out: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]:
+def check_out(out: Path, job: Job, resume: bool, force: bool, repair: bool = False) -> dict[str, dict]:
     """Refuse unsafe targets; returns journal entries usable by --resume (path -> entry). Runs under
     OUT's lock, so the lock file is not counted as content. A link anywhere in OUT, or an entry of
-    the wrong type where the conversion writes, is refused by name before anything is read."""
+    the wrong type where the conversion writes, is refused by name before anything is read.
+    `repair`: OUT's manifest is this job's (`repair.reference`); a source whose files' times changed
+    is then not refused, the files rewritten from it must carry their recorded content stamps."""
     tree = Tree(out)
     others = [n for n in tree.entries() if n != STATE_DIR]
     ours = is_output(tree)
@@ -41,8 +43,9 @@ def check_out(out: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]
         if ours or not others:
             return {}  # convert clears it once the room is checked (`owned.plan_clearing`)
         raise OutputError(f"{out} is not empty and not a lucifer-shard output; --force only replaces outputs of this tool")
-    if tree.lstat(COMPLETE_NAME) is not None:
-        raise OutputError(f"{out} already holds a complete conversion; pass --force to replace it")
+    if tree.lstat(COMPLETE_NAME) is not None and not resume:
+        raise OutputError(f"{out} already holds a complete conversion; pass --resume to re-check it and rewrite "
+                          f"only damaged files, or --force to replace it")
     if not ours:
         if others:
             raise OutputError(f"{out} is not empty and not a lucifer-shard output; choose an empty or new directory")
@@ -55,7 +58,7 @@ def check_out(out: Path, job: Job, resume: bool, force: bool) -> dict[str, dict]
                           f"to restart")
     now = conversion_record(job)
     changed = [n for n, st in now["source_files"].items() if record["source_files"].get(n) != st]
-    if record.get("conversion_id") == job.cid and changed:
+    if record.get("conversion_id") == job.cid and changed and not repair:
         # Same headers and sizes, other bytes (a re-download or fine-tune): finished parts are stale.
         raise OutputError(f"--resume: source checkpoint changed since {out} was started ({changed[0]} was "
                           f"modified); pass --force to restart")
