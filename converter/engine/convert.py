@@ -127,8 +127,8 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
             headers = part_headers(specs_by_name[rank], part, job.layouts)
             rel = part_path(part.role, rank, part.index)
             meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp, CONTENT_PLACEHOLDER)
-            sinks[rank] = _RankSink(StreamWriter(tree, rel, headers, meta, align=job.options.align), pools[rank] or shared,
-                                    buffers)
+            writer = StreamWriter(tree, rel, headers, meta, align=job.options.align)
+            sinks[rank] = _RankSink(writer, pools[rank] or shared, buffers)
         work = []
         for name in part.names:
             specs = [specs_by_name[r][name] for r in range(job.plan.tp)]
