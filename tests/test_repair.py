@@ -81,6 +81,15 @@ def test_resume_restores_a_damaged_copy_of_config(finished, tiny_pattern):
     assert run("verify", finished).exit_code == 0
 
 
+def test_resume_restores_a_deleted_conversion_record(finished, tiny_pattern):
+    record = (finished / ".lucifer/conversion.json").read_bytes()
+    (finished / ".lucifer/conversion.json").unlink()
+    r = run(*ARGS, tiny_pattern, finished, "--resume")
+    assert r.exit_code == 0 and "0 written, 6 kept" in r.output, r.output
+    assert json.loads((finished / ".lucifer/conversion.json").read_bytes())["files"] == json.loads(record)["files"]
+    assert (finished / "COMPLETE").is_file()
+
+
 def test_resume_refuses_a_source_with_other_weights_and_names_the_tensor(finished, tiny_pattern, tmp_path):
     """Same headers and sizes (same fingerprint), one tensor's bytes changed: the rewritten file's
     content stamp would differ, so it is not published; the damaged file stays, COMPLETE goes."""

@@ -39,7 +39,7 @@ from .job import Job, Part, part_headers, part_keys, prepare
 from .manifest_writer import build_manifest, write_manifest
 from .outstate import (check_out, check_paths, conversion_record, journal_line, part_valid, planned_files,
                        record_text, remove_partials, sizes_to_write, source_changed)
-from .owned import JOURNAL_REL, RECORD_REL, clear, plan_clearing
+from .owned import JOURNAL_REL, RECORD_REL, clear, plan_clearing, read_json
 from .repair import check_content, reference, survey
 from .resumed import resumed_sources
 from .stwriter import StreamWriter, WrittenFile
@@ -246,7 +246,9 @@ def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dic
     try:
         rep = survey(out, manifest, job.ckpt.root)
         summary.files_resumed = len(rep.entries) - len(rep.damaged)
-        if rep.nothing and complete_problem(out, job.cid) is None:
+        record = read_json(tree, RECORD_REL)
+        record_ok = isinstance(record, dict) and record.get("conversion_id") == job.cid
+        if rep.nothing and record_ok and complete_problem(out, job.cid) is None:
             summary.notes.append(f"nothing to repair: all {len(rep.entries)} rank files and the copies match the "
                                  f"manifest")
             return summary
@@ -255,9 +257,13 @@ def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dic
         left = [planned[rel]["bytes"] for rel in rep.damaged] + [sum(len(journal_line(planned[rel]))
                                                                    for rel in rep.damaged)]
         left += [manifest["copies"][name]["bytes"] for name in rep.copies] + [len(job.cid) + 1]
+        if not record_ok:
+            left.append(len(record_text(conversion_record(job)).encode()))
         check_room(out, left, 0, "run the same command with --resume")
         tree.remove(COMPLETE_NAME)
         remove_partials(out, job)
+        if not record_ok:  # what --force may delete, listed again
+            tree.write_bytes(RECORD_REL, record_text(conversion_record(job)).encode())
         by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
         sizes = job.source_sizes
         pools = [ThreadPoolExecutor(1) if workers > 1 else None for _ in range(job.plan.tp)]
@@ -288,9 +294,9 @@ def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dic
         for name in rep.copies:
             tree.copy_in(job.ckpt.root / name, name)
         tree.write_bytes(COMPLETE_NAME, (job.cid + "\n").encode())
-        rewritten = rep.damaged + rep.copies
-        summary.notes.append(f"repaired: rewrote {', '.join(rewritten[:5])}{' ...' if len(rewritten) > 5 else ''} "
-                             f"from the source; every other file matched the manifest and was kept")
+        rewritten = rep.damaged + rep.copies + ([] if record_ok else [RECORD_REL]) + [COMPLETE_NAME]
+        summary.notes.append(f"repaired: rewrote {', '.join(rewritten[:5])}{' ...' if len(rewritten) > 5 else ''}; "
+                             f"every other file matched the manifest and was kept")
         return summary
     finally:
         job.ckpt.close()

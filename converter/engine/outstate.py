@@ -32,8 +32,8 @@ def check_out(out: Path, job: Job, resume: bool, force: bool, repair: bool = Fal
     """Refuse unsafe targets; returns journal entries usable by --resume (path -> entry). Runs under
     OUT's lock, so the lock file is not counted as content. A link anywhere in OUT, or an entry of
     the wrong type where the conversion writes, is refused by name before anything is read.
-    `repair`: OUT's manifest is this job's (`repair.reference`); a source whose files' times changed
-    is then not refused, the files rewritten from it must carry their recorded content stamps."""
+    `repair`: OUT's manifest is this job's (`repair.reference`), so it, not the conversion record,
+    is the reference: the files rewritten from the source must carry their recorded content stamps."""
     tree = Tree(out)
     others = [n for n in tree.entries() if n != STATE_DIR]
     ours = is_output(tree)
@@ -52,13 +52,15 @@ def check_out(out: Path, job: Job, resume: bool, force: bool, repair: bool = Fal
         return {}
     if not resume:
         raise OutputError(f"{out} holds an unfinished conversion; pass --resume to finish it or --force to restart")
+    if repair:
+        return _journal(tree)
     record = read_json(tree, RECORD_REL)
     if not isinstance(record, dict) or not isinstance(record.get("source_files"), dict):
         raise OutputError(f"--resume: {tree.path(RECORD_REL)} is missing or not a conversion record; pass --force "
                           f"to restart")
     now = conversion_record(job)
     changed = [n for n, st in now["source_files"].items() if record["source_files"].get(n) != st]
-    if record.get("conversion_id") == job.cid and changed and not repair:
+    if record.get("conversion_id") == job.cid and changed:
         # Same headers and sizes, other bytes (a re-download or fine-tune): finished parts are stale.
         raise OutputError(f"--resume: source checkpoint changed since {out} was started ({changed[0]} was "
                           f"modified); pass --force to restart")
