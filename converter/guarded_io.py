@@ -34,6 +34,9 @@ from .errors import LuciferError
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 # Bounds of whole-file reads: JSON documents of a checkpoint or an output, and our own state.
+# Every file the tool writes is created like an ordinary file (0666 & ~umask, as `open` and `cp`
+# make them), whatever it holds: an output is read by a serving user, often not its writer.
+FILE_MODE = 0o666
 JSON_LIMIT = 64 << 20  # config.json, index, manifest, tokenizer files are far below this
 STATE_LIMIT = 256 << 20  # the journal of a full-size conversion, with room to spare
 
@@ -244,14 +247,14 @@ class Tree:
 
     # -- writing
 
-    def open_new(self, rel: str | PurePosixPath, flags: int = 0, mode: int = 0o666) -> int:
+    def open_new(self, rel: str | PurePosixPath, flags: int = 0) -> int:
         """A write-only descriptor of a new regular file `rel` (an existing one is an error:
         FileExistsError), parents made. For files published later by `rename` (StreamWriter)."""
         with self._in_parent(rel, create=True) as (fd, name):
-            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC | flags, mode,
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC | flags, FILE_MODE,
                            dir_fd=fd)
 
-    def open_own(self, rel: str | PurePosixPath, flags: int, mode: int = 0o644) -> int:
+    def open_own(self, rel: str | PurePosixPath, flags: int) -> int:
         """A descriptor of the regular file `rel`, created when missing (`flags`: O_RDWR, O_APPEND...).
         An existing one is used only when it is a regular file with a single link (never a symlink,
         a FIFO, or a hard link to a file elsewhere)."""
@@ -260,7 +263,7 @@ class Tree:
             if there is not None and not stat.S_ISREG(there.st_mode):  # not even opened: a device may act on it
                 raise _not_regular(self.path(rel), there.st_mode)
             try:
-                f = os.open(name, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, mode, dir_fd=fd)
+                f = os.open(name, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, FILE_MODE, dir_fd=fd)
             except OSError as e:
                 if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
                     raise _not_regular(self.path(rel), os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode) \
@@ -369,15 +372,6 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-
-
-def create_private(path: Path | str, data: bytes) -> None:
-    """Write a new file at `path` (refused if anything is there, a link included); for logs."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC, 0o600)
-    try:
-        write_all(fd, data)
-    finally:
-        os.close(fd)
 
 
 def mount_points() -> set[str]:

@@ -356,3 +356,72 @@ def test_converter_refuses_a_0xff_expert_scale(tmp_path):
     with pytest.raises(SourceError, match=r"layers\.1\.ffn\.experts\.2\.w2\.scale.*0xFF"):
         convert(str(model), tmp_path / "out", Options(tp=3, mtp=False), progress=False)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.safetensors"))
+
+
+# ---------------------------------------------------------------- a reference that is not numbers (issue 27)
+
+
+def _strict(text: str):
+    """json.loads that refuses NaN and Infinity, as JSON.parse does."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_pattern_checkpoint_is_refused_as_the_source_naming_its_tensors(converted, tiny_pattern):
+    """`synth --fill pattern` bytes are not a model's numbers: check-numerics says so (kind source,
+    exit 2) with the layer and the source tensors, instead of 'numerics past tolerance'."""
+    out = converted()
+    res = CliRunner().invoke(check_numerics_cmd, [str(out), str(tiny_pattern), "--tokens", "4", "--json"])
+    assert res.exit_code == 2, res.output
+    envelope = _strict(res.stdout)
+    message = envelope["error"]["message"]
+    assert envelope["error"]["kind"] == "source" and not envelope["ok"]
+    assert message.startswith("layer 0 routed MoE: the unsharded reference is not finite"), message
+    assert "layers.0.ffn.experts." in message and "synth --fill pattern" in message, message
+    assert "past tolerance" not in res.output
+    res = CliRunner().invoke(check_numerics_cmd, [str(out), str(tiny_pattern), "--tokens", "4", "--quiet"])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: layer 0 "), res.output
+
+
+def test_nan_in_the_rank_files_is_a_failure_with_null_figures(converted, tiny_random, tmp_path):
+    """The reference is finite, a rank's shared down_proj is NaN: that component fails (exit 1) and
+    the --json report holds null, never NaN, where a figure is not a finite number."""
+    bad = tmp_path / "out"
+    shutil.copytree(converted(source=tiny_random, arch="sm120"), bad)
+    rank1 = bad / "target/rank-1/part-00000.safetensors"
+    name = P + "ffn.shared_experts.down_proj.weight"
+    with safe_open(str(rank1), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[name] = torch.full_like(tensors[name].view(torch.uint8), 0x7F).view(tensors[name].dtype)  # E4M3 NaN
+    save_file(tensors, str(rank1), metadata=meta)
+    res = CliRunner().invoke(check_numerics_cmd, [str(bad), str(tiny_random), "--layers", str(LAYER), "--tokens", "4",
+                                                  "--json"])
+    assert res.exit_code == 1, res.output
+    envelope = _strict(res.stdout)
+    assert envelope["error"]["kind"] == "mismatch" and "shared expert" in envelope["error"]["message"]
+    shared = [r for r in envelope["result"]["results"] if r["component"] == SHARED]  # the report rides along
+    assert shared[0]["ok"] is False and shared[0]["rel_fro"] is None
+    report = check_numerics(bad, str(tiny_random), layers=[LAYER], tokens=4, progress=False)
+    shared = [r for r in report.results if r.component == SHARED][0]
+    assert not shared.ok and shared.rel_fro is None and shared.max_abs is None and "NaN/Inf" in shared.detail
+    assert _strict(json.dumps(report.to_dict())) and "NaN/Inf" in "\n".join(report.lines())
+
+
+def test_the_first_proof_passes_on_synth_default_fill(tmp_path):
+    """README's first proof as a new user types it: `synth tiny model` (no --fill), convert, diff,
+    check-numerics: every step exits 0 (the default fill is numbers)."""
+    from lucifer_shard.cli.group import cli
+
+    def run(*args):
+        return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+    model, out = tmp_path / "model", tmp_path / "out"
+    assert run("synth", "tiny", model, "-q").exit_code == 0
+    assert run("convert", "--tp", "3", "--arch", "sm120", model, out, "-q").exit_code == 0
+    assert run("diff", out, "-q").exit_code == 0
+    res = run("check-numerics", out, "--layers", "0", "--tokens", "4", "-q")
+    assert res.exit_code == 0 and "all within tolerance" in res.output, res.output
+    assert "[default: random]" in run("synth", "--help").output

@@ -72,3 +72,67 @@ def test_pattern_fill_never_writes_ff(tiny_pattern):
     key = "layers.3.ffn.experts.0.w2.scale"
     b = ckpt.read(key, (slice(None), slice(None))).view(torch.uint8).numpy()
     assert b.max() < 0xFF and len(np.unique(b)) > 200
+
+
+# ---------------------------------------------------------------- OUT and file modes (issue 27)
+
+
+def _run(*args):
+    from click.testing import CliRunner
+
+    from lucifer_shard.cli.group import cli
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("make, named", [
+    (lambda p: p.write_text("x\n"), "is a regular file"),
+    (lambda p: (p.mkdir(), (p / "notes.txt").write_text("mine\n")), "not empty (notes.txt)"),
+    (lambda p: (p.mkdir(), (p / "config.json").write_text("{}\n")), "holds a checkpoint (config.json)"),
+    (lambda p: (p.mkdir(), (p / "lucifer-manifest.json").write_text("{}\n"), (p / "COMPLETE").write_text("x\n")),
+     "holds a lucifer-shard output (COMPLETE, lucifer-manifest.json)"),
+    (lambda p: p.symlink_to(p.parent / "nowhere"), "is a symlink to nothing"),
+])
+def test_synth_refuses_an_out_that_is_not_absent_or_empty(tmp_path, make, named):
+    out = tmp_path / "out"
+    make(out)
+    before = sorted((q.name, q.read_bytes()) for q in out.iterdir()) if out.is_dir() else None
+    r = _run("synth", "tiny", out)
+    assert r.exit_code == 2, r.output
+    line = r.output.strip()
+    assert line.startswith(f"error: OUT {out}: ") and named in line and "\n" not in line, line
+    assert (sorted((q.name, q.read_bytes()) for q in out.iterdir()) if out.is_dir() else None) == before
+
+
+def test_synth_refusal_kind_is_output(tmp_path):
+    import json as _json
+    (tmp_path / "afile").write_text("x\n")
+    r = _run("synth", "tiny", tmp_path / "afile", "--json")
+    assert r.exit_code == 2 and _json.loads(r.stdout)["error"]["kind"] == "output", r.output
+
+
+def test_synth_into_an_empty_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert _run("synth", "tiny", tmp_path / "empty", "-q").exit_code == 0
+    assert (tmp_path / "empty" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_every_file_written_is_0666_minus_umask(tmp_path, umask):
+    """synth's shards, convert's rank files, copies, manifest, COMPLETE, journal, record and lock
+    alike: created like ordinary files (0666 & ~umask), folders 0777 & ~umask."""
+    import os
+    import stat
+
+    from lucifer_shard.engine.convert import convert
+    from lucifer_shard.spec.manifest import Options
+
+    old = os.umask(umask)
+    try:
+        model = synth("tiny", tmp_path / "model", progress=False)
+        convert(str(model), tmp_path / "out", Options(tp=3), progress=False)
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.lstat().st_mode) for p in tmp_path.rglob("*")}
+    want = {rel: (0o777 if (tmp_path / rel).is_dir() else 0o666) & ~umask for rel in modes}
+    assert "out/.lucifer/journal.jsonl" in modes and "out/.lucifer/lock" in modes
+    assert {rel: oct(m) for rel, m in modes.items() if m != want[rel]} == {}

@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from .. import __version__
+from ..engine.fills import DEFAULT_FILL, FILLS
 from ..errors import NoRoom, UsageRefused
 from ..spec.manifest import FLASHINFER_VERSIONS, MAX_ALIGN, Options
 from ..spec.plan import ARCHES
@@ -61,7 +62,10 @@ def target_options(f):
     for option in reversed((
         click.option("--workers", type=click.IntRange(1), default=1, show_default=True,
                      help="Threads for layout, hashing and writing (one per rank is the useful maximum)."),
-        click.option("--resume", is_flag=True, help="Finish an interrupted conversion, keeping verified files."),
+        click.option("--resume", is_flag=True,
+                     help="Finish an interrupted conversion, keeping verified files; on a finished output, re-check "
+                          "every file against the manifest and rewrite only the damaged or missing ones from MODEL "
+                          "(the converted source, same options)."),
         click.option("--force", is_flag=True, help="Replace an existing lucifer-shard output in OUT."),
     )):
         f = option(f)
@@ -234,13 +238,14 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
 @click.argument("preset", type=click.Choice(["tiny", "flash-layer", "flash-moe", "forward"]))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--layers", type=click.IntRange(1, 64), default=None, help="Decoder layers (flash-layer: default 1).")
-@click.option("--fill", type=click.Choice(["pattern", "random"]), default="pattern", show_default=True,
-              help="pattern: every byte encodes tensor and position; random: valid FP4/E8M0/FP8 values.")
+@click.option("--fill", type=click.Choice(list(FILLS)), default=DEFAULT_FILL, show_default=True,
+              help="; ".join(f"{name}: {what}" for name, what in FILLS.items()) + ".")
 @click.option("--seed", type=click.IntRange(0, (1 << 32) - 1), default=0, show_default=True)
 @click.option("--no-mtp", is_flag=True, help="Leave the MTP layer out.")
 @conventions(interrupted="interrupted: OUT holds a partial checkpoint; remove it and run synth again")
 def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_mtp: bool) -> None:
-    """Write a synthetic checkpoint with the exact DeepSeek-V4-Flash schema.
+    """Write a synthetic checkpoint with the exact DeepSeek-V4-Flash schema into OUT, which must not
+    exist or be an empty directory.
 
     \b
     tiny         every padded axis at its real size (64 heads, 8 groups, routed and shared

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,8 +29,8 @@ from ..errors import OutputError, SourceError
 from ..guarded_io import Tree, write_all
 from ..spec.content import ContentDigests
 from ..spec.layouts import Layout
-from ..spec.manifest import (COMPLETE_NAME, CONTENT_PLACEHOLDER, Options, file_metadata, part_content, part_path,
-                             rank_dir)
+from ..spec.manifest import (COMPLETE_NAME, CONTENT_PLACEHOLDER, Options, complete_problem, file_metadata,
+                             part_content, part_path, rank_dir)
 from ..spec.outlock import OutLock, describe
 from ..spec.plan import padding_only
 from ..spec.source import side_files
@@ -40,7 +41,8 @@ from .job import Job, Part, part_headers, part_keys, prepare
 from .manifest_writer import build_manifest, write_manifest
 from .outstate import (check_out, conversion_record, journal_line, part_valid, planned_files,
                        record_text, refuse_target, remove_partials, sizes_to_write, source_changed)
-from .owned import JOURNAL_REL, RECORD_REL, clear, plan_clearing
+from .owned import JOURNAL_REL, RECORD_REL, clear, plan_clearing, read_json
+from .repair import check_content, reference, survey
 from .resumed import resumed_sources
 from .stwriter import StreamWriter, WrittenFile
 
@@ -108,9 +110,11 @@ class _RankSink:
 
 
 def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPoolExecutor | None],
-                digests: ContentDigests) -> tuple[list[WrittenFile], dict[str, str]]:
-    """Write one part's file on every rank; its files and its source tensors' digests. The files are
-    stamped with those digests (`part_content`) before they are published."""
+                digests: ContentDigests, ranks: list[int] | None = None,
+                check: Callable[[str, dict[str, str]], None] | None = None) -> tuple[list[WrittenFile], dict[str, str]]:
+    """Write one part's file on every rank (or on `ranks`: a repair); its files and its source tensors'
+    digests. The files are stamped with those digests (`part_content`), which `check(content,
+    sources)` may refuse, before they are published."""
     from .assemble import Assembler, EngineBufferPool, swap_folded
 
     tree = Tree(out)
@@ -118,15 +122,15 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
     shared = ThreadPoolExecutor(1, thread_name_prefix="lucifer-write") if all(p is None for p in pools) else None
     buffers = EngineBufferPool()
     asm = Assembler(job.ckpt, buffers, digests=digests)
-    sinks: list[_RankSink] = []
+    sinks: dict[int, _RankSink] = {}
     stream = None
     try:
-        for rank in range(job.plan.tp):
+        for rank in (range(job.plan.tp) if ranks is None else ranks):
             headers = part_headers(specs_by_name[rank], part, job.layouts)
             rel = part_path(part.role, rank, part.index)
             meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp, CONTENT_PLACEHOLDER)
-            sinks.append(_RankSink(StreamWriter(tree, rel, headers, meta, align=job.options.align), pools[rank] or shared,
-                                   buffers))
+            writer = StreamWriter(tree, rel, headers, meta, align=job.options.align)
+            sinks[rank] = _RankSink(writer, pools[rank] or shared, buffers)
         work = []
         for name in part.names:
             specs = [specs_by_name[r][name] for r in range(job.plan.tp)]
@@ -142,10 +146,13 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
         # The reader threads run ahead of assembly; the writers run behind it.
         stream = asm.stream(work)
         for (name, layout), bufs in stream:
-            for sink, buf in zip(sinks, bufs):
-                sink.put(name, buf, layout)
-            bar.update(sum(buf.nbytes for buf in bufs))
-        for sink in sinks:
+            for rank, buf in enumerate(bufs):
+                if rank in sinks:
+                    sinks[rank].put(name, buf, layout)
+                else:  # a repair: this rank's file is sound
+                    buffers.give(buf)
+            bar.update(sum(bufs[r].nbytes for r in sinks))
+        for sink in sinks.values():
             sink.drain()
         keys = part_keys(specs_by_name[0], part)
         sources = digests.finished(keys)
@@ -153,9 +160,11 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
             raise RuntimeError(f"{part.role} part {part.index}: {len(keys) - len(sources)} source tensor(s) "
                                f"not read completely")
         content = part_content(sources)
-        return [sink.writer.close(content) for sink in sinks], sources
+        if check is not None:
+            check(content, sources)
+        return [sink.writer.close(content) for sink in sinks.values()], sources
     except BaseException:
-        for sink in sinks:
+        for sink in sinks.values():
             try:
                 sink.drain()
             except BaseException:
@@ -181,7 +190,8 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     t0 = time.perf_counter()
     job = prepare(model, options, revision)
     out = Path(out)
-    refuse_target(out, job.ckpt.root, resume, force, job)
+    repair = resume and out.is_dir() and reference(Tree(out), job) is not None  # a finished output of this job
+    refuse_target(out, job.ckpt.root, resume, force, job, repair=repair)
     for remark in padding_only(job.plan):
         warn(remark.message)
     with OutLock(out) as lock:
@@ -217,9 +227,95 @@ def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) 
     return kept
 
 
+def _journal_part(journal: int, out: Path, part: Part, files: list[WrittenFile], sources: dict[str, str],
+                  summary: Summary) -> dict[str, dict]:
+    """Append the journal entries of a part's files just published (rank 0's carries the part's
+    source digests) and fsync; the entries by path."""
+    entries = {}
+    for f in files:
+        rel = str(f.path.relative_to(out))
+        entries[rel] = {"path": rel, "bytes": f.bytes, "digest": f.digest, "tensors": f.tensor_digests}
+        if rel == part_path(part.role, 0, part.index):
+            entries[rel]["sources"] = sources
+        summary.bytes_written += f.bytes
+        summary.files_written += 1
+    write_all(journal, "".join(journal_line(e) for e in entries.values()).encode())
+    os.fsync(journal)
+    return entries
+
+
+def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dict], workers: int,
+                   progress: bool) -> Summary:
+    """--resume on an output whose manifest is this job's: re-check every file against it and write
+    again, from the source, only what fails (`repair`). COMPLETE goes first and comes back last, so
+    a repair stopped part-way is an unfinished output that the next --resume finishes."""
+    tree = Tree(out)
+    summary = Summary(out, job.cid)
+    try:
+        rep = survey(out, manifest, job.ckpt.root)
+        summary.files_resumed = len(rep.entries) - len(rep.damaged)
+        record = read_json(tree, RECORD_REL)
+        record_ok = isinstance(record, dict) and record.get("conversion_id") == job.cid
+        if rep.nothing and record_ok and complete_problem(out, job.cid) is None:
+            summary.notes.append(f"nothing to repair: all {len(rep.entries)} rank files and the copies match the "
+                                 f"manifest")
+            return summary
+        todo = rep.parts(job)
+        planned = planned_files(job)
+        left = [planned[rel]["bytes"] for rel in rep.damaged] + [sum(len(journal_line(planned[rel]))
+                                                                   for rel in rep.damaged)]
+        left += [manifest["copies"][name]["bytes"] for name in rep.copies] + [len(job.cid) + 1]
+        if not record_ok:
+            left.append(len(record_text(conversion_record(job)).encode()))
+        check_room(out, left, 0, "run the same command with --resume")
+        tree.remove(COMPLETE_NAME)
+        remove_partials(out, job)
+        if not record_ok:  # what --force may delete, listed again
+            tree.write_bytes(RECORD_REL, record_text(conversion_record(job)).encode())
+        by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
+        sizes = job.source_sizes
+        pools = [ThreadPoolExecutor(1) if workers > 1 else None for _ in range(job.plan.tp)]
+        bar = byte_bar(sum(p.bytes_per_rank * len(r) for p, r in todo), f"repair tp{job.plan.tp}", progress)
+        journal = tree.open_own(JOURNAL_REL, os.O_WRONLY | os.O_APPEND)
+        try:
+            for part, ranks in todo:
+                for rank in ranks:
+                    tree.make_dirs(rank_dir(part.role, rank))
+                rel = part_path(part.role, ranks[0], part.index)
+                first = journaled.get(part_path(part.role, 0, part.index), {}).get("sources")
+
+                def check(content: str, sources: dict[str, str], rel: str = rel, first: dict | None = first) -> None:
+                    check_content(rel, rep.content[rel], content, sources, first, job.ckpt.root)
+
+                keys = part_keys(by_name[part.role], part)
+                digests = ContentDigests({k: sizes[k] for k in keys})
+                files, sources = _write_part(job, out, part, bar, pools, digests, ranks, check)
+                summary.bytes_read += sum(sizes[k] for k in sources)
+                _journal_part(journal, out, part, files, sources, summary)
+                logger.info("%s part %d: rewrote rank(s) %s", part.role, part.index, ", ".join(map(str, ranks)))
+        finally:
+            os.close(journal)
+            bar.close()
+            for pool in pools:
+                if pool is not None:
+                    pool.shutdown(wait=True)
+        for name in rep.copies:
+            tree.copy_in(job.ckpt.root / name, name)
+        tree.write_bytes(COMPLETE_NAME, (job.cid + "\n").encode())
+        rewritten = rep.damaged + rep.copies + ([] if record_ok else [RECORD_REL]) + [COMPLETE_NAME]
+        summary.notes.append(f"repaired: rewrote {', '.join(rewritten[:5])}{' ...' if len(rewritten) > 5 else ''}; "
+                             f"every other file matched the manifest and was kept")
+        return summary
+    finally:
+        job.ckpt.close()
+
+
 def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int, progress: bool) -> Summary:
     tree = Tree(out)
-    journaled = check_out(out, job, resume, force)
+    manifest = reference(tree, job) if resume else None  # a finished output of this job: repair it
+    journaled = check_out(out, job, resume, force, repair=manifest is not None)
+    if manifest is not None:
+        return _repair_locked(job, out, manifest, journaled, workers, progress)
     clearing = plan_clearing(tree) if force else None
     if clearing is not None:
         clearing.refuse_foreign(out)
@@ -238,6 +334,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     check_room(out, left, given_back, "run the same command" + (" with --resume" if results else ""))
     if clearing is not None:
         clear(tree, clearing)
+    tree.remove(COMPLETE_NAME)  # --resume of a finished output whose manifest is gone: not complete until the end
     remove_partials(out, job)
     logger.info("%d part(s) of %d files to write, %d file(s) kept from an earlier run", len(todo), job.plan.tp,
                 summary.files_resumed)
@@ -259,17 +356,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
                 t_part = time.perf_counter()
                 files, sources = _write_part(job, out, part, bar, pools, digests)
                 summary.bytes_read += sum(sizes[k] for k in sources)
-                entries = {}
-                for i, f in enumerate(files):
-                    rel = str(f.path.relative_to(out))
-                    entries[rel] = {"path": rel, "bytes": f.bytes, "digest": f.digest, "tensors": f.tensor_digests}
-                    if i == 0:
-                        entries[rel]["sources"] = sources
-                    summary.bytes_written += f.bytes
-                    summary.files_written += 1
-                write_all(journal, "".join(journal_line(e) for e in entries.values()).encode())
-                os.fsync(journal)
-                results.update(entries)  # only now would --resume keep them
+                results.update(_journal_part(journal, out, part, files, sources, summary))  # only now kept
                 logger.info("%s part %d: %d file(s), %s, %.1f s", part.role, part.index, len(files),
                             size(sum(f.bytes for f in files)), time.perf_counter() - t_part)
         finally:

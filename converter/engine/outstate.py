@@ -31,7 +31,7 @@ def check_paths(out: Path, root: Path) -> None:
 
 
 def refuse_target(out: Path, root: Path | None, resume: bool, force: bool, job: Job | None = None,
-                  options: Options | None = None, planned: Iterable[str] = ()) -> None:
+                  options: Options | None = None, planned: Iterable[str] = (), repair: bool = False) -> None:
     """Every refusal of OUT (and of OUT against MODEL's directory `root`) that convert makes before it
     takes OUT's lock, in convert's words: `plan` runs it as convert's dry run, without a `job` (it
     reads config.json only, so `planned` names the rank files and `options` the settings). Reads
@@ -46,18 +46,20 @@ def refuse_target(out: Path, root: Path | None, resume: bool, force: bool, job: 
     holder = writer_of(out)
     if holder is not None:
         raise Locked(f"{out} is locked by another writer ({holder}); wait for it to finish or stop it, then run again")
-    check_out(out, job, resume, force, options, planned)
+    check_out(out, job, resume, force, options, planned, repair)
     if force:
         plan_clearing(Tree(out)).refuse_foreign(out)
 
 
 def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Options | None = None,
-              planned: Iterable[str] = ()) -> dict[str, dict]:
+              planned: Iterable[str] = (), repair: bool = False) -> dict[str, dict]:
     """Refuse unsafe targets; returns journal entries usable by --resume (path -> entry). Runs under
     OUT's lock, so the lock file is not counted as content. A link anywhere in OUT, or an entry of
     the wrong type where the conversion writes, is refused by name before anything is read. Without
     a job (plan) a --resume record is held against `options` and the tool version; its source is
-    convert's to check."""
+    convert's to check. `repair`: OUT's manifest is this job's (`repair.reference`), so it, not the
+    conversion record, is the reference: the files rewritten from the source must carry their
+    recorded content stamps."""
     tree = Tree(out)
     others = [n for n in tree.entries() if n != STATE_DIR]
     ours = is_output(tree)
@@ -67,14 +69,17 @@ def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Op
         if ours or not others:
             return {}  # convert clears it once the room is checked (`owned.plan_clearing`)
         raise OutputError(f"{out} is not empty and not a lucifer-shard output; --force only replaces outputs of this tool")
-    if tree.lstat(COMPLETE_NAME) is not None:
-        raise OutputError(f"{out} already holds a complete conversion; pass --force to replace it")
+    if tree.lstat(COMPLETE_NAME) is not None and not resume:
+        raise OutputError(f"{out} already holds a complete conversion; pass --resume to re-check it and rewrite "
+                          f"only damaged files, or --force to replace it")
     if not ours:
         if others:
             raise OutputError(f"{out} is not empty and not a lucifer-shard output; choose an empty or new directory")
         return {}
     if not resume:
         raise OutputError(f"{out} holds an unfinished conversion; pass --resume to finish it or --force to restart")
+    if repair:
+        return _journal(tree)
     record = read_json(tree, RECORD_REL)
     if not isinstance(record, dict) or not isinstance(record.get("source_files"), dict):
         raise OutputError(f"--resume: {tree.path(RECORD_REL)} is missing or not a conversion record; pass --force "

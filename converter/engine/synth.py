@@ -1,14 +1,17 @@
 """Synthetic checkpoints with the exact DeepSeek-V4-Flash schema (names, dtypes, packing, index json).
 
-`pattern` fill makes every byte a hash of its tensor and position, so a misplaced byte is
-identifiable (scale bytes never 0xFF); `random` fill writes valid values (FP4 codes, E8M0 scales
-in a realistic range, finite FP8 and BF16). Shards are serialized by `safetensors.torch.save`
-so the converter's input is produced by the reference library, not by our own writer.
+`random` fill (the default) writes valid values (FP4 codes, E8M0 scales in a realistic range,
+finite FP8 and BF16), so every proof runs on it, check-numerics included; `pattern` fill makes
+every byte a hash of its tensor and position, so a misplaced byte is identifiable (scale bytes
+never 0xFF), but its BF16 and FP8 bytes are not all finite numbers. Shards are serialized by
+`safetensors.torch.save` so the converter's input is produced by the reference library, not by
+our own writer. OUT is a new checkpoint: absent or an empty directory, nothing else.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import stat
 from importlib import resources
 from pathlib import Path
 from typing import Iterator
@@ -17,12 +20,14 @@ import numpy as np
 import torch
 from safetensors.torch import save
 
-from ..errors import LuciferError
-from ..guarded_io import Tree
+from ..errors import LuciferError, OutputError
+from ..guarded_io import Tree, kind, probe
+from ..spec.manifest import MANIFEST_NAME, STATE_DIR
 from ..spec.dtypes import TORCH_DTYPE
 from ..spec.config import ModelConfig, parse_config
 from ..spec.rules import DTYPE_SIZE, Source, expected_sources
 from ..units import byte_bar
+from .fills import DEFAULT_FILL, FILLS
 
 PRESETS = {
     "tiny": "tiny.json",
@@ -33,7 +38,6 @@ PRESETS = {
     # top-k), 64 experts (the CPU top-k routers take 64/128/256/384 only).
     "forward": "forward.json",
 }
-FILLS = ("pattern", "random")
 MAX_SHARD_BYTES = 1 << 30
 
 
@@ -128,7 +132,36 @@ def _order(src: Source) -> tuple:
     return (src.layer if src.layer is not None else -1, src.key)
 
 
-def synth(preset: str, out: Path, layers: int | None = None, fill: str = "pattern", seed: int = 0,
+def refuse_out(out: Path) -> None:
+    """OUT must be absent or an empty directory: synth writes a whole checkpoint, config.json included,
+    so anything already there (a finished output, another checkpoint, a user's files) would be mixed
+    with it or overwritten. The refusal names what is there."""
+    there = probe(out)
+    if there is None:
+        return
+    try:
+        st = out.stat()  # OUT may be reached through a link to a directory, as for convert
+    except FileNotFoundError:
+        raise OutputError(f"OUT {out}: is a symlink to nothing; synth writes a new checkpoint directory, choose a "
+                          f"path that does not exist or an empty directory") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise OutputError(f"OUT {out}: is {kind(st.st_mode)}; synth writes a new checkpoint directory, choose a "
+                          f"path that does not exist or an empty directory")
+    names = sorted(Tree(out).entries())
+    if names:
+        what = next((label for marker, label in OUT_KINDS if marker in names), "not empty")
+        shown = ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+        raise OutputError(f"OUT {out}: {what} ({shown}); synth writes only into a new or empty directory (it would "
+                          f"rewrite config.json among what is there): choose another OUT or empty this one")
+
+
+# the first marker found in OUT says what OUT is, in the refusal
+OUT_KINDS = ((MANIFEST_NAME, "holds a lucifer-shard output"), (STATE_DIR, "holds a lucifer-shard output"),
+             ("model.safetensors.index.json", "holds a checkpoint"), ("config.json", "holds a checkpoint"))
+SHOWN = 5
+
+
+def synth(preset: str, out: Path, layers: int | None = None, fill: str = DEFAULT_FILL, seed: int = 0,
           mtp: bool = True, progress: bool = True) -> Path:
     """Write a synthetic checkpoint directory; returns its path."""
     if fill not in FILLS:
@@ -136,9 +169,8 @@ def synth(preset: str, out: Path, layers: int | None = None, fill: str = "patter
     raw = preset_config(preset, layers, mtp)
     cfg = parse_config(raw, f"preset {preset}")
     out = Path(out)
+    refuse_out(out)
     out.mkdir(parents=True, exist_ok=True)
-    if any(out.glob("*.safetensors")):
-        raise LuciferError(f"{out}: already holds a checkpoint; choose an empty directory")
     tree = Tree(out)
     sources = sorted(expected_sources(cfg).values(), key=_order)
     groups = list(_shards(sources))

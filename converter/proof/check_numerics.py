@@ -22,12 +22,13 @@ CPU box.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..errors import LuciferError, OutputError
+from ..errors import LuciferError, OutputError, SourceError
 from ..spec.manifest import source_model
 from ..spec.source import Checkpoint, open_checkpoint, resolve_model
 from .numerics import (attn_output_reference, dequant_fp8_block, mlp_reference, moe_reference, moe_reference_streamed,
@@ -44,12 +45,18 @@ MAX_SEED = (1 << 32) - 1  # seeds per layer are seed * 1_000_003 + layer: inside
 class Result:
     layer: int
     component: str
-    max_abs: float  # max |sum - ref|
-    max_ref: float  # max |ref|
-    rel_fro: float  # ||sum - ref||_F / ||ref||_F (for virtual heads: max |contribution|)
+    max_abs: float | None  # max |sum - ref|; None (JSON null) where it is not a finite number
+    max_ref: float | None  # max |ref|
+    rel_fro: float | None  # ||sum - ref||_F / ||ref||_F (for virtual heads: max |contribution|)
     tol: float
     ok: bool
     detail: str = ""
+
+    def __post_init__(self) -> None:  # the report holds numbers or null, never NaN (strict JSON)
+        for name in ("max_abs", "max_ref", "rel_fro"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                setattr(self, name, None)
 
 
 @dataclass
@@ -75,12 +82,16 @@ class Report:
         head = f"{'layer':>5}  {'component':<18} {'max|err|':>10} {'max|ref|':>10} {'rel.Frob':>10} {'tol':>8}  result"
         rows = [head, "-" * len(head)]
         for r in self.results:
-            rows.append(f"{r.layer:>5}  {r.component:<18} {r.max_abs:>10.3e} {r.max_ref:>10.3e} {r.rel_fro:>10.3e} "
+            rows.append(f"{r.layer:>5}  {r.component:<18} {_num(r.max_abs)} {_num(r.max_ref)} {_num(r.rel_fro)} "
                         f"{r.tol:>8.0e}  {'ok' if r.ok else 'FAIL'}{'  ' + r.detail if r.detail else ''}")
         bad = sum(not r.ok for r in self.results)
         rows.append(f"TP{self.tp} sum vs unsharded, {self.tokens} tokens, seed {self.seed}: "
                     + ("all within tolerance" if not bad else f"{bad} component(s) past tolerance"))
         return rows
+
+
+def _num(x: float | None) -> str:
+    return f"{x:>10.3e}" if x is not None else f"{'NaN/Inf':>10}"
 
 
 def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float, float]:
@@ -94,9 +105,62 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float, float]:
 
 def _result(layer: int, comp: str, ref: torch.Tensor, got: torch.Tensor) -> Result:
     max_abs, max_ref, rel = compare(ref, got)
-    finite = bool(torch.isfinite(got).all() and torch.isfinite(ref).all())
+    if not bool(torch.isfinite(ref).all()):
+        raise NotFiniteReference(comp)  # the source's fault, not the rank files': `check_layer` says which tensors
+    finite = bool(torch.isfinite(got).all())
     ok = finite and rel <= TOLERANCE[comp]
-    return Result(layer, comp, max_abs, max_ref, rel, TOLERANCE[comp], ok, "" if finite else "NaN/Inf")
+    return Result(layer, comp, max_abs, max_ref, rel, TOLERANCE[comp], ok, "" if finite else "NaN/Inf in the rank sum")
+
+
+class NotFiniteReference(Exception):
+    """The unsharded reference of a component is not finite (raised to `check_layer`)."""
+
+    def __init__(self, component: str):
+        super().__init__(component)
+        self.component = component
+
+
+# The source tensors each component's reference computes with (routed: the experts the routing picked).
+REFERENCE_SOURCES = {
+    ROUTED: lambda sp, experts: [f"{sp}ffn.experts.{e}.{w}.{k}" for e in experts for w in ("w1", "w3", "w2")
+                                 for k in ("weight", "scale")],
+    SHARED: lambda sp, experts: [f"{sp}ffn.shared_experts.{w}.{k}" for w in ("w1", "w3", "w2")
+                                 for k in ("weight", "scale")],
+    ATTN: lambda sp, experts: [f"{sp}attn.{w}.{k}" for w in ("wo_a", "wo_b") for k in ("weight", "scale")],
+}
+# An E8M0 scale past 2^SCALE_EXP_LIMIT is no model's (MXFP4 and FP8 block scales sit near 2^-8..2^4); two
+# such scaled products in a row pass BF16's range (2^128).
+SCALE_EXP_LIMIT = 32
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F8_E4M3")
+
+
+def not_numbers(ckpt: Checkpoint, key: str) -> str | None:
+    """Why the source tensor `key` does not hold a model's numbers (NaN/Inf values, NaN or absurd
+    scales), or None when it does."""
+    dtype = ckpt.tensors[key].dtype
+    t = _full(ckpt, key)
+    if dtype == "F8_E8M0":
+        b = _u8(t)
+        nan, top = int((b == 0xFF).sum()), int(b.max()) - 127
+        if nan:
+            return f"{key}: {nan} of {b.numel()} scales are NaN (0xFF)"
+        return f"{key}: scales up to 2^{top}" if top > SCALE_EXP_LIMIT else None
+    if dtype in FLOAT_DTYPES:
+        bad = int((~torch.isfinite(t.float())).sum())
+        return f"{key}: {bad} of {t.numel()} values are NaN/Inf" if bad else None
+    return None
+
+
+def refuse_not_finite(ckpt: Checkpoint, model: str | Path, layer: int, component: str, sp: str,
+                      experts: list[int]) -> SourceError:
+    """One line: the layer and the source tensors whose values make the reference not finite, and why."""
+    whys = [w for w in (not_numbers(ckpt, k) for k in REFERENCE_SOURCES[component](sp, experts)) if w]
+    shown = "; ".join(whys[:3]) + (f"; and {len(whys) - 3} more tensors" if len(whys) > 3 else "")
+    found = (f"{model}'s weights are not a model's finite numbers ({shown}): a `synth --fill pattern` checkpoint? "
+             if whys else f"{model}'s weights overflow in it: ")
+    return SourceError(f"layer {layer} {component}: the unsharded reference is not finite, so nothing can be compared; "
+                       f"{found}check-numerics needs real numbers (the real weights, or `synth --fill random`; diff "
+                       f"proves a pattern checkpoint byte for byte)")
 
 
 # ------------------------------------------------------------------ inputs
@@ -302,8 +366,12 @@ def attn_rank_partials(o: torch.Tensor, lw: LayerWeights) -> list[torch.Tensor]:
     return [attn_output_reference(o[:, r * lh:(r + 1) * lh], *w) for r, w in enumerate(lw.rank_attn)]
 
 
-def check_layer(ckpt: Checkpoint, output: Output, layer: int, inp: Inputs) -> list[Result]:
-    return evaluate(load_layer(ckpt, output, layer), inp)
+def check_layer(ckpt: Checkpoint, output: Output, layer: int, inp: Inputs, model: str | Path = "MODEL") -> list[Result]:
+    try:
+        return evaluate(load_layer(ckpt, output, layer), inp)
+    except NotFiniteReference as e:
+        experts = sorted(set(inp.topk_ids.flatten().tolist()))
+        raise refuse_not_finite(ckpt, model, layer, e.component, _prefixes(ckpt.config, layer)[1], experts) from None
 
 
 def default_layers(cfg) -> list[int]:
@@ -368,10 +436,12 @@ def check_numerics(out: Path, model: str | None = None, layers: str | list[int] 
     report = Report(str(out), str(model), output.tp, tokens, seed, ids)
     from tqdm import tqdm
 
-    for layer in tqdm(ids, desc="check-numerics", unit="layer", disable=not progress):
-        inp = make_inputs(cfg.hidden_size, cfg.n_experts, cfg.top_k, heads, cfg.head_dim, tokens,
-                          seed * 1_000_003 + layer)
-        report.results.extend(check_layer(ckpt, output, layer, inp))
-    ckpt.close()
-    output.close()
+    try:
+        for layer in tqdm(ids, desc="check-numerics", unit="layer", disable=not progress):
+            inp = make_inputs(cfg.hidden_size, cfg.n_experts, cfg.top_k, heads, cfg.head_dim, tokens,
+                              seed * 1_000_003 + layer)
+            report.results.extend(check_layer(ckpt, output, layer, inp, model))
+    finally:
+        ckpt.close()
+        output.close()
     return report

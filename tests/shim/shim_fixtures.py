@@ -36,14 +36,14 @@ def synth_tiny(path: Path, experts: int) -> None:
     uses); tiny's 8 experts do not divide by 3, 6 do."""
     code = ("import sys, lucifer_shard.engine.synth as s; base = s.preset_config; "
             "s.preset_config = lambda *a, **k: {**base(*a, **k), 'n_routed_experts': int(sys.argv[2])}; "
-            "s.synth('tiny', sys.argv[1], progress=False)")
+            "s.synth('tiny', sys.argv[1], fill='pattern', progress=False)")
     subprocess.run([sys.executable, "-c", code, str(path), str(experts)], check=True, capture_output=True)
 
 
 def convert_tiny(base: Path, *options: str) -> Path:
     model = base / "model"
     if not model.exists():
-        cli("synth", "tiny", str(model), "--quiet")
+        cli("synth", "tiny", str(model), "--fill", "pattern", "--quiet")
     out = base / ("out" + "".join(o.replace("-", "_") for o in options))
     if not (out / "COMPLETE").exists():
         cli("convert", "--tp", "3", "--arch", "sm120", str(model), str(out), "--quiet", *options)

@@ -53,7 +53,7 @@ def flip_byte(out: Path, role: str, rank: int, name: str, at: int = 100) -> tupl
 def source(shim_base) -> Path:
     model = shim_base / "model"
     if not model.exists():
-        sf.cli("synth", "tiny", str(model), "--quiet")
+        sf.cli("synth", "tiny", str(model), "--fill", "pattern", "--quiet")
     return model
 
 
