@@ -142,7 +142,7 @@ OUTS = {
     ("a file", [], "exists and is not a directory; choose a directory for OUT"),
     ("a non-empty directory", [], "is not empty and not a lucifer-shard output; choose an empty or new directory"),
     ("a non-empty directory", ["--force"], "--force only replaces outputs of this tool"),
-    ("a finished output", [], "already holds a complete conversion; pass --force to replace it"),
+    ("a finished output", [], "already holds a complete conversion; pass --resume to re-check it"),
     ("an unfinished output", [], "holds an unfinished conversion; pass --resume to finish it or --force"),
     ("an unfinished output", ["--resume", "--max-file-size", "2M"],
      "was started with other options (max_file_bytes: 4294967296 -> 2097152)"),
