@@ -62,8 +62,11 @@ class Manifest:
         return self.doc["plan"]
 
     @property
-    def arch(self) -> str:
-        return str(self.doc.get("arch"))
+    def arch(self) -> str | None:
+        """The GPU family the files are laid out for; None (converted without --arch, experts in model
+        layout): any family, whose backends serve picks on the serving host."""
+        arch = self.doc.get("arch")
+        return None if arch is None else str(arch)
 
     @property
     def moe_variant(self) -> str:
@@ -120,6 +123,9 @@ def load_manifest(out: str | Path, require_complete: bool = True, check_digest: 
     if problem:
         raise ShimError(f"{out}: {problem}")
     m = Manifest(out, doc)
+    if m.arch is None and m.expert_layout != "model":
+        raise ShimError(f"{path}: arch is null but the experts are in kernel layout, which is one GPU family's; "
+                        f"the manifest was edited, re-run lucifer-shard convert --force")
     if m.expert_layout != "model" and m.moe_variant not in MOE_VARIANTS:
         raise ShimError(f"{path}: moe_variant {m.moe_variant!r} is not one of {', '.join(MOE_VARIANTS)}")
     return m

@@ -141,7 +141,7 @@ MANIFEST_FIELDS = Obj({
                                    "digest": _DIGEST})}),
     "copies": MapOf(Obj({"bytes": _N, "digest": _DIGEST}), key=_SIDE),
     "tp_size": Int(1, MAX_TP), "plan": Obj({"tp": Int(1, MAX_TP), "axes": MapOf(_AXIS)}), "options": OPTIONS,
-    "arch": OneOf(ARCHES), "moe_variant": Str(), "expert_layout": OneOf(("kernel", "model")),
+    "arch": Null(OneOf(ARCHES)), "moe_variant": Str(), "expert_layout": OneOf(("kernel", "model")),
     "flashinfer_layout": Null(OneOf(("folded", "legacy"))),
     "layouts": MapOf(Obj({"name": Str(), "steps": ListOf(Str()), "version": _N})), "layout_version": _N,
     "runtime": MapOf(Str()), "dropped": MapOf(Str()),
