@@ -404,8 +404,8 @@ def routes() -> list[tuple[str, str]]:
     image = compat.AUDIT_IMAGE
     return [
         (f"stock vLLM {STOCK.commit}, the route to take",
-         f"pip install vllm=={STOCK.commit} and lucifer-shard into it (below); the plugin supplies virtual TP, "
-         f"so TP3 serves from outputs converted with --expert-layout model"),
+         f"pip install vllm=={STOCK.commit}, then lucifer-shard into it with pip install --no-deps (make wheel); "
+         f"the plugin supplies virtual TP, so TP3 serves from outputs converted with --expert-layout model"),
         (f"the audit's image (vLLM line {image['vllm']})",
          f"{image['tag']}, image ID {image['id']}; private to its owner: it cannot be pulled"),
         ("a fork build",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -316,3 +317,23 @@ def test_no_serve_extra_and_the_wheel_carries_the_plugin(tmp_path):
         entry = z.read(f"lucifer_shard-{__version__}.dist-info/entry_points.txt").decode()
     assert {"lucifer_shard/runtime_shim/loader.py", "lucifer_shard/configs/deepseek-v4-flash.json"} <= names
     assert "lucifer_tp3 = lucifer_shard.runtime_shim:register" in entry and "lucifer-shard = lucifer_shard.cli:main" in entry
+
+
+def test_where_to_get_a_server_is_one_table_in_doctor_and_readme():
+    """The README's "Where to get a server" and doctor's guide say the same routes, in the same order, from
+    doctor.routes(); the audit's image is named by tag and ID, the stock route comes first."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### Where to get a server", 1)[1].split("\n### ", 1)[0]
+    items = [" ".join(item.replace("`", "").split()) for item in re.split(r"\n\d\. ", section)[1:]]
+    expected = [f"{route}: {how}" for route, how in doctor.routes()]
+    assert items == expected
+    guide = run("doctor").stdout
+    assert [f"  {i}. {line}" for i, line in enumerate(expected, 1)] == [
+        line for line in guide.splitlines() if re.match(r"  \d\. ", line)]
+    assert expected[0].startswith("stock vLLM 0.33.0, the route to take: pip install vllm==0.33.0")
+    image = compat.AUDIT_IMAGE
+    assert image["tag"] in expected[1] and image["id"] in expected[1] and "cannot be pulled" in expected[1]
+    assert readme.index("### Where to get a server") < readme.index("### From a checkpoint to a running server")
+    doc = json.loads(run("doctor", "--json").stdout)["result"]
+    assert [r["route"] for r in doc["routes"]] == [r for r, _ in doctor.routes()]
+    assert [b["image"] for b in doc["builds"] if b["image"]] == [image]
