@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from lucifer_shard import __version__
 from lucifer_shard.cli import cli
-from lucifer_shard.runtime_shim import compat, doctor, settings
+from lucifer_shard.runtime_shim import compat, doctor
 from lucifer_shard.runtime_shim.doctor import FAIL, OK, Check
 from lucifer_shard.spec.manifest import MANIFEST_NAME, manifest_text
 
@@ -160,6 +160,8 @@ def test_vllm_arguments_the_plugin_accepts_pass(converted, args):
 
 def test_the_refusals_are_the_loaders_table():
     """One table: serve reads the loader's keys and the load-time settings, it has no list of its own."""
+    from lucifer_shard.runtime_shim import settings
+
     assert settings.argument_problems(["--model-loader-extra-config", json.dumps(
         {k: v[-1] for k, v in settings.LOADER_OPTIONS.items()})]) == []
     for r in settings.REQUIRED:
