@@ -325,9 +325,9 @@ def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
         m = load_manifest(out_dir)
     except ShimError as e:
         return [_out("output", FAIL, str(e), "lucifer-shard verify OUT; re-run convert if it is damaged")]
+    variant = f" ({m.moe_variant})" if m.moe_variant else ""
     checks = [_out("output", OK, f"{m.out}: conversion {m.conversion_id[:12]}, tp {m.tp_size}, arch "
-                   f"{m.arch or ANY_ARCH}, experts {m.expert_layout} layout ({m.moe_variant}), roles "
-                   f"{', '.join(m.roles)}")]
+                   f"{m.arch or ANY_ARCH}, experts {m.expert_layout} layout{variant}, roles {', '.join(m.roles)}")]
     from lucifer_shard.spec.manifest import copy_problems
 
     for name, problem in copy_problems(m.out, m.doc):  # vLLM reads OUT/config.json and the tokenizer

@@ -60,7 +60,8 @@ def edited_copy(out: Path, dst: Path, edit) -> Path:
 @pytest.fixture
 def any_arch(converted, tmp_path):
     """A model-layout output as `convert` without --arch writes it: manifest "arch": null (any GPU family)."""
-    return edited_copy(converted(expert_layout="model"), tmp_path / "any", lambda doc: doc.update(arch=None))
+    return edited_copy(converted(expert_layout="model"), tmp_path / "any",
+                       lambda doc: doc.update(arch=None, moe_variant=None))
 
 
 def test_options_go_anywhere_before_the_double_dash(converted):
@@ -210,7 +211,7 @@ def test_arch_null_with_kernel_layout_experts_is_refused(converted, tmp_path):
     out = edited_copy(converted(), tmp_path / "edited", lambda doc: doc.update(arch=None))
     r = run("serve", out, "--dry-run")
     assert r.exit_code == 1 and "[FAIL] output: lucifer_tp3: " in r.stdout
-    assert "arch is null but the experts are in kernel layout" in r.stdout
+    assert "arch is null (any GPU family) but the experts are in kernel layout" in r.stdout
 
 
 def test_help_is_help_wherever_it_is(converted):

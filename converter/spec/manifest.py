@@ -141,7 +141,7 @@ MANIFEST_FIELDS = Obj({
                                    "digest": _DIGEST})}),
     "copies": MapOf(Obj({"bytes": _N, "digest": _DIGEST}), key=_SIDE),
     "tp_size": Int(1, MAX_TP), "plan": Obj({"tp": Int(1, MAX_TP), "axes": MapOf(_AXIS)}), "options": OPTIONS,
-    "arch": Null(OneOf(ARCHES)), "moe_variant": Str(), "expert_layout": OneOf(("kernel", "model")),
+    "arch": Null(OneOf(ARCHES)), "moe_variant": Null(Str()), "expert_layout": OneOf(("kernel", "model")),
     "flashinfer_layout": Null(OneOf(("folded", "legacy"))),
     "layouts": MapOf(Obj({"name": Str(), "steps": ListOf(Str()), "version": _N})), "layout_version": _N,
     "runtime": MapOf(Str()), "dropped": MapOf(Str()),
@@ -154,6 +154,8 @@ def _layout_problem(doc: dict) -> str | None:
     """Why the manifest's file paths are not the output contract's, or None: rank entry r of a role
     lists exactly `part_path(role, r, 0..)` and its tensors live in those files. A manifest is public
     (its self-digest can be recomputed), so this, not the digest, keeps readers inside OUT."""
+    if doc["arch"] is None and doc["expert_layout"] != "model":
+        return "arch is null (any GPU family) but the experts are in kernel layout, which is laid out for one"
     for role, rdoc in doc["roles"].items():
         for r, entry in enumerate(rdoc["ranks"]):
             if entry["rank"] != r:

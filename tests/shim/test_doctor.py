@@ -220,7 +220,7 @@ def _any_arch(out_model, tmp_path):
     out = sf.link_copy(out_model, tmp_path / "any")
     doc = {k: v for k, v in sf.manifest(out).items() if k != "manifest_digest"}
     (out / MANIFEST_NAME).unlink()
-    (out / MANIFEST_NAME).write_text(manifest_text({**doc, "arch": None}))
+    (out / MANIFEST_NAME).write_text(manifest_text({**doc, "arch": None, "moe_variant": None}))
     return out
 
 
