@@ -113,6 +113,11 @@ RELAYOUT_PATCH_ATTR = "convert_weight_to_mxfp4_moe_kernel_format"
 
 
 REPOSITORY = "https://github.com/mlow/vllm"  # the vLLM fork with virtual TP (vllm-runtime.md)
+# The audit's serving image of 45c1582e9, known by its tag and ID only: private to its owner, so no
+# one else can pull it (the fork builds from source instead).
+AUDIT_IMAGE = {"tag": "ai01/vllm-v9-b12x-tp3:20260710-v4-init",
+               "id": "sha256:7413040323dff257965bb30153de56c0720ce699408a35be749dc4fc8446fbb5",
+               "vllm": "v9 / 45c1582e9"}
 FORK_WRAPPERS = (POLICY, RELAYOUT)
 STOCK_WRAPPERS = (STOCK_CONFIG, STOCK_VOCAB)
 
@@ -127,6 +132,7 @@ class Build:
     branches: tuple[str, ...]  # branches of REPOSITORY that hold the commit; () for a stock release
     wrappers: tuple[str, ...] = FORK_WRAPPERS  # what the shim installs on this build
     install: str = ""  # how a user gets it
+    image: dict | None = None  # a known image of the build (AUDIT_IMAGE), not necessarily one a user can pull
 
     @property
     def stock(self) -> bool:
@@ -165,7 +171,8 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         draft_virtual_tp=True,
         flashinfer="0.6.12",
         branches=("mlow/dsv4-dspark-v8", "mlow/vllm-b12x-ee"),
-        install=f"build {REPOSITORY} at 45c1582e9 from source (the audited image is private)",
+        install=f"build {REPOSITORY} at 45c1582e9 from source (the audit's image {AUDIT_IMAGE['tag']} is private)",
+        image=AUDIT_IMAGE,
     ),
     Build(
         commit="cece381c4",

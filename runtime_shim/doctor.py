@@ -18,11 +18,14 @@ from pathlib import Path
 from lucifer_shard import __version__
 from lucifer_shard.guarded_io import read_regular
 
-from . import compat, stock_vtp
+from . import compat, settings, stock_vtp
 from .errors import ShimError
 from .patches import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND
 
 OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
+# What a check is about: OUT (its files, wherever they are checked) or this environment (vLLM, the
+# plugin, the GPU: meaningful only on the serving host). Output checks come first in every report.
+OUTPUT, ENVIRONMENT = "output", "environment"
 ENTRY_GROUP = "vllm.general_plugins"
 ENTRY_NAME = "lucifer_tp3"
 NEEDED = (  # (module, attribute) the loader and plugin rely on, on every vLLM line
@@ -43,6 +46,7 @@ class Check:
     status: str  # ok / warn / FAIL / info
     detail: str
     fix: str = ""
+    scope: str = ENVIRONMENT  # OUTPUT or ENVIRONMENT
 
     def __str__(self) -> str:
         s = f"[{self.status:>4}] {self.name}: {self.detail}"
@@ -123,18 +127,25 @@ def _package_checks() -> list[Check]:
 
 def doctor_report(out_dir: str | Path | None = None, mtp: bool = False) -> list[Check]:
     """Inspect the installed vLLM/FlashInfer (and optionally an output directory, to be served with the
-    MTP draft when `mtp`) for lucifer_tp3 serving. Every failing check says how to fix it."""
+    MTP draft when `mtp`) for lucifer_tp3 serving. Every failing check says how to fix it. The output's
+    checks come first: a damaged output is the first thing to fix, wherever this runs."""
+    checks, verdicts, build = _environment_checks(out_dir)
+    outs = _output_checks(out_dir, verdicts, build, mtp) if out_dir is not None else []
+    return [*outs, *checks]
+
+
+def _environment_checks(out_dir) -> tuple[list[Check], dict | None, compat.Build | None]:
+    """This environment's checks, the wrapper verdicts (None without an importable vLLM) and the
+    vetted build it is (None: none)."""
     checks: list[Check] = [Check("python", INFO, sys.version.split()[0]), *_package_checks()]
     version, commit = vllm_identity()
     if version is None:
         checks.append(Check("vllm", FAIL, f"not installed in this environment; lucifer_tp3 serves on stock "
                             f"vllm=={STOCK.commit} (the plugin supplies virtual TP) or a vetted mlow/vllm build "
                             f"(listed below)",
-                            "run doctor inside the serving image, or install a vetted build here, then "
+                            "run doctor inside the serving environment, or install a vetted build here, then "
                             "lucifer-shard into it (below)"))
-        if out_dir is not None:
-            checks.extend(_output_checks(out_dir, None, None, mtp))
-        return checks
+        return checks, None, None
     build = identify_build(version, commit)
     checks.append(Check("vllm", OK if build else INFO, f"{version} (commit {commit or 'unknown'})"
                         + (f" = vetted build {build.label}" if build else "; not one of the vetted builds "
@@ -155,7 +166,7 @@ def doctor_report(out_dir: str | Path | None = None, mtp: bool = False) -> list[
         importlib.import_module("vllm")
     except Exception as e:  # noqa: BLE001
         checks.append(Check("import vllm", FAIL, f"{e.__class__.__name__}: {e}", "repair the vLLM install"))
-        return checks
+        return checks, None, build
     for mod, attr in NEEDED:
         try:
             getattr(importlib.import_module(mod), attr)
@@ -196,9 +207,7 @@ def doctor_report(out_dir: str | Path | None = None, mtp: bool = False) -> list[
         checks.append(Check("env VLLM_USE_B12X_MOE", FAIL, f"set to {b12x!r}: the MoE backend would resolve to B12X",
                             "unset VLLM_USE_B12X_MOE"))
     checks.append(_gpu_check())
-    if out_dir is not None:
-        checks.extend(_output_checks(out_dir, verdicts, build, mtp))
-    return checks
+    return checks, verdicts, build
 
 
 STOCK = next(b for b in compat.SUPPORTED_BUILDS if b.stock)  # the stock release the README leads with
@@ -300,56 +309,81 @@ def _wrapper_verdicts() -> dict[str, compat.WrapperVerdict]:
     return dict(patches.VERDICTS)
 
 
+def _out(name: str, status: str, detail: str, fix: str = "") -> Check:
+    return Check(name, status, detail, fix, OUTPUT)
+
+
+ANY_ARCH = "any (converted without --arch)"
+
+
 def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
+    """OUT's checks: on its own (any machine), then against this vLLM and GPU (`verdicts`: None
+    without an importable vLLM)."""
     from .manifest import load_manifest
 
     try:
         m = load_manifest(out_dir)
     except ShimError as e:
-        return [Check("output", FAIL, str(e), "lucifer-shard verify OUT; re-run convert if it is damaged")]
-    checks = [Check("output", OK, f"{m.out}: conversion {m.conversion_id[:12]}, tp {m.tp_size}, arch {m.arch}, "
-                    f"experts {m.expert_layout} layout ({m.moe_variant}), roles {', '.join(m.roles)}")]
+        return [_out("output", FAIL, str(e), "lucifer-shard verify OUT; re-run convert if it is damaged")]
+    variant = f" ({m.moe_variant})" if m.moe_variant else ""
+    checks = [_out("output", OK, f"{m.out}: conversion {m.conversion_id[:12]}, tp {m.tp_size}, arch "
+                   f"{m.arch or ANY_ARCH}, experts {m.expert_layout} layout{variant}, roles {', '.join(m.roles)}")]
     from lucifer_shard.spec.manifest import copy_problems
 
     for name, problem in copy_problems(m.out, m.doc):  # vLLM reads OUT/config.json and the tokenizer
-        checks.append(Check(f"output {name}", FAIL, problem, "lucifer-shard verify OUT"))
+        checks.append(_out(f"output {name}", FAIL, problem, "lucifer-shard verify OUT"))
     if mtp and "draft" not in m.roles:
-        checks.append(Check("output MTP draft", FAIL, "OUT has no draft/ (converted with --no-mtp)",
-                            "serve without --mtp, or convert again without --no-mtp"))
+        checks.append(_out("output MTP draft", FAIL, "OUT has no draft/ (converted with --no-mtp)",
+                           "serve without --mtp, or convert again without --no-mtp"))
     elif not mtp and "draft" in m.roles:
-        checks.append(Check("output MTP draft", INFO, "OUT/draft holds the MTP draft",
-                            "serve --mtp to use it for speculative decoding"))
+        checks.append(_out("output MTP draft", INFO, "OUT/draft holds the MTP draft",
+                           "serve --mtp to use it for speculative decoding"))
     if m.arch == "sm90" and m.expert_layout != "model":
-        checks.append(Check("output kernel-layout experts", FAIL, "sm90 kernel layout needs the SM90 c-full load "
-                            "path, which no vetted build has", "convert again with --expert-layout model"))
+        checks.append(_out("output kernel-layout experts", FAIL, "sm90 kernel layout needs the SM90 c-full load "
+                           "path, which no vetted build has", "convert again with --expert-layout model"))
     if verdicts is None:
         return checks
     plugin_vtp = all(verdicts[w].ok for w in compat.STOCK_WRAPPERS)
     if m.needs_virtual_tp() and not (verdicts[compat.POLICY].ok or plugin_vtp):
-        checks.append(Check("output needs virtual TP", FAIL, f"the plan pads tp {m.tp_size} but neither the fork's "
-                            f"policy wrapper nor the plugin's stock virtual TP is installed "
-                            f"({verdicts[compat.STOCK_CONFIG].reason})",
-                            f"pip install vllm=={STOCK.commit}, or serve on a vetted mlow/vllm build"))
+        checks.append(_out("output needs virtual TP", FAIL, f"the plan pads tp {m.tp_size} but neither the fork's "
+                           f"policy wrapper nor the plugin's stock virtual TP is installed "
+                           f"({verdicts[compat.STOCK_CONFIG].reason})",
+                           f"pip install vllm=={STOCK.commit}, or serve on a vetted mlow/vllm build"))
     if m.expert_layout != "model" and not verdicts[compat.RELAYOUT].ok:
-        checks.append(Check("output kernel-layout experts", FAIL, "the re-layout wrapper is not installed (only the "
-                            "mlow/vllm builds load experts in kernel layout)",
-                            "re-convert with --expert-layout model, or use a vetted fork build"))
+        checks.append(_out("output kernel-layout experts", FAIL, "the re-layout wrapper is not installed (only the "
+                           "mlow/vllm builds load experts in kernel layout)",
+                           "re-convert with --expert-layout model, or use a vetted fork build"))
     from . import patches
 
     arch, cap = patches.device_arch()
-    if arch is not None and arch != m.arch and m.expert_layout != "model":
-        checks.append(Check("output arch", FAIL, f"files laid out for {m.arch}, this GPU is {cap} ({arch})",
-                            f"re-convert with --arch {arch}"))
-    if arch is not None and arch != m.arch and m.expert_layout == "model" and not verdicts[compat.POLICY].ok:
-        attn, moe = serve_backends(m.arch)
-        checks.append(Check("output arch", WARN, f"converted for {m.arch} (serve picks --attention-backend {attn} "
-                            f"--moe-backend {moe}), this GPU is {cap} ({arch})",
-                            f"re-convert with --arch {arch} so serve picks this GPU's backends"))
+    if arch is not None:
+        checks.extend(_arch_checks(m, arch, cap, verdicts[compat.POLICY].ok))
     if mtp and "draft" in m.roles and build is not None and not build.draft_virtual_tp and m.needs_virtual_tp():
-        checks.append(Check("output MTP draft", FAIL, f"build {build.commit} does not apply virtual TP to the draft "
-                            f"model", "serve without --mtp on this build, or use a build whose MTP draft column "
-                            "says yes (below)"))
+        checks.append(_out("output MTP draft", FAIL, f"build {build.commit} does not apply virtual TP to the draft "
+                           f"model", "serve without --mtp on this build, or use a build whose MTP draft column "
+                           "says yes (below)"))
     return checks
+
+
+def _arch_checks(m, arch: str, cap: str, fork: bool) -> list[Check]:
+    """OUT's arch against this GPU's family `arch` (capability `cap`)."""
+    if m.arch is None:  # model layout for any family: serve picks this GPU's backends
+        backends = serve_backends(None)
+        picks = f"serve picks --attention-backend {backends[0]} --moe-backend {backends[1]}" if backends else \
+            "no backends are known for this GPU family"
+        return [_out("output arch", INFO, f"any GPU family (converted without --arch); this GPU is {cap} ({arch}): "
+                     f"{picks}")]
+    if arch == m.arch:
+        return []
+    if m.expert_layout != "model":
+        return [_out("output arch", FAIL, f"files laid out for {m.arch}, this GPU is {cap} ({arch})",
+                     f"re-convert with --arch {arch}")]
+    if fork:  # a fork build serves the Lucifer pair whatever the arch
+        return []
+    attn, moe = serve_backends(m.arch)
+    return [_out("output arch", WARN, f"converted for {m.arch} (serve picks --attention-backend {attn} "
+                 f"--moe-backend {moe}), this GPU is {cap} ({arch})",
+                 f"re-convert with --arch {arch} (or without --arch) so serve picks this GPU's backends")]
 
 
 # ------------------------------------------------------------------------------- the guide
@@ -359,8 +393,25 @@ def builds() -> list[dict]:
     """The vetted builds: name, where from, FlashInfer pin, and what lucifer_tp3 can load on each."""
     return [{"commit": b.commit, "label": b.label, "stock": b.stock,
              "repository": None if b.stock else compat.REPOSITORY, "branches": list(b.branches),
-             "install": b.install, "flashinfer": b.flashinfer, "wrappers": list(b.wrappers), "serves": b.serves()}
+             "install": b.install, "flashinfer": b.flashinfer, "wrappers": list(b.wrappers), "serves": b.serves(),
+             "image": b.image}
             for b in compat.SUPPORTED_BUILDS]
+
+
+def routes() -> list[tuple[str, str]]:
+    """Where a vLLM that serves lucifer-shard outputs comes from, in the order to take them: (route, how).
+    The README's "Where to get a server" says the same, line for line (a test compares them)."""
+    image = compat.AUDIT_IMAGE
+    return [
+        (f"stock vLLM {STOCK.commit}, the route to take",
+         f"pip install vllm=={STOCK.commit}, then lucifer-shard into it with pip install --no-deps (make wheel); "
+         f"the plugin supplies virtual TP, so TP3 serves from outputs converted with --expert-layout model"),
+        (f"the audit's image (vLLM line {image['vllm']})",
+         f"{image['tag']}, image ID {image['id']}; private to its owner: it cannot be pulled"),
+        ("a fork build",
+         f"from source only: git clone {compat.REPOSITORY} && git -C vllm checkout <commit> && pip install -e vllm "
+         f"(the CUDA toolchain of vLLM's build-from-source guide); it loads kernel-layout experts too"),
+    ]
 
 
 def guide_lines() -> list[str]:
@@ -372,22 +423,18 @@ def guide_lines() -> list[str]:
         where = b.install if b.stock else f"{compat.REPOSITORY} ({', '.join(b.branches)})"
         cells = "  ".join(f"{'yes' if ok else 'no':<{len(c)}}" for c, ok in b.serves().items())
         lines.append(f"  {b.commit:<10} {b.flashinfer:<11} {cells}  {where}")
-    return lines + [
-        f"stock vLLM (the route to take): pip install vllm=={STOCK.commit}; the plugin supplies virtual TP for TP3",
-        "  outputs converted with --expert-layout model (kernel-layout experts need a fork build).",
-        f"the fork builds: git clone {compat.REPOSITORY} && git -C vllm checkout <commit> && pip install -e vllm",
-        "  (CUDA toolchain, vLLM's 'build from source' guide; the audited image of 45c1582e9 is private).",
-        "put lucifer-shard into that environment (it is on no package index):",
-        f"  here:     make wheel                      (writes dist/{WHEEL})",
-        f"  there:    pip install --no-deps {WHEEL}   (or: pip install --no-deps /path/to/lucifer-shard)",
-        "  vLLM already brings every dependency (torch, safetensors, numpy, huggingface_hub, tqdm, blake3,",
-        "  click); `pip check` confirms. Then: lucifer-shard doctor OUT; lucifer-shard serve OUT --dry-run",
-    ]
+    return lines + ["where to get a server:", *(f"  {i}. {route}: {how}" for i, (route, how) in enumerate(routes(), 1)),
+                    "put lucifer-shard into that environment (it is on no package index):",
+                    f"  here:     make wheel                      (writes dist/{WHEEL})",
+                    f"  there:    pip install --no-deps {WHEEL}   (or: pip install --no-deps /path/to/lucifer-shard)",
+                    "  vLLM already brings every dependency (torch, safetensors, numpy, huggingface_hub, tqdm, blake3,",
+                    "  click); `pip check` confirms. Then: lucifer-shard doctor OUT; lucifer-shard serve OUT --dry-run"]
 
 
 # ---------------------------------------------------------------------------------- serve
 
 SERVE_FLAGS = ("--tensor-parallel-size", "--load-format", "--attention-backend", "--moe-backend")
+SHORT_FLAGS = {"-tp": "--tensor-parallel-size"}  # vLLM's short spellings of the flags serve sets
 SPECULATIVE_FLAG = "--speculative-config"
 
 
@@ -399,38 +446,86 @@ def speculative_config(tokens: int) -> str:
     return json.dumps({"method": "mtp", "num_speculative_tokens": tokens}, separators=(",", ":"))
 
 
-def serve_backends(arch: str | None) -> tuple[str, str]:
+def serve_backends(arch: str | None) -> tuple[str, str] | None:
     """(attention backend, MoE backend) `serve` passes for an output converted for `arch`: the Lucifer
     tuple on a fork build (its policy accepts nothing else); on stock vLLM what it runs on that GPU
-    family (`stock_vtp.STOCK_BACKENDS`), also where vLLM cannot be inspected (the conversion box)."""
+    family (`stock_vtp.STOCK_BACKENDS`), also where vLLM cannot be inspected (the conversion box). For
+    an output converted without --arch (None), this GPU's family's; None where no GPU says which (the
+    serving host chooses)."""
     if vllm_identity()[0] is not None:
         try:
             if _wrapper_verdicts()[compat.POLICY].ok:
                 return ATTENTION_BACKEND, MOE_BACKEND
         except Exception:  # noqa: BLE001 - a broken vLLM: the doctor's checks say why
             pass
-    return stock_vtp.STOCK_BACKENDS.get(arch or "", stock_vtp.STOCK_BACKENDS["sm120"])
+    if arch is None:
+        from . import patches
+
+        arch = patches.device_arch()[0]
+    return stock_vtp.STOCK_BACKENDS.get(arch) if arch else None
+
+
+def backends_remark() -> str:
+    """What the dry run says when it cannot know the serving GPU (an output converted without --arch)."""
+    table = "; ".join(f"{', '.join(a for a, b in stock_vtp.STOCK_BACKENDS.items() if b == pair)}: {' + '.join(pair)}"
+                      for pair in dict.fromkeys(stock_vtp.STOCK_BACKENDS.values()))
+    return (f"backends: OUT was converted without --arch (any GPU family) and no GPU is visible here, so the command "
+            f"leaves --attention-backend and --moe-backend to vLLM; serve on a GPU host adds its family's ({table})")
 
 
 def serve_argv(out_dir: str | Path, tp: int | None, extra_args: list[str] | tuple[str, ...] = (),
                mtp_tokens: int | None = None, vllm: str = "vllm",
-               backends: tuple[str, str] = (ATTENTION_BACKEND, MOE_BACKEND)) -> list[str]:
+               backends: tuple[str, str] | None = (ATTENTION_BACKEND, MOE_BACKEND)) -> list[str]:
     """The `vllm serve` command for OUT (`tp` from its manifest; None writes a placeholder) with the
-    given backends (`serve_backends`). Raises ShimError when the extra arguments set a flag
-    lucifer-shard sets."""
+    given backends (`serve_backends`; None leaves them to vLLM). Raises ShimError when the extra
+    arguments set a flag lucifer-shard sets, or one the plugin refuses at load (`settings.REQUIRED`,
+    the loader's --model-loader-extra-config)."""
     extra = list(extra_args)
     owned = {flag: "lucifer-shard serve sets it from the manifest" for flag in SERVE_FLAGS}
     if mtp_tokens:
         owned[SPECULATIVE_FLAG] = "--mtp sets it"
+    given = {SHORT_FLAGS.get(flag, flag) for flag, _ in map(settings.spelling, extra)}
     for flag, why in owned.items():
-        short = {"--tensor-parallel-size": "-tp"}.get(flag)
-        if any(a == flag or a.startswith(flag + "=") or (short and a == short) for a in extra):
+        if flag in given:
             raise ShimError(f"{flag} is in the vLLM arguments but {why}; remove it from them")
+    refused = settings.argument_problems(extra)
+    if refused:
+        raise ShimError(f"refused before vLLM starts, as the loader would refuse it at load: {'; '.join(refused)}")
     argv = [vllm, "serve", str(Path(out_dir)), "--tensor-parallel-size", str(tp) if tp else "<TP of OUT>",
-            "--load-format", LOAD_FORMAT, "--attention-backend", backends[0], "--moe-backend", backends[1]]
+            "--load-format", LOAD_FORMAT]
+    if backends is not None:
+        argv += ["--attention-backend", backends[0], "--moe-backend", backends[1]]
     if mtp_tokens:
         argv += [SPECULATIVE_FLAG, speculative_config(mtp_tokens)]
     return argv + extra
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """serve's reading of the doctor's checks. On a machine without vLLM (the conversion box) the
+    environment cannot be checked: only the output's failures count for the dry run there."""
+
+    failed: tuple[Check, ...]  # the output's first, then the environment's
+    environment_checked: bool
+
+    @property
+    def output_ok(self) -> bool:
+        return not any(c.scope == OUTPUT for c in self.failed)
+
+    @property
+    def dry_run_ok(self) -> bool:
+        return self.output_ok and (not self.failed or not self.environment_checked)
+
+    def note(self) -> str | None:
+        if self.environment_checked:
+            return None
+        return ("environment checks skipped: vLLM is not installed here, so vLLM, the plugin and the GPU were not "
+                "checked; run lucifer-shard doctor OUT (or this dry run) again on the serving host")
+
+
+def preflight(checks: list[Check]) -> Preflight:
+    failed = sorted((c for c in checks if c.status == FAIL), key=lambda c: c.scope != OUTPUT)
+    return Preflight(tuple(failed), vllm_identity()[0] is not None)
 
 
 def exec_vllm(argv: list[str]) -> None:

@@ -20,7 +20,7 @@ from lucifer_shard.spec.layouts import EXPERT_TENSORS
 from lucifer_shard.spec.manifest import file_digest, file_metadata
 from lucifer_shard.spec.stheader import Header
 
-from . import compat, patches, reader
+from . import compat, patches, reader, settings
 from .configview import backend_name
 from .errors import ShimError, ShimRuntimeError
 from .manifest import (
@@ -36,15 +36,8 @@ from .manifest import (
 
 logger = logging.getLogger("lucifer_shard.runtime_shim")
 
-EXTRA_CONFIG_KEYS = {
-    # What is checked beyond the key set, every tensor's dtype and shape (file header = manifest =
-    # parameter) and its bytes lying inside its file, which every mode checks. none: nothing more, the
-    # files are trusted to be the manifest's. headers: the manifest's self-digest, each file's size
-    # and identity stamp (conversion id, role, rank, TP size). full: also the BLAKE3 of every tensor
-    # and file, computed while reading, and every zero region.
-    "verify": ("none", "headers", "full"),
-    "role": ("auto", "target", "draft"),
-}
+# the --model-loader-extra-config keys and values the loader accepts: `settings.LOADER_OPTIONS`
+EXTRA_CONFIG_KEYS = settings.LOADER_OPTIONS
 TARGET_CLASSES = (ARCHITECTURE,)
 DRAFT_CLASSES = ("DeepSeekV4MTP",)
 # Post-load hooks `model.load_weights` runs after copying (vllm-runtime.md §3.2.4); replayed in order.
@@ -85,27 +78,12 @@ def _few(names, n=5) -> str:
     return ", ".join(names[:n]) + more
 
 
-def parse_extra_config(extra) -> dict:
-    extra = dict(extra or {})
-    unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
-    if unknown:
-        raise ShimError(f"unknown --model-loader-extra-config key(s) {', '.join(map(repr, unknown))}; lucifer_tp3 "
-                        f"accepts {', '.join(sorted(EXTRA_CONFIG_KEYS))}")
-    out = {"verify": "headers", "role": "auto"}
-    for k, v in extra.items():
-        if v not in EXTRA_CONFIG_KEYS[k]:
-            raise ShimError(f"--model-loader-extra-config {k}={v!r}; expected one of "
-                            f"{', '.join(map(repr, EXTRA_CONFIG_KEYS[k]))}")
-        out[k] = v
-    return out
-
-
 class LuciferTP3Loader(BaseModelLoader):
     """Loads lucifer-shard rank files: exact keys, shapes and dtypes; experts possibly in kernel layout."""
 
     def __init__(self, load_config):
         super().__init__(load_config)
-        self.options = parse_extra_config(getattr(load_config, "model_loader_extra_config", None))
+        self.options = settings.parse_extra_config(getattr(load_config, "model_loader_extra_config", None))
         self.tags: dict[str, patches.ExpertTag] = {}
         self.hooks_called: list[str] = []
         self.loaded: dict[str, str] = {}  # param name -> file it came from
@@ -121,7 +99,7 @@ class LuciferTP3Loader(BaseModelLoader):
         self._vllm_config = vllm_config
         self._role_hint = self._role_from_config(vllm_config, model_config)
         manifest = load_manifest(self._dir(model_config))
-        self._check_parallel_config(vllm_config.parallel_config, manifest)
+        self._check_parallel_config(vllm_config, manifest)
         if manifest.expert_layout != "model" and not patches.installed(compat.RELAYOUT):
             raise ShimError(f"{manifest.path} has routed experts in kernel layout ({manifest.moe_variant}), but the "
                             f"expert re-layout wrapper is not installed: {patches.why_not_installed(compat.RELAYOUT)}; "
@@ -209,13 +187,11 @@ class LuciferTP3Loader(BaseModelLoader):
                                 f"lucifer_tp3 files need {flag} 1")
         return tp, rank
 
-    def _check_parallel_config(self, pc, manifest: Manifest) -> None:
-        for attr, flag in patches.PARALLEL_SIZES:
-            v = int(getattr(pc, attr, 1) or 1)
-            if v != 1:
-                raise ShimError(f"{attr}={v}; lucifer_tp3 rank files are per TP rank only, start with {flag} 1")
-        if getattr(pc, "enable_expert_parallel", False):
-            raise ShimError("expert parallel is on; lucifer_tp3 files shard experts by TP, drop --enable-expert-parallel")
+    def _check_parallel_config(self, vllm_config, manifest: Manifest) -> None:
+        problems = settings.config_problems(vllm_config)
+        if problems:
+            raise ShimError("cannot load per-TP-rank files with " + "; ".join(problems))
+        pc = vllm_config.parallel_config
         if int(pc.tensor_parallel_size) != manifest.tp_size:
             raise _tp_mismatch(manifest, pc.tensor_parallel_size)
 

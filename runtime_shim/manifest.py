@@ -62,12 +62,17 @@ class Manifest:
         return self.doc["plan"]
 
     @property
-    def arch(self) -> str:
-        return str(self.doc.get("arch"))
+    def arch(self) -> str | None:
+        """The GPU family the files are laid out for; None (converted without --arch, experts in model
+        layout): any family, whose backends serve picks on the serving host."""
+        arch = self.doc.get("arch")
+        return None if arch is None else str(arch)
 
     @property
-    def moe_variant(self) -> str:
-        return str(self.doc.get("moe_variant"))
+    def moe_variant(self) -> str | None:
+        """The MoE kernel the experts are laid out for; None for model layout without an arch."""
+        variant = self.doc.get("moe_variant")
+        return None if variant is None else str(variant)
 
     @property
     def expert_layout(self) -> str:

@@ -27,7 +27,7 @@ from lucifer_shard.spec.layouts import EXPERT_TENSORS
 from lucifer_shard.spec.manifest import RUNTIME
 from lucifer_shard.spec.plan import arch_of_capability
 
-from . import compat, stock_vtp
+from . import compat, settings, stock_vtp
 from .configview import backend_name, model_problems, text_config
 from .errors import ShimError, ShimRuntimeError
 from .manifest import compare_plan, load_manifest, virtual_tp_needed
@@ -40,10 +40,6 @@ MOE_BACKEND = RUNTIME["moe_backend"]
 # hf config keys the fork's virtual TP overwrites with the padded size, keeping `original_<key>`
 VTP_PADDED_KEYS = ("num_attention_heads", "o_groups", "moe_intermediate_size")
 TAG_ATTR = "_lucifer_tp3_tag"
-# parallel sizes the per-TP-rank files require to be 1: (ParallelConfig attribute, vLLM flag)
-PARALLEL_SIZES = (("pipeline_parallel_size", "--pipeline-parallel-size"),
-                  ("data_parallel_size", "--data-parallel-size"),
-                  ("prefill_context_parallel_size", "--prefill-context-parallel-size"))
 
 # wrapper name -> WrapperVerdict of the last install attempt in this process
 VERDICTS: dict[str, compat.WrapperVerdict] = {}
@@ -113,17 +109,7 @@ def _model_problems(vllm_config) -> list[str]:
 def parallel_problems(vllm_config, manifest=None) -> list[str]:
     """Each way the parallel layout and features differ from what per-TP-rank files need (empty: fine)."""
     pc = vllm_config.parallel_config
-    problems = []
-    for k, _flag in PARALLEL_SIZES:
-        v = getattr(pc, k, 1)
-        if int(v) != 1:
-            problems.append(f"{k}={v} (rank files are per TP rank: use 1)")
-    if getattr(pc, "enable_expert_parallel", False):
-        problems.append("expert parallel on (drop --enable-expert-parallel)")
-    if getattr(pc, "enable_eplb", False):
-        problems.append("EPLB on (drop --enable-eplb)")
-    if getattr(vllm_config, "lora_config", None) is not None:
-        problems.append("LoRA on (not supported with lucifer_tp3)")
+    problems = settings.config_problems(vllm_config)
     if manifest is not None:
         tp = int(pc.tensor_parallel_size)
         if tp != manifest.tp_size:
@@ -137,7 +123,7 @@ def tuple_problems(vllm_config, manifest=None) -> list[str]:
     problems = _model_problems(vllm_config) + parallel_problems(vllm_config, manifest)
     if manifest is not None:
         arch, cap = device_arch()
-        if arch != manifest.arch:
+        if manifest.arch is not None and arch != manifest.arch:  # null: model layout, any GPU family
             problems.append(f"GPU capability {cap} (files were laid out for {manifest.arch}, {manifest.moe_variant}; "
                             f"re-convert with --arch {arch or '<this GPU>'})")
     return problems

@@ -4,6 +4,9 @@ the wheel for the serving image."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -17,6 +20,7 @@ from lucifer_shard import __version__
 from lucifer_shard.cli import cli
 from lucifer_shard.runtime_shim import compat, doctor
 from lucifer_shard.runtime_shim.doctor import FAIL, OK, Check
+from lucifer_shard.spec.manifest import MANIFEST_NAME, manifest_text
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = '{"method":"mtp","num_speculative_tokens":%d}'
@@ -26,9 +30,14 @@ def run(*args):
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
 
 
-def command_of(out: Path, *tail: str) -> str:
-    return (f"vllm serve {out} --tensor-parallel-size 3 --load-format lucifer_tp3 --attention-backend "
-            f"FLASHINFER_MLA_SPARSE_DSV4 --moe-backend flashinfer_cutlass" + "".join(" " + t for t in tail))
+def command_of(out: Path, *tail: str, backends: bool = True) -> str:
+    pair = " --attention-backend FLASHINFER_MLA_SPARSE_DSV4 --moe-backend flashinfer_cutlass" if backends else ""
+    return (f"vllm serve {out.resolve()} --tensor-parallel-size 3 --load-format lucifer_tp3{pair}"
+            + "".join(" " + t for t in tail))
+
+
+SKIPPED = ("environment checks skipped: vLLM is not installed here, so vLLM, the plugin and the GPU were not "
+           "checked; run lucifer-shard doctor OUT (or this dry run) again on the serving host")
 
 
 @pytest.fixture
@@ -37,14 +46,172 @@ def preflight_passes(monkeypatch):
     monkeypatch.setattr(doctor, "doctor_report", lambda out=None, mtp=False: [Check("vllm", OK, "vetted build")])
 
 
+def edited_copy(out: Path, dst: Path, edit) -> Path:
+    """OUT hard-linked into `dst`, its manifest replaced by `edit(manifest)` re-sealed (the self-digest
+    is public: anyone can recompute it, tests/test_hostile_inputs.py::reseal)."""
+    shutil.copytree(out, dst, copy_function=os.link)
+    doc = json.loads((dst / MANIFEST_NAME).read_text())
+    edit(doc)
+    (dst / MANIFEST_NAME).unlink()  # a new file: the hard link to OUT's manifest is left alone
+    (dst / MANIFEST_NAME).write_text(manifest_text({k: v for k, v in doc.items() if k != "manifest_digest"}))
+    return dst
+
+
+@pytest.fixture
+def any_arch(converted, tmp_path):
+    """A model-layout output as `convert` without --arch writes it: manifest "arch": null (any GPU family)."""
+    return edited_copy(converted(expert_layout="model"), tmp_path / "any",
+                       lambda doc: doc.update(arch=None, moe_variant=None))
+
+
 def test_options_go_anywhere_before_the_double_dash(converted):
     out = converted()
     r = run("serve", out, "--dry-run", "--", "--max-model-len", "4096", "--help")
-    assert r.exit_code == 1  # no vLLM here: the preflight fails, the command is still printed
+    assert r.exit_code == 0, r.output  # no vLLM here: only OUT's checks gate the dry run
     assert r.stdout.strip().splitlines()[-1] == command_of(out, "--max-model-len 4096 --help")
     assert "[FAIL] vllm: not installed in this environment" in r.stdout
-    assert r.stderr.startswith("error: serve: preflight failed (1 check(s)); first: [FAIL] vllm")
     assert run("serve", "--dry-run", out).stdout == r.stdout.replace(" --max-model-len 4096 --help", "")
+
+
+def test_dry_run_on_the_conversion_box_passes_on_the_output_alone(converted):
+    """Without vLLM the environment cannot be checked: the dry run says so, exits 0 for a good output,
+    and the real run still refuses to exec."""
+    out = converted(expert_layout="model")
+    r = run("serve", out, "--dry-run", "--mtp")
+    assert r.exit_code == 0 and r.stderr == "", r.output
+    lines = r.stdout.strip().splitlines()
+    assert lines[-2:] == [SKIPPED, command_of(out, f"--speculative-config '{SPEC % 1}'")]
+    doc = json.loads(run("serve", out, "--dry-run", "--json").stdout)
+    assert doc["ok"] and doc["error"] is None
+    res = doc["result"]
+    assert (res["preflight_ok"], res["output_ok"], res["environment_checked"], res["notes"]) == (False, True, False,
+                                                                                                 [SKIPPED])
+    r = run("serve", out)
+    assert r.exit_code == 1 and "error: serve: preflight failed (1 check(s)); first: [FAIL] vllm" in r.stderr
+    doc = json.loads(run("serve", out, "--dry-run", "--mtp", "--json").stdout)
+    assert doc["ok"] and doc["result"]["command"] == command_of(out, f"--speculative-config '{SPEC % 1}'")
+
+
+def test_output_failures_come_before_the_environments(converted, tmp_path):
+    out = converted(expert_layout="model")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged, copy_function=os.link)
+    config = json.loads((damaged / "config.json").read_text())
+    (damaged / "config.json").unlink()
+    (damaged / "config.json").write_text(json.dumps({**config, "rope_theta": 1.0}))
+    for args in (["serve", damaged, "--dry-run"], ["doctor", damaged]):
+        r = run(*args)
+        assert r.exit_code == 1, r.output
+        report = [line for line in r.stdout.splitlines() if line.startswith("[")]
+        scopes = [line.startswith(("[  ok] output", "[FAIL] output", "[info] output")) for line in report]
+        assert scopes == sorted(scopes, reverse=True) and scopes[0], report  # every output check first
+        assert "first: [FAIL] output config.json: " in r.stderr, r.stderr
+    doc = json.loads(run("serve", damaged, "--dry-run", "--json").stdout)
+    assert doc["error"]["kind"] == "preflight_failed" and not doc["result"]["output_ok"]
+    assert [c["scope"] for c in doc["result"]["checks"]][:2] == ["output", "output"]
+
+
+def test_the_command_names_out_by_its_absolute_path(converted, monkeypatch):
+    out = converted()
+    monkeypatch.chdir(out.parent.parent)
+    relative = Path(out.parent.name) / "." / out.name
+    r = run("serve", relative, "--dry-run")
+    assert r.stdout.strip().splitlines()[-1] == command_of(out)
+    assert json.loads(run("serve", relative, "--dry-run", "--json").stdout)["result"]["argv"][2] == str(out.resolve())
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["-pp", "2"], "pipeline_parallel_size=2 (rank files are per TP rank: start with --pipeline-parallel-size 1)"),
+    (["--pipeline-parallel-size=2"], "pipeline_parallel_size=2"),
+    (["--pipeline_parallel_size", "3"], "pipeline_parallel_size=3"),
+    (["--data-parallel-size", "2"], "data_parallel_size=2"),
+    (["-dp=2"], "data_parallel_size=2"),
+    (["-pcp", "2"], "prefill_context_parallel_size=2"),
+    (["--enable-expert-parallel"], "expert parallel on (the files shard the experts by TP: drop --enable-expert-parallel)"),
+    (["--disable-expert-parallel", "-ep"], "expert parallel on"),
+    (["--enable-eplb"], "EPLB on"),
+    (["--enable_lora"], "LoRA on"),
+    (["--model-loader-extra-config", '{"pattern": 1}'],
+     "unknown --model-loader-extra-config key(s) 'pattern'; lucifer_tp3 accepts role, verify"),
+    (["--model-loader-extra-config=[1]"], "--model-loader-extra-config [1] is not a JSON object"),
+    (["--model-loader-extra-config", "verify=full"], "is not a JSON object"),
+    (["--model-loader-extra-config", '{"verify": "sometimes"}'],
+     "verify='sometimes'; expected one of 'none', 'headers', 'full'"),
+    (["--model-loader-extra-config.role", "both"], "role='both'; expected one of 'auto', 'target', 'draft'"),
+    (["--model-loader-extra-config", '{"verify": "full"}', "--model-loader-extra-config.x", "1"], "key(s) 'x'"),
+])
+def test_vllm_arguments_the_plugin_refuses_at_load_are_refused_before(converted, args, needle):
+    """The same table as the load-time checks (runtime_shim.settings), in each spelling vLLM's parser takes."""
+    for mode in (["--dry-run"], []):
+        r = run("serve", converted(), *mode, "--", "--max-model-len", "4096", *args)
+        assert r.exit_code == 2 and r.stderr.startswith("error: lucifer_tp3: refused before vLLM starts"), r.output
+        assert needle in r.stderr and r.stdout == "", r.output
+
+
+@pytest.mark.parametrize("args", [
+    ["-pp", "1"], ["--data-parallel-size=1"], ["--no-enable-expert-parallel"],
+    ["--enable-expert-parallel", "--disable-expert-parallel"], ["--enable-lora", "--no-enable-lora"],
+    ["--model-loader-extra-config", '{"verify": "full", "role": "auto"}'],
+    ["--model-loader-extra-config.verify", "none"], ["--served-model-name", "-pp"],
+])
+def test_vllm_arguments_the_plugin_accepts_pass(converted, args):
+    r = run("serve", converted(), "--dry-run", "--json", "--", *args)
+    assert r.exit_code == 0 and json.loads(r.stdout)["result"]["argv"][-len(args):] == args, r.output
+
+
+def test_the_refusals_are_the_loaders_table():
+    """One table: serve reads the loader's keys and the load-time settings, it has no list of its own."""
+    from lucifer_shard.runtime_shim import settings
+
+    assert settings.argument_problems(["--model-loader-extra-config", json.dumps(
+        {k: v[-1] for k, v in settings.LOADER_OPTIONS.items()})]) == []
+    for r in settings.REQUIRED:
+        on = [r.flags[-1]] if r.switch else [r.flags[-1], "2"]
+        (problem,) = settings.argument_problems(on)
+        assert problem == r.problem(True if r.switch else "2")
+
+
+@pytest.mark.parametrize("command", ["doctor", "serve"])
+def test_a_missing_out_is_an_output_error(tmp_path, command):
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "nothing", tmp_path / "file"):
+        r = run(command, out, *(["--dry-run"] if command == "serve" else []))
+        assert r.exit_code == 2 and r.stderr == f"error: {out}: no such output directory\n", r.output
+        doc = json.loads(run(command, out, "--json", *(["--dry-run"] if command == "serve" else [])).stdout)
+        assert doc["error"] == {"kind": "output", "message": f"{out}: no such output directory", "exit_code": 2}
+
+
+def test_an_output_for_any_arch_gets_the_serving_gpus_backends(any_arch, monkeypatch):
+    """manifest "arch": null (convert without --arch, experts in model layout): serve takes the backends of
+    the GPU it finds (stock_vtp.STOCK_BACKENDS); without one the command leaves them to vLLM, and says so."""
+    from lucifer_shard.runtime_shim import patches, stock_vtp
+
+    r = run("doctor", any_arch)
+    assert "tp 3, arch any (converted without --arch), experts model layout" in r.stdout, r.output
+    r = run("serve", any_arch, "--dry-run")
+    assert r.exit_code == 0, r.output
+    skip_note, backends_note, line = r.stdout.strip().splitlines()[-3:]
+    assert line == command_of(any_arch, backends=False)
+    assert skip_note == SKIPPED and backends_note == doctor.backends_remark()
+    assert "no GPU is visible here" in backends_note and "sm90: FLASHMLA_SPARSE_DSV4 + marlin" in backends_note
+    assert "sm120, sm100: FLASHINFER_MLA_SPARSE_DSV4 + flashinfer_cutlass" in backends_note
+    assert json.loads(run("serve", any_arch, "--dry-run", "--json").stdout)["result"]["notes"] == [SKIPPED,
+                                                                                               backends_note]
+    for arch in ("sm90", "sm100", "sm120"):
+        monkeypatch.setattr(patches, "device_arch", lambda a=arch: (a, "x.y"))
+        r = run("serve", any_arch, "--dry-run")
+        attn, moe = stock_vtp.STOCK_BACKENDS[arch]
+        assert r.stdout.strip().splitlines()[-1] == command_of(any_arch).replace(
+            "FLASHINFER_MLA_SPARSE_DSV4 --moe-backend flashinfer_cutlass", f"{attn} --moe-backend {moe}"), arch
+        assert "backends:" not in r.stdout
+
+
+def test_arch_null_with_kernel_layout_experts_is_refused(converted, tmp_path):
+    """Kernel-layout experts are one GPU family's: a null arch there is an edited manifest."""
+    out = edited_copy(converted(), tmp_path / "edited", lambda doc: doc.update(arch=None))
+    r = run("serve", out, "--dry-run")
+    assert r.exit_code == 1 and "[FAIL] output: lucifer_tp3: " in r.stdout
+    assert "arch is null (any GPU family) but the experts are in kernel layout" in r.stdout
 
 
 def test_help_is_help_wherever_it_is(converted):
@@ -115,7 +282,7 @@ def test_doctor_without_vllm_says_which_build_and_how_to_install(converted):
     assert r.exit_code == 1
     text = r.stdout
     assert "[  ok] lucifer-shard dependencies: all present" in text
-    assert "[FAIL] vllm: not installed in this environment" in text and "-> run doctor inside the serving image" in text
+    assert "[FAIL] vllm: not installed in this environment" in text and "-> run doctor inside the serving environment" in text
     assert "vetted vLLM builds for lucifer_tp3:" in text and "pip install vllm==0.33.0" in text
     cols = list(compat.SUPPORTED_BUILDS[0].serves())
     for b in compat.SUPPORTED_BUILDS:
@@ -153,3 +320,23 @@ def test_no_serve_extra_and_the_wheel_carries_the_plugin(tmp_path):
         entry = z.read(f"lucifer_shard-{__version__}.dist-info/entry_points.txt").decode()
     assert {"lucifer_shard/runtime_shim/loader.py", "lucifer_shard/configs/deepseek-v4-flash.json"} <= names
     assert "lucifer_tp3 = lucifer_shard.runtime_shim:register" in entry and "lucifer-shard = lucifer_shard.cli:main" in entry
+
+
+def test_where_to_get_a_server_is_one_table_in_doctor_and_readme():
+    """The README's "Where to get a server" and doctor's guide say the same routes, in the same order, from
+    doctor.routes(); the audit's image is named by tag and ID, the stock route comes first."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### Where to get a server", 1)[1].split("\n### ", 1)[0]
+    items = [" ".join(item.replace("`", "").split()) for item in re.split(r"\n\d\. ", section)[1:]]
+    expected = [f"{route}: {how}" for route, how in doctor.routes()]
+    assert items == expected
+    guide = run("doctor").stdout
+    assert [f"  {i}. {line}" for i, line in enumerate(expected, 1)] == [
+        line for line in guide.splitlines() if re.match(r"  \d\. ", line)]
+    assert expected[0].startswith("stock vLLM 0.33.0, the route to take: pip install vllm==0.33.0")
+    image = compat.AUDIT_IMAGE
+    assert image["tag"] in expected[1] and image["id"] in expected[1] and "cannot be pulled" in expected[1]
+    assert readme.index("### Where to get a server") < readme.index("### From a checkpoint to a running server")
+    doc = json.loads(run("doctor", "--json").stdout)["result"]
+    assert [r["route"] for r in doc["routes"]] == [r for r, _ in doctor.routes()]
+    assert [b["image"] for b in doc["builds"] if b["image"]] == [image]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import CheckFailed, PreflightFailed, UsageRefused
+from ..errors import CheckFailed, OutputError, PreflightFailed, UsageRefused
 from .console import Console, conventions
 
 SERVE_EXAMPLE = "lucifer-shard serve OUT [OPTIONS] -- --max-model-len 65536"
@@ -41,6 +41,13 @@ def _failed(checks) -> list:
     return [c for c in checks if c.status == FAIL]
 
 
+def _output_dir(out: Path) -> Path:
+    """OUT as an absolute path (vLLM gets it so); OutputError, like every command, when it is no directory."""
+    if not out.is_dir():
+        raise OutputError(f"{out}: no such output directory")
+    return out.resolve()
+
+
 @click.command("doctor")
 @click.argument("out", required=False, type=click.Path(path_type=Path))
 @click.option("--mtp", is_flag=True, help="Also check that OUT can be served with its MTP draft (serve --mtp).")
@@ -48,18 +55,19 @@ def _failed(checks) -> list:
 def doctor(out: Path | None, mtp: bool) -> None:
     """Check this environment for serving lucifer-shard outputs (and OUT, if given) with vLLM.
 
-    Prints each check with its fix: lucifer-shard's install and dependencies, the vLLM version and
-    commit, each symbol the shim needs with its source hash, virtual-TP support, the plugin
-    registration, the GPU and, given OUT, its TP size, arch, layout and roles. Then which vLLM
-    builds serve which outputs (--arch, expert layout, MTP draft), where they come from, and how
-    to put lucifer-shard into that image. Runs with or without vLLM. Exit 1 if a check fails.
+    Prints each check with its fix: given OUT, its TP size, arch, layout and roles first; then
+    lucifer-shard's install and dependencies, the vLLM version and commit, each symbol the shim
+    needs with its source hash, virtual-TP support, the plugin registration and the GPU. Then which
+    vLLM builds serve which outputs (--arch, expert layout, MTP draft), where to get one, and how to
+    put lucifer-shard into it. Runs with or without vLLM. Exit 1 if a check fails.
     """
-    from ..runtime_shim.doctor import builds, doctor_report, format_report, guide_lines
+    from ..runtime_shim.doctor import builds, doctor_report, format_report, guide_lines, routes
 
     if mtp and out is None:
         raise UsageRefused("--mtp checks an output's MTP draft: pass OUT")
-    checks = doctor_report(out, mtp)
-    Console.of().emit({"checks": [c.to_dict() for c in checks], "builds": builds()},
+    checks = doctor_report(None if out is None else _output_dir(out), mtp)
+    Console.of().emit({"checks": [c.to_dict() for c in checks], "builds": builds(),
+                       "routes": [{"route": r, "how": h} for r, h in routes()]},
                       [format_report(checks), "", *guide_lines()])
     failed = _failed(checks)
     if failed:
@@ -67,10 +75,11 @@ def doctor(out: Path | None, mtp: bool) -> None:
 
 
 @click.command("serve", cls=ServeCommand)
-@click.argument("out", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("out", type=click.Path(path_type=Path))
 @click.option("--dry-run", is_flag=True,
-              help="Print the preflight report and the exact vllm command, run nothing; exit 0 only if the "
-                   "preflight passes (it runs without vLLM too: the command is then for the serving image).")
+              help="Print the preflight report and the exact vllm command, run nothing. Exit 0 when the "
+                   "preflight passes, and on a machine without vLLM (the conversion box) when OUT's own checks "
+                   "pass: the environment's are then skipped, to be run on the serving host.")
 @click.option("--mtp", is_flag=True,
               help="Serve with the MTP draft in OUT/draft (speculative decoding): adds --speculative-config "
                    "'{\"method\":\"mtp\",\"num_speculative_tokens\":K}'.")
@@ -82,18 +91,23 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
 
     \b
     The command is
-      vllm serve OUT --tensor-parallel-size <from the manifest> --load-format lucifer_tp3
+      vllm serve /abs/OUT --tensor-parallel-size <from the manifest> --load-format lucifer_tp3
         --attention-backend A --moe-backend M
         [--speculative-config '{"method":"mtp","num_speculative_tokens":K}'  with --mtp]
         [VLLM_ARGS: everything after `--`]
     with A, M for the output's --arch on stock vLLM (virtual TP supplied by the plugin):
       sm120, sm100: FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass
       sm90:         FLASHMLA_SPARSE_DSV4, marlin
-    and FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass on a vetted mlow/vllm build.
+    for an output converted without --arch, those of the serving host's GPU (left out where no GPU
+    is visible); FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass on a vetted mlow/vllm build.
+    VLLM_ARGS the plugin refuses at load are refused here, before vLLM starts: a pipeline, data or
+    prefill-context parallel size above 1, --enable-expert-parallel, --enable-eplb, --enable-lora,
+    a --model-loader-extra-config that is not an object of the loader's keys (verify, role).
     e.g. lucifer-shard serve out/ --mtp -- --max-model-len 65536 --port 8000
     The preflight is `lucifer-shard doctor OUT`; a failed check stops serve with exit 1.
     """
-    from ..runtime_shim.doctor import doctor_report, exec_vllm, format_report, serve_argv, serve_backends
+    from ..runtime_shim.doctor import (backends_remark, doctor_report, exec_vllm, format_report, preflight,
+                                       serve_argv, serve_backends)
     from ..runtime_shim.errors import ShimError
     from ..runtime_shim.manifest import load_manifest
 
@@ -102,27 +116,33 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
         raise UsageRefused("--mtp-tokens applies only with --mtp")
     if con.json and not dry_run:
         raise UsageRefused("--json applies only with --dry-run (serve otherwise becomes vLLM)")
+    out = _output_dir(out)
     try:
         manifest = load_manifest(out)
-        tp, arch = manifest.tp_size, manifest.arch
+        tp, arch, readable = manifest.tp_size, manifest.arch, True
     except ShimError:
-        tp, arch = None, None  # the preflight's output check says why
+        tp, arch, readable = None, None, False  # the preflight's output check says why
+    backends = serve_backends(arch)
     try:
-        argv = serve_argv(out, tp, vllm_args, (mtp_tokens or 1) if mtp else None, backends=serve_backends(arch))
+        argv = serve_argv(out, tp, vllm_args, (mtp_tokens or 1) if mtp else None, backends=backends)
     except ShimError as e:
         raise UsageRefused(str(e)) from None
     checks = doctor_report(out, mtp)
-    failed = _failed(checks)
+    verdict = preflight(checks)
+    notes = [n for n in (verdict.note(), backends_remark() if backends is None and readable else None) if n]
     line = shlex.join(argv)
     if dry_run:
-        con.emit({"preflight_ok": not failed, "checks": [c.to_dict() for c in checks], "argv": argv,
-                  "command": line}, [format_report(checks), "", line])
-    elif failed:
-        click.echo("\n".join(str(c) for c in failed), err=True)
+        con.emit({"preflight_ok": not verdict.failed, "output_ok": verdict.output_ok,
+                  "environment_checked": verdict.environment_checked, "notes": notes,
+                  "checks": [c.to_dict() for c in checks], "argv": argv, "command": line},
+                 [format_report(checks), "", *notes, line])
+    elif verdict.failed:
+        click.echo("\n".join(str(c) for c in verdict.failed), err=True)
     else:
-        con.note(f"preflight passed ({len(checks)} checks); exec {line}")
-    if failed:
-        raise PreflightFailed(f"serve: preflight failed ({len(failed)} check(s)); first: {failed[0]}; "
-                            f"lucifer-shard doctor OUT shows every check")
+        con.note("; ".join([f"preflight passed ({len(checks)} checks)", *notes, f"exec {line}"]))
+    if verdict.failed and not (dry_run and verdict.dry_run_ok):
+        first = verdict.failed[0]
+        raise PreflightFailed(f"serve: preflight failed ({len(verdict.failed)} check(s)); first: {first}; "
+                              f"lucifer-shard doctor OUT shows every check")
     if not dry_run:
         exec_vllm(argv)

@@ -157,3 +157,111 @@ def test_the_mtp_draft_comes_from_out_with_the_targets_loader(out_kernel, shim, 
     assert (spec.method, draft.model, draft.architectures, draft.hf_config.n_predict) == (
         "mtp", str(out_kernel), ["DeepSeekV4MTPModel"], 1)
     assert spec.draft_load_config is None
+
+
+# ------------------------------------------------------------- what serve refuses before vLLM starts
+
+REFUSED_FORMS = [
+    ["-pp", "2"], ["--pipeline-parallel-size=2"], ["--pipeline_parallel_size", "2"], ["-dp", "2"],
+    ["--data-parallel-size=3"], ["-pcp", "2"], ["--enable-expert-parallel"], ["-ep"],
+    ["--disable-expert-parallel", "--enable-expert-parallel"], ["--enable-eplb"], ["--enable-lora"],
+    ["--model-loader-extra-config", '{"pattern": 1}'], ["--model-loader-extra-config", '{"verify": "sometimes"}'],
+    ["--model-loader-extra-config.verify", "sometimes"], ["--model_loader_extra_config.role=both"],
+    ["--model-loader-extra-config", '{"verify": "full"}', "--model-loader-extra-config.x", "1"],
+]
+ACCEPTED_FORMS = [
+    [], ["-pp", "1"], ["--data-parallel-size=1"], ["--no-enable-expert-parallel"],
+    ["--enable-expert-parallel", "--disable-expert-parallel"], ["--enable-lora", "--no-enable-lora"],
+    ["--model-loader-extra-config", '{"verify": "full", "role": "auto"}'], ["--model-loader-extra-config.verify", "none"],
+]
+
+
+def _vllm_reads(argv):
+    """What vLLM 0.33.0's own `vllm serve` parser makes of argv, as the load-time checks see it: the
+    settings' problems (runtime_shim.settings.config_problems) and the loader's verdict on its extra config."""
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from lucifer_shard.runtime_shim import settings
+
+    parser = FlexibleArgumentParser()
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    e = AsyncEngineArgs.from_cli_args(parser.parse_args(argv[1:]))
+    pc = SimpleNamespace(**{k: getattr(e, k) for k in ("pipeline_parallel_size", "data_parallel_size",
+                                                       "prefill_context_parallel_size", "enable_expert_parallel",
+                                                       "enable_eplb")})
+    problems = settings.config_problems(SimpleNamespace(parallel_config=pc,
+                                                        lora_config=object() if e.enable_lora else None))
+    extra = settings.extra_config_problem(e.model_loader_extra_config)
+    return problems + ([extra] if extra else [])
+
+
+@pytest.mark.parametrize("args", REFUSED_FORMS + ACCEPTED_FORMS)
+def test_serve_refuses_exactly_what_vllm_parses_into_a_refused_config(out_model, shim, cpu_platform, args):
+    """serve reads vLLM's arguments without vLLM (the conversion box); here vLLM's own parser reads the same
+    words, and the load-time checks find in its result exactly the problems serve found in the words."""
+    from lucifer_shard.runtime_shim import settings
+    from lucifer_shard.runtime_shim.doctor import serve_argv
+
+    argv = serve_argv(out_model, 3, ["--max-model-len", "4096"])
+    assert settings.argument_problems(args) == _vllm_reads(argv + args)
+    assert bool(settings.argument_problems(args)) == (args in REFUSED_FORMS)
+
+
+def _any_arch(out_model, tmp_path):
+    """out_model as `convert` without --arch writes it: manifest "arch": null (re-sealed)."""
+    import shim_fixtures as sf
+
+    from lucifer_shard.spec.manifest import MANIFEST_NAME, manifest_text
+
+    out = sf.link_copy(out_model, tmp_path / "any")
+    doc = {k: v for k, v in sf.manifest(out).items() if k != "manifest_digest"}
+    (out / MANIFEST_NAME).unlink()
+    (out / MANIFEST_NAME).write_text(manifest_text({**doc, "arch": None, "moe_variant": None}))
+    return out
+
+
+@pytest.mark.parametrize("arch,cap", [("sm90", "9.0"), ("sm100", "10.0"), ("sm120", "12.0"), (None, "none")])
+def test_an_output_for_any_arch_serves_with_this_gpus_backends(out_model, tmp_path, shim, monkeypatch, arch, cap):
+    from click.testing import CliRunner
+
+    from lucifer_shard.cli import cli
+    from lucifer_shard.runtime_shim import patches, stock_vtp
+    from lucifer_shard.runtime_shim.doctor import FAIL, INFO, backends_remark, doctor_report
+    from lucifer_shard.runtime_shim.manifest import load_manifest
+
+    out = _any_arch(out_model, tmp_path)
+    assert load_manifest(out).arch is None
+    monkeypatch.setattr(patches, "device_arch", lambda: (arch, cap))
+    c = _by_name(doctor_report(out))
+    assert "arch any (converted without --arch)" in c["output"].detail
+    assert not [x for x in c.values() if x.status == FAIL], [str(x) for x in c.values() if x.status == FAIL]
+    r = CliRunner().invoke(cli, ["serve", str(out), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    line = r.stdout.strip().splitlines()[-1]
+    if arch is None:
+        assert "output arch" not in c and "--attention-backend" not in line
+        assert r.stdout.strip().splitlines()[-2] == backends_remark()
+    else:
+        attn, moe = stock_vtp.STOCK_BACKENDS[arch]
+        assert c["output arch"].status == INFO and f"--attention-backend {attn} --moe-backend {moe}" in c["output arch"].detail
+        assert line.endswith(f"--load-format lucifer_tp3 --attention-backend {attn} --moe-backend {moe}")
+    # the fork's tuple check: no "files were laid out for" an arch the manifest does not name
+    assert not [p for p in patches.tuple_problems(_engine_like(out), load_manifest(out)) if "GPU capability" in p]
+
+
+def _engine_like(out):
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    import shim_fixtures as sf
+
+    pc = SimpleNamespace(tensor_parallel_size=3, pipeline_parallel_size=1, data_parallel_size=1,
+                         prefill_context_parallel_size=1, enable_expert_parallel=False, enable_eplb=False)
+    return SimpleNamespace(model_config=sf.model_config(out, plan=None), parallel_config=pc, lora_config=None,
+                           attention_config=SimpleNamespace(backend=AttentionBackendEnum["FLASHINFER_MLA_SPARSE_DSV4"]),
+                           kernel_config=SimpleNamespace(moe_backend="flashinfer_cutlass"))
