@@ -10,7 +10,7 @@ from ..errors import NoRoom, UsageRefused
 from ..spec.manifest import MAX_ALIGN, Options
 from ..spec.plan import ARCHES
 from .argorder import refuse_swapped
-from .console import Console, conventions, exit_code_lines
+from .console import Console, Group, conventions, exit_code_lines
 
 MAX_FILE_BYTES = 1 << 50
 TP = click.option("--tp", type=int, required=True, help="Tensor-parallel size, 1..8 (3 is the mission).")
@@ -73,8 +73,8 @@ def options_from(tp: int, arch: str | None, expert_layout: str, flashinfer_layou
                    align=align)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
-             epilog="\b\nExit codes (every command):\n" + "\n".join(exit_code_lines()))
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+             epilog="\b\nExit codes (every command; --json's error.kind in brackets):\n" + "\n".join(exit_code_lines()))
 @click.version_option(__version__, prog_name="lucifer-shard")
 def cli() -> None:
     """Shard DeepSeek-V4-Flash for tensor-parallel size 3 (or any 1..8) offline, and prove it.
