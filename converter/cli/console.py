@@ -57,7 +57,7 @@ QUIET: dict[str, tuple[str, tuple[str, ...]]] = {
     "check-numerics": ("nothing (the exit code is the answer)", ()),
     "synth": ("only the checkpoint's path", ("path",)),
     "doctor": ("nothing (the exit code is the answer)", ()),
-    "serve": ("with --dry-run only the vllm command line", ("command",)),
+    "serve": ("only the vllm command line (with --dry-run)", ("command",)),
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from importlib import resources
 from pathlib import Path
 from typing import Iterator
@@ -22,7 +23,9 @@ from ..guarded_io import Tree
 from ..spec.dtypes import TORCH_DTYPE
 from ..spec.config import ModelConfig, parse_config
 from ..spec.rules import DTYPE_SIZE, Source, expected_sources
-from ..units import byte_bar
+from ..units import byte_bar, size
+
+logger = logging.getLogger("lucifer_shard.synth")  # -v prints "lucifer_shard.synth: ..."
 
 PRESETS = {
     "tiny": "tiny.json",
@@ -151,8 +154,10 @@ def synth(preset: str, out: Path, layers: int | None = None, fill: str = "patter
         for src in group:
             tensors[src.key] = make_tensor(src, cfg, fill, seed)
             weight_map[src.key] = name
+            logger.debug("%s: %s %s", src.key, tensors[src.key].dtype, list(tensors[src.key].shape))
         tree.write_bytes(name, save(tensors, metadata={"format": "pt"}))
         bar.update(sum(t.numel() * t.element_size() for t in tensors.values()))
+        logger.info("%s: %d tensor(s), %s", name, len(tensors), size(sum(map(_nbytes, group))))
         del tensors
     bar.close()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

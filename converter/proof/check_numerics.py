@@ -22,6 +22,7 @@ CPU box.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,8 @@ from ..spec.source import Checkpoint, open_checkpoint, resolve_model
 from .numerics import (attn_output_reference, dequant_fp8_block, mlp_reference, moe_reference, moe_reference_streamed,
                        shared_expert_reference)
 from .outdir import Output
+
+logger = logging.getLogger("lucifer_shard.check_numerics")  # -v: one line per layer, -vv: per component
 
 ROUTED, SHARED, ATTN, VIRTUAL = "routed MoE", "shared expert", "output projection", "virtual heads"
 TOLERANCE = {ROUTED: 5e-3, SHARED: 1e-4, ATTN: 1e-4, VIRTUAL: 0.0}
@@ -371,7 +374,12 @@ def check_numerics(out: Path, model: str | None = None, layers: str | list[int] 
     for layer in tqdm(ids, desc="check-numerics", unit="layer", disable=not progress):
         inp = make_inputs(cfg.hidden_size, cfg.n_experts, cfg.top_k, heads, cfg.head_dim, tokens,
                           seed * 1_000_003 + layer)
-        report.results.extend(check_layer(ckpt, output, layer, inp))
+        results = check_layer(ckpt, output, layer, inp)
+        report.results.extend(results)
+        for r in results:
+            logger.debug("layer %d %s: %.3g (tolerance %.3g), max |diff| %.3g of max |ref| %.3g %s", layer,
+                         r.component, r.rel_fro, r.tol, r.max_abs, r.max_ref, r.detail)
+        logger.info("layer %d: %d of %d component(s) within tolerance", layer, sum(r.ok for r in results), len(results))
     ckpt.close()
     output.close()
     return report
