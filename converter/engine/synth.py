@@ -23,9 +23,7 @@ from ..guarded_io import Tree
 from ..spec.dtypes import TORCH_DTYPE
 from ..spec.config import ModelConfig, parse_config
 from ..spec.rules import DTYPE_SIZE, Source, expected_sources
-from ..units import byte_bar, size
-
-logger = logging.getLogger("lucifer_shard.synth")  # -v prints "lucifer_shard.synth: ..."
+from ..units import byte_bar
 
 PRESETS = {
     "tiny": "tiny.json",
@@ -58,6 +56,9 @@ def preset_config(preset: str, layers: int | None = None, mtp: bool = True) -> d
         raw["compress_ratios"] = raw["compress_ratios"][: raw["num_hidden_layers"]]
         raw["num_nextn_predict_layers"] = 0
     return raw
+
+
+logger = logging.getLogger("lucifer_shard.synth")  # -v prints "lucifer_shard.synth: ..."
 
 
 def _seed(seed: int, key: str) -> int:
@@ -157,7 +158,7 @@ def synth(preset: str, out: Path, layers: int | None = None, fill: str = "patter
             logger.debug("%s: %s %s", src.key, tensors[src.key].dtype, list(tensors[src.key].shape))
         tree.write_bytes(name, save(tensors, metadata={"format": "pt"}))
         bar.update(sum(t.numel() * t.element_size() for t in tensors.values()))
-        logger.info("%s: %d tensor(s), %s", name, len(tensors), size(sum(map(_nbytes, group))))
+        logger.info("%s: %d tensor(s), %d bytes", name, len(tensors), sum(map(_nbytes, group)))
         del tensors
     bar.close()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

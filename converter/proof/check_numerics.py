@@ -296,6 +296,10 @@ def evaluate(lw: LayerWeights, inp: Inputs) -> list[Result]:
         results.append(Result(layer, VIRTUAL, worst, float(o_virtual.float().abs().max()), worst, 0.0,
                               finite and worst == 0.0,
                               f"heads {lw.num_heads}..{lh * tp - 1}, groups {lw.num_heads // hpg}..{lh * tp // hpg - 1}"))
+    for r in results:
+        logger.debug("layer %d %s: relative error %s (tolerance %s), max |diff| %s of max |ref| %s %s", layer,
+                     r.component, r.rel_fro, r.tol, r.max_abs, r.max_ref, r.detail)
+    logger.info("layer %d: %d of %d component(s) within tolerance", layer, sum(r.ok for r in results), len(results))
     return results
 
 
@@ -374,12 +378,7 @@ def check_numerics(out: Path, model: str | None = None, layers: str | list[int] 
     for layer in tqdm(ids, desc="check-numerics", unit="layer", disable=not progress):
         inp = make_inputs(cfg.hidden_size, cfg.n_experts, cfg.top_k, heads, cfg.head_dim, tokens,
                           seed * 1_000_003 + layer)
-        results = check_layer(ckpt, output, layer, inp)
-        report.results.extend(results)
-        for r in results:
-            logger.debug("layer %d %s: %.3g (tolerance %.3g), max |diff| %.3g of max |ref| %.3g %s", layer,
-                         r.component, r.rel_fro, r.tol, r.max_abs, r.max_ref, r.detail)
-        logger.info("layer %d: %d of %d component(s) within tolerance", layer, sum(r.ok for r in results), len(results))
+        report.results.extend(check_layer(ckpt, output, layer, inp))
     ckpt.close()
     output.close()
     return report
