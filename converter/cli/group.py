@@ -74,7 +74,8 @@ def options_from(tp: int, arch: str | None, expert_layout: str, flashinfer_layou
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
-             epilog="\b\nExit codes (every command; --json's error.kind in brackets):\n" + "\n".join(exit_code_lines()))
+             epilog="\b\nExit codes (every command; --json's error.kind in brackets):\n"
+                    + "\n".join(exit_code_lines()))
 @click.version_option(__version__, prog_name="lucifer-shard")
 def cli() -> None:
     """Shard DeepSeek-V4-Flash for tensor-parallel size 3 (or any 1..8) offline, and prove it.
