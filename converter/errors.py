@@ -102,3 +102,25 @@ class PreflightFailed(LuciferError):
     """serve's preflight failed."""
 
     kind = "preflight_failed"
+
+
+# Exit codes that are no error kind: success, and a reader that went away. A code shared by several
+# kinds is summed up here; a code of one kind means what that kind means. (--help, the README's table
+# and the envelope's exit_code all come from exit_codes().)
+OK = 0
+BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a reader that went away
+EXIT_SUMMARIES: dict[int, str] = {
+    OK: "ok",
+    1: "a check found a problem (plan: OUT is short of room)",
+    2: "refused: the command line, MODEL, OUT or the machine is not what the command needs",
+    BROKEN_PIPE: "stdout was closed before the output was written (a reader such as `head` went away)",
+}
+
+
+def exit_codes() -> list[tuple[int, str, tuple[str, ...]]]:
+    """(code, meaning, kinds) for every exit code the tool gives, by code."""
+    kinds: dict[int, list[str]] = {}
+    for kind, (code, _) in ERROR_KINDS.items():
+        kinds.setdefault(code, []).append(kind)
+    return [(code, EXIT_SUMMARIES[code] if code in EXIT_SUMMARIES else ERROR_KINDS[kinds[code][0]][1],
+             tuple(kinds.get(code, ()))) for code in sorted(set(kinds) | set(EXIT_SUMMARIES))]

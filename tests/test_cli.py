@@ -41,9 +41,12 @@ def run(*args, **kw):
 
 
 def envelope(r) -> dict:
-    doc = json.loads(r.stdout)
+    def refuse(constant):  # the envelope is strict JSON: no NaN or Infinity
+        raise ValueError(f"not JSON: {constant}")
+
+    doc = json.loads(r.stdout, parse_constant=refuse)
     assert set(doc) == {"schema_version", "command", "ok", "error", "result"}, doc.keys()
-    assert doc["schema_version"] == 1
+    assert doc["schema_version"] == 2
     return doc
 
 
@@ -252,8 +255,8 @@ def test_help_teaches_the_flow_and_the_exit_codes():
     for cmd in ("plan", "convert", "synth", "diff", "doctor", "serve"):
         assert cmd in out
     assert "serve out/ --mtp -- --max-model-len 65536" in out
-    for code in ("0  ok", "1  a check found a problem", "2  usage or input error", "70  internal error",
-                 "130  interrupted"):
+    for code in ("0  ok", "1  a check found a problem", "2  refused: the command line", "70  a bug",
+                 "130  Ctrl-C  [interrupted]", "141  stdout was closed"):
         assert code in out
     assert "--resume" in run("convert", "--help").output
 
@@ -331,6 +334,7 @@ def test_verbose_logs_and_quiet_silences(tiny_pattern, tmp_path):
     r = run("convert", "--tp", 3, "--arch", "sm90", "-q", tiny_pattern, tmp_path / "b")
     assert r.exit_code == 0 and r.stderr.startswith("warning: ")  # warnings survive -q, nothing else is said
     assert r.stderr.count("\n") == 1
+    assert r.stdout == f"{tmp_path / 'b'}\n"  # -q: only OUT, for $(...)
 
 
 def test_units_are_binary_everywhere(converted, tiny_pattern, flash_dir):

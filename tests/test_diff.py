@@ -108,9 +108,11 @@ def test_diff_passes_without_mtp_and_accounts_for_dropped(converted, tiny_patter
 
 def test_cli_diff_ok_summary_and_json(converted, tiny_pattern):
     out = converted()
-    r = run_cli("diff", "--quiet", str(out), str(tiny_pattern))
+    r = run_cli("diff", str(out), str(tiny_pattern))
     assert r.exit_code == 0, r.output
     assert "OK: every rank tensor" in r.output and "GiB/s source + rank bytes" in r.output
+    r = run_cli("diff", "--quiet", str(out), str(tiny_pattern))
+    assert r.exit_code == 0 and r.output == ""  # -q: the exit code is the answer
     r = run_cli("diff", "--quiet", "--json", str(out), str(tiny_pattern))
     doc = json.loads(r.stdout)
     assert doc["ok"] and doc["command"] == "diff" and doc["error"] is None
@@ -146,7 +148,7 @@ def test_flipped_w2_byte_is_located_in_the_source(converted, tiny_pattern, tmp_p
     else:  # the nibble interleave spreads one stored byte over rows r and r+8 of the same partition
         rows = {p.detail["source_index"][0] for p in hits}
         assert rows <= {16, 17, 24, 25, 8, 9} and all(352 <= p.detail["source_index"][1] < 704 for p in hits)
-    r = run_cli("diff", "--quiet", str(out), str(tiny_pattern))
+    r = run_cli("diff", str(out), str(tiny_pattern))
     assert r.exit_code == 1 and W2 in r.output and "error: diff:" in r.output
     assert "layers.3.ffn.experts.5.w2.weight[" in r.output and f"byte offset {offset}" in r.output or case != "sm120"
     doc = json.loads(run_cli("diff", "--quiet", "--json", str(out), str(tiny_pattern)).stdout)
@@ -228,7 +230,7 @@ def test_manifest_edited_by_hand(converted, tiny_pattern, tmp_path):
     assert not report.ok
     assert any("manifest_digest" in p.message for p in report.problems)
     assert named(report, W2, 1, "manifest")
-    r = run_cli("diff", "--quiet", str(out), str(tiny_pattern))
+    r = run_cli("diff", str(out), str(tiny_pattern))
     assert r.exit_code == 1 and W2 in r.output
 
 

@@ -24,6 +24,7 @@ from lucifer_shard.proof.numerics import (E2M1, attn_output_reference, bf16_roun
 from lucifer_shard.proof.outdir import Output
 from lucifer_shard.spec.manifest import Options
 from lucifer_shard.spec.source import open_checkpoint
+from lucifer_shard.spec.stheader import read_header
 
 LAYOUTS = {
     "sm120": dict(arch="sm120"),
@@ -269,22 +270,25 @@ def test_check_numerics_command_passes_and_fails(converted, tiny_random, tmp_pat
     assert envelope["ok"] and envelope["command"] == "check-numerics"
     assert doc["ok"] and doc["tp"] == 3 and doc["layers"] == [0, 1]
     assert {r["component"] for r in doc["results"]} == {ROUTED, SHARED, ATTN, VIRTUAL}
-    res = CliRunner().invoke(check_numerics_cmd, [str(out), "--layers", "4", "--tokens", "2", "--quiet"])  # MODEL: recorded
+    res = CliRunner().invoke(check_numerics_cmd, [str(out), "--layers", "4", "--tokens", "2"])  # MODEL: recorded
     assert res.exit_code == 0 and "output projection" in res.output and "all within tolerance" in res.output
     # tamper: rank 1's w2 (and shared down_proj) replaced by rank 0's -> the command fails with exit 1
     bad = tmp_path / "out"
     shutil.copytree(out, bad)
     rank0, rank1 = bad / "target/rank-0/part-00000.safetensors", bad / "target/rank-1/part-00000.safetensors"
-    with safe_open(str(rank0), "pt") as f0, safe_open(str(rank1), "pt") as f1:
-        meta = f1.metadata()
-        tensors = {k: f1.get_tensor(k) for k in f1.keys()}
+    # in place, at the same offsets: the files keep their size, header and identity (what check-numerics
+    # checks before any layer), only the numbers change
+    h0, h1 = read_header(rank0), read_header(rank1)
+    with open(rank0, "rb") as f0, open(rank1, "r+b") as f1:
         for name in ("ffn.experts.routed_experts.w2_weight", "ffn.shared_experts.down_proj.weight"):
-            tensors[P + name] = f0.get_tensor(P + name)
-    save_file(tensors, str(rank1), metadata=meta)
+            t0, t1 = h0.tensors[P + name], h1.tensors[P + name]
+            f0.seek(len(h0.block) + t0.start)
+            f1.seek(len(h1.block) + t1.start)
+            f1.write(f0.read(t0.end - t0.start))
     report = check_numerics(bad, str(tiny_random), layers=[LAYER], tokens=4, progress=False)
     failed = {r.component for r in report.results if not r.ok}
     assert failed == {ROUTED, SHARED}
-    res = CliRunner().invoke(check_numerics_cmd, [str(bad), str(tiny_random), "--layers", str(LAYER), "--quiet"])
+    res = CliRunner().invoke(check_numerics_cmd, [str(bad), str(tiny_random), "--layers", str(LAYER)])
     assert res.exit_code == 1 and "FAIL" in res.output
     assert "error: numerics past tolerance" in res.output
 

@@ -28,7 +28,7 @@ def test_verify_passes_in_small_chunks_and_without_mtp(converted):
 
 def test_cli_verify_ok_and_json(converted):
     out = converted()
-    r = run_cli("verify", "--quiet", str(out))
+    r = run_cli("verify", str(out))
     assert r.exit_code == 0 and "OK: manifest, files, digests" in r.output, r.output
     doc = json.loads(run_cli("verify", "--quiet", "--json", str(out)).stdout)
     assert doc["ok"] and doc["command"] == "verify"

@@ -2,7 +2,10 @@
 
 Register them on the `lucifer-shard` group with `cli.add_command(diff)` etc. Findings make the
 command raise MismatchError (exit 1) after the report is printed; an OUT or MODEL that cannot be
-opened at all raises OutputError / SourceError (exit 2), like `diff(1)`'s "trouble".
+opened at all raises OutputError / SourceError (exit 2), like `diff(1)`'s "trouble". The same rule
+for every command that reads OUT: no output at all (missing, not a directory, no manifest) is kind
+output, exit 2; an output that is there but damaged or edited is kind mismatch, exit 1 (`structure`
+checks it for the commands that do not read every byte: inspect, check-numerics).
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from pathlib import Path
 import click
 
 from ..errors import MismatchError, OutputError
+from ..proof.report import Report
+from ..proof.structure import open_files, read_manifest
 from ..spec.manifest import MANIFEST_NAME, complete_problem, digest_ok, parse_manifest, read_manifest_bytes
 from ..spec.outwatch import ReadWatch
 from ..spec.rules import DTYPE_SIZE
@@ -31,6 +36,29 @@ def _fail(report, noun: str, fix: str) -> None:
         offs = p.detail.get("file_offset")
         where = f" [{p.file}" + (f" byte {offs[0]}" if offs else "") + "]"
     raise MismatchError(f"{report.command}: {report.count} {noun}; first: {first}{where}; {fix}")
+
+
+DAMAGED = "OUT is damaged or mixed: re-run convert --force (verify OUT names every problem)"
+
+
+def out_dir(out: Path) -> Path:
+    """OUT as a directory; OutputError (no output at all) when it is missing or not a directory."""
+    out = Path(out)
+    if not out.is_dir():
+        what = "is not a directory" if out.exists() else "no such output directory"
+        raise OutputError(f"{out}: {what}; pass the OUT of a lucifer-shard convert")
+    return out
+
+
+def structure(out: Path, command: str) -> Report:
+    """OUT as diff and verify see it before reading tensor data: the manifest's self-digest and conversion
+    id, COMPLETE, every listed rank file present with its identity stamp, header and size. Findings are
+    the report's (damage: exit 1); OutputError when OUT holds no output at all (exit 2)."""
+    report = Report(command)
+    manifest = read_manifest(report, out_dir(out))
+    for rf in open_files(report, out, manifest).values():
+        rf.close()
+    return report
 
 
 def watched(out: Path, command: str, run):
@@ -116,15 +144,25 @@ def verify(out: Path, max_mismatches: int) -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @conventions(interrupted="interrupted: inspect writes nothing")
 def inspect(out: Path) -> None:
-    """Summarize OUT's manifest: source, plan, arch and layouts, files and bytes per rank."""
-    doc = watched(out, "inspect", lambda: summarize(out))
+    """Summarize OUT's manifest: source, plan, arch and layouts, files and bytes per rank.
+
+    Exit 1 (after the summary) when the output is damaged or edited: the manifest's self-digest,
+    COMPLETE, a rank file missing or not of its recorded identity, header or size (verify reads
+    every byte); 2 when OUT holds no lucifer-shard output.
+    """
+    def run() -> tuple[dict, Report]:
+        report = structure(out, "inspect")
+        return {**summarize(out), "problem_count": report.count,
+                "problems": [p.to_dict() for p in report.problems]}, report
+
+    doc, report = watched(out, "inspect", run)
     Console.of().emit(doc, summary_lines(doc))
+    if not report.ok:
+        _fail(report, "problem(s)", DAMAGED)
 
 
 def summarize(out: Path) -> dict:
-    out = Path(out)
-    if not out.is_dir():
-        raise OutputError(f"{out}: no such output directory")
+    out = out_dir(out)
     m = parse_manifest(read_manifest_bytes(out), out / MANIFEST_NAME)
     roles = {}
     for role, rdoc in (m.get("roles") or {}).items():

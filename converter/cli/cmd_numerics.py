@@ -34,15 +34,23 @@ def check_numerics(out: Path, model: str | None, layers: str | None, tokens: int
       shared expert      FP8 block MLP, fp32 output                       1e-4
       output projection  grouped wo_a, then wo_b, fp32 output              1e-4
       virtual heads      padded heads fed non-zero input contribute       exactly 0
-    Only the experts the routing picks are read, one layer at a time. Exits 1 past tolerance.
+    Only the experts the routing picks are read, one layer at a time. Exits 1 past tolerance, and
+    before any layer when OUT is damaged or edited (the manifest's self-digest, COMPLETE, a rank
+    file's identity, header or size; verify reads every byte); 2 when OUT holds no output.
     """
     from ..proof.check_numerics import check_numerics as run
-    from .cmd_check import watched
+    from .cmd_check import DAMAGED, _fail, structure, watched
 
     refuse_swapped("check-numerics", model, out, model_first=False)
     con = Console.of()
-    report = watched(out, "check-numerics",
-                     lambda: run(out, model, layers=layers, tokens=tokens, seed=seed, progress=con.progress))
+
+    def checked():
+        damage = structure(out, "check-numerics")
+        if not damage.ok:
+            _fail(damage, "problem(s)", DAMAGED)
+        return run(out, model, layers=layers, tokens=tokens, seed=seed, progress=con.progress)
+
+    report = watched(out, "check-numerics", checked)
     con.emit(report.to_dict(), report.lines())
     if not report.ok:
         bad = [f"layer {r.layer} {r.component}" for r in report.results if not r.ok]

@@ -1,16 +1,20 @@
 """How every command talks: -q/-v, progress only on a terminal, the --json envelope, one error line,
-its own interrupt message, and the exit codes.
+its own interrupt message, and the exit codes (errors.exit_codes()).
 
 A command declared with `@conventions(interrupted=...)` (under `@click.command`) gains `-q/--quiet`,
 `-v/--verbose` and `--json`, and its outcome goes through its `Console`:
 
-  success        the result as text on stdout, or with --json one envelope on stdout:
-                 {"schema_version": 1, "command": ..., "ok": true, "error": null, "result": {...}}
-  LuciferError   `error: <one line>` on stderr and its exit code; with --json also the envelope,
+  success        the result as text on stdout (with -q only its QUIET value), or with --json one
+                 envelope on stdout, strict JSON (a non-finite float is null):
+                 {"schema_version": 2, "command": ..., "ok": true, "error": null, "result": {...}}
+  LuciferError   `error: <one line>` on stderr and its kind's exit code; with --json also the envelope,
                  ok false, error {"kind", "message", "exit_code"}, and the result the command had
                  reached (a diff report with its findings)
+  usage          click's own (a bad value, an unknown option, a missing argument): the same, kind
+                 usage, exit 2 (`Group`, the command group's class)
   Ctrl-C         the command's own interrupt message on stderr, exit 130
   SIGTERM        handled as Ctrl-C (the same clean stop and message), exit 143
+  stdout closed  nothing more is said, exit 141 (text and --json alike)
   anything else  a bug: `error: internal error: <type>: <message>; details in <log>` (the traceback
                  goes to OUT/.lucifer/ or a temporary file), exit 70; with --json also the envelope
 
@@ -23,6 +27,7 @@ import errno
 import functools
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -30,30 +35,76 @@ from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
 import click
+from click.core import ParameterSource
 
-from ..errors import ERROR_KINDS, LuciferError, UsageRefused
+from ..errors import BROKEN_PIPE, ERROR_KINDS, LuciferError, UsageRefused, exit_codes
 
-SCHEMA_VERSION = 1
-INTERNAL_ERROR = 70  # EX_SOFTWARE: a bug, not bad input
-TERMINATED = 143  # 128 + SIGTERM
-BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a reader that went away
-EXIT_CODES = (
-    (0, "ok"),
-    (1, "a check found a problem (diff, verify, check-numerics, doctor, serve preflight, plan room)"),
-    (2, "usage or input error, or a refusal (bad MODEL/OUT, options that do not apply, OUT locked by "
-        "another writer)"),
-    (INTERNAL_ERROR, "internal error: a bug; one line names the log file holding the traceback"),
-    (130, "interrupted (Ctrl-C)"),
-    (143, "terminated (SIGTERM), stopped as cleanly as for Ctrl-C"),
-    (BROKEN_PIPE, "stdout closed before the output was written (e.g. `| head`)"),
-)
+SCHEMA_VERSION = 2  # 2: error.kind is a kind of errors.ERROR_KINDS (1 had Python class names)
+PROG = "lucifer-shard"
 LOGGER = "lucifer_shard"
 _META_KEY = "lucifer_shard.cli.console"
 _OFF = ("", "0", "false", "no", "off")
 
+# What -q leaves on stdout, per command: the one value a script captures with $(...), as (what it is,
+# its key path in the result); no path: nothing, the exit code is the answer. Errors and warnings
+# still go to stderr. (The -q help of each command and the README's table say the same.)
+QUIET: dict[str, tuple[str, tuple[str, ...]]] = {
+    "plan": ("only the bytes convert will write (an integer)", ("footprint", "write_bytes")),
+    "convert": ("only OUT", ("out",)),
+    "diff": ("nothing (the exit code is the answer)", ()),
+    "verify": ("nothing (the exit code is the answer)", ()),
+    "inspect": ("only the conversion id", ("conversion_id",)),
+    "check-numerics": ("nothing (the exit code is the answer)", ()),
+    "synth": ("only the checkpoint's path", ("path",)),
+    "doctor": ("nothing (the exit code is the answer)", ()),
+    "serve": ("only the vllm command line (with --dry-run)", ("command",)),
+}
+
 
 def exit_code_lines() -> list[str]:
-    return [f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES]
+    return [f"  {code:>3}  {meaning}" + (f"  [{', '.join(kinds)}]" if kinds else "")
+            for code, meaning, kinds in exit_codes()]
+
+
+def quiet_value(command: str, result: Any) -> str | None:
+    """The QUIET value of `command`'s result, or None (nothing to print)."""
+    path = QUIET[command][1]
+    for key in path:
+        if not isinstance(result, dict) or result.get(key) is None:
+            return None
+        result = result[key]
+    return str(result) if path else None
+
+
+def finite(value: Any) -> Any:
+    """`value` with every non-finite float (NaN, +-inf) as None: strict JSON (JSON.parse rejects NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def to_stdout(text: str) -> None:
+    """Write a line to stdout; BrokenPipeError when stdout is closed (a reader gone, or `>&-`: then
+    Python starts with no sys.stdout, and click.echo would drop the text without a word)."""
+    if sys.stdout is None:
+        raise BrokenPipeError(errno.EPIPE, "stdout is closed")
+    try:
+        click.echo(text)
+    except OSError as e:
+        if e.errno in (errno.EPIPE, errno.EBADF):
+            raise BrokenPipeError(errno.EPIPE, "stdout is closed") from e
+        raise
+
+
+def stdout_gone() -> NoReturn:
+    """stdout was closed early (`| head`, `>&-`): nothing is wrong, nothing more to say; exit 141."""
+    with contextlib.suppress(OSError):  # so that the interpreter's last flush of stdout does not fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    sys.exit(BROKEN_PIPE)
 
 
 @dataclass
@@ -76,10 +127,14 @@ class Console:
         return self.verbosity >= 0 and sys.stderr.isatty() and not disabled
 
     def emit(self, result: Any, lines: list[str] | None = None) -> None:
-        """The command's result: kept for the envelope, printed now as text unless --json."""
+        """The command's result: kept for the envelope, printed now as text unless --json (with -q
+        only its QUIET value)."""
         self.result = result
-        if not self.json and lines:
-            click.echo("\n".join(lines))
+        if self.json:
+            return
+        text = quiet_value(self.command, result) if self.verbosity < 0 else "\n".join(lines or ())
+        if text:
+            to_stdout(text)
 
     def note(self, message: str) -> None:
         """A remark for the person at the terminal (stderr; silenced by -q)."""
@@ -94,16 +149,28 @@ class Console:
         return {"schema_version": SCHEMA_VERSION, "command": self.command, "ok": error is None,
                 "error": error, "result": self.result}
 
+    def _write_envelope(self, error: dict | None) -> None:
+        to_stdout(json.dumps(finite(self.envelope(error)), indent=1, allow_nan=False))
+
     def succeed(self) -> None:
         if self.json:
-            click.echo(json.dumps(self.envelope(), indent=1))
+            try:
+                self._write_envelope(None)
+            except BrokenPipeError:
+                stdout_gone()
 
     def fail(self, message: str, exit_code: int, kind: str, line: str | None = None) -> NoReturn:
         """End the command: the envelope (with --json), one line on stderr (`error: <message>` unless
-        `line` says otherwise), the exit code."""
+        `line` says otherwise), the exit code (141 when stdout is closed before the envelope is out)."""
+        gone = False
         if self.json:
-            click.echo(json.dumps(self.envelope({"kind": kind, "message": message, "exit_code": exit_code}), indent=1))
+            try:
+                self._write_envelope({"kind": kind, "message": message, "exit_code": exit_code})
+            except BrokenPipeError:
+                gone = True
         click.echo(f"error: {message}" if line is None else line, err=True)
+        if gone:
+            stdout_gone()
         sys.exit(exit_code)
 
 
@@ -190,7 +257,7 @@ def _internal(con: Console, e: BaseException, out) -> NoReturn:
     except Exception:  # noqa: BLE001 - an exception whose str() fails still gets its line
         text = "(no message)"
     message = f"internal error: {type(e).__name__}: {text}"
-    con.fail(message, INTERNAL_ERROR, "internal", line=f"error: {message}; details in {log}")
+    con.fail(message, ERROR_KINDS["internal"][0], "internal", line=f"error: {message}; details in {log}")
 
 
 class Terminated(KeyboardInterrupt):
@@ -215,10 +282,24 @@ def _sigterm_interrupts():
         signal.signal(signal.SIGTERM, previous)
 
 
+def _log_parameters(ctx: click.Context) -> None:
+    """-v: the command as given; -vv: also every default it runs with."""
+    given, defaults = [], []
+    for name, value in ctx.params.items():
+        if name not in ("quiet", "verbose", "as_json"):
+            default = ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+            (defaults if default else given).append(f"{name}={value}")
+    log = logging.getLogger(f"{LOGGER}.cli")
+    log.info("%s %s", ctx.info_name, " ".join(given))
+    log.debug("%s defaults: %s", ctx.info_name, " ".join(defaults))
+
+
 def conventions(interrupted: str) -> Callable:
     """Give a click command -q/-v/--json and route its outcome through its Console (module docstring)."""
 
     def decorate(f: Callable) -> Callable:
+        name = f.__name__.replace("_", "-")  # the command's name, as click derives it
+
         @functools.wraps(f)
         def command(*args, quiet: bool, verbose: int, as_json: bool, **kwargs):
             ctx = click.get_current_context()
@@ -229,17 +310,17 @@ def conventions(interrupted: str) -> Callable:
                     raise UsageRefused("-q and -v exclude each other; pass one")
                 con.verbosity = -1 if quiet else verbose
                 _configure_logging(con.verbosity)
+                _log_parameters(ctx)
                 with _sigterm_interrupts():
                     f(*args, **kwargs)
             except LuciferError as e:
                 con.fail(str(e), e.exit_code, e.kind)
             except Terminated:
-                con.fail(interrupted, TERMINATED, "terminated", line=interrupted)
+                con.fail(interrupted, ERROR_KINDS["terminated"][0], "terminated", line=interrupted)
             except KeyboardInterrupt:
-                con.fail(interrupted, 130, "interrupted", line=interrupted)
+                con.fail(interrupted, ERROR_KINDS["interrupted"][0], "interrupted", line=interrupted)
             except BrokenPipeError:  # stdout closed early (`| head`): nothing is wrong, nothing to say
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-                sys.exit(BROKEN_PIPE)
+                stdout_gone()
             except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
                 raise  # click's own usage errors and exits
             except OSError as e:
@@ -253,8 +334,11 @@ def conventions(interrupted: str) -> Callable:
 
         for option in reversed((
             click.option("-q", "--quiet", is_flag=True,
-                         help="No progress bars and no remarks; results, warnings and errors only."),
-            click.option("-v", "--verbose", count=True, help="Log what is being done (-vv: and why)."),
+                         help=f"Quiet: stdout holds {QUIET[name][0]}; no progress bars, no remarks (warnings "
+                              f"and errors still on stderr)."),
+            click.option("-v", "--verbose", count=True,
+                         help="Log on stderr what is being done, per file, rank or layer (-vv: also per "
+                              "tensor)."),
             click.option("--json", "as_json", is_flag=True,
                          help="One JSON envelope on stdout {schema_version, command, ok, error, result}, "
                               "also on failure."),
@@ -263,3 +347,48 @@ def conventions(interrupted: str) -> Callable:
         return command
 
     return decorate
+
+
+def _own_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """The command named in `argv` (the group's only options, --help and --version, end the run) and
+    its own arguments: those before `--` (after it, they are arguments even when they look like options:
+    serve's vLLM arguments)."""
+    for i, arg in enumerate(argv):
+        if not arg.startswith("-"):
+            rest = argv[i + 1:]
+            return arg, rest[:rest.index("--")] if "--" in rest else rest
+    return None, []
+
+
+class Group(click.Group):
+    """The command group: click's own usage errors (a bad value, an unknown option or command, a missing
+    argument) end like every other failure: one `error:` line with the command's --help, kind usage, and
+    with --json among the command's own arguments the envelope on stdout. --help and --version as click
+    has them."""
+
+    def make_context(self, info_name, args, parent=None, **extra) -> click.Context:
+        argv = list(args)
+        with _usage_errors(argv):
+            ctx = super().make_context(info_name, args, parent, **extra)
+        ctx.meta[f"{_META_KEY}.argv"] = argv
+        return ctx
+
+    def invoke(self, ctx: click.Context):
+        with _usage_errors(ctx.meta.get(f"{_META_KEY}.argv", [])):
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _usage_errors(argv: list[str]):
+    try:
+        yield
+    except click.exceptions.NoArgsIsHelpError:
+        raise  # `lucifer-shard` alone: the help, as click shows it
+    except click.UsageError as e:
+        name, own = _own_args(argv)
+        known = e.ctx is not None and e.ctx.parent is not None  # the error of a command, not of the group
+        command = e.ctx.info_name if known else name
+        where = f"{PROG} {command}" if known else PROG
+        text = " ".join(e.format_message().split()).rstrip(".")
+        con = Console(command=command or "", json="--json" in own)
+        con.fail(f"{text}; see {where} --help", ERROR_KINDS["usage"][0], "usage")

@@ -12,7 +12,7 @@ from ..spec.manifest import FLASHINFER_VERSIONS, MAX_ALIGN, Options
 from ..spec.plan import ARCHES
 from ..units import SIZE_SYNTAX
 from .argorder import is_checkpoint, refuse_swapped
-from .console import Console, conventions, exit_code_lines
+from .console import Console, Group, conventions, exit_code_lines
 
 MAX_FILE_BYTES = 1 << 50
 # The smallest --max-file-size: a tensor larger than the limit gets a file of its own anyway, so a
@@ -115,8 +115,9 @@ def options_from(tp: int, arch: str | None, expert_layout: str, flashinfer_layou
                    align=align)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
-             epilog="\b\nExit codes (every command):\n" + "\n".join(exit_code_lines()))
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+             epilog="\b\nExit codes (every command; --json's error.kind in brackets):\n"
+                    + "\n".join(exit_code_lines()))
 @click.version_option(__version__, prog_name="lucifer-shard")
 def cli() -> None:
     """Shard DeepSeek-V4-Flash for tensor-parallel size 3 (or any 1..8) offline, and prove it.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import stat
 from importlib import resources
 from pathlib import Path
@@ -59,6 +60,9 @@ def preset_config(preset: str, layers: int | None = None, mtp: bool = True) -> d
         raw["compress_ratios"] = raw["compress_ratios"][: raw["num_hidden_layers"]]
         raw["num_nextn_predict_layers"] = 0
     return raw
+
+
+logger = logging.getLogger("lucifer_shard.synth")  # -v prints "lucifer_shard.synth: ..."
 
 
 def _seed(seed: int, key: str) -> int:
@@ -183,8 +187,10 @@ def synth(preset: str, out: Path, layers: int | None = None, fill: str = DEFAULT
         for src in group:
             tensors[src.key] = make_tensor(src, cfg, fill, seed)
             weight_map[src.key] = name
+            logger.debug("%s: %s %s", src.key, tensors[src.key].dtype, list(tensors[src.key].shape))
         tree.write_bytes(name, save(tensors, metadata={"format": "pt"}))
         bar.update(sum(t.numel() * t.element_size() for t in tensors.values()))
+        logger.info("%s: %d tensor(s), %d bytes", name, len(tensors), sum(map(_nbytes, group)))
         del tensors
     bar.close()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

@@ -22,6 +22,7 @@ CPU box.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +35,8 @@ from ..spec.source import Checkpoint, open_checkpoint, resolve_model
 from .numerics import (attn_output_reference, dequant_fp8_block, mlp_reference, moe_reference, moe_reference_streamed,
                        shared_expert_reference)
 from .outdir import Output
+
+logger = logging.getLogger("lucifer_shard.check_numerics")  # -v: one line per layer, -vv: per component
 
 ROUTED, SHARED, ATTN, VIRTUAL = "routed MoE", "shared expert", "output projection", "virtual heads"
 TOLERANCE = {ROUTED: 5e-3, SHARED: 1e-4, ATTN: 1e-4, VIRTUAL: 0.0}
@@ -357,6 +360,10 @@ def evaluate(lw: LayerWeights, inp: Inputs) -> list[Result]:
         results.append(Result(layer, VIRTUAL, worst, float(o_virtual.float().abs().max()), worst, 0.0,
                               finite and worst == 0.0,
                               f"heads {lw.num_heads}..{lh * tp - 1}, groups {lw.num_heads // hpg}..{lh * tp // hpg - 1}"))
+    for r in results:
+        logger.debug("layer %d %s: relative error %s (tolerance %s), max |diff| %s of max |ref| %s %s", layer,
+                     r.component, r.rel_fro, r.tol, r.max_abs, r.max_ref, r.detail)
+    logger.info("layer %d: %d of %d component(s) within tolerance", layer, sum(r.ok for r in results), len(results))
     return results
 
 

@@ -35,6 +35,7 @@ shares with verify is beside it (`report`, `rankfile`, `pads`, `structure`).
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import deque
@@ -56,6 +57,8 @@ from .pads import (check_pads, check_scales, chunk_slices, element_index, file_o
 from .rankfile import CHUNK_BYTES, HeaderTensor, RankFile, byte_shape, read_rows_direct, row_chunks, scratch
 from .report import Problem, Report, fmt_index, hexbytes
 from .structure import check_manifest_rules, open_files, read_manifest, usable
+
+logger = logging.getLogger("lucifer_shard.diff")  # -v: the source and a line per rank file, -vv: per tensor
 
 
 def _what_differs(src: dict, ckpt: Checkpoint, out: Path) -> str:
@@ -100,6 +103,8 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
                         "fingerprint_ok": src.get("fingerprint") == ckpt.fingerprint,
                         "tp_size": manifest.get("tp_size"), "arch": manifest.get("arch"),
                         "expert_layout": manifest.get("expert_layout")})
+    logger.info("source %s (%s): fingerprint %s", root, "recorded in the manifest" if recorded_model else "given",
+                "as recorded" if report.info["fingerprint_ok"] else "differs from the manifest's")
     stop = "" if keep_going else (f"MODEL is not the checkpoint {out} was converted from ({src.get('path')}); pass "
                                   f"that one, or --keep-going to compare byte for byte anyway")
     if not report.info["fingerprint_ok"]:
@@ -395,6 +400,7 @@ def _diff_data(report: Report, reader: ProofSourceReader, work: list[tuple[str, 
         sources.release()
         for rf in finished:
             rf.close()
+            logger.info("%s: compared with the source", rf.rel)
         now = reader.bytes_needed
         bar.update(now - seen)
         seen = now
@@ -405,6 +411,9 @@ def _diff_data(report: Report, reader: ProofSourceReader, work: list[tuple[str, 
             for g, (role, per_rank) in enumerate(work):
                 stats["rank_tensors"] += sum(len(ms) for ms in per_rank)
                 chunks = _group_chunks(reader, per_rank, chunk_bytes)
+                logger.debug("%s %s: %d rank tensor(s), %d chunk(s)", role,
+                             ", ".join(dict.fromkeys(m[0].name for ms in per_rank for m in ms)),
+                             sum(len(ms) for ms in per_rank), len(chunks))
                 for c, (a, b) in enumerate(chunks):
                     sources = ChunkSources(reader, _regions(reader, per_rank, a, b))
                     for i in range(len(sources.blocks)):

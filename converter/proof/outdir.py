@@ -1,6 +1,7 @@
 """Read a converted output directory back: its manifest, files and tensors in model layout."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from ..spec.layouts import layout_by_name
 from ..spec.manifest import complete_problem, load_manifest
 from ..spec.rules import DTYPE_SIZE
 from ..spec.stheader import Header, HeaderError, read_header
+
+logger = logging.getLogger("lucifer_shard.output")
 
 
 class Output:
@@ -92,6 +95,7 @@ class Output:
         info = self.info(role, rank, name)
         raw = np.ascontiguousarray(self.model_bytes(role, rank, name, index))
         t = torch.from_numpy(raw).view(TORCH_DTYPE[info["dtype"]])
+        logger.debug("%s rank %d %s: %s %s from %s", role, rank, name, info["dtype"], list(t.shape), info["file"])
         return t
 
     def close(self) -> None:

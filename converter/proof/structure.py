@@ -4,6 +4,7 @@ with its identity stamp, header and size as the manifest records them."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from .. import __version__
@@ -18,6 +19,8 @@ from ..spec.rules import TensorSpec, build_specs
 from ..spec.stheader import HeaderError
 from .rankfile import RankFile
 from .report import Problem, Report
+
+logger = logging.getLogger("lucifer_shard.structure")  # -v: a line per rank file, -vv: per tensor
 
 
 # ---------------------------------------------------------------- manifest vs the rule table
@@ -183,6 +186,7 @@ def open_files(report: Report, out: Path, manifest: dict, check_size: bool = Tru
                                file=rel))
             continue
         files[rel] = rf
+        logger.info("%s rank %d %s: header of %d tensor(s), %d bytes", role, rank, rel, len(rf.tensors), rf.size)
         if check_size and rf.size != f.get("bytes"):
             report.add(Problem("file", f"{rel}: {rf.size} bytes, the manifest records {f.get('bytes')} "
                                f"({'truncated' if rf.size < (f.get('bytes') or 0) else 'grown'}); re-run convert "
@@ -200,6 +204,8 @@ def open_files(report: Report, out: Path, manifest: dict, check_size: bool = Tru
         for name in held:
             info = manifest["roles"][role]["ranks"][rank]["tensors"][name]
             ht = rf.tensors.get(name)
+            logger.debug("%s %s: header %s, manifest %s%s", rel, name, ht and f"{ht.dtype}{list(ht.shape)}",
+                         info.get("dtype"), info.get("shape"))
             if ht is None:
                 report.add(Problem("header", f"not in {rel}, where the manifest puts it", role, rank, name, rel))
                 continue

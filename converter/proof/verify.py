@@ -15,6 +15,7 @@ structure (`structure`).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,8 @@ from .pads import check_pads, check_scales, chunk_slices, is_scale, to_model
 from .rankfile import CHUNK_BYTES, HeaderTensor, RankFile, byte_shape, read_rows, row_chunks, scratch
 from .report import Problem, Report
 from .structure import check_manifest_rules, is_replicated, manifest_files, open_files, read_manifest, usable
+
+logger = logging.getLogger("lucifer_shard.verify")  # -v: a line per rank file, -vv: per tensor
 
 
 def tensor_chunks(ht: HeaderTensor, limit: int) -> list[tuple[int, int]]:
@@ -167,6 +170,7 @@ def _verify_open_file(limit: int, rf: RankFile, entry: dict, role: str, rank: in
                 if bad_scale:
                     check_scales(report, model, info, ht, rf, role, rank, name, a)
         d = h.hexdigest()
+        logger.debug("%s %s: blake3 %s...", rf.rel, name, d[:16])
         tensor_digests.append(d)
         digests[(role, rank, name)] = d
         if info is not None and info.get("digest") != "blake3:" + d:
@@ -178,6 +182,8 @@ def _verify_open_file(limit: int, rf: RankFile, entry: dict, role: str, rank: in
         if entry.get("digest") != "blake3:" + fd:
             report.add(Problem("file", f"{rf.rel}: file digest {fd[:16]}... differs from the manifest's "
                                f"{str(entry.get('digest'))[7:23]}...", role, rank, file=rf.rel))
+    logger.info("%s rank %d %s: %d tensor(s) hashed and checked, %d finding(s)", role, rank, rf.rel, len(ordered),
+                report.count)
     return report, digests, len(ordered), pads
 
 
