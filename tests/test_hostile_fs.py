@@ -485,6 +485,29 @@ def test_sigterm_is_clean_and_resumable(clean, tiny_pattern, tmp_path):
     assert r.exit_code == 0, r.output
 
 
+def test_a_stop_while_a_writer_is_made_leaves_no_temporary_file(tiny_pattern, tmp_path, monkeypatch):
+    """The window the SIGTERM test above hit about one run in two: the stop lands after a rank file's
+    temporary file is created but before its writer is kept (here: rank 1's sink of part 1)."""
+    from lucifer_shard.engine import convert as engine
+
+    made = []
+
+    class Sink(engine._RankSink):
+        def __init__(self, writer, *args, **kwargs):
+            made.append(writer.rel)
+            if writer.rel == "target/rank-1/part-00001.safetensors":
+                raise KeyboardInterrupt
+            super().__init__(writer, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "_RankSink", Sink)
+    out = tmp_path / "out"
+    r = run(*CONVERT, "--max-file-size", "1MiB", tiny_pattern, out)
+    assert r.exit_code == 130 and "target/rank-1/part-00001.safetensors" in made
+    assert not list(out.rglob("*.partial"))
+    monkeypatch.undo()
+    assert run(*CONVERT, "--max-file-size", "1MiB", "--resume", tiny_pattern, out).exit_code == 0
+
+
 @pytest.mark.parametrize("what", ["model-00003-of-00005.safetensors", "config.json", "tokenizer_config.json"])
 def test_a_source_that_changes_while_converting_is_noticed(tiny_pattern, tmp_path, monkeypatch, what):
     """A shard, config.json or a tokenizer file rewritten (here: touched) while convert runs: refused

@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import OutputError, SourceError
-from ..guarded_io import Tree, write_all
+from ..guarded_io import Tree, partial_name, write_all
 from ..spec.content import ContentDigests
 from ..spec.layouts import Layout
 from ..spec.manifest import (COMPLETE_NAME, CONTENT_PLACEHOLDER, Options, complete_problem, file_metadata,
@@ -124,8 +124,9 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
     asm = Assembler(job.ckpt, buffers, digests=digests)
     sinks: dict[int, _RankSink] = {}
     stream = None
+    ranks = list(range(job.plan.tp)) if ranks is None else ranks
     try:
-        for rank in (range(job.plan.tp) if ranks is None else ranks):
+        for rank in ranks:
             headers = part_headers(specs_by_name[rank], part, job.layouts)
             rel = part_path(part.role, rank, part.index)
             meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp, CONTENT_PLACEHOLDER)
@@ -170,6 +171,10 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
             except BaseException:
                 pass
             sink.writer.abort()
+        # A stop (Ctrl-C, SIGTERM) that lands while a writer is being made leaves its temporary file
+        # outside `sinks`: remove this part's by name (the lock makes them ours).
+        for rank in ranks:
+            tree.remove(partial_name(part_path(part.role, rank, part.index)))
         raise
     finally:
         if stream is not None:
