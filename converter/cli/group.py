@@ -131,9 +131,10 @@ def cli() -> None:
       lucifer-shard serve out/ --mtp --dry-run                       # the exact vllm serve command
       lucifer-shard serve out/ --mtp -- --max-model-len 65536        # start vLLM (MTP draft included)
 
-    MODEL is a local directory or a Hugging Face repo id (huggingface_hub cache and
-    HF_HUB_OFFLINE are honoured). Every command takes -q/-v and --json. Try it on a synthetic
-    checkpoint: `make demo`.
+    MODEL is a local directory or a Hugging Face repo id (--revision picks a branch, tag or
+    commit; huggingface_hub's cache and HF_HUB_OFFLINE are honoured); plan also takes a
+    config.json file. Every command takes -q/-v and --json. Try it on a synthetic checkpoint:
+    `make demo`.
     """
 
 
