@@ -35,6 +35,11 @@ class Symbol:
     module: str  # importable module
     qualname: str  # attribute path inside the module ("Class.method" allowed)
     params: tuple[str, ...]  # expected parameter names, in order
+    # further vetted signatures: a release that added parameters the wrapper passes through unread
+    other_params: tuple[tuple[str, ...], ...] = ()
+
+    def signature_ok(self, names: tuple[str, ...]) -> bool:
+        return names == self.params or names in self.other_params
 
     @property
     def path(self) -> str:
@@ -53,7 +58,10 @@ SYMBOLS: dict[str, Symbol] = {s.key: s for s in (
     Symbol("convert_weight_to_mxfp4_moe_kernel_format", "vllm.model_executor.layers.fused_moe.oracle.mxfp4",
            "convert_weight_to_mxfp4_moe_kernel_format",
            ("mxfp4_backend", "layer", "w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale",
-            "w13_bias", "w2_bias", "_cache_permute_indices")),
+            "w13_bias", "w2_bias", "_cache_permute_indices"),
+           # vLLM 0.33.0+: three more, which the identity never reads (the backend comes from mxfp4_backend)
+           (("mxfp4_backend", "layer", "w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale",
+             "w13_bias", "w2_bias", "_cache_permute_indices", "activation", "use_separated_a4w4", "activation_key"),)),
     Symbol("Mxfp4MoEMethod._setup_kernel", "vllm.model_executor.layers.quantization.mxfp4",
            "Mxfp4MoEMethod._setup_kernel",
            ("self", "layer", "w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias")),
@@ -140,10 +148,13 @@ class Build:
 
     def serves(self) -> dict[str, bool]:
         """What lucifer_tp3 can load on this build, per kind of output (the README's table)."""
+        kernel = RELAYOUT in self.wrappers  # the identity re-layout is the kernel-layout path
         return {"TP3 (virtual TP)": True,
-                "sm120/sm100 kernel": RELAYOUT in self.wrappers,  # the re-layout wrapper is the kernel path
+                "sm120/sm100 kernel": kernel,
                 "model layout": True,
-                "sm90 kernel": False,  # needs the SM90 "c-full" load path, not built
+                # SM90's W4A16 CUTLASS MoE runs in the stock tuple (FlashMLA + flashinfer_cutlass); a fork's
+                # policy accepts only its SM12x tuple
+                "sm90 kernel": kernel and self.stock,
                 "MTP draft (--mtp)": self.draft_virtual_tp}
 
 
@@ -158,6 +169,13 @@ _FORK_FF_HASHES = {**_FORK_POLICY_HASHES, **_FORK_SETUP_KERNEL, "convert_weight_
                    "sha256:450a446ab3afb7d3626aa9870434b54f318e01984b3ceede81a87f4abc63b4f0"}
 _STOCK_VOCAB_INIT = {"VocabParallelEmbedding.__init__":
                      "sha256:cf1293c90859a554f9fd011358565590048acafc7af7f36c78fc30d37a4593f2"}
+# 0.33.0's re-layout: its FlashInfer-CUTLASS branch is the forks' (swap, then the 128x4 swizzle or the SM90
+# interleaves) behind three new pass-through parameters; _setup_kernel checks the 3-D shapes, calls it,
+# replace_parameter()s the result onto the same parameters and builds the kernel from them
+_STOCK_RELAYOUT_0330 = {
+    "convert_weight_to_mxfp4_moe_kernel_format": "sha256:171d153b1ce8445d970d97a3ced3238cbb6dd76300dc9990ae3fee3d50b1391e",
+    "Mxfp4MoEMethod._setup_kernel": "sha256:447956c52e78fb61ca47c8664b2e0efb5fc03c06694a8120c34ff403c2aa5127",
+}
 
 # The one table of builds -> wrappers. Fork hashes: `python -m lucifer_shard.runtime_shim.compat git
 # /work/.mirror/mlow+vllm/repo 45c1582e9 cece381c4 81564374e` (the public repository mlow/vllm); stock
@@ -195,11 +213,12 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
     Build(
         commit="0.33.0",
         label="vLLM 0.33.0 (PyPI, CUDA 13 wheel)",
-        hashes={**_STOCK_VOCAB_INIT, "EngineArgs.create_engine_config": "sha256:1f916622074963ee1d18464914782146a7f5ea52cd3a959a2c74acefd3db8e63"},
+        hashes={**_STOCK_VOCAB_INIT, **_STOCK_RELAYOUT_0330,
+                "EngineArgs.create_engine_config": "sha256:1f916622074963ee1d18464914782146a7f5ea52cd3a959a2c74acefd3db8e63"},
         draft_virtual_tp=True,
         flashinfer="0.7.2.post1",
         branches=(),
-        wrappers=STOCK_WRAPPERS,
+        wrappers=STOCK_WRAPPERS + (RELAYOUT,),
         install="pip install vllm==0.33.0",
     ),
     Build(
@@ -286,8 +305,8 @@ def inspect_symbol(symbol: Symbol) -> SymbolState:
     try:
         h = source_hash(inspect.getsource(obj))
     except (OSError, TypeError) as e:
-        return SymbolState(symbol, True, f"source unavailable ({e})", None, names == symbol.params)
-    if names != symbol.params:
+        return SymbolState(symbol, True, f"source unavailable ({e})", None, symbol.signature_ok(names))
+    if not symbol.signature_ok(names):
         return SymbolState(symbol, True, f"signature ({', '.join(names)}) != expected ({', '.join(symbol.params)})",
                            h, False)
     return SymbolState(symbol, True, "", h, True)

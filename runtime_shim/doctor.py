@@ -193,13 +193,15 @@ def _environment_checks(out_dir) -> tuple[list[Check], dict | None, compat.Build
     checks.append(_virtual_tp_check(verdicts, out_needs))
     rel = verdicts[compat.RELAYOUT]
     if rel.ok:
+        archs = [k.replace(" kernel", "") for k, v in rel.build.serves().items() if k.endswith(" kernel") and v]
         checks.append(Check("expert re-layout wrapper", OK, f"installed (build {rel.build.commit}): kernel-layout "
-                            f"experts (sm120/sm100) load verbatim"))
+                            f"experts ({', '.join(archs)}) load verbatim"))
     else:
         needed = out_needs is None or out_needs["kernel"]
         checks.append(Check("expert re-layout wrapper", WARN if needed else INFO,
                             f"not installed: {rel.reason}; only --expert-layout model outputs can be loaded by this "
-                            f"vLLM", "convert with --expert-layout model, or use a vetted fork build" if needed else ""))
+                            f"vLLM", f"pip install vllm=={STOCK.commit}, or convert with --expert-layout model"
+                            if needed else ""))
     from . import patches
 
     b12x = patches.b12x_moe_env()
@@ -338,9 +340,6 @@ def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
     elif not mtp and "draft" in m.roles:
         checks.append(_out("output MTP draft", INFO, "OUT/draft holds the MTP draft",
                            "serve --mtp to use it for speculative decoding"))
-    if m.arch == "sm90" and m.expert_layout != "model":
-        checks.append(_out("output kernel-layout experts", FAIL, "sm90 kernel layout needs the SM90 c-full load "
-                           "path, which no vetted build has", "convert again with --expert-layout model"))
     if verdicts is None:
         return checks
     plugin_vtp = all(verdicts[w].ok for w in compat.STOCK_WRAPPERS)
@@ -350,9 +349,9 @@ def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
                            f"({verdicts[compat.STOCK_CONFIG].reason})",
                            f"pip install vllm=={STOCK.commit}, or serve on a vetted mlow/vllm build"))
     if m.expert_layout != "model" and not verdicts[compat.RELAYOUT].ok:
-        checks.append(_out("output kernel-layout experts", FAIL, "the re-layout wrapper is not installed (only the "
-                           "mlow/vllm builds load experts in kernel layout)",
-                           "re-convert with --expert-layout model, or use a vetted fork build"))
+        checks.append(_out("output kernel-layout experts", FAIL, f"this vLLM cannot load experts in kernel layout "
+                           f"verbatim: the re-layout wrapper is not installed ({verdicts[compat.RELAYOUT].reason})",
+                           f"pip install vllm=={STOCK.commit}, or re-convert with --expert-layout model"))
     from . import patches
 
     arch, cap = patches.device_arch()
@@ -380,7 +379,7 @@ def _arch_checks(m, arch: str, cap: str, fork: bool) -> list[Check]:
                      f"re-convert with --arch {arch}")]
     if fork:  # a fork build serves the Lucifer pair whatever the arch
         return []
-    attn, moe = serve_backends(m.arch)
+    attn, moe = serve_backends(m.arch, m.expert_layout)
     return [_out("output arch", WARN, f"converted for {m.arch} (serve picks --attention-backend {attn} "
                  f"--moe-backend {moe}), this GPU is {cap} ({arch})",
                  f"re-convert with --arch {arch} (or without --arch) so serve picks this GPU's backends")]
@@ -446,7 +445,7 @@ def speculative_config(tokens: int) -> str:
     return json.dumps({"method": "mtp", "num_speculative_tokens": tokens}, separators=(",", ":"))
 
 
-def serve_backends(arch: str | None) -> tuple[str, str] | None:
+def serve_backends(arch: str | None, expert_layout: str = "model") -> tuple[str, str] | None:
     """(attention backend, MoE backend) `serve` passes for an output converted for `arch`: the Lucifer
     tuple on a fork build (its policy accepts nothing else); on stock vLLM what it runs on that GPU
     family (`stock_vtp.STOCK_BACKENDS`), also where vLLM cannot be inspected (the conversion box). For
@@ -462,7 +461,7 @@ def serve_backends(arch: str | None) -> tuple[str, str] | None:
         from . import patches
 
         arch = patches.device_arch()[0]
-    return stock_vtp.STOCK_BACKENDS.get(arch) if arch else None
+    return stock_vtp.stock_backends(arch, expert_layout) if arch else None
 
 
 def backends_remark() -> str:
@@ -475,13 +474,18 @@ def backends_remark() -> str:
 
 def serve_argv(out_dir: str | Path, tp: int | None, extra_args: list[str] | tuple[str, ...] = (),
                mtp_tokens: int | None = None, vllm: str = "vllm",
-               backends: tuple[str, str] | None = (ATTENTION_BACKEND, MOE_BACKEND)) -> list[str]:
+               backends: tuple[str, str] | None = (ATTENTION_BACKEND, MOE_BACKEND),
+               expert_layout: str = "kernel") -> list[str]:
     """The `vllm serve` command for OUT (`tp` from its manifest; None writes a placeholder) with the
     given backends (`serve_backends`; None leaves them to vLLM). Raises ShimError when the extra
     arguments set a flag lucifer-shard sets, or one the plugin refuses at load (`settings.REQUIRED`,
-    the loader's --model-loader-extra-config)."""
+    the loader's --model-loader-extra-config). A model-layout output may take another --moe-backend
+    there: vLLM lays its experts out for whichever MoE kernel it runs."""
     extra = list(extra_args)
     owned = {flag: "lucifer-shard serve sets it from the manifest" for flag in SERVE_FLAGS}
+    user_moe = expert_layout == "model" and "--moe-backend" in {settings.spelling(a)[0] for a in extra}
+    if user_moe:
+        del owned["--moe-backend"]
     if mtp_tokens:
         owned[SPECULATIVE_FLAG] = "--mtp sets it"
     given = {SHORT_FLAGS.get(flag, flag) for flag, _ in map(settings.spelling, extra)}
@@ -494,7 +498,7 @@ def serve_argv(out_dir: str | Path, tp: int | None, extra_args: list[str] | tupl
     argv = [vllm, "serve", str(Path(out_dir)), "--tensor-parallel-size", str(tp) if tp else "<TP of OUT>",
             "--load-format", LOAD_FORMAT]
     if backends is not None:
-        argv += ["--attention-backend", backends[0], "--moe-backend", backends[1]]
+        argv += ["--attention-backend", backends[0]] + ([] if user_moe else ["--moe-backend", backends[1]])
     if mtp_tokens:
         argv += [SPECULATIVE_FLAG, speculative_config(mtp_tokens)]
     return argv + extra

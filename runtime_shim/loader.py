@@ -16,7 +16,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from lucifer_shard.spec.config import ARCHITECTURE
 from lucifer_shard.spec.dtypes import TORCH_DTYPE as TORCH_DTYPES
-from lucifer_shard.spec.layouts import EXPERT_TENSORS
+from lucifer_shard.spec.layouts import EXPERT_TENSORS, MODEL, layout_by_name
 from lucifer_shard.spec.manifest import file_digest, file_metadata
 from lucifer_shard.spec.stheader import Header
 
@@ -70,6 +70,20 @@ def _shape(s) -> str:
 def _tp_mismatch(manifest: Manifest, tp) -> ShimError:
     return ShimError(f"rank files were built for tensor_parallel_size={manifest.tp_size}, vLLM was started with "
                      f"{tp}; rebuild with lucifer-shard convert --tp {tp} or start with -tp {manifest.tp_size}")
+
+
+def _kernel_shape(t: dict, p: torch.Tensor) -> tuple[int, ...] | None:
+    """The shape the file's kernel layout gives parameter `p` ([experts, rows, cols] in model layout), or None
+    for model layout or a shape the layout cannot take. SM90's scale fold makes the 3-D parameter 5-D at the
+    same byte count; the bytes then fill the parameter viewed in that shape, and the re-layout wrapper hands
+    the kernel that view (`patches.make_relayout_wrapper`): a reinterpretation, no narrowing."""
+    layout = t.get("layout", MODEL)
+    if layout == MODEL or p.dim() != 3 or not p.is_contiguous():
+        return None
+    try:
+        return (int(p.shape[0]), *layout_by_name(layout).kernel_shape((int(p.shape[1]), int(p.shape[2]))))
+    except ValueError:
+        return None
 
 
 def _few(names, n=5) -> str:
@@ -137,7 +151,7 @@ class LuciferTP3Loader(BaseModelLoader):
         check_watch(seen)  # a convert that ran meanwhile: the bytes may be two outputs' mix
         if verify == "full":
             self._check_zero_regions(entry, targets)
-        self._tag(model, manifest, expert_modules)
+        self._tag(model, manifest, entry["tensors"], expert_modules)
         self._replay_hooks(model, role)
         logger.info("lucifer_tp3: loaded %d tensors of %s rank %d from %d file(s) (verify=%s)", len(self.loaded),
                     role, rank, len(files), verify)
@@ -161,6 +175,10 @@ class LuciferTP3Loader(BaseModelLoader):
                     raise ShimRuntimeError(f"{prefix}.{name} was re-laid-out after loading (storage moved from "
                                            f"{ptr:#x} to {now:#x}); the kernel-layout experts were processed again, "
                                            f"use a supported vLLM build (lucifer-shard doctor)")
+        if self.tags:
+            tag = next(iter(self.tags.values()))
+            logger.info("lucifer_tp3: %d MoE layer(s) loaded verbatim in kernel layout (%s): vLLM's re-layout skipped, "
+                        "each kernel built on the storage the files filled (checked)", len(self.tags), tag.moe_variant)
 
     # ------------------------------------------------------------------ pieces
 
@@ -304,6 +322,14 @@ class LuciferTP3Loader(BaseModelLoader):
     def _is_sink(name: str, t: dict) -> bool:
         return name.endswith("attn_sink") and t.get("pad") == "-inf" and len(t["shape"]) == 1
 
+    def _destination(self, name: str, t: dict, p: torch.Tensor) -> torch.Tensor:
+        """Where the file tensor's bytes go: the parameter; `attn_sink`'s prefix; a kernel-layout tensor whose
+        layout reshapes it (SM90's folded scales), the parameter's storage viewed in the file's shape."""
+        if self._is_sink(name, t):
+            return p[: int(t["shape"][0])]
+        shape = tuple(int(x) for x in t["shape"])
+        return p if tuple(p.shape) == shape else p.view(shape)
+
     def _check_tensor(self, name: str, t: dict, p: torch.Tensor) -> None:
         fdt = TORCH_DTYPES.get(t["dtype"])
         shape = tuple(int(x) for x in t["shape"])
@@ -318,7 +344,7 @@ class LuciferTP3Loader(BaseModelLoader):
                 raise ShimError(f"shape mismatch: tensor {name} {_shape(shape)} does not fit param {_shape(p.shape)} "
                                 f"(attn_sink is copied into a prefix only)")
             return
-        if tuple(p.shape) != shape:
+        if tuple(p.shape) != shape and _kernel_shape(t, p) != shape:
             raise ShimError(f"shape mismatch: tensor {name} shape {_shape(shape)} != param {_shape(p.shape)}; no "
                             f"narrowing is performed, re-convert for this vLLM build and attention backend")
 
@@ -351,9 +377,6 @@ class LuciferTP3Loader(BaseModelLoader):
     def _check_expert_modules(self, model: nn.Module, manifest: Manifest, groups: dict[str, list[str]], rank: int, tp: int) -> None:
         if not groups:
             return
-        if manifest.arch == "sm90":
-            raise ShimError(f"{manifest.path}: sm90 kernel-layout experts change the scale shapes (5-D/3-D), which "
-                            f"needs the c-full path this shim does not implement; convert with --expert-layout model")
         arch, cap = patches.device_arch()
         if arch is not None and arch != manifest.arch:
             raise ShimError(f"GPU capability {cap} but files were laid out for {manifest.arch} "
@@ -385,8 +408,7 @@ class LuciferTP3Loader(BaseModelLoader):
         BLAKE3 digests when `digests`."""
         reads = []
         for name, h in f.header.tensors.items():
-            p = targets[name].data
-            dst = p[: int(tensors[name]["shape"][0])] if self._is_sink(name, tensors[name]) else p
+            dst = self._destination(name, tensors[name], targets[name].data)
             # the span is dtype x shape (stheader), = the manifest's (_check_files), = the parameter's
             reads.append(reader.TensorRead(name, f.header.data_start + h.start, dst))
         fd = open_rank_file(manifest.out, f.declared["path"], role, rank)
@@ -410,13 +432,14 @@ class LuciferTP3Loader(BaseModelLoader):
             self.loaded[name] = str(f.path)
         return got
 
-    def _tag(self, model: nn.Module, manifest: Manifest, groups: dict[str, list[str]]) -> None:
+    def _tag(self, model: nn.Module, manifest: Manifest, entry_tensors: dict, groups: dict[str, list[str]]) -> None:
         layouts = {k: v.get("name", k) if isinstance(v, dict) else str(v)
                    for k, v in (manifest.doc.get("layouts") or {}).items()}
         for prefix in groups:
             module = model.get_submodule(prefix)
             tag = patches.ExpertTag(prefix=prefix, moe_variant=manifest.moe_variant, layout=layouts)
             tag.data_ptrs = {n: getattr(module, n).data_ptr() for n in EXPERT_TENSORS}
+            tag.shapes = {n: tuple(int(x) for x in entry_tensors[f"{prefix}.{n}"]["shape"]) for n in EXPERT_TENSORS}
             setattr(module, patches.TAG_ATTR, tag)
             self.tags[prefix] = tag
 

@@ -9,9 +9,11 @@ the plugin). `compat.WRAPPERS` says what each replaces, why, in which process, a
     the plan equals the manifest's. With any other load format the Lucifer tuple is refused (the
     stock MXFP4 loader mis-slices W2); everything else goes to the original unchanged.
 (b) expert re-layout: wraps the name `convert_weight_to_mxfp4_moe_kernel_format` that
-    `Mxfp4MoEMethod._setup_kernel` looks up at call time. For layers the loader tagged (experts
-    already in kernel layout) it is the identity; it refuses a tagged layer whose resolved backend
-    is not the manifest's variant. Untagged layers go to the original.
+    `Mxfp4MoEMethod._setup_kernel` looks up at call time (the forks and stock 0.33.0). For layers the
+    loader tagged (experts already in kernel layout) it is the identity: the same storage comes back,
+    viewed in the kernel's shape (SM90's folded scales are 5-D, held in the 3-D parameter whose shape
+    `_setup_kernel` checks); it refuses a tagged layer whose resolved backend is not the manifest's
+    variant. Untagged layers go to the original.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ class ExpertTag:
     moe_variant: str
     layout: dict[str, str]
     data_ptrs: dict[str, int] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the files' (kernel) shapes
     relayout_calls: int = 0
 
 
@@ -216,7 +219,9 @@ def make_relayout_wrapper(original):
                                        f"storage than the loader filled; vLLM's post-load path changed, this build "
                                        f"is not supported")
         tag.relayout_calls += 1
-        return (a["w13_weight"].data, a["w2_weight"].data, a["w13_weight_scale"].data, a["w2_weight_scale"].data,
+        kernel = {name: a[name].data.view(tag.shapes.get(name, a[name].shape)) for name in EXPERT_TENSORS}
+        logger.debug("lucifer_tp3: %s: experts loaded in kernel layout, re-layout skipped", tag.prefix)
+        return (kernel["w13_weight"], kernel["w2_weight"], kernel["w13_weight_scale"], kernel["w2_weight_scale"],
                 a.get("w13_bias"), a.get("w2_bias"))
 
     convert_weight_to_mxfp4_moe_kernel_format.__lucifer_wrapped__ = original

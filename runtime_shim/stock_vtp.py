@@ -34,14 +34,24 @@ CONFIG_KEYS = {"heads": "num_attention_heads", "groups": "o_groups", "routed": "
 # the loader (a fork config has `vllm_virtual_tp_plan` instead)
 MARKER = "lucifer_tp3_padding"
 LOAD_FORMAT = RUNTIME["load_format"]
-# What stock vLLM runs for each --arch of an output (the experts in model layout: vLLM lays them out
-# itself). SM90 has no FlashInfer DSv4 sparse MLA (`_resolve_dsv4_sparse_mla_backend`: SM100/103/107/
-# 120/121), so FlashMLA sparse (24 local heads padded to 64) and Marlin, which ship in the wheel.
+# What stock vLLM runs for each --arch of a model-layout output (vLLM lays the experts out itself). SM90
+# has no FlashInfer DSv4 sparse MLA (`_resolve_dsv4_sparse_mla_backend`: SM100/103/107/120/121), so
+# FlashMLA sparse (24 local heads padded to 64); its MoE is Marlin, which ships compiled in the wheel
+# (FlashInfer's SM90 CUTLASS MoE module is a JIT build of about an hour unless a prebuilt one is installed).
 STOCK_BACKENDS = {
     "sm120": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),
     "sm100": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),
     "sm90": ("FLASHMLA_SPARSE_DSV4", "marlin"),
 }
+
+
+def stock_backends(arch: str | None, expert_layout: str = "model") -> tuple[str, str] | None:
+    """(attention, MoE backend) stock vLLM serves an output of `arch` with: kernel-layout experts are in
+    FlashInfer CUTLASS's layout, so they need its MoE on every family (SM90: the MXFP4 x BF16 variant)."""
+    pair = STOCK_BACKENDS.get(arch or "")
+    if pair is None or expert_layout == "model":
+        return pair
+    return pair[0], RUNTIME["moe_backend"]
 # attention backends a GPU family cannot run, with what to pass instead
 UNRUNNABLE_ATTENTION = {"sm90": {"FLASHINFER_MLA_SPARSE_DSV4": "FLASHMLA_SPARSE_DSV4"}}
 
@@ -115,8 +125,9 @@ def stock_problems(vllm_config, manifest: Manifest) -> list[str]:
     mc = vllm_config.model_config
     problems = model_problems(vllm_config) + patches.parallel_problems(vllm_config, manifest)
     if manifest.expert_layout != "model" and not patches.installed(compat.RELAYOUT):
-        problems.append(f"routed experts in kernel layout ({manifest.moe_variant}), which only the fork builds load "
-                        f"(re-convert with --expert-layout model)")
+        problems.append(f"routed experts in kernel layout ({manifest.moe_variant}), which this vLLM cannot load "
+                        f"verbatim: {patches.why_not_installed(compat.RELAYOUT)} (use a vetted build, see lucifer-shard "
+                        f"doctor, or re-convert with --expert-layout model)")
     for role, cfg in (("target", mc), ("draft", getattr(getattr(vllm_config, "speculative_config", None),
                                                          "draft_model_config", None))):
         diff = geometry_problem(cfg, manifest) if cfg is not None else None

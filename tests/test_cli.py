@@ -169,11 +169,22 @@ def test_plan_predicts_convert_exactly(tiny_pattern, tmp_path):
 # ---------------------------------------------------------------- convert: options and room
 
 
-def test_convert_requires_arch(tiny_pattern, tmp_path):
-    r = run("convert", "--tp", 3, tiny_pattern, tmp_path / "out")
+def test_kernel_layout_requires_arch(tiny_pattern, tmp_path):
+    r = run("convert", "--tp", 3, "--expert-layout", "kernel", tiny_pattern, tmp_path / "out")
     assert r.exit_code == 2 and not (tmp_path / "out").exists()
     assert r.output.startswith("error: --arch is required") and "sm120|sm100|sm90" in r.output
     assert r.output.count("\n") == 1
+
+
+@pytest.mark.parametrize("arch,layout", [(None, "model"), ("sm90", "kernel"), ("sm120", "kernel")])
+def test_default_expert_layout_is_what_stock_vllm_serves(tiny_pattern, tmp_path, arch, layout):
+    """A plain `convert --tp 3 MODEL OUT` writes model layout for any GPU family; with --arch, that family's
+    kernel layout (stock vLLM 0.33.0 with the plugin loads both)."""
+    out = tmp_path / "out"
+    r = run("convert", "--tp", 3, *(["--arch", arch] if arch else []), tiny_pattern, out)
+    assert r.exit_code == 0, r.output
+    man = json.loads((out / "lucifer-manifest.json").read_text())
+    assert (man["arch"], man["expert_layout"]) == (arch, layout)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -193,8 +204,10 @@ def test_options_that_do_not_apply_are_refused(tiny_pattern, tmp_path, args, nee
 def test_sm90_kernel_layout_is_warned_about(tiny_pattern, tmp_path):
     r = run("convert", "--tp", 3, "--arch", "sm90", "--flashinfer-layout", "legacy", tiny_pattern, tmp_path / "out")
     assert r.exit_code == 0, r.output
-    assert "warning: no vetted vLLM build loads sm90 kernel-layout experts" in r.stderr
-    assert "--expert-layout model" in r.stderr
+    assert "warning: no vetted vLLM build serves sm90 kernel layout of FlashInfer's legacy generation" in r.stderr
+    r = run("convert", "--tp", 3, "--arch", "sm90", tiny_pattern, tmp_path / "out2")
+    assert r.exit_code == 0 and "warning" not in r.stderr, r.output
+    assert "FlashInfer's SM90 CUTLASS MoE module" in r.stderr and "--expert-layout model" in r.stderr
 
 
 def test_convert_refuses_to_start_without_room(tiny_pattern, tmp_path, monkeypatch):

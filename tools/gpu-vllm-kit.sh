@@ -23,7 +23,7 @@ SLIM=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs
       vllm/_qutlass_C.abi3.so vllm/_flashkda_C.abi3.so vllm/_deepselect_C.abi3.so
       vllm/third_party/fmha_sm100 vllm/third_party/tml_fa4 bin)
 LEFT_OUT=(torch torchvision torchaudio flashinfer-python nvidia-cudnn-frontend humming-kernels tokenspeed-mla
-          nvidia-cutlass-dsl-libs-cu12 quack-kernels pynvvideocodec torchcodec instanttensor fastsafetensors)
+          nvidia-cutlass-dsl-libs-cu12 pynvvideocodec torchcodec instanttensor fastsafetensors)
 log() { echo "gpu-vllm-kit: $*" >&2; }
 
 if [ "${1:-}" = --resolve ]; then

@@ -40,9 +40,11 @@ def conversion_options(f):
                           "--expert-layout kernel: the experts' kernel layout follows it and the loader refuses "
                           "other GPUs. Optional with --expert-layout model, whose files are the same for every "
                           "arch: without it the output serves on any GPU family (the manifest's arch is null)."),
-        click.option("--expert-layout", type=click.Choice(["kernel", "model"]), default="kernel", show_default=True,
-                     help="kernel: routed experts pre-laid-out for the FlashInfer-CUTLASS kernel of --arch; "
-                          "model: as vLLM holds them before post-load processing (vLLM lays them out at load)."),
+        click.option("--expert-layout", type=click.Choice(["kernel", "model"]), default=None,
+                     help="kernel: routed experts pre-laid-out for the FlashInfer-CUTLASS kernel of --arch, loaded "
+                          "verbatim (stock vLLM 0.33.0 with the plugin serves it on every arch); model: as vLLM holds "
+                          "them before post-load processing (vLLM lays them out at load, for any MoE backend)  "
+                          "[default: kernel with --arch, model without]"),
         click.option("--flashinfer-layout", type=click.Choice(["folded", "legacy"]), default=None,
                      help=_flashinfer_help()),
         click.option("--max-file-size", default="4G", show_default=True,
@@ -72,7 +74,7 @@ def target_options(f):
     return f
 
 
-def options_from(tp: int, arch: str | None, expert_layout: str, flashinfer_layout: str | None, max_file_size: str,
+def options_from(tp: int, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None, max_file_size: str,
                  align: int, no_mtp: bool, require_arch: bool) -> Options:
     """The Options a command line asks for: options that do not apply are refused, a combination no
     vetted runtime loads is warned about with the reason. Kernel layout without --arch is refused
@@ -81,6 +83,7 @@ def options_from(tp: int, arch: str | None, expert_layout: str, flashinfer_layou
     from ..spec.plan import local_gpu
     from ..units import parse_size, size
 
+    expert_layout = expert_layout or ("kernel" if arch else "model")
     if arch is None and require_arch and expert_layout == "kernel":
         gpu = local_gpu()
         here = f" (this machine has {gpu})" if gpu else ""
@@ -105,10 +108,14 @@ def options_from(tp: int, arch: str | None, expert_layout: str, flashinfer_layou
                            f"for Flash at TP3); choose 1M or more (default 4G)")
     if max_bytes > MAX_FILE_BYTES:
         raise UsageRefused(f"--max-file-size {max_file_size[:40]!r}: choose 1M to 1024T (1 PiB)")
-    if kernel90:
-        Console.of().warn("no vetted vLLM build loads sm90 kernel-layout experts (the SM90 'c-full' load path is "
-                          "not built), so lucifer-shard serve refuses these files; they serve FlashInfer-level "
-                          "tests. To serve on sm90, use --expert-layout model")
+    if kernel90 and flashinfer_layout == "legacy":
+        Console.of().warn("no vetted vLLM build serves sm90 kernel layout of FlashInfer's legacy generation (vLLM "
+                          "0.33.0 pins FlashInfer 0.7.2.post1, the folded one; the mlow/vllm builds serve only "
+                          "sm120/sm100); these files serve FlashInfer-level tests. Drop --flashinfer-layout to serve")
+    elif kernel90:
+        Console.of().note("sm90 kernel layout serves with FlashInfer's SM90 CUTLASS MoE module, which FlashInfer "
+                          "0.7.2.post1 builds on the serving host at first use (an hour or more; cached after) "
+                          "unless a prebuilt one is installed; --expert-layout model serves with Marlin, no build")
     shown = arch or (ARCHES[0] if expert_layout == "kernel" else None)
     return Options(tp=tp, arch=shown, expert_layout=expert_layout,
                    flashinfer_layout=flashinfer_layout or "folded", mtp=not no_mtp, max_file_bytes=max_bytes,
@@ -145,7 +152,7 @@ def cli() -> None:
 @conversion_options
 @target_options
 @conventions(interrupted="interrupted: plan writes nothing")
-def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout: str, flashinfer_layout: str | None,
+def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None,
          max_file_size: str, align: int, no_mtp: bool, revision: str | None, workers: int, resume: bool,
          force: bool) -> None:
     """Dry run of convert: the virtual-TP plan and the conversion's disk footprint. Writes nothing.
@@ -206,7 +213,7 @@ def _refuse_resume_force(resume: bool, force: bool) -> None:
 @conversion_options
 @target_options
 @conventions(interrupted="interrupted: finished files are kept; run the same command with --resume to continue")
-def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str, flashinfer_layout: str | None,
+def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None,
             max_file_size: str, align: int, no_mtp: bool, revision: str | None, workers: int, resume: bool,
             force: bool) -> None:
     """Write per-rank safetensors of MODEL into OUT: sliced, zero-padded, experts laid out.

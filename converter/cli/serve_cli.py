@@ -97,7 +97,8 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
         [VLLM_ARGS: everything after `--`]
     with A, M for the output's --arch on stock vLLM (virtual TP supplied by the plugin):
       sm120, sm100: FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass
-      sm90:         FLASHMLA_SPARSE_DSV4, marlin
+      sm90:         FLASHMLA_SPARSE_DSV4, marlin (model layout) or flashinfer_cutlass (kernel layout)
+    (a model-layout output may take another --moe-backend among VLLM_ARGS: vLLM lays its experts out);
     for an output converted without --arch, those of the serving host's GPU (left out where no GPU
     is visible); FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass on a vetted mlow/vllm build.
     VLLM_ARGS the plugin refuses at load are refused here, before vLLM starts: a pipeline, data or
@@ -122,9 +123,10 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
         tp, arch, readable = manifest.tp_size, manifest.arch, True
     except ShimError:
         tp, arch, readable = None, None, False  # the preflight's output check says why
-    backends = serve_backends(arch)
+    backends = serve_backends(arch, manifest.expert_layout if readable else "model")
     try:
-        argv = serve_argv(out, tp, vllm_args, (mtp_tokens or 1) if mtp else None, backends=backends)
+        argv = serve_argv(out, tp, vllm_args, (mtp_tokens or 1) if mtp else None, backends=backends,
+                          expert_layout=manifest.expert_layout if readable else "kernel")
     except ShimError as e:
         raise UsageRefused(str(e)) from None
     checks = doctor_report(out, mtp)

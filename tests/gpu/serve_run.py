@@ -1,22 +1,32 @@
-"""The serving run on a GPU (docs/gpu-validation.md, "Served on a GPU"): stock vLLM 0.33.0's own
-OpenAI-compatible server, started by `lucifer-shard serve` on TP1 rank files and by `vllm serve` on the
-original checkpoint (vLLM's default loader), answers the same greedy requests over HTTP; tokens and
-logprobs are compared, eager and with CUDA graphs; one flipped expert byte is refused by verify=full and
-changes the logprobs under verify=headers; start-up is timed per loader beside the disk's cold-read floor.
+"""The serving run on a GPU (docs/gpu-validation.md §8): stock vLLM 0.33.0's own OpenAI-compatible
+server, started by `lucifer-shard serve` on TP1 rank files (model layout, and sm90 kernel layout loaded
+verbatim) and by `vllm serve` on the original checkpoint (vLLM's default loader), answers the same greedy
+requests over HTTP; tokens and logprobs are compared, eager and with CUDA graphs; one flipped byte of a
+kernel-layout expert is refused by verify=full and changes the logprobs under verify=headers; vLLM's
+post-load step is timed per MoE layer with its peak GPU memory (tests/gpu/hooks/sitecustomize.py), and
+start-up per layout beside the disk's cold-read floor.
 
-    eval "$(bash tests/gpu/vllm-kit-install.sh)" && python3 tests/gpu/serve_run.py --work /tmp/serve --out $OUT
+    bash tests/gpu/serve-run.sh      # the kit installed (vLLM + FlashInfer), then this script
+
+The MoE backend is FlashInfer's CUTLASS (`--moe-backend flashinfer_cutlass`, its SM90 MXFP4 x BF16
+variant) for the three servers compared: the kernel-layout files hold that kernel's layout; the
+checkpoint and the model-layout files are re-laid into it by vLLM at load. Marlin, what `serve` picks for
+model layout on sm90, is compared too (the checkpoint and the model-layout files).
 
 Phases run in order and each is recorded in WORK/results.json as it ends, so a call that runs out of
 time is continued by the next one (while the machine stays warm) with the phases still missing:
 
-    probe     versions; vLLM's extensions and DeepSeek-V4's NVIDIA model import on this torch
-    prepare   `synth forward` (random fill) and `convert --tp 1 --arch sm90`, model and kernel layout; the
-              flipped copy; the doctor's report on each output
-    eager     four servers at once, --enforce-eager: the checkpoint, the rank files, the flipped copy
-              (verify=headers) and the flipped copy with verify=full (must refuse to start)
-    graphs    the checkpoint and the rank files with vLLM's default compilation and CUDA graphs
-    startup   process start to first token and vLLM's "Model loading took" per loader, REPS times each,
-              one server at a time, the page cache dropped before each start; the disk's cold-read floor
+    probe     versions; vLLM's extensions, FlashInfer's CUTLASS MoE and DeepSeek-V4's NVIDIA model import
+    prepare   `synth forward` (random fill) and `convert --tp 1 --arch sm90`, model and kernel layout; a
+              flipped copy of the kernel-layout output; serve's dry run on the kernel-layout output
+    eager     seven servers at once, --enforce-eager: the checkpoint, the model-layout files (FlashInfer and
+              Marlin each), the kernel-layout files, the flipped copy (verify=headers) and the flipped copy
+              with verify=full (must refuse to start)
+    graphs    the checkpoint, the model-layout and the kernel-layout files with vLLM's default compilation
+              and CUDA graphs (FlashInfer MoE)
+    startup   process start to first token, vLLM's "Model loading took" and the post-load step per layout,
+              REPS times each, one server at a time, the page cache dropped before each start (resumed
+              where a cut call left it); the disk's cold-read floor
 """
 from __future__ import annotations
 
@@ -39,15 +49,18 @@ from inputs import FLIP_TENSOR, LONG, LONG_STEPS, SHORT, SHORT_STEPS, flip_route
 PHASES = ("probe", "prepare", "eager", "graphs", "startup")
 LOGPROBS = 5
 # The same engine flags for every server: the KV cache is sized by bytes, not by a share of free memory,
-# so servers started together on one GPU do not see each other's allocations in their profiling.
+# so servers started together on one GPU do not see each other's allocations in their profiling. FlashInfer
+# comes as the shared/gpu kit (only its SM90 MXFP4 x BF16 MoE module, prebuilt; JIT off): its autotuner and
+# its FP8 block GEMM (VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0, set in main) stay off, the default tactic runs.
 COMMON = ["--max-model-len", "4096", "--max-num-seqs", "4", "--seed", "0", "--skip-tokenizer-init",
           "--return-tokens-as-token-ids", "--gpu-memory-utilization", "0.15", "--kv-cache-memory-bytes", "2G",
-          "--attention-backend", "FLASHMLA_SPARSE_DSV4", "--moe-backend", "marlin"]
+          "--no-enable-flashinfer-autotune"]
+ATTENTION = "FLASHMLA_SPARSE_DSV4"  # SM90's DeepSeek-V4 sparse MLA (what serve picks for sm90)
+FI, MARLIN = "flashinfer_cutlass", "marlin"
 EAGER = ["--enforce-eager"]
-# CUDA graphs: vLLM's default (torch.compile, piecewise and full graphs) first; if that cannot start on
-# this torch, full graphs of the uncompiled model (decode only).
-GRAPHS = ([], ["--compilation-config", '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'])
+GRAPHS = []  # vLLM's default: torch.compile with piecewise and full CUDA graphs
 STARTUP_REPS = 3
+VERBATIM = "loaded verbatim in kernel layout"  # the loader's line after its post-load checks
 LOAD_RE = re.compile(r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds")
 
 
@@ -67,17 +80,21 @@ class Server:
 
     def __init__(self, name: str, argv: list[str], port: int, logs: Path):
         self.name, self.port, self.log = name, port, logs / f"{name}.log"
+        self.pwal = logs / f"{name}.pwal"  # tests/gpu/hooks/sitecustomize.py's records of the post-load step
+        shutil.rmtree(self.pwal, ignore_errors=True)
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(argv + ["--port", str(port)], stdout=open(self.log, "w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "LUCIFER_PWAL_LOG": str(self.pwal)})
         self.argv = argv
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
-    def wait_ready(self, timeout: float) -> float | None:
-        """Seconds from process start until /health answers; None if the process ended first."""
-        while time.monotonic() - self.t0 < timeout:
+    def wait_ready(self, deadline: float) -> float | None:
+        """Seconds from process start until /health answers; None if the process ended first. DEADLINE is
+        a time.monotonic() instant, the same for servers started together (not a span from this one's start)."""
+        while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return None
             try:
@@ -87,7 +104,7 @@ class Server:
             except OSError:
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"{self.name}: not ready after {timeout:.0f} s")
+        raise TimeoutError(f"{self.name}: not ready after {time.monotonic() - self.t0:.0f} s")
 
     def complete(self, prompt: list[int], max_tokens: int) -> dict:
         body = json.dumps({"model": self.model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -111,7 +128,8 @@ class Server:
     def load_figures(self) -> dict:
         text = self.log.read_text(errors="replace")
         m = LOAD_RE.search(text)
-        return {"model_loading_gib": float(m.group(1)), "model_loading_s": float(m.group(2))} if m else {}
+        out = {"model_loading_gib": float(m.group(1)), "model_loading_s": float(m.group(2))} if m else {}
+        return {**out, **post_load_figures(self.pwal), "verbatim_lines": [ln[ln.index("lucifer_tp3"):] for ln in text.splitlines() if VERBATIM in ln]}
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -126,27 +144,48 @@ class Server:
                 self.proc.wait()
 
 
-def vllm_serve(model: Path, extra: list[str]) -> list[str]:
-    return ["vllm", "serve", str(model), *COMMON, *extra]
+def post_load_figures(pwal: Path) -> dict:
+    """The post-load step as the hook measured it: per MoE layer (count, backend, how many were loaded in
+    kernel layout, total and largest ms) and in all (seconds, GPU memory allocated before it, its peak)."""
+    recs = [json.loads(line) for f in sorted(pwal.glob("*.jsonl")) for line in f.read_text().splitlines() if line]
+    layers = [r for r in recs if r["what"] == "moe_layer"]
+    whole = [r for r in recs if r["what"] == "post_load"]
+    out = {}
+    if layers:
+        ms = [r["ms"] for r in layers]
+        out["moe_post_load"] = {"layers": len(layers), "backend": sorted({r["backend"] for r in layers}),
+                                "kernel_layout_layers": sum(r["tagged"] for r in layers),
+                                "total_ms": round(sum(ms), 3), "max_ms": round(max(ms), 3)}
+    if whole:
+        w = whole[-1]
+        out["post_load"] = {"s": round(w["s"], 4), **{k: w[k] for k in ("allocated_before", "peak", "allocated_after")
+                                                      if k in w}}
+        if "peak" in w:
+            out["post_load"]["transient_bytes"] = w["peak"] - max(w["allocated_before"], w["allocated_after"])
+    return out
 
 
-def lucifer_serve(out: Path, extra: list[str], verify: str | None = None) -> list[str]:
-    # lucifer-shard serve owns --tensor-parallel-size, --load-format and the two backends (from the arch
-    # in the manifest); everything after `--` goes to vLLM.
-    own = [a for i, a in enumerate(COMMON) if a not in ("--attention-backend", "--moe-backend")
-           and COMMON[i - 1] not in ("--attention-backend", "--moe-backend")]
+def vllm_serve(model: Path, extra: list[str], moe: str = FI) -> list[str]:
+    return ["vllm", "serve", str(model), *COMMON, "--attention-backend", ATTENTION, "--moe-backend", moe, *extra]
+
+
+def lucifer_serve(out: Path, extra: list[str], verify: str | None = None, moe: str | None = None) -> list[str]:
+    # lucifer-shard serve owns --tensor-parallel-size, --load-format and the backends (from the manifest's arch
+    # and expert layout); a model-layout output may be given another MoE backend after `--` (MOE).
     cfg = ["--model-loader-extra-config", json.dumps({"verify": verify})] if verify else []
-    return [sys.executable, "-m", "lucifer_shard.cli", "serve", str(out), "--", *own, *extra, *cfg]
+    backend = ["--moe-backend", moe] if moe else []
+    return [sys.executable, "-m", "lucifer_shard.cli", "serve", str(out), "--", *COMMON, *backend, *extra, *cfg]
 
 
 def run_servers(specs: dict[str, list[str]], logs: Path, timeout: float) -> dict:
     """Start every server at once, then per server: ready time, the generations, load figures; or why
     it did not start (the log's tail)."""
     servers = {name: Server(name, argv, 8100 + i, logs) for i, (name, argv) in enumerate(specs.items())}
+    deadline = time.monotonic() + timeout
     out = {}
     try:
         for name, s in servers.items():
-            ready = s.wait_ready(timeout - (time.monotonic() - s.t0))
+            ready = s.wait_ready(deadline)
             if ready is None:
                 out[name] = {"argv": s.argv, "started": False, "exit": s.proc.returncode, "log_tail": s.tail()}
                 continue
@@ -170,6 +209,13 @@ def same(a: dict, b: dict) -> dict:
     return {"tokens_equal": equal_tokens, "identical": a == b, "max_abs_logprob_diff": max(diffs) if diffs else None}
 
 
+# FlashInfer as vLLM finds it: its version, the CUTLASS MoE vLLM's flashinfer_cutlass backend needs, and the
+# prebuilt SM90 module loading (FLASHINFER_DISABLE_JIT: nothing may compile)
+FLASHINFER_PROBE = ("import flashinfer, tvm_ffi; from vllm.utils.flashinfer import has_flashinfer_cutlass_fused_moe;"
+                    "from flashinfer.fused_moe.core import get_cutlass_fused_moe_module as g; g('90');"
+                    "print(flashinfer.__version__, tvm_ffi.__version__, has_flashinfer_cutlass_fused_moe())")
+
+
 def phase_probe(work: Path) -> dict:
     import torch
 
@@ -184,11 +230,14 @@ def phase_probe(work: Path) -> dict:
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
             "capability": list(torch.cuda.get_device_capability(0)), "python": sys.version.split()[0],
             "import_ok": r.returncode == 0, "import_s": round(time.monotonic() - t, 1),
+            "flashinfer": sh([sys.executable, "-c", FLASHINFER_PROBE]).stdout.strip()[-500:],
             "import_out": (r.stdout + r.stderr)[-3000:], "compat_tree": build.stdout[-2000:] if build else None,
             "nvidia_smi": sh(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv"]).stdout}
 
 
 def phase_prepare(work: Path, swa_only: bool) -> dict:
+    """The checkpoint, its TP1 rank files in model and sm90 kernel layout (the default with --arch), a copy of
+    the kernel-layout files with one expert byte flipped; serve's dry run on the kernel-layout output."""
     model, res = work / "model", {}
     if not (work / "prepared").exists():
         for d in ("model", "out-model", "out-kernel", "flipped"):
@@ -205,12 +254,12 @@ def phase_prepare(work: Path, swa_only: bool) -> dict:
         cli("convert", "--tp", "1", "--arch", "sm90", "--expert-layout", "model", str(model), str(work / "out-model"),
             "--quiet")
         cli("convert", "--tp", "1", "--arch", "sm90", str(model), str(work / "out-kernel"), "--quiet")
-        shutil.copytree(work / "out-model", work / "flipped")
+        shutil.copytree(work / "out-kernel", work / "flipped")
         res["flipped"] = flip_routed_expert_byte(model, work / "flipped")
         (work / "prepared").touch()
     res["sizes_bytes"] = {d: sum(f.stat().st_size for f in (work / d).rglob("*.safetensors"))
                           for d in ("model", "out-model", "out-kernel")}
-    for name in () if swa_only else ("out-model", "out-kernel"):  # the dry run prints the doctor's report and the command
+    for name in () if swa_only else ("out-kernel",):  # the dry run prints the doctor's report and the command
         r = sh([sys.executable, "-m", "lucifer_shard.cli", "serve", str(work / name), "--dry-run"])
         res[f"serve_dry_run_{name}"] = {"exit": r.returncode, "output": (r.stdout + r.stderr)[-3000:]}
     return res
@@ -218,10 +267,14 @@ def phase_prepare(work: Path, swa_only: bool) -> dict:
 
 def phase_eager(work: Path, logs: Path, timeout: float) -> dict:
     runs = run_servers({"ref_eager": vllm_serve(work / "model", EAGER),
-                        "lu_eager": lucifer_serve(work / "out-model", EAGER),
+                        "model_eager": lucifer_serve(work / "out-model", EAGER, moe=FI),
+                        "kernel_eager": lucifer_serve(work / "out-kernel", EAGER),
+                        "refmarlin_eager": vllm_serve(work / "model", EAGER, moe=MARLIN),
+                        "modelmarlin_eager": lucifer_serve(work / "out-model", EAGER),
                         "flip_headers": lucifer_serve(work / "flipped", EAGER),
                         "flip_full": lucifer_serve(work / "flipped", EAGER, verify="full")}, logs, timeout)
-    res = _summarise(runs, [("ref_eager", "lu_eager"), ("lu_eager", "flip_headers")])
+    res = _summarise(runs, [("ref_eager", "model_eager"), ("ref_eager", "kernel_eager"), ("model_eager", "kernel_eager"),
+                            ("refmarlin_eager", "modelmarlin_eager"), ("kernel_eager", "flip_headers")])
     refusal = [line for line in (logs / "flip_full.log").read_text(errors="replace").splitlines()
                if "lucifer_tp3: verify=full" in line]
     res["flip_full_refusal"] = {"started": runs["flip_full"]["started"], "lines": refusal[:3],
@@ -230,18 +283,17 @@ def phase_eager(work: Path, logs: Path, timeout: float) -> dict:
 
 
 def phase_graphs(work: Path, logs: Path, eager: dict, timeout: float) -> dict:
-    """Both CUDA-graph variants at once (GRAPHS), the checkpoint and the rank files each."""
-    specs = {}
-    for i, flags in enumerate(GRAPHS):
-        specs[f"ref_graphs{i}"] = vllm_serve(work / "model", flags)
-        specs[f"lu_graphs{i}"] = lucifer_serve(work / "out-model", flags)
+    """vLLM's default compilation and CUDA graphs: the checkpoint, the model-layout and the kernel-layout files."""
+    specs = {"ref_graphs": vllm_serve(work / "model", GRAPHS),
+             "model_graphs": lucifer_serve(work / "out-model", GRAPHS, moe=FI),
+             "kernel_graphs": lucifer_serve(work / "out-kernel", GRAPHS)}
     runs = run_servers(specs, logs, timeout)
-    res = _summarise(runs, [(f"ref_graphs{i}", f"lu_graphs{i}") for i in range(len(GRAPHS))])
+    res = _summarise(runs, [("ref_graphs", "model_graphs"), ("ref_graphs", "kernel_graphs")])
     for name in specs:
         e = eager["runs"].get(name.split("_")[0] + "_eager", {})
         if runs[name].get("started") and e.get("started"):
             res["compare"][f"{name} vs {name.split('_')[0]}_eager"] = same(runs[name]["generates"], e["generates"])
-    res["variants"] = {f"graphs{i}": flags for i, flags in enumerate(GRAPHS)}
+    res["flags"] = GRAPHS or "vLLM's default"
     return res
 
 
@@ -278,30 +330,43 @@ def cold_read_floor(files: list[Path]) -> dict:
     return {"bytes": n, "seconds": round(s, 3), "gb_per_s": round(n / s / 1e9, 3), "page_cache_dropped": dropped}
 
 
-def phase_startup(work: Path, logs: Path, deadline: float) -> dict:
+STARTUP = ("default", "model", "kernel")  # vLLM's loader on the checkpoint; the two layouts through serve
+
+
+def phase_startup(work: Path, logs: Path, deadline: float, done: dict, save) -> dict:
     """One server at a time, page cache dropped first: process start to the first token (a 1-token request
-    after /health), and vLLM's own model-loading time."""
-    res = {"floor": {d: cold_read_floor(sorted((work / d).rglob("*.safetensors"))) for d in ("model", "out-model")}}
+    after /health), vLLM's "Model loading took" and the post-load step, all with the FlashInfer MoE.
+    Continues DONE (a cut call's rows); `save(res)` after every start, so a call cut off loses one row."""
+    res = dict(done)
+    res.setdefault("floor", {d: cold_read_floor(sorted((work / d).rglob("*.safetensors")))
+                             for d in ("model", "out-model", "out-kernel")})
+    argv = {"default": vllm_serve(work / "model", EAGER), "model": lucifer_serve(work / "out-model", EAGER, moe=FI),
+            "kernel": lucifer_serve(work / "out-kernel", EAGER)}
     for rep in range(STARTUP_REPS):
-        if deadline - time.monotonic() < 150:  # two more starts would not end in time
-            res["stopped_early"] = f"after {rep} repetition(s): the call's time was running out"
-            break
-        for name, argv in (("default", vllm_serve(work / "model", EAGER)),
-                           ("lucifer", lucifer_serve(work / "out-model", EAGER))):
+        for name in STARTUP:
+            if len(res.get(name, [])) > rep:
+                continue
+            if deadline - time.monotonic() < 100:  # another start would not end in time
+                res["stopped_early"] = f"at repetition {rep} of {name}: the call's time was running out"
+                return res
             drop_caches()
-            s = Server(f"startup_{name}_{rep}", argv, 8200, logs)
+            s = Server(f"startup_{name}_{rep}", argv[name], 8200, logs)
             try:
-                ready = s.wait_ready(max(deadline - time.monotonic(), 10))
+                ready = s.wait_ready(max(deadline - 15, time.monotonic() + 10))
                 row = {"ready_s": ready and round(ready, 2)}
                 if ready is not None:
                     s.complete(SHORT[0], 1)
                     row["first_token_s"] = round(time.monotonic() - s.t0, 2)
                     row.update(s.load_figures())
+                    row.pop("verbatim_lines", None)
                 else:
                     row["log_tail"] = s.tail()
             finally:
                 s.stop()
             res.setdefault(name, []).append(row)
+            save(res)
+    res.pop("stopped_early", None)
+    res["complete"] = True
     return res
 
 
@@ -319,9 +384,12 @@ def main() -> int:
     results_path = work / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")  # compile DeepGEMM kernels at first use only
-    # The kit carries no FlashInfer (SM90 serves with FlashMLA and Marlin), but vLLM's GPU sampler imports
-    # it unless told not to (v1/sample/ops/topk_topp_sampler.py:118-125); greedy sampling never uses it.
+    # FlashInfer's sampler is a JIT module too (v1/sample/ops/topk_topp_sampler.py:118-125); greedy sampling
+    # never uses it.
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # FlashInfer's FP8 block-scale GEMM (vLLM's first choice for the FP8 linears on SM90 when FlashInfer is
+    # present) is a JIT module the kit does not carry; DeepGEMM serves those layers instead
+    os.environ.setdefault("VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER", "0")
     deadline = time.monotonic() + args.seconds
     # `timeout` (the device call's limit) sends SIGTERM: unwind, so the servers stop and the logs come back
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
@@ -335,7 +403,8 @@ def main() -> int:
 def _run_phases(phases: list[str], results: dict, results_path: Path, work: Path, logs: Path, out: Path,
                 deadline: float, swa_only: bool) -> None:
     for phase in phases:
-        if phase in results and "error" not in results[phase] and results[phase].get("import_ok", True):
+        if phase in results and "error" not in results[phase] and results[phase].get("import_ok", True) \
+                and results[phase].get("complete", True):
             continue  # done by an earlier call on this machine
         missing = _missing_prerequisite(phase, results)
         if missing:
@@ -354,7 +423,10 @@ def _run_phases(phases: list[str], results: dict, results_path: Path, work: Path
             elif phase == "graphs":
                 results[phase] = phase_graphs(work, logs, results["eager"], left)
             elif phase == "startup":
-                results[phase] = phase_startup(work, logs, deadline)
+                def save(partial: dict) -> None:
+                    results[phase] = partial
+                    results_path.write_text(json.dumps(results, indent=1))
+                results[phase] = phase_startup(work, logs, deadline, dict(results.get(phase, {})), save)
         except Exception as e:  # recorded with the phase; the next phases still run
             results[phase] = {"error": f"{type(e).__name__}: {e}"}
         results[phase]["phase_s"] = round(time.monotonic() - t, 1)

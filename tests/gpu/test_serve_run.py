@@ -43,17 +43,22 @@ def test_phases_run_when_their_prerequisites_held():
     assert all(S._missing_prerequisite(p, ok) is None for p in S.PHASES)
 
 
-def test_lucifer_serve_command_passes_the_clis_owned_flag_check(converted):
+@pytest.mark.parametrize("layout,moe", [("model", None), ("model", S.FI), ("kernel", None)])
+def test_lucifer_serve_command_passes_the_clis_owned_flag_check(converted, layout, moe):
     """`serve --dry-run` with exactly the arguments the serving run passes: the CLI must not refuse a
-    flag it owns (the run leaves the backends to the manifest's arch); without vLLM here it stops at the
-    environment check, after the argument check."""
-    out = converted(tp=1, arch="sm90", expert_layout="model")
-    argv = S.lucifer_serve(out, S.EAGER, verify="full")
+    flag it owns (the run leaves the attention backend, and for kernel layout the MoE backend, to the
+    manifest); without vLLM here it stops at the environment check, after the argument check. The
+    command it prints has the run's MoE backend once."""
+    out = converted(tp=1, arch="sm90", expert_layout=layout)
+    argv = S.lucifer_serve(out, S.EAGER, verify="full", moe=moe)
     assert argv[:3] == [sys.executable, "-m", "lucifer_shard.cli"]
     r = subprocess.run([*argv[:4], argv[4], "--dry-run", *argv[5:]], capture_output=True, text=True)
     assert "in the vLLM arguments" not in r.stdout + r.stderr, r.stdout + r.stderr
     assert r.returncode in (0, 1), r.stderr
-    assert not {"--attention-backend", "--moe-backend"} & set(argv)
+    assert "--attention-backend" not in argv and argv.count("--moe-backend") == (moe is not None)
+    command = r.stdout.strip().splitlines()[-1]
+    want = moe or ("flashinfer_cutlass" if layout == "kernel" else "marlin")
+    assert command.count("--moe-backend") == 1 and f"--moe-backend {want}" in command, command
 
 
 def test_report_renders_the_serving_section(tmp_path):

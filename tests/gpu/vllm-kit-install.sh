@@ -27,4 +27,6 @@ if [ ! -f "$SITE/.ready" ]; then
   touch "$SITE/.ready"
   echo "vllm-kit: unpacked and installed in $(python3 -c "import time;print(f'{time.time()-$start:.1f}')") s" >&2
 fi
-echo "export PYTHONPATH=$SITE/proj:$SITE\${PYTHONPATH:+:\$PYTHONPATH} PATH=$SITE/proj/bin:$SITE/bin:\$PATH"
+# CuTe-DSL puts its `cutlass` package on sys.path through a .pth file, which Python reads only in site
+# directories, never in PYTHONPATH entries: name that folder too.
+echo "export PYTHONPATH=$SITE/proj:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages\${PYTHONPATH:+:\$PYTHONPATH} PATH=$SITE/proj/bin:$SITE/bin:\$PATH"

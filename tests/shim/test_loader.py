@@ -186,13 +186,15 @@ def test_refuses_wrong_backend_for_tagged_layer(out_kernel, tp_world, monkeypatc
              "files require FLASHINFER_CUTLASS_MXFP4_MXFP8", "--moe-backend flashinfer_cutlass")
 
 
-def test_refuses_kernel_layout_without_relayout_wrapper(out_kernel, tp_world):
-    """On vLLM 0.33.0 the re-layout wrapper is not installed: a real MoE layer must not load kernel bytes."""
+def test_refuses_kernel_layout_without_relayout_wrapper(out_kernel, tp_world, monkeypatch):
+    """On a vLLM whose re-layout is not vetted the wrapper is not installed: a real MoE layer must not load
+    kernel bytes."""
     from types import SimpleNamespace
 
     from lucifer_shard.runtime_shim import compat, patches
 
-    assert not patches.installed(compat.RELAYOUT)
+    monkeypatch.setitem(patches.VERDICTS, compat.RELAYOUT,
+                        compat.WrapperVerdict(compat.RELAYOUT, False, None, (), "matches no build vetted for it"))
     model = sf.build_model(sf.manifest(out_kernel), "target")
     model.get_submodule("model.layers.0.ffn.experts.routed_experts").quant_method = SimpleNamespace(
         mxfp4_backend=SimpleNamespace(name="FLASHINFER_CUTLASS_MXFP4_MXFP8"))

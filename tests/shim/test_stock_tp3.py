@@ -10,8 +10,13 @@ checks), each into a fresh model:
 * the NVIDIA `DeepseekV4ForCausalLM` told the GPU is 12.0 (FlashInfer's SM120 sparse MLA pads 24 local
   heads to 32, FlashInfer CUTLASS MoE) and 9.0 (FlashMLA pads to 64, Marlin MoE), as `lucifer-shard
   serve` starts them on those GPU families;
-* vLLM's own `DefaultModelLoader` on the original checkpoint, which stock vLLM refuses at TP3, and two
-  lucifer_tp3 starts the plugin refuses (kernel-layout experts; `--hf-overrides`).
+* the NVIDIA class told the GPU is 12.0, 10.0 and 9.0, loaded from kernel-layout rank files of that
+  arch (`--expert-layout kernel`, the default with `--arch`), then vLLM's own post-load step of every
+  MoE layer (`Mxfp4MoEMethod.process_weights_after_loading`): the plugin's identity re-layout runs once
+  per tagged layer, the experts keep their storage and bytes (SM90's scales viewed 5-D), and vLLM builds
+  its FlashInfer CUTLASS kernel on them;
+* vLLM's own `DefaultModelLoader` on the original checkpoint, which stock vLLM refuses at TP3, and a
+  lucifer_tp3 start the plugin refuses (`--hf-overrides`).
 
 The source has 6 routed experts: vLLM's CPU class asserts `n_routed_experts % tp_size == 0`
 (`cpu/model.py:192`, values it never uses), which Flash's 256 experts do not satisfy at TP3; the
@@ -36,6 +41,9 @@ NVIDIA_CLASS = "vllm.models.deepseek_v4.nvidia.model.DeepseekV4ForCausalLM"
 DRAFT_CLASS = "vllm.models.deepseek_v4.nvidia.mtp.DeepSeekV4MTP"
 SPECULATIVE = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
 SM90_ENGINE = {"attention_backend": "FLASHMLA_SPARSE_DSV4", "moe_backend": "marlin", "kv_cache_dtype": "fp8"}
+SM90_KERNEL_ENGINE = {**SM90_ENGINE, "moe_backend": "flashinfer_cutlass"}
+# kernel-layout runs: arch -> (engine, capability)
+KERNEL_RUNS = {"sm120": (NVIDIA_ENGINE, [12, 0]), "sm100": (NVIDIA_ENGINE, [10, 0]), "sm90": (SM90_KERNEL_ENGINE, [9, 0])}
 LOADED = ("lucifer", "draft", "nvidia_sm120", "nvidia_sm90")
 WORLD_TIMEOUT_S = 900
 
@@ -43,10 +51,12 @@ WORLD_TIMEOUT_S = 900
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("stock-tp3")
-    source, out, kernel = base / "model", base / "out", base / "out-kernel"
+    source, out = base / "model", base / "out"
     sf.synth_tiny(source, EXPERTS)
     sf.cli("convert", "--tp", str(TP), "--arch", "sm120", str(source), str(out), "--expert-layout", "model", "--quiet")
-    sf.cli("convert", "--tp", str(TP), "--arch", "sm120", str(source), str(kernel), "--quiet")
+    kernel = {arch: base / f"out-{arch}" for arch in KERNEL_RUNS}
+    for arch, path in kernel.items():
+        sf.cli("convert", "--tp", str(TP), "--arch", arch, str(source), str(path), "--quiet")
     lucifer = {"model": str(out), "load_format": "lucifer_tp3"}
     spec = {"tp": TP, "results": str(base / "results"), "runs": [
         {"name": "lucifer", **lucifer, "files": str(out / "target")},
@@ -56,11 +66,13 @@ def world(tmp_path_factory) -> dict:
          "engine": NVIDIA_ENGINE},
         {"name": "nvidia_sm90", **lucifer, "files": str(out / "target"), "model_class": NVIDIA_CLASS,
          "engine": SM90_ENGINE, "capability": [9, 0]},
+        *({"name": f"kernel_{arch}", "model": str(kernel[arch]), "load_format": "lucifer_tp3",
+           "files": str(kernel[arch] / "target"), "model_class": NVIDIA_CLASS, "engine": engine,
+           "capability": capability, "moe_post_load": True} for arch, (engine, capability) in KERNEL_RUNS.items()),
         {"name": "default", "model": str(source), "load_format": "auto"},
-        {"name": "kernel_layout", "model": str(kernel), "load_format": "lucifer_tp3"},
         {"name": "hf_overrides", **lucifer, "engine": {"hf_overrides": {"rope_theta": 5000}}},
     ]}
-    return {"out": out, "source": source,
+    return {"out": out, "source": source, "kernel": kernel,
             "reports": sf.run_world(spec, "vllm-0.33.0-stock-tp3", timeout=WORLD_TIMEOUT_S)}
 
 
@@ -129,11 +141,35 @@ def test_the_backends_make_the_shapes_the_files_fill(world):
         assert rep["runs"]["lucifer"]["params"]["model.layers.0.attn.attn_sink"][0] == [24]  # the CPU class: unpadded
 
 
+def test_kernel_layout_experts_are_served_verbatim(world):
+    """Each arch's kernel-layout files in vLLM's NVIDIA class on that GPU family: vLLM's own post-load step
+    runs the plugin's identity re-layout exactly once per MoE layer, every expert tensor keeps the storage
+    the loader filled, holds the rank file's bytes in the file's shape afterwards (SM90: scales 5-D, as
+    FlashInfer's interleave makes them), and vLLM builds its FlashInfer CUTLASS kernel on them."""
+    for arch in KERNEL_RUNS:
+        man = sf.manifest(world["kernel"][arch])
+        assert man["expert_layout"] == "kernel" and man["arch"] == arch
+        for rep in world["reports"]:
+            run = rep["runs"][f"kernel_{arch}"]
+            assert "error" not in run, (arch, run.get("error"))
+            post = run["moe_post_load"]
+            assert "error" not in post, (arch, post.get("error"))
+            entry = man["roles"]["target"]["ranks"][rep["rank"]]["tensors"]
+            moe = {n.rpartition(".")[0] for n in entry if n.endswith(".routed_experts.w13_weight")}
+            assert set(post["layers"]) == moe and moe, (arch, sorted(post["layers"]))
+            for prefix, layer in post["layers"].items():
+                assert layer["backend"] == man["moe_variant"] and layer["kernel"] == "FlashInferExperts", layer
+                assert layer["relayout_calls"] == 1 and all(layer["storage_kept"].values()), (arch, prefix, layer)
+                assert layer["shapes"] == {n: entry[f"{prefix}.{n}"]["shape"] for n in layer["shapes"]}, layer
+            # after the post-load step every parameter still is its rank-file tensor, byte for byte
+            assert run["file_tensors"] == len(entry) and run["file_problems"] == [], (arch, run["file_problems"])
+        scales = post["layers"][sorted(moe)[0]]["shapes"]
+        if arch == "sm90":
+            assert len(scales["w13_weight_scale"]) == len(scales["w2_weight_scale"]) == 5, scales
+
+
 def test_the_plugin_refuses_what_stock_vllm_cannot_serve(world):
     for rep in world["reports"]:
-        err = rep["runs"]["kernel_layout"].get("error", "")
-        assert err.startswith("ShimError: lucifer_tp3: --load-format lucifer_tp3 on this vLLM cannot serve "), err
-        assert "routed experts in kernel layout (FLASHINFER_CUTLASS_MXFP4_MXFP8)" in err and "--expert-layout model" in err
         err = rep["runs"]["hf_overrides"].get("error", "")
         assert err.startswith("ShimError: lucifer_tp3: --hf-overrides {'rope_theta': 5000} with --load-format "), err
         assert "\n" not in err and "drop --hf-overrides" in err

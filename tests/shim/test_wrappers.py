@@ -152,6 +152,24 @@ def test_relayout_is_identity_for_tagged_layers_and_refuses_wrong_backend(shim):
     assert _call(wrapper, plain, Mxfp4MoeBackend.FLASHINFER_CUTLASS_MXFP4_MXFP8) == ("relaid-out",)
 
 
+def test_relayout_hands_sm90_scales_over_in_the_files_shape_on_the_same_storage(shim):
+    """SM90's folded scales are 5-D in the files and held in the 3-D parameter _setup_kernel checks: the
+    identity returns that storage viewed as the file's shape, which replace_parameter then binds."""
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+
+    from lucifer_shard.runtime_shim import patches
+
+    wrapper = patches.make_relayout_wrapper(_fake_convert)
+    layer, tag = _tagged_layer("FLASHINFER_CUTLASS_MXFP4_BF16")
+    layer.w13_weight_scale = torch.nn.Parameter(torch.arange(2 * 128 * 8, dtype=torch.uint8).reshape(2, 128, 8),
+                                                requires_grad=False)
+    tag.shapes = {"w13_weight_scale": (2, 2, 2, 16, 16)}
+    got = _call(wrapper, layer, Mxfp4MoeBackend.FLASHINFER_CUTLASS_MXFP4_BF16)
+    assert tuple(got[2].shape) == (2, 2, 2, 16, 16) and got[2].data_ptr() == layer.w13_weight_scale.data_ptr()
+    assert torch.equal(got[2].reshape(-1), layer.w13_weight_scale.reshape(-1))
+    assert tuple(got[0].shape) == (2, 4) and tag.relayout_calls == 1  # no recorded shape: the parameter's
+
+
 FAKE_VTP = '''
 def maybe_apply_b12x_virtual_tp_padding(vllm_config):
     vllm_config.calls.append("original")
@@ -201,8 +219,8 @@ def test_policy_wrapper_installed_only_when_signature_and_hash_match(tmp_path, m
     assert wrapped is not original and wrapped.__lucifer_wrapped__ is original
     patches.install(builds=(good,))  # idempotent: hashes the original behind the wrapper, wraps once
     assert mod.maybe_apply_b12x_virtual_tp_padding is wrapped
-    assert not patches.installed(compat.RELAYOUT)  # vLLM 0.33.0's convert function has another signature
-    assert "signature" in patches.why_not_installed(compat.RELAYOUT)
+    assert not patches.installed(compat.RELAYOUT)  # this venv's 0.33.0 re-layout is vetted by no build given
+    assert "matches no build vetted for it (fake0001)" in patches.why_not_installed(compat.RELAYOUT)
 
     # the installed wrapper delegates non-Lucifer configs to the fork's function
     cfg = SimpleNamespace(model_config=None, calls=[])
@@ -224,17 +242,43 @@ def test_policy_wrapper_refuses_changed_signature(tmp_path, monkeypatch, shim):
     assert "signature (vllm_config, strict) != expected (vllm_config)" in patches.why_not_installed(compat.POLICY)
 
 
-def test_load_model_refuses_kernel_layout_on_vllm_without_relayout_wrapper(out_kernel, shim):
+def test_relayout_wrapper_installed_only_where_its_hash_is_vetted(monkeypatch, shim):
+    """On this venv's vLLM 0.33.0 the re-layout wrapper sits where _setup_kernel looks it up; a build table
+    without 0.33.0's re-layout row leaves vLLM's function in place and says why."""
+    import dataclasses
+
+    import vllm.model_executor.layers.quantization.mxfp4 as q
+
+    from lucifer_shard.runtime_shim import compat, patches
+
+    assert patches.installed(compat.RELAYOUT) and patches.VERDICTS[compat.RELAYOUT].build.commit == "0.33.0"
+    assert q.convert_weight_to_mxfp4_moe_kernel_format.__lucifer_wrapped__ is not None
+    monkeypatch.setattr(q, "convert_weight_to_mxfp4_moe_kernel_format",
+                        compat.unwrap(q.convert_weight_to_mxfp4_moe_kernel_format))
+    monkeypatch.setattr(patches, "VERDICTS", {})
+    unvetted = tuple(dataclasses.replace(b, wrappers=tuple(w for w in b.wrappers if w != compat.RELAYOUT))
+                     if b.commit == "0.33.0" else b for b in compat.SUPPORTED_BUILDS)
+    patches.install(builds=unvetted)
+    assert not patches.installed(compat.RELAYOUT)
+    assert "convert_weight_to_mxfp4_moe_kernel_format sha256:171d153b1ce8" in patches.why_not_installed(compat.RELAYOUT)
+    assert getattr(q.convert_weight_to_mxfp4_moe_kernel_format, "__lucifer_wrapped__", None) is None
+
+
+def test_load_model_refuses_kernel_layout_on_vllm_without_relayout_wrapper(out_kernel, monkeypatch, shim):
     from vllm.config import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
 
+    from lucifer_shard.runtime_shim import compat, patches
+
+    monkeypatch.setitem(patches.VERDICTS, compat.RELAYOUT,
+                        compat.WrapperVerdict(compat.RELAYOUT, False, None, (), "a stand-in reason"))
     loader = get_model_loader(LoadConfig(load_format="lucifer_tp3"))
     vcfg = _vllm_config(out_kernel)
     vcfg.speculative_config = None
     with pytest.raises(ValueError) as e:
         loader.load_model(vcfg, vcfg.model_config)
     _refusal(e, "routed experts in kernel layout (FLASHINFER_CUTLASS_MXFP4_MXFP8)", "wrapper is not installed",
-             "--expert-layout model")
+             "a stand-in reason", "--expert-layout model")
     vcfg.parallel_config.tensor_parallel_size = 2
     with pytest.raises(ValueError) as e:
         loader.load_model(vcfg, vcfg.model_config)

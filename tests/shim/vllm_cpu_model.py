@@ -13,15 +13,16 @@ before `process_weights_after_loading`.
 SPEC = {"tp": N, "results": DIR, "engine"?: {EngineArgs overrides}, "dump"?: [SUBSTRING, ...],
         "runs": [{"name", "model", "load_format", "extra"?, "engine"?, "role"?: "draft", "capability"?: [9, 0],
                   "model_class"?: DOTTED, "plan"?: "fork-helper", "files"?: ROLE_DIR,
-                  "compare_to"?: RUN_NAME, "capture"?: false, "save_sharded"?: DIR}, ...]}
+                  "compare_to"?: RUN_NAME, "capture"?: false, "save_sharded"?: DIR, "moe_post_load"?: true}, ...]}
 
 Each rank writes DIR/rank-<r>.json with, per run, the model class, the live virtual-TP plan (the fork's
 plan or the plugin's stock padding) and the config sizes the layers were built from, every
 parameter (shape, dtype, blake3), the construction and load times, what the load cost this process
 (CPU seconds, /proc/self/io read_bytes and rchar, peak RSS during the load), or the one-line error
 the configuration or load raised; with "compare_to", the parameters that differ from that run's
-(first differing byte); with "files", the run's rank-file tensors compared with the loaded
-parameters; with "dump", the matching parameters as DIR/rank-<r>-<run>.safetensors. "capture":
+(first differing byte); with "moe_post_load", vLLM's own post-load step of every MXFP4 MoE layer run
+after the load (`moe_post_load`), then the loader's checks after it; with "files", the run's rank-file
+tensors compared with the loaded (and so processed) parameters; with "dump", the matching parameters as DIR/rank-<r>-<run>.safetensors. "capture":
 false keeps nothing of the loaded model (no digests: the load benchmark must not hold a second
 copy); "save_sharded" writes the loaded model with vLLM's `ShardedStateLoader.save_model`. The
 pseudo load format "floor" builds no model: each rank reads its own rank files (ROLE_DIR/rank-<r>,
@@ -297,10 +298,43 @@ def run_one(spec: dict, run: dict, rank: int, hook=None) -> tuple[dict, dict[str
         rec["construct_s"] = time.perf_counter() - t0
         rec["model_class"] = f"{type(model).__module__}.{type(model).__name__}"
         loaded = measured_load(rec, run, lambda: loader.load_weights(model, model_config), hook)
+        if loaded and run.get("moe_post_load"):
+            rec["moe_post_load"] = moe_post_load(model, loader)
     try:
         return finish_run(spec, run, rank, rec, model) if loaded else (rec, None)
     finally:
         release(model)
+
+
+def moe_post_load(model: torch.nn.Module, loader) -> dict:
+    """vLLM's own `Mxfp4MoEMethod.process_weights_after_loading` on every MXFP4 MoE layer, as
+    `process_weights_after_loading(model, ...)` runs it after a load (`_setup_kernel`'s shape checks, the
+    re-layout the plugin replaces for tagged layers, `replace_parameter`, the kernel build), then the
+    loader's own checks after it (`check_after_processing`). Per layer: the re-layout calls the tag counted,
+    whether each expert tensor kept its storage, its shape after, and the kernel built. The other layers'
+    post-load steps pack CPU kernels and do not touch the experts."""
+    from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
+
+    from lucifer_shard.runtime_shim import patches
+
+    layers = {}
+    try:
+        for prefix, module in model.named_modules():
+            qm = getattr(module, "quant_method", None)
+            if not isinstance(qm, Mxfp4MoEMethod):
+                continue
+            names = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+            before = {n: getattr(module, n).data_ptr() for n in names}
+            qm.process_weights_after_loading(module)
+            tag = getattr(module, patches.TAG_ATTR, None)
+            layers[prefix] = {"backend": qm.mxfp4_backend.name, "relayout_calls": tag and tag.relayout_calls,
+                              "storage_kept": {n: getattr(module, n).data_ptr() == before[n] for n in names},
+                              "shapes": {n: list(getattr(module, n).shape) for n in names},
+                              "kernel": type(qm.moe_kernel.fused_experts).__name__ if qm.moe_kernel else None}
+        loader.check_after_processing(model)
+    except Exception as e:  # noqa: BLE001 - the error line is this run's result
+        return {"layers": layers, "error": f"{type(e).__name__}: {e}"}
+    return {"layers": layers}
 
 
 def release(model: torch.nn.Module) -> None:

@@ -1,0 +1,20 @@
+#!/bin/bash
+# The serving run on a lent H200 (docs/gpu-validation.md §8), one device call at a time, from the checkout
+# root. Each call carries one piece of the vLLM kit (.vllmkitN/, tools/gpu-vllm-kit.sh) and one of them the
+# FlashInfer kit too (.gpu/, built per ../shared/gpu/README.md: FlashInfer 0.7.2.post1 with its prebuilt SM90
+# MoE module); both are staged in /tmp, which survives between calls while the machine stays warm. Exit 3:
+# a piece is still missing (carry the next one); otherwise serve_run.py's phases run (arguments go to it).
+set -u
+FI=${LUCIFER_FI_KIT:-/tmp/lucifer-fi-kit}
+if [ -d .gpu ]; then mkdir -p "$FI" && cp -rn .gpu/. "$FI"/; fi
+KIT_ENV=$(bash tests/gpu/vllm-kit-install.sh) || exit $?
+[ -f "$FI/prepare.sh" ] || { echo "serve-run: the FlashInfer kit (.gpu) was never carried" >&2; exit 3; }
+# installs the FlashInfer wheels and the prebuilt modules (nothing compiles) and says GPU_READY
+TOOLS="$FI" bash "$FI/prepare.sh" > /tmp/fi-prepare.log 2>&1 || { cat /tmp/fi-prepare.log; exit 4; }
+tail -1 /tmp/fi-prepare.log
+eval "$KIT_ENV"
+# FlashInfer's kit before vLLM's: its tvm-ffi 0.1.15.post2 (the prebuilt modules' build) wins over vLLM's pin
+# 0.1.11; the hooks' sitecustomize (the post-load timer, and the kit's trimmed-module switch) before the kit's.
+export PYTHONPATH=$PWD/tests/gpu/hooks:$FI:$FI/.venv:$PYTHONPATH FLASHINFER_W4A16_TRIM=1 FLASHINFER_DISABLE_JIT=1 \
+       FLASHINFER_WORKSPACE_BASE=$FI/.fi_ws
+exec python3 tests/gpu/serve_run.py --work /tmp/serve --out "${OUT:-/tmp/serve-out}" "$@"
