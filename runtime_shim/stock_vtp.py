@@ -21,7 +21,7 @@ import inspect
 import math
 from typing import Any
 
-from lucifer_shard.spec.manifest import RUNTIME
+from lucifer_shard.spec.manifest import RUNTIME, STOCK_BACKENDS, stock_backends  # noqa: F401 - one table, re-exported
 
 from . import compat
 from .configview import backend_name, model_problems, text_config
@@ -34,24 +34,6 @@ CONFIG_KEYS = {"heads": "num_attention_heads", "groups": "o_groups", "routed": "
 # the loader (a fork config has `vllm_virtual_tp_plan` instead)
 MARKER = "lucifer_tp3_padding"
 LOAD_FORMAT = RUNTIME["load_format"]
-# What stock vLLM runs for each --arch of a model-layout output (vLLM lays the experts out itself). SM90
-# has no FlashInfer DSv4 sparse MLA (`_resolve_dsv4_sparse_mla_backend`: SM100/103/107/120/121), so
-# FlashMLA sparse (24 local heads padded to 64); its MoE is Marlin, which ships compiled in the wheel
-# (FlashInfer's SM90 CUTLASS MoE module is a JIT build of about an hour unless a prebuilt one is installed).
-STOCK_BACKENDS = {
-    "sm120": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),
-    "sm100": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),
-    "sm90": ("FLASHMLA_SPARSE_DSV4", "marlin"),
-}
-
-
-def stock_backends(arch: str | None, expert_layout: str = "model") -> tuple[str, str] | None:
-    """(attention, MoE backend) stock vLLM serves an output of `arch` with: kernel-layout experts are in
-    FlashInfer CUTLASS's layout, so they need its MoE on every family (SM90: the MXFP4 x BF16 variant)."""
-    pair = STOCK_BACKENDS.get(arch or "")
-    if pair is None or expert_layout == "model":
-        return pair
-    return pair[0], RUNTIME["moe_backend"]
 # attention backends a GPU family cannot run, with what to pass instead
 UNRUNNABLE_ATTENTION = {"sm90": {"FLASHINFER_MLA_SPARSE_DSV4": "FLASHMLA_SPARSE_DSV4"}}
 

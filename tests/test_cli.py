@@ -114,9 +114,11 @@ def test_plan_any_tp(flash_dir):
 
 
 def test_plan_without_arch_says_so(flash_dir):
-    r = run("plan", "--tp", 3, flash_dir)
-    assert r.exit_code == 0 and "no --arch (shown for sm120; convert requires one" in r.output
+    r = run("plan", "--tp", 3, flash_dir)  # model layout, convert's default without --arch
+    assert r.exit_code == 0 and "any arch (model layout: vLLM lays the experts out at load" in r.output
     assert envelope(run("plan", "--tp", 3, "--json", flash_dir))["result"]["arch"] is None
+    r = run("plan", "--tp", 3, "--expert-layout", "kernel", flash_dir)
+    assert r.exit_code == 0 and "no --arch (shown for sm120; convert requires one" in r.output
 
 
 def test_plan_checks_the_room_on_outs_filesystem(flash_dir, tmp_path, monkeypatch):

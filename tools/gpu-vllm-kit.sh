@@ -11,7 +11,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${LUCIFER_GPU_KIT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lucifer-shard/gpu-kit}"
 LOCK="$ROOT/tests/gpu/vllm-kit.txt"
-PIECE_MIB="${PIECE_MIB:-61}"     # a device call carries 64 MiB with the checkout (~1.5 MiB): 3 pieces
+PIECE_MIB="${PIECE_MIB:-61}"     # a device call carries 64 MiB with the checkout (~2 MiB)
+XZ_LEVEL="${XZ_LEVEL:-6}"        # -1 packs in minutes on a busy 2-core machine, at about a piece more
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
            manylinux2014_x86_64 manylinux1_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64 manylinux_2_35_x86_64)
 TARGET=(--python-version 3.12 --implementation cp --only-binary=:all:)
@@ -56,7 +57,7 @@ python3 -m pip install -q --no-deps --no-compile --target "$CACHE/site" "${TARGE
 for p in "${SLIM[@]}"; do rm -rf "${CACHE:?}/site/$p"; done
 
 log "packing ($(du -sh "$CACHE/site" | cut -f1) unpacked; xz takes a few minutes)"
-tar -C "$CACHE/site" --sort=name --owner=0 --group=0 -cf - . | xz -T0 -6 > "$CACHE/site.tar.xz.partial"
+tar -C "$CACHE/site" --sort=name --owner=0 --group=0 -cf - . | xz -T0 "-$XZ_LEVEL" > "$CACHE/site.tar.xz.partial"
 mv "$CACHE/site.tar.xz.partial" "$CACHE/site.tar.xz"
 rm -rf "$ROOT"/.vllmkit[0-9]*
 split -b "${PIECE_MIB}M" -d -a 1 "$CACHE/site.tar.xz" "$CACHE/piece."

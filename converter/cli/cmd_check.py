@@ -241,8 +241,8 @@ def summary_lines(d: dict) -> list[str]:
         lines.append(f"  {t:<18} {name}")
     rt = d.get("runtime") or {}
     if rt:
-        lines.append(f"runtime        {rt.get('vllm_line')}; load format {rt.get('load_format')}, "
-                     f"MoE {rt.get('moe_backend')}, FlashInfer {rt.get('flashinfer')}")
+        lines.append(f"runtime        {rt.get('vllm_line')}; load format {rt.get('load_format')}, attention "
+                     f"{rt.get('attention_backend')}, MoE {rt.get('moe_backend')}, FlashInfer {rt.get('flashinfer')}")
     axes = ((d.get("plan") or {}).get("axes") or {})
     if axes:
         lines += ["", f"{'axis':<8} {'original':>9} {'padded':>9} {'per rank':>9} {'kernel-local':>13}"]

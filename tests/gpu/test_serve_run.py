@@ -4,6 +4,7 @@ command it gives `lucifer-shard serve` passes the real CLI's check of the flags 
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 
@@ -66,3 +67,20 @@ def test_report_renders_the_serving_section(tmp_path):
     md = report.render(recs, MACHINE, serving="No token was served.")
     assert "## 8. Served inside vLLM" in md and "No token was served." in md
     assert "## 8." not in report.render(recs, MACHINE)
+
+
+def test_post_load_figures_sum_the_hooks_records(tmp_path):
+    """What the serving run reports of vLLM's post-load step, from tests/gpu/hooks/sitecustomize.py's lines
+    (two processes' files: only the engine's loads): per MoE layer and in all, transient = peak - max(before, after)."""
+    pwal = tmp_path / "x.pwal"
+    pwal.mkdir()
+    (pwal / "11.jsonl").write_text("")
+    lines = [{"what": "moe_layer", "backend": "FLASHINFER_CUTLASS_MXFP4_BF16", "tagged": True, "ms": ms} for ms in (1.5, 2.5)]
+    lines.append({"what": "post_load", "s": 0.25, "allocated_before": 100, "peak": 400, "allocated_after": 120})
+    (pwal / "12.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    got = S.post_load_figures(pwal)
+    assert got["moe_post_load"] == {"layers": 2, "backend": ["FLASHINFER_CUTLASS_MXFP4_BF16"], "kernel_layout_layers": 2,
+                                    "total_ms": 4.0, "max_ms": 2.5}
+    assert got["post_load"] == {"s": 0.25, "allocated_before": 100, "peak": 400, "allocated_after": 120,
+                                "transient_bytes": 280}
+    assert S.post_load_figures(tmp_path / "none") == {}
