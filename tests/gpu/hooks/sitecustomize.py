@@ -10,9 +10,14 @@ With LUCIFER_PWAL_LOG=DIR, once vLLM's modules are imported:
   calls it) is timed, with the GPU memory allocated before it and the peak during it (the peak counter
   reset first), which is where a re-layout's transient copies show.
 
-Each process appends JSON lines to DIR/<pid>.jsonl. Nothing is changed in what vLLM computes. The
-shared/gpu kit's own sitecustomize (FlashInfer's trimmed SM90 MoE module, FLASHINFER_W4A16_TRIM=1) is run
-too, since Python loads one sitecustomize only.
+Each process appends JSON lines to DIR/<pid>.jsonl. Nothing is changed in what vLLM computes.
+
+With FLASHINFER_W4A16_TRIM=1 (the shared/gpu kit: FlashInfer 0.7.2.post1 whose only module is the prebuilt
+SM90 MXFP4 x BF16 CUTLASS MoE, JIT off), the kit's own sitecustomize runs (Python loads one only), and the
+vLLM modules that would take other kernels from FlashInfer when it is importable (FLASHINFER_ELSEWHERE:
+the logits' top-k, DeepSeek's scaling RoPE, the MLA k-concat, the indexer's opt-in top-k) see no FlashInfer,
+so they run vLLM's own kernels, as in a run without FlashInfer: those kernels are not in the kit, the MoE is
+what the run compares, and every server of the run has the same fallback.
 """
 import importlib.abc
 import importlib.util
@@ -21,7 +26,7 @@ import os
 import sys
 import time
 
-if os.environ.get("FLASHINFER_W4A16_TRIM") == "1":
+if os.environ.get("FLASHINFER_W4A16_TRIM") == "1":  # the kit's own sitecustomize
     try:
         import fi_trim
 
@@ -30,6 +35,12 @@ if os.environ.get("FLASHINFER_W4A16_TRIM") == "1":
         print(f"[w4a16-trim] not installed: {exc!r}")
 
 LOG = os.environ.get("LUCIFER_PWAL_LOG")
+TRIM = os.environ.get("FLASHINFER_W4A16_TRIM") == "1"
+FLASHINFER_ELSEWHERE = ("vllm.model_executor.layers.logits_processor",
+                        "vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope",
+                        "vllm.model_executor.layers.attention.mla_attention",
+                        "vllm.model_executor.layers.attention.sparse_mla_attention",
+                        "vllm.model_executor.layers.indexer_topk")
 MOE_MODULE = "vllm.model_executor.layers.quantization.mxfp4"
 LOADER_MODULE = "vllm.model_executor.model_loader.base_loader"
 
@@ -81,12 +92,15 @@ def _time_post_load(original):
     return process_weights_after_loading
 
 
-PATCHES = {
-    MOE_MODULE: lambda m: setattr(m.Mxfp4MoEMethod, "process_weights_after_loading",
-                                  _time_moe_layer(m.Mxfp4MoEMethod.process_weights_after_loading)),
-    LOADER_MODULE: lambda m: setattr(m, "process_weights_after_loading",
-                                     _time_post_load(m.process_weights_after_loading)),
-}
+PATCHES = {}
+if LOG:
+    PATCHES[MOE_MODULE] = lambda m: setattr(m.Mxfp4MoEMethod, "process_weights_after_loading",
+                                            _time_moe_layer(m.Mxfp4MoEMethod.process_weights_after_loading))
+    PATCHES[LOADER_MODULE] = lambda m: setattr(m, "process_weights_after_loading",
+                                               _time_post_load(m.process_weights_after_loading))
+if TRIM:
+    for _name in FLASHINFER_ELSEWHERE:
+        PATCHES[_name] = lambda m: setattr(m, "has_flashinfer", lambda: False)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -112,5 +126,5 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if LOG:
+if PATCHES:
     sys.meta_path.insert(0, _Finder())
