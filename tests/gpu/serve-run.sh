@@ -10,11 +10,14 @@ if [ -d .gpu ]; then mkdir -p "$FI" && cp -rn .gpu/. "$FI"/; fi
 KIT_ENV=$(bash tests/gpu/vllm-kit-install.sh) || exit $?
 [ -f "$FI/prepare.sh" ] || { echo "serve-run: the FlashInfer kit (.gpu) was never carried" >&2; exit 3; }
 # installs the FlashInfer wheels and the prebuilt modules (nothing compiles) and says GPU_READY
-TOOLS="$FI" bash "$FI/prepare.sh" > /tmp/fi-prepare.log 2>&1 || { cat /tmp/fi-prepare.log; exit 4; }
-tail -1 /tmp/fi-prepare.log
+# (its exit status is that of its last copy into $OUT: GPU_READY says it worked)
+TOOLS="$FI" bash "$FI/prepare.sh" > /tmp/fi-prepare.log 2>&1
+grep -q GPU_READY /tmp/fi-prepare.log || { cat /tmp/fi-prepare.log; exit 4; }
+# vLLM's site before FlashInfer's: vLLM's tvm-ffi pin 0.1.11 over the FlashInfer kit's 0.1.15.post2 (with that
+# one first, importing tilelang aborts: "TypeAttr `__ffi_repr__` is already registered", H200, 2026-12-03); the
+# hooks' sitecustomize (the post-load timer, and the kit's trimmed-module switch) before the kit's own.
+export PYTHONPATH=$FI/.venv${PYTHONPATH:+:$PYTHONPATH}
 eval "$KIT_ENV"
-# FlashInfer's kit before vLLM's: its tvm-ffi 0.1.15.post2 (the prebuilt modules' build) wins over vLLM's pin
-# 0.1.11; the hooks' sitecustomize (the post-load timer, and the kit's trimmed-module switch) before the kit's.
-export PYTHONPATH=$PWD/tests/gpu/hooks:$FI:$FI/.venv:$PYTHONPATH FLASHINFER_W4A16_TRIM=1 FLASHINFER_DISABLE_JIT=1 \
+export PYTHONPATH=$PWD/tests/gpu/hooks:$FI:$PYTHONPATH FLASHINFER_W4A16_TRIM=1 FLASHINFER_DISABLE_JIT=1 \
        FLASHINFER_WORKSPACE_BASE=$FI/.fi_ws
 exec python3 tests/gpu/serve_run.py --work /tmp/serve --out "${OUT:-/tmp/serve-out}" "$@"

@@ -352,7 +352,11 @@ def phase_startup(work: Path, logs: Path, deadline: float, done: dict, save) -> 
             drop_caches()
             s = Server(f"startup_{name}_{rep}", argv[name], 8200, logs)
             try:
-                ready = s.wait_ready(max(deadline - 15, time.monotonic() + 10))
+                try:
+                    ready = s.wait_ready(max(deadline - 15, time.monotonic() + 10))
+                except TimeoutError:  # the call's time ran out during this start: keep the rows so far
+                    res["stopped_early"] = f"at repetition {rep} of {name}: the call's time ran out"
+                    return res
                 row = {"ready_s": ready and round(ready, 2)}
                 if ready is not None:
                     s.complete(SHORT[0], 1)
