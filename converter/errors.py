@@ -145,14 +145,15 @@ ENVIRONMENT_ERRNOS = {errno.EACCES: "check its permissions", errno.EPERM: "check
                       errno.EDQUOT: "the disk quota is exhausted", errno.ENAMETOOLONG: "use a shorter path",
                       errno.ELOOP: "too many symbolic links in the path", errno.EMFILE: "raise `ulimit -n`",
                       errno.ENFILE: "the system is out of file descriptors",
-                      errno.EIO: "the disk reported an I/O error (see dmesg); its data cannot be read or written",
+                      errno.EIO: "the disk reported an I/O error (see dmesg)",
                       errno.ENOENT: "it does not exist", errno.ENOTDIR: "a part of the path is not a directory",
                       errno.EISDIR: "it is a directory", errno.ENXIO: "no such device",
                       errno.EFBIG: "the file size limit (ulimit -f) is reached"}
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-# What a command needs, stated when a limit stops it: convert's peak memory is bounded (it does not grow
-# with the model: docs/performance.md measures 0.5 GiB and checks <= 1.5 GiB); every command maps
-# libraries and thread stacks besides (docs/reliability.md: the address space each one needed).
+# What a command needs, stated when a limit stops it: its peak memory is bounded, whatever the model's size
+# (docs/performance.md measures convert at 0.5 GiB and checks it stays under 1.5 GiB); an address-space
+# limit also counts the libraries and thread stacks it maps (docs/reliability.md: each command ran in
+# 900 MiB on the tiny checkpoint, so 2 GiB leaves room for more threads).
 MEMORY_BOUND = "1.5 GiB"
 ADDRESS_SPACE = 2 << 30
 
@@ -166,7 +167,7 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):,.0f} MiB"
 
 
-def _memory(what: str, command: str) -> "EnvironmentRefused":
+def _memory(what: str, command: str, then: str) -> "EnvironmentRefused":
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
     if soft == resource.RLIM_INFINITY:
         where = "the machine is out of memory (no address-space limit is set)"
@@ -175,26 +176,27 @@ def _memory(what: str, command: str) -> "EnvironmentRefused":
         where = f"this process may use {_mib(soft)} of address space (ulimit -v {soft >> 10})"
         fix = f"raise ulimit -v to at least {_mib(ADDRESS_SPACE)} (ulimit -v {ADDRESS_SPACE >> 10})"
     return EnvironmentRefused(f"out of memory ({what}): {where}; lucifer-shard {command} keeps its memory under "
-                              f"{MEMORY_BOUND} whatever the model's size and maps about {_mib(ADDRESS_SPACE)} of "
-                              f"address space with its libraries and threads; {fix}, then run the same command again")
+                              f"{MEMORY_BOUND} whatever the model's size, and an address-space limit also counts "
+                              f"the libraries and thread stacks it maps; {fix}, then {then}")
 
 
 def fault(e: BaseException, command: str, then: str = "run the same command again") -> LuciferError | None:
     """The one-line error of a fault of the machine (an OS error of ENVIRONMENT_ERRNOS naming its file,
     memory or threads exhausted, as each command meets them), or None: a bug. `then`: what to do once
     the cause is fixed."""
-    if isinstance(e, LuciferError):
-        return e
     text = " ".join(str(e).split())
     if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM) or (
             isinstance(e, (ImportError, RuntimeError)) and ("failed to map segment" in text
                                                             or "Cannot allocate memory" in text)):
-        return _memory(text or type(e).__name__, command)
+        return _memory(text or type(e).__name__, command, then)
     if isinstance(e, RuntimeError) and "can't start new thread" in text:
+        space = resource.getrlimit(resource.RLIMIT_AS)[0]
         return EnvironmentRefused(f"cannot start a thread ({text}): this process may run {_limit(resource.RLIMIT_NPROC)} "
-                                  f"processes and threads (ulimit -u) in {_limit(resource.RLIMIT_AS)} bytes of "
-                                  f"address space (ulimit -v); lucifer-shard {command} runs reader and writer threads "
-                                  f"and maps about {_mib(ADDRESS_SPACE)} with them: raise the limits, then {then}")
+                                  f"processes and threads (ulimit -u) with "
+                                  f"{'no address-space limit' if space == resource.RLIM_INFINITY else _mib(space)} "
+                                  f"(ulimit -v); lucifer-shard {command} runs worker threads and needs at "
+                                  f"least {_mib(ADDRESS_SPACE)} of address space with them: raise the limits, then "
+                                  f"{then}")
     if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:
         where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
         line = f"{where or 'lucifer-shard ' + command}: {e.strerror}; {ENVIRONMENT_ERRNOS[e.errno]}, then {then}"

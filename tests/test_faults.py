@@ -24,11 +24,9 @@ import json
 import os
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +40,7 @@ from lucifer_shard.errors import ERROR_KINDS, SourceError, fault
 from lucifer_shard.spec.stheader import read_header
 from test_reliability import (_journal_lines, _start, _wait_for, everything, record, small_fs,  # noqa: F401
                               snapshot)  # small_fs: a fixture
+from test_repair import flip
 
 CONVERT = ("convert", "--tp", "3", "--arch", "sm120", "--max-file-size", "1MiB")  # _start's options
 WHOLE = ("convert", "--tp", "3", "--arch", "sm120")  # one file per rank: the files the `converted` fixture has
@@ -101,11 +100,9 @@ class Scene:
         self.around = self._around()
 
     def _around(self) -> dict:
-        """Everything beside OUT (its parent's other entries) and the tool's temporary logs."""
-        beside = {str(p): p.stat().st_mtime_ns for p in sorted(self.out.parent.rglob("*"))
-                  if self.out not in (p, *p.parents)}
-        logs = sorted(str(p) for p in Path(tempfile.gettempdir()).glob("lucifer-shard-*"))
-        return {"beside": beside, "logs": logs}
+        """Everything beside OUT (its parent's other entries) and in the temporary folder (`private_tmp`)."""
+        return {str(p): p.stat().st_mtime_ns for folder in (self.out.parent, Path(tempfile.gettempdir()))
+                for p in sorted(folder.rglob("*")) if self.out not in (p, *p.parents)}
 
     def holds(self, ran: Ran, kind: str, *needles: str, case: str, outcome: str, untouched: bool = False) -> str:
         """The contract of a failed run (module docstring), up to the resume; its error line. `untouched`:
@@ -142,6 +139,18 @@ class Scene:
         d = invoke("diff", self.out)
         assert d.exit_code == 0, d.output
         assert snapshot(self.src) == self.source
+
+
+@pytest.fixture(autouse=True)
+def private_tmp(tmp_path_factory):
+    """A temporary folder of this case's own, here and in its subprocesses: an internal-error log the
+    case causes is found there, and other programs' files in /tmp do not count. (Its own patch: a
+    case's `monkeypatch.undo()` leaves it in place.)"""
+    folder = tmp_path_factory.mktemp("tmpdir")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", str(folder))
+        mp.setattr(tempfile, "tempdir", str(folder))
+        yield
 
 
 @contextlib.contextmanager
@@ -192,14 +201,6 @@ def finished(converted, tmp_path) -> Path:
     out = tmp_path / "out"
     shutil.copytree(converted(), out)
     return out
-
-
-def flip(path: Path, at: int = -1000) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0x10]))
 
 
 # ---------------------------------------------------------------- 1. the source fails during --resume
@@ -299,7 +300,8 @@ def test_a_tight_disk_resumes_over_its_own_stale_partials(tiny_pattern, converte
     assert invoke("diff", out).exit_code == 0
     record(f"--resume on a tight disk (tmpfs of output + 4 MiB) after SIGKILL mid-file, {stale >> 20} MiB of "
            f"stale .partial", "the room check counts the stale partials; resume finishes, verify and diff pass",
-           subprocess.CompletedProcess([], 0, "", ""), message="(exit 0)")
+           subprocess.CompletedProcess([], 0, "", ""),
+           message=next(ln for ln in r.stdout.splitlines() if ln.startswith("files")))
 
 
 # ---------------------------------------------------------------- 4. limits of the process
@@ -345,7 +347,7 @@ def test_no_thread_for_the_writer(tiny_pattern, killed, monkeypatch):
     monkeypatch.setattr(engine, "ThreadPoolExecutor", NoThreads)
     r = Ran.of(invoke(*CONVERT, "--json", "--resume", tiny_pattern, killed))
     scene.holds(r, "environment", "cannot start a thread", "ulimit -u", "ulimit -v",
-                case="no thread can be started (--resume)", outcome="exit 2 naming the limits; earlier files kept")
+                case="no thread can be started (--resume; RuntimeError injected at the writer's pool)", outcome="exit 2 naming the limits; earlier files kept")
     monkeypatch.undo()
     scene.resumes(*CONVERT)
 
