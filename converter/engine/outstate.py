@@ -146,8 +146,8 @@ def refuse_strays(tree: Tree, planned: Iterable[str], tp: int) -> None:
     found = [s for s in strays(tree, planned, {rel.split("/")[0] for rel in planned}, tp) if not s.ours]
     if found:
         more = f" and {len(found) - 3} more" if len(found) > 3 else ""
-        raise Refused(f"--resume: {tree.root} holds what this conversion does not write, so verify would fail on "
-                      f"the finished output: {'; '.join(s.line for s in found[:3])}{more}; move them out of OUT "
+        raise Refused(f"--resume: {tree.root} holds what this conversion does not write, and verify would fail on "
+                      f"the finished output: {', '.join(repr(s.line) for s in found[:3])}{more}; move it out of OUT "
                       f"(lucifer-shard deletes only what it wrote), then run the same command again")
 
 
