@@ -20,9 +20,10 @@ ERROR_KINDS: dict[str, tuple[int, str]] = {
     "refused": (2, "a path the tool will not follow, open or delete: a link, a FIFO, a device, a file it did "
                    "not write"),
     "locked": (2, "OUT is being written by another lucifer-shard convert"),
-    "no_room": (2, "OUT's filesystem lacks the bytes or inodes (plan reports it with exit 1)"),
-    "environment": (2, "the machine refused an operation: permissions, a read-only or full disk, file-descriptor "
-                       "limits, an I/O error"),
+    "no_room": (2, "OUT's filesystem lacks the bytes or inodes, found before the first write or by a write "
+                   "(plan reports it with exit 1)"),
+    "environment": (2, "the machine refused an operation: permissions, a read-only disk, an I/O error, "
+                       "file-descriptor, file-size, memory or thread limits"),
     "mismatch": (1, "a check found a problem: diff or verify findings, numerics past tolerance, a damaged or "
                     "edited output"),
     "check_failed": (1, "a doctor check failed"),
