@@ -6,6 +6,9 @@ exit code, except `no_room`: plan, which only looks, reports it as a finding (1)
 """
 from __future__ import annotations
 
+import errno
+import resource
+
 # kind -> (exit code, meaning). The README's table of kinds is this table (a test compares them).
 ERROR_KINDS: dict[str, tuple[int, str]] = {
     "usage": (2, "the command line: an unknown option, a bad value, a missing argument, options that exclude "
@@ -17,9 +20,10 @@ ERROR_KINDS: dict[str, tuple[int, str]] = {
     "refused": (2, "a path the tool will not follow, open or delete: a link, a FIFO, a device, a file it did "
                    "not write"),
     "locked": (2, "OUT is being written by another lucifer-shard convert"),
-    "no_room": (2, "OUT's filesystem lacks the bytes or inodes (plan reports it with exit 1)"),
-    "environment": (2, "the machine refused an operation: permissions, a read-only or full disk, file-descriptor "
-                       "limits, an I/O error"),
+    "no_room": (2, "OUT's filesystem lacks the bytes or inodes, found before the first write or by a write "
+                   "(plan reports it with exit 1)"),
+    "environment": (2, "the machine refused an operation: permissions, a read-only disk, an I/O error, "
+                       "file-descriptor, file-size, memory or thread limits"),
     "mismatch": (1, "a check found a problem: diff or verify findings, numerics past tolerance, a damaged or "
                     "edited output"),
     "check_failed": (1, "a doctor check failed"),
@@ -36,7 +40,7 @@ class LuciferError(Exception):
     kind = "usage"
 
     def __init__(self, message: str, exit_code: int | None = None):
-        super().__init__(message)
+        super().__init__(one_line(message))
         self.exit_code = ERROR_KINDS[self.kind][0] if exit_code is None else exit_code
 
 
@@ -124,3 +128,78 @@ def exit_codes() -> list[tuple[int, str, tuple[str, ...]]]:
         kinds.setdefault(code, []).append(kind)
     return [(code, EXIT_SUMMARIES[code] if code in EXIT_SUMMARIES else ERROR_KINDS[kinds[code][0]][1],
              tuple(kinds.get(code, ()))) for code in sorted(set(kinds) | set(EXIT_SUMMARIES))]
+
+
+def one_line(text: str) -> str:
+    """`text` with every character that is not printable escaped as Python writes it (a newline in a
+    path as `\\n`): a message that names a path stays one line whatever the path holds."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+# ---------------------------------------------------------------- faults of the machine
+
+# OS errors that come from the machine or the input (permissions, limits, a read-only or failing disk,
+# a bad name), not from a bug: errno -> the advice of its one line. A full disk or quota is `no_room`
+# (the kind convert's room check gives before writing), every other one `environment`.
+ENVIRONMENT_ERRNOS = {errno.EACCES: "check its permissions", errno.EPERM: "check its permissions and attributes",
+                      errno.EROFS: "the filesystem is read-only", errno.ENOSPC: "free some room there",
+                      errno.EDQUOT: "the disk quota is exhausted", errno.ENAMETOOLONG: "use a shorter path",
+                      errno.ELOOP: "too many symbolic links in the path", errno.EMFILE: "raise `ulimit -n`",
+                      errno.ENFILE: "the system is out of file descriptors",
+                      errno.EIO: "the disk reported an I/O error (see dmesg)",
+                      errno.ENOENT: "it does not exist", errno.ENOTDIR: "a part of the path is not a directory",
+                      errno.EISDIR: "it is a directory", errno.ENXIO: "no such device",
+                      errno.EFBIG: "the file size limit (ulimit -f) is reached"}
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# What a command needs, stated when a limit stops it: its peak memory is bounded, whatever the model's size
+# (docs/performance.md measures convert at 0.5 GiB and checks it stays under 1.5 GiB); an address-space
+# limit also counts the libraries and thread stacks it maps (docs/reliability.md: each command ran in
+# 900 MiB on the tiny checkpoint, so 2 GiB leaves room for more threads).
+MEMORY_BOUND = "1.5 GiB"
+ADDRESS_SPACE = 2 << 30
+
+
+def _limit(which: int) -> str:
+    soft = resource.getrlimit(which)[0]
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft:,}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.0f} MiB"
+
+
+def _memory(what: str, command: str, then: str) -> "EnvironmentRefused":
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft == resource.RLIM_INFINITY:
+        where = "the machine is out of memory (no address-space limit is set)"
+        fix = "free memory (or add swap)"
+    else:
+        where = f"this process may use {_mib(soft)} of address space (ulimit -v {soft >> 10})"
+        fix = f"raise ulimit -v to at least {_mib(ADDRESS_SPACE)} (ulimit -v {ADDRESS_SPACE >> 10})"
+    return EnvironmentRefused(f"out of memory ({what}): {where}; lucifer-shard {command} keeps its memory under "
+                              f"{MEMORY_BOUND} whatever the model's size, and an address-space limit also counts "
+                              f"the libraries and thread stacks it maps; {fix}, then {then}")
+
+
+def fault(e: BaseException, command: str, then: str = "run the same command again") -> LuciferError | None:
+    """The one-line error of a fault of the machine (an OS error of ENVIRONMENT_ERRNOS naming its file,
+    memory or threads exhausted, as each command meets them), or None: a bug. `then`: what to do once
+    the cause is fixed."""
+    text = " ".join(str(e).split())
+    if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM) or (
+            isinstance(e, (ImportError, RuntimeError)) and ("failed to map segment" in text
+                                                            or "Cannot allocate memory" in text)):
+        return _memory(text or type(e).__name__, command, then)
+    if isinstance(e, RuntimeError) and "can't start new thread" in text:
+        space = resource.getrlimit(resource.RLIMIT_AS)[0]
+        return EnvironmentRefused(f"cannot start a thread ({text}): this process may run {_limit(resource.RLIMIT_NPROC)} "
+                                  f"processes and threads (ulimit -u) with "
+                                  f"{'no address-space limit' if space == resource.RLIM_INFINITY else _mib(space)} "
+                                  f"(ulimit -v); lucifer-shard {command} runs worker threads and needs at "
+                                  f"least {_mib(ADDRESS_SPACE)} of address space with them: raise the limits, then "
+                                  f"{then}")
+    if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:
+        where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+        line = f"{where or 'lucifer-shard ' + command}: {e.strerror}; {ENVIRONMENT_ERRNOS[e.errno]}, then {then}"
+        return NoRoom(line) if e.errno in DISK_FULL else EnvironmentRefused(line)
+    return None

@@ -94,6 +94,11 @@ def open_regular(path: Path | str, follow: bool = False, flags: int = 0, dir_fd:
 
 def read_fd(fd: int, limit: int, name: Path | str) -> bytes:
     """All bytes of the open regular file `fd`, at most `limit` (a larger or growing file is refused)."""
+    with naming(name):
+        return _read_fd(fd, limit, name)
+
+
+def _read_fd(fd: int, limit: int, name: Path | str) -> bytes:
     size = os.fstat(fd).st_size
     if size > limit:
         raise Refused(f"{name}: {size:,} bytes, more than the {limit:,} this file may have; it is not the "
@@ -303,8 +308,9 @@ class Tree:
         fd = self.open_new(tmp)
         try:
             try:
-                write(fd)
-                os.fsync(fd)
+                with naming(self.path(tmp)):
+                    write(fd)
+                    os.fsync(fd)
             finally:
                 os.close(fd)
         except BaseException:
@@ -372,6 +378,18 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+@contextmanager
+def naming(path: Path | str) -> Iterator[None]:
+    """An OSError raised inside without a file name (os.read, write, fsync on a descriptor) gets
+    `path`: every error line names the file it is about."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None  # the subclass of the errno (FileNotFoundError...)
 
 
 def mount_points() -> set[str]:

@@ -288,13 +288,16 @@ def test_internal_error_in_convert(tiny_pattern, clean_out, tmp_path):
 
 
 def test_internal_error_in_verify(clean_out, tmp_path):
+    """A check writes nothing into OUT, not even the log of its own bug: that goes to a temporary file."""
     out = tmp_path / "out"
     shutil.copytree(clean_out, out, copy_function=os.link)
+    before = everything(out)
     proc = cli_with_fault("lucifer_shard.proof.verify._check_replicas", 0, "verify", out)
     msg, log = internal_error(proc, "_check_replicas")
-    assert log.parent == out / ".lucifer"
-    record("internal error in verify (injected exception)", "exit 70, traceback in OUT/.lucifer/", proc,
-           msg.replace(str(out), "…/out"))
+    assert log.parent == Path(tempfile.gettempdir()) and everything(out) == before
+    log.unlink()
+    record("internal error in verify (injected exception)", "exit 70, traceback in a temporary file; nothing "
+           "written into OUT", proc, re.sub(r"/tmp/\S+\.log", "/tmp/lucifer-shard-…-internal-error-….log", msg))
 
 
 def test_internal_error_without_out(tiny_pattern):

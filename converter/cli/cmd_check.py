@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from ..errors import MismatchError, OutputError
-from ..proof.report import Report
+from ..proof.report import REPAIR, Report
 from ..proof.structure import open_files, read_manifest
 from ..spec.manifest import MANIFEST_NAME, complete_problem, digest_ok, parse_manifest, read_manifest_bytes
 from ..spec.outwatch import ReadWatch
@@ -38,7 +38,7 @@ def _fail(report, noun: str, fix: str) -> None:
     raise MismatchError(f"{report.command}: {report.count} {noun}; first: {first}{where}; {fix}")
 
 
-DAMAGED = "OUT is damaged or mixed: re-run convert --force (verify OUT names every problem)"
+DAMAGED = f"OUT is damaged or mixed: {REPAIR} (verify OUT names every problem)"
 
 
 def out_dir(out: Path) -> Path:
@@ -116,7 +116,7 @@ def diff(out: Path, model: str | None, max_mismatches: int, workers: int | None,
     _report(out, lambda: run(out, model, max_mismatches=max_mismatches, progress=progress, workers=workers,
                              keep_going=keep_going),
             diff_lines, "difference(s)",
-            "OUT is not MODEL: re-run convert --force (or pass the MODEL it was converted from)")
+            f"OUT is not MODEL: {REPAIR} (or pass the MODEL it was converted from)")
 
 
 @click.command("verify")
@@ -137,7 +137,7 @@ def verify(out: Path, max_mismatches: int) -> None:
 
     progress = Console.of().progress
     _report(out, lambda: run(out, max_problems=max_mismatches, progress=progress), verify_lines, "problem(s)",
-            "OUT is damaged or mixed: re-run convert --force (diff OUT MODEL locates every byte)")
+            f"OUT is damaged or mixed: {REPAIR} (diff OUT MODEL locates every byte)")
 
 
 @click.command("inspect")

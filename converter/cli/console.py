@@ -15,8 +15,11 @@ A command declared with `@conventions(interrupted=...)` (under `@click.command`)
   Ctrl-C         the command's own interrupt message on stderr, exit 130
   SIGTERM        handled as Ctrl-C (the same clean stop and message), exit 143
   stdout closed  nothing more is said, exit 141 (text and --json alike)
+  a fault        of the machine (an OS error naming its file, memory or threads exhausted): one line
+                 of its kind (errors.fault), exit 2
   anything else  a bug: `error: internal error: <type>: <message>; details in <log>` (the traceback
-                 goes to OUT/.lucifer/ or a temporary file), exit 70; with --json also the envelope
+                 goes to OUT/.lucifer/ for convert, else a temporary file: a check writes nothing
+                 into OUT), exit 70; with --json also the envelope
 
 The console lives in the click context's `meta` (shared by a command and its group).
 """
@@ -37,7 +40,7 @@ from typing import Any, Callable, NoReturn
 import click
 from click.core import ParameterSource
 
-from ..errors import BROKEN_PIPE, ERROR_KINDS, LuciferError, UsageRefused, exit_codes
+from ..errors import BROKEN_PIPE, ERROR_KINDS, LuciferError, UsageRefused, exit_codes, fault
 
 SCHEMA_VERSION = 2  # 2: error.kind is a kind of errors.ERROR_KINDS (1 had Python class names)
 PROG = "lucifer-shard"
@@ -212,26 +215,6 @@ def internal_error_log(out: str | os.PathLike | None) -> str:
         return f"no log file (writing one failed: {e.strerror})"
 
 
-# OS errors that come from the machine or the input (permissions, limits, a full or read-only disk,
-# a bad name), not from a bug: one line naming the file and the errno, exit 2.
-ENVIRONMENT_ERRNOS = {errno.EACCES: "check its permissions", errno.EPERM: "check its permissions and attributes",
-                      errno.EROFS: "the filesystem is read-only", errno.ENOSPC: "free some room",
-                      errno.EDQUOT: "the disk quota is exhausted", errno.ENAMETOOLONG: "use a shorter path",
-                      errno.ELOOP: "too many symbolic links in the path", errno.EMFILE: "raise `ulimit -n`",
-                      errno.ENFILE: "the system is out of file descriptors", errno.EIO: "the disk reported an "
-                      "I/O error", errno.ENOENT: "it does not exist", errno.ENOTDIR: "a part of the path is not "
-                      "a directory", errno.EISDIR: "it is a directory", errno.ENXIO: "no such device"}
-
-
-def os_error_line(e: OSError) -> str | None:
-    """`<file>: <strerror>; <advice>` for an OSError of ENVIRONMENT_ERRNOS, else None (a bug)."""
-    advice = ENVIRONMENT_ERRNOS.get(e.errno)
-    if advice is None:
-        return None
-    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None) or "a file"
-    return f"{where}: {e.strerror}; {advice}"
-
-
 class _ClickStderr(logging.Handler):
     """Log records on the current stderr (click's, so test runners capture them)."""
 
@@ -323,13 +306,11 @@ def conventions(interrupted: str) -> Callable:
                 stdout_gone()
             except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
                 raise  # click's own usage errors and exits
-            except OSError as e:
-                line = os_error_line(e)
-                if line is None:
-                    _internal(con, e, kwargs.get("out"))
-                con.fail(line, ERROR_KINDS["environment"][0], "environment")
             except Exception as e:  # noqa: BLE001 - the one place an unexpected exception is reported
-                _internal(con, e, kwargs.get("out"))
+                known = fault(e, con.command)  # the machine's fault (an OS error, memory, threads), or a bug
+                if known is None:  # only convert writes into OUT: the checks leave it as they found it
+                    _internal(con, e, kwargs.get("out") if con.command == "convert" else None)
+                con.fail(str(known), known.exit_code, known.kind)
             con.succeed()
 
         for option in reversed((

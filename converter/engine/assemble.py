@@ -31,10 +31,11 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
-from ..errors import SourceError
+from ..errors import ENVIRONMENT_ERRNOS, EnvironmentRefused, SourceError
 from ..guarded_io import open_regular
 from ..spec.content import ContentDigests
 from ..spec.rules import DTYPE_SIZE, TensorSpec
@@ -301,7 +302,7 @@ class EngineSourceReader:
                 if direct and e.errno == errno.EINVAL:
                     self._buffered(file, fd)
                     return self.read_range(file, key, x0, x1, need0, need1, buf, at)
-                raise SourceError(f"{file}: reading tensor {key!r} failed ({e.strerror})") from None
+                raise read_failed(self.ckpt.root / file, key, e) from None
             if n == 0:
                 raise SourceError(f"{file}: truncated inside tensor {key!r}; re-download this shard")
             got += n
@@ -315,6 +316,14 @@ class EngineSourceReader:
                 os.close(fd)
             self._fds.clear()
             self._retired.clear()
+
+
+def read_failed(path: Path, key: str, e: OSError) -> EnvironmentRefused:
+    """A source read the machine refused (EIO of a failing disk or mount): a fault of the environment,
+    not of the checkpoint, so nothing finished is given up; `--resume` goes on once it reads again."""
+    why = ENVIRONMENT_ERRNOS.get(e.errno, "the system refused the read")
+    return EnvironmentRefused(f"{path}: reading tensor {key!r} failed ({e.strerror}); finished files are kept: once "
+                              f"the file reads again ({why}), run the same command with --resume")
 
 
 def _check_scales(data: np.ndarray, key: str, entry, start: int) -> None:

@@ -25,8 +25,8 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from ..errors import OutputError, SourceError
-from ..guarded_io import Tree, partial_name, write_all
+from ..errors import OutputError, SourceError, fault
+from ..guarded_io import Tree, naming, partial_name, write_all
 from ..spec.content import ContentDigests
 from ..spec.layouts import Layout
 from ..spec.manifest import (COMPLETE_NAME, CONTENT_PLACEHOLDER, Options, complete_problem, file_metadata,
@@ -39,8 +39,9 @@ from .assemble import chunks
 from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, write_failed
 from .job import Job, Part, part_headers, part_keys, prepare
 from .manifest_writer import build_manifest, write_manifest
-from .outstate import (check_out, conversion_record, journal_line, part_valid, planned_files,
-                       record_text, refuse_target, remove_partials, sizes_to_write, source_changed)
+from .outstate import (check_out, conversion_record, journal_line, open_journal, part_valid, partial_bytes,
+                       planned_files, record_text, refuse_target, remove_partials, sizes_to_write, source_changed,
+                       truncate_journal)
 from .owned import JOURNAL_REL, RECORD_REL, clear, plan_clearing, read_json
 from .repair import check_content, reference, survey
 from .resumed import resumed_sources
@@ -244,8 +245,9 @@ def _journal_part(journal: int, out: Path, part: Part, files: list[WrittenFile],
             entries[rel]["sources"] = sources
         summary.bytes_written += f.bytes
         summary.files_written += 1
-    write_all(journal, "".join(journal_line(e) for e in entries.values()).encode())
-    os.fsync(journal)
+    with naming(out / JOURNAL_REL):
+        write_all(journal, "".join(journal_line(e) for e in entries.values()).encode())
+        os.fsync(journal)
     return entries
 
 
@@ -256,23 +258,27 @@ def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dic
     a repair stopped part-way is an unfinished output that the next --resume finishes."""
     tree = Tree(out)
     summary = Summary(out, job.cid)
+    planned = planned_files(job)
+    left: list[int] = [e["bytes"] for e in planned.values()]  # until the survey says what is damaged
     try:
         rep = survey(out, manifest, job.ckpt.root)
         summary.files_resumed = len(rep.entries) - len(rep.damaged)
         record = read_json(tree, RECORD_REL)
         record_ok = isinstance(record, dict) and record.get("conversion_id") == job.cid
         if rep.nothing and record_ok and complete_problem(out, job.cid) is None:
+            removed = remove_partials(out, job)  # the tool's own, left by a stopped run: verify names them
             summary.notes.append(f"nothing to repair: all {len(rep.entries)} rank files and the copies match the "
-                                 f"manifest")
+                                 f"manifest" + (f"; removed {len(removed)} temporary file(s) of a stopped run "
+                                                f"({', '.join(removed[:3])}{' ...' if len(removed) > 3 else ''})"
+                                                if removed else ""))
             return summary
         todo = rep.parts(job)
-        planned = planned_files(job)
         left = [planned[rel]["bytes"] for rel in rep.damaged] + [sum(len(journal_line(planned[rel]))
                                                                    for rel in rep.damaged)]
         left += [manifest["copies"][name]["bytes"] for name in rep.copies] + [len(job.cid) + 1]
         if not record_ok:
             left.append(len(record_text(conversion_record(job)).encode()))
-        check_room(out, left, 0, "run the same command with --resume")
+        check_room(out, left, partial_bytes(out, job), "run the same command with --resume")
         tree.remove(COMPLETE_NAME)
         remove_partials(out, job)
         if not record_ok:  # what --force may delete, listed again
@@ -281,7 +287,7 @@ def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dic
         sizes = job.source_sizes
         pools = [ThreadPoolExecutor(1) if workers > 1 else None for _ in range(job.plan.tp)]
         bar = byte_bar(sum(p.bytes_per_rank * len(r) for p, r in todo), f"repair tp{job.plan.tp}", progress)
-        journal = tree.open_own(JOURNAL_REL, os.O_WRONLY | os.O_APPEND)
+        journal, _ = open_journal(tree)
         try:
             for part, ranks in todo:
                 for rank in ranks:
@@ -311,8 +317,18 @@ def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dic
         summary.notes.append(f"repaired: rewrote {', '.join(rewritten[:5])}{' ...' if len(rewritten) > 5 else ''}; "
                              f"every other file matched the manifest and was kept")
         return summary
+    except OSError as e:
+        raise _os_fault(e, out, left, max(planned.values(), key=lambda f: f["bytes"])["bytes"]) from None
     finally:
         job.ckpt.close()
+
+
+def _os_fault(e: OSError, out: Path, left: list[int], largest: int) -> BaseException:
+    """A write that ran out of room or hit the file-size limit (`write_failed`: what is still to write),
+    or another fault of the machine (`errors.fault`), each ending with --resume; else `e` (a bug)."""
+    if e.errno in WRITE_LIMITS:
+        return write_failed(e, out, left, largest)
+    return fault(e, "convert", "run the same command with --resume (finished files are kept)") or e
 
 
 def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int, progress: bool) -> Summary:
@@ -333,6 +349,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     planned = planned_files(job)
     record = conversion_record(job)
     given_back = clearing.freed if clearing is not None else 0
+    given_back += partial_bytes(out, job)  # the temporary files of a stopped run, removed below
     left = sizes_to_write(job, planned, set(results), record)
     logger.info("room: %s to write, %s free on %s, %s given back by this run", size(sum(left)), size(free_bytes(out)),
                 filesystem(out), size(given_back))
@@ -349,17 +366,20 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     pools = [ThreadPoolExecutor(1) if workers > 1 else None for _ in range(job.plan.tp)]
     bar = byte_bar(total, f"convert tp{job.plan.tp}", progress)
     unwritten: dict | None = record  # the record, until it is written
+    earlier = 0  # the journal's length before this run: what an earlier run recorded
+    written: list[str] = []  # rank files this run published
     try:
         tree.write_bytes(RECORD_REL, record_text(record).encode())
         unwritten = None
         for role in job.roles:
             for rank in range(job.plan.tp):
                 tree.make_dirs(rank_dir(role, rank))
-        journal = tree.open_own(JOURNAL_REL, os.O_WRONLY | os.O_APPEND)
+        journal, earlier = open_journal(tree)
         try:
             for part in todo:
                 t_part = time.perf_counter()
                 files, sources = _write_part(job, out, part, bar, pools, digests)
+                written += [str(f.path.relative_to(out)) for f in files]
                 summary.bytes_read += sum(sizes[k] for k in sources)
                 results.update(_journal_part(journal, out, part, files, sources, summary))  # only now kept
                 logger.info("%s part %d: %d file(s), %s, %.1f s", part.role, part.index, len(files),
@@ -376,14 +396,18 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
         write_manifest(out, build_manifest(job, results, out))
         tree.write_bytes(COMPLETE_NAME, (job.cid + "\n").encode())
     except SourceError:
-        # The source itself is bad: no rerun can finish this output, so leave nothing of ours behind.
-        clear(tree, plan_clearing(tree))
+        # The source itself is bad: no rerun can finish what this run started, so it leaves nothing of its
+        # own behind; a resume removes only that, never an earlier run's files, journal or record.
+        if earlier or summary.files_resumed:
+            for rel in written:
+                tree.remove(rel)
+            truncate_journal(tree, earlier)
+        else:
+            clear(tree, plan_clearing(tree))
         raise
     except OSError as e:
-        if e.errno not in WRITE_LIMITS:
-            raise
         largest = max(entry["bytes"] for entry in planned.values())
-        raise write_failed(e, out, sizes_to_write(job, planned, set(results), unwritten), largest) from None
+        raise _os_fault(e, out, sizes_to_write(job, planned, set(results), unwritten), largest) from None
     finally:
         bar.close()
         for pool in pools:

@@ -12,11 +12,10 @@ import re
 import resource
 from pathlib import Path
 
-from ..errors import LuciferError, NoRoom, OutputError
+from ..errors import DISK_FULL, EnvironmentRefused, LuciferError, NoRoom
 from ..guarded_io import read_regular
 from ..units import size
 
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 WRITE_LIMITS = (*DISK_FULL, errno.EFBIG)
 INODE_SLACK = 16  # folders and temporary files a conversion creates besides its files
 
@@ -98,13 +97,14 @@ def check_room(out: Path, sizes: list[int], given_back: int, then: str) -> None:
                           f"{then}, or choose an OUT on another filesystem")
 
 
-def write_failed(err: OSError, out: Path, sizes: list[int], largest: int) -> OutputError:
-    """The one-line error for a write that hit a full disk, a quota or the file-size limit."""
+def write_failed(err: OSError, out: Path, sizes: list[int], largest: int) -> LuciferError:
+    """The one-line error for a write that hit a full disk or a quota (`no_room`, the kind of the check
+    before writing) or the file-size limit (`environment`: a limit of this process)."""
     where = err.filename or out
     if err.errno == errno.EFBIG:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         cap = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit:,} bytes"
-        return OutputError(f"{where}: write failed ({err.strerror}): this process may write files of at most {cap} "
+        return EnvironmentRefused(f"{where}: write failed ({err.strerror}): this process may write files of at most {cap} "
                            f"(ulimit -f) and the largest rank file is {largest:,} bytes; raise the limit and run the "
                            f"same command with --resume (or lower --max-file-size and run with --force)")
     need, free, inodes = on_disk(sizes, out), free_bytes(out), free_inodes(out)
@@ -115,6 +115,6 @@ def write_failed(err: OSError, out: Path, sizes: list[int], largest: int) -> Out
     else:  # the bytes fit by our count, yet the filesystem said no: do not claim there is room
         short = ("that fits by this count, yet the filesystem refused (reserved blocks, a quota or another "
                  "writer): free more room there, then run")
-    return OutputError(f"{where}: write failed ({err.strerror}): {size(sum(sizes))} of this conversion still to "
+    return NoRoom(f"{where}: write failed ({err.strerror}): {size(sum(sizes))} of this conversion still to "
                        f"write ({sum(sizes):,} bytes) and {filesystem(out)} has {size(free)} free; {short} the same "
                        f"command with --resume")

@@ -4,6 +4,7 @@ digests, and the exact bytes still to write (the room convert checks before it c
 from __future__ import annotations
 
 import json
+import os
 import re
 import stat
 from collections.abc import Iterable
@@ -13,7 +14,8 @@ from .. import __version__
 from ..errors import Locked, OutputError
 from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, Options, manifest_text, part_path
 from ..spec.outlock import writer_of
-from ..guarded_io import Refused, Tree, kind, partial_name
+from ..guarded_io import Refused, Tree, kind, naming, partial_name
+from ..outnames import strays
 from ..spec.source import side_files
 from .job import Job, part_keys
 from .manifest_writer import build_manifest
@@ -79,7 +81,7 @@ def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Op
     if not resume:
         raise OutputError(f"{out} holds an unfinished conversion; pass --resume to finish it or --force to restart")
     if repair:
-        return _journal(tree)
+        return _stray_free(tree, job, options, planned)
     record = read_json(tree, RECORD_REL)
     if not isinstance(record, dict) or not isinstance(record.get("source_files"), dict):
         raise OutputError(f"--resume: {tree.path(RECORD_REL)} is missing or not a conversion record; pass --force "
@@ -89,6 +91,7 @@ def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Op
                "tool_version": __version__}
         if any(record.get(k) != v for k, v in now.items()):
             _refuse_other_settings(out, record, now)
+        _stray_free(tree, job, options, planned)  # plan: convert's refusal, its journal is convert's to read
         return {}
     now = conversion_record(job)
     changed = [n for n, st in now["source_files"].items() if record["source_files"].get(n) != st]
@@ -98,6 +101,12 @@ def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Op
                           f"modified); pass --force to restart")
     if record.get("conversion_id") != job.cid:
         _refuse_other_settings(out, record, now)
+    return _stray_free(tree, job, options, planned)
+
+
+def _stray_free(tree: Tree, job: Job | None, options: Options | None, planned: Iterable[str]) -> dict[str, dict]:
+    """The journal of an output --resume may finish: nothing in its rank folders but what it writes."""
+    refuse_strays(tree, planned_files(job) if job is not None else planned, job.plan.tp if job else options.tp)
     return _journal(tree)
 
 
@@ -129,6 +138,19 @@ def refuse_entries(tree: Tree, planned: dict[str, dict]) -> None:
                               f"move it away, or pass --force")
 
 
+def refuse_strays(tree: Tree, planned: Iterable[str], tp: int) -> None:
+    """--resume finishes (or repairs) an output only where `verify` will then pass: an entry of a role
+    or rank folder that the conversion does not write, other than its own temporary files (which it
+    removes), is refused by name with what verify says of it (`outnames`, verify's own rule)."""
+    planned = list(planned)
+    found = [s for s in strays(tree, planned, {rel.split("/")[0] for rel in planned}, tp) if not s.ours]
+    if found:
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        raise Refused(f"--resume: {tree.root} holds what this conversion does not write, and verify would fail on "
+                      f"the finished output: {', '.join(repr(s.line) for s in found[:3])}{more}; move it out of OUT "
+                      f"(lucifer-shard deletes only what it wrote), then run the same command again")
+
+
 HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -157,6 +179,33 @@ def _journal(tree: Tree) -> dict[str, dict]:
         if _entry_ok(entry):
             entries[entry["path"]] = entry
     return entries
+
+
+def open_journal(tree: Tree) -> tuple[int, int]:
+    """The journal opened for appending, and its length: a line torn by a crash or a full disk at its
+    end is cut off first (its part is redone), so that what is appended starts a line of its own."""
+    fd = tree.open_own(JOURNAL_REL, os.O_WRONLY | os.O_APPEND)
+    try:
+        text = tree.read(JOURNAL_REL)
+        whole = text.rfind(b"\n") + 1
+        if whole < len(text):
+            with naming(tree.path(JOURNAL_REL)):
+                os.ftruncate(fd, whole)
+        return fd, whole
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def truncate_journal(tree: Tree, length: int) -> None:
+    """Cut the journal back to `length` bytes (what it held before this run appended)."""
+    fd = tree.open_own(JOURNAL_REL, os.O_WRONLY)
+    try:
+        with naming(tree.path(JOURNAL_REL)):
+            os.ftruncate(fd, length)
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def journal_line(entry: dict) -> str:
@@ -243,8 +292,21 @@ def part_valid(out: Path, entry: dict) -> bool:
         return False
 
 
-def remove_partials(out: Path, job: Job) -> None:
-    """The temporary files a stopped run may have left, by the names the conversion writes."""
+def _partials(job: Job) -> list[str]:
+    """The temporary names of every file the conversion writes."""
+    return [partial_name(rel) for rel in [*planned_files(job), *OUTPUT_FILES, RECORD_REL]]
+
+
+def partial_bytes(out: Path, job: Job) -> int:
+    """Bytes the temporary files a stopped run left give back when `remove_partials` deletes them (the
+    room check counts them: on a tight disk they are the room the resume needs)."""
     tree = Tree(out)
-    for rel in [*planned_files(job), *OUTPUT_FILES, RECORD_REL]:
-        tree.remove(partial_name(rel))
+    sts = [tree.lstat(rel) for rel in _partials(job)]
+    return sum(st.st_blocks * 512 for st in sts if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1)
+
+
+def remove_partials(out: Path, job: Job) -> list[str]:
+    """Remove the temporary files a stopped run may have left, by the names the conversion writes;
+    the ones that were there."""
+    tree = Tree(out)
+    return [rel for rel in _partials(job) if tree.remove(rel)]

@@ -12,6 +12,7 @@ from ..errors import SourceError
 from ..guarded_io import open_regular
 from ..spec.content import ContentDigests
 from ..spec.source import Checkpoint
+from .assemble import read_failed
 
 BLOCK = 16 << 20
 
@@ -30,7 +31,10 @@ def resumed_sources(ckpt: Checkpoint, keys: list[str]) -> dict[str, str]:
                 base = ckpt.data_start[file] + e.offsets[0]
                 done = 0
                 while done < e.offsets[1] - e.offsets[0]:
-                    data = os.pread(fd, min(BLOCK, e.offsets[1] - e.offsets[0] - done), base + done)
+                    try:
+                        data = os.pread(fd, min(BLOCK, e.offsets[1] - e.offsets[0] - done), base + done)
+                    except OSError as err:
+                        raise read_failed(ckpt.root / file, e.key, err) from None
                     if not data:
                         raise SourceError(f"{file}: truncated inside tensor {e.key!r}; re-download this shard")
                     digests.feed(e.key, done, memoryview(data))

@@ -10,12 +10,13 @@ import torch
 from safetensors import safe_open
 
 from ..errors import OutputError
-from ..guarded_io import Refused, Tree
+from ..guarded_io import Refused, Tree, naming
 from ..spec.dtypes import TORCH_DTYPE
 from ..spec.layouts import layout_by_name
 from ..spec.manifest import complete_problem, load_manifest
 from ..spec.rules import DTYPE_SIZE
 from ..spec.stheader import Header, HeaderError, read_header
+from .report import REPAIR
 
 logger = logging.getLogger("lucifer_shard.output")
 
@@ -60,18 +61,19 @@ class Output:
             except Refused as e:
                 raise OutputError(f"{e}; run verify on {self.root}, then convert --force") from None
             try:
-                self._headers[rel] = read_header(path, fd=fd)  # a damaged file is named here, not mid-read
+                with naming(path):
+                    self._headers[rel] = read_header(path, fd=fd)  # a damaged file is named here, not mid-read
                 # the library maps the very file the header was read from (its descriptor's name)
                 h = self._handles[rel] = safe_open(f"/proc/self/fd/{fd}", framework="pt")
             except HeaderError as e:
-                raise OutputError(f"{e}; run verify on {self.root}, then convert --force") from None
+                raise OutputError(f"{e}; run verify on {self.root}, then {REPAIR}") from None
             finally:
                 os.close(fd)
         t = self._headers[rel].tensors.get(name)
         if t is None or t.dtype != info["dtype"] or list(t.shape) != list(info["shape"]):
             found = "no such tensor" if t is None else f"{t.dtype}{list(t.shape)}"
             raise OutputError(f"{path}: tensor {name!r} is {found}, the manifest says {info['dtype']}{info['shape']}; "
-                              f"run verify on {self.root}, then convert --force")
+                              f"run verify on {self.root}, then {REPAIR}")
         return h
 
     def stored(self, role: str, rank: int, name: str, index: slice | None = None) -> np.ndarray:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import OutputError
-from ..guarded_io import Tree, open_regular
+from ..guarded_io import Tree, naming, open_regular
 from ..spec.rules import DTYPE_SIZE
 from ..spec.stheader import read_header
 
@@ -50,7 +50,8 @@ class RankFile:
             st = os.fstat(fd)
             self._identity = (st.st_dev, st.st_ino)
             # Not `whole`: a truncated file is reported tensor by tensor, bytes after the data as a finding.
-            header = read_header(self.path, whole=False, fd=fd)
+            with naming(self.path):
+                header = read_header(self.path, whole=False, fd=fd)
         finally:
             os.close(fd)
         self.size = header.file_size
@@ -212,6 +213,10 @@ class DirectFile:
     def read(self, start: int, nbytes: int, buf: np.ndarray) -> np.ndarray:
         """File bytes [start, start + nbytes) read into `buf` (page-aligned, at least span() bytes);
         returns the view of them in `buf`."""
+        with naming(self.path):
+            return self._read(start, nbytes, buf)
+
+    def _read(self, start: int, nbytes: int, buf: np.ndarray) -> np.ndarray:
         fd, direct = self.fd, self.direct
         if not direct:
             view = buf[:nbytes]

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from .. import __version__
-from ..errors import LuciferError, OutputError
+from ..errors import LuciferError, OutputError, fault
 from ..guarded_io import Refused, Tree
 from ..spec.config import ModelConfig
 from ..spec.layouts import EXPERT_TENSORS, expert_layout
@@ -18,7 +18,7 @@ from ..spec.plan import make_plan
 from ..spec.rules import TensorSpec, build_specs
 from ..spec.stheader import HeaderError
 from .rankfile import RankFile
-from .report import Problem, Report
+from .report import REPAIR, Problem, Report
 
 logger = logging.getLogger("lucifer_shard.structure")  # -v: a line per rank file, -vv: per tensor
 
@@ -127,7 +127,7 @@ def read_manifest(report: Report, out: Path) -> dict:
     manifest = parse_manifest(read_manifest_bytes(out), out / MANIFEST_NAME)
     if not digest_ok(manifest):
         report.add(Problem("manifest", f"{out / MANIFEST_NAME}: manifest_digest does not match its content: the "
-                           f"manifest was edited after conversion; re-run convert --force", file=MANIFEST_NAME))
+                           f"manifest was edited after conversion; {REPAIR}", file=MANIFEST_NAME))
     problem = complete_problem(out, manifest["conversion_id"])
     if problem:
         report.add(Problem("manifest", problem, file=COMPLETE_NAME))
@@ -171,29 +171,28 @@ def open_files(report: Report, out: Path, manifest: dict, check_size: bool = Tru
         except FileNotFoundError:
             folder = path.parent
             what = f"rank folder {folder.relative_to(out)} is missing" if not folder.is_dir() else "file is missing"
-            report.add(Problem("file", f"{rel}: {what} ({holds}); re-run convert --force", role, rank,
+            report.add(Problem("file", f"{rel}: {what} ({holds}); {REPAIR}", role, rank,
                                held[0] if held else None, rel))
             continue
         except Refused as e:  # a link or not a regular file: never followed out of OUT
             report.add(Problem("file", f"{e}; re-run convert --force", role, rank, file=rel))
             continue
         except HeaderError as e:
-            report.add(Problem("file", f"{rel}: unreadable safetensors header: {e.reason}; re-run convert --force",
+            report.add(Problem("file", f"{rel}: unreadable safetensors header: {e.reason}; {REPAIR}",
                                role, rank, file=rel))
             continue
-        except OSError as e:
-            report.add(Problem("file", f"{rel}: cannot read ({e.strerror}); re-run convert --force", role, rank,
-                               file=rel))
-            continue
+        except OSError as e:  # the machine's fault (EIO, EACCES, EMFILE...), not a finding about OUT
+            raise fault(OSError(e.errno, e.strerror, str(path)), command=report.command,
+                        then=f"run {report.command} again") or e from None
         files[rel] = rf
         logger.info("%s rank %d %s: header of %d tensor(s), %d bytes", role, rank, rel, len(rf.tensors), rf.size)
         if check_size and rf.size != f.get("bytes"):
             report.add(Problem("file", f"{rel}: {rf.size} bytes, the manifest records {f.get('bytes')} "
-                               f"({'truncated' if rf.size < (f.get('bytes') or 0) else 'grown'}); re-run convert "
-                               f"--force", role, rank, file=rel))
+                               f"({'truncated' if rf.size < (f.get('bytes') or 0) else 'grown'}); {REPAIR}",
+                               role, rank, file=rel))
         elif rf.trailing:  # diff: safetensors (and so vLLM) refuses a file with bytes after its data
             report.add(Problem("file", f"{rel}: {rf.trailing} bytes follow the last tensor; safetensors "
-                               f"refuses such a file, re-run convert --force", role, rank, file=rel))
+                               f"refuses such a file; {REPAIR}", role, rank, file=rel))
         want_meta = file_metadata(cid, role, rank, _part_of(rel), tp, f["content"]) if _part_of(rel) is not None \
             else None
         if want_meta is not None:
@@ -214,7 +213,7 @@ def open_files(report: Report, out: Path, manifest: dict, check_size: bool = Tru
                                    f"{info.get('dtype')}{info.get('shape')}", role, rank, name, rel))
             if rf.truncated(name):
                 report.add(Problem("file", f"{rel} is truncated inside this tensor (it ends at byte {ht.end}, the "
-                                   f"file has {rf.size}); re-run convert --force", role, rank, name, rel))
+                                   f"file has {rf.size}); {REPAIR}", role, rank, name, rel))
         for name in sorted(set(rf.tensors) - set(held)):
             report.add(Problem("header", f"{rel} holds a tensor the manifest does not list there",
                                role, rank, name, rel))
@@ -233,12 +232,12 @@ def _part_of(rel: str) -> int | None:
 
 def _identity_hint(key: str) -> str:
     if key == "lucifer.conversion_id":
-        return "this file comes from another conversion; re-run convert --force"
+        return f"this file comes from another conversion; {REPAIR}"
     if key == "lucifer.content":
-        return "this file was made from other source weights (another checkpoint or revision); re-run convert --force"
+        return f"this file was made from other source weights (another checkpoint or revision); {REPAIR}"
     if key in ("lucifer.rank", "lucifer.role", "lucifer.part"):
-        return "this file was moved or swapped from another rank/part; re-run convert --force"
-    return "this file does not belong to this output; re-run convert --force"
+        return f"this file was moved or swapped from another rank/part; {REPAIR}"
+    return f"this file does not belong to this output; {REPAIR}"
 
 
 def usable(rf: RankFile | None, name: str, info: dict) -> bool:

@@ -26,6 +26,8 @@ from blake3 import blake3
 from tqdm import tqdm
 
 from ..errors import LuciferError, OutputError
+from ..guarded_io import Tree, naming
+from ..outnames import strays
 from ..spec.config import load_config
 from ..spec.layouts import layout_by_name
 from ..spec.manifest import copy_problems, file_digest
@@ -118,7 +120,8 @@ def _verify_file(limit: int, rf: RankFile, entry: dict, role: str, rank: int, te
                  chunk_bytes: int) -> tuple[Report, dict, int, int]:
     """One streaming pass over a file: tensor digests, file digest, pad regions and scale bytes."""
     try:
-        return _verify_open_file(limit, rf, entry, role, rank, tensors, bar, chunk_bytes)
+        with naming(rf.path):  # a read the disk refuses names the file
+            return _verify_open_file(limit, rf, entry, role, rank, tensors, bar, chunk_bytes)
     finally:
         rf.close()  # one descriptor per worker at a time, however many files OUT has
 
@@ -217,37 +220,12 @@ def _check_replicas(report: Report, manifest: dict, digests: dict) -> None:
 
 
 def _stray_files(report: Report, out: Path, manifest: dict) -> None:
-    listed = {f.get("path") for _, _, f in manifest_files(manifest)}
-    roles = manifest.get("roles") or {}
-    tp = manifest.get("tp_size") or 0
-    for role in ("target", "draft"):
-        folder = out / role
-        if folder.is_symlink():
-            report.add(Problem("file", f"{role}/: is a symlink; an output's folders are real directories, "
-                               f"re-run convert --force", file=role))
-            continue
-        if not folder.is_dir():
-            continue
-        if role not in roles:
-            report.add(Problem("file", f"{role}/: folder of a role this conversion did not write; remove it",
-                               file=role))
-            continue
-        for child in sorted(folder.iterdir()):
-            rel = str(child.relative_to(out))
-            if child.is_symlink():
-                report.add(Problem("file", f"{rel}: is a symlink; an output's folders are real directories, "
-                                   f"re-run convert --force", file=rel))
-                continue
-            ok_rank = child.is_dir() and child.name.startswith("rank-") and child.name[5:].isdigit() \
-                and int(child.name[5:]) < tp
-            if not ok_rank:
-                report.add(Problem("file", f"{rel}: unexpected entry in {role}/ (TP is {tp}); remove it", file=rel))
-                continue
-            for p in sorted(child.iterdir()):
-                prel = str(p.relative_to(out))
-                if prel not in listed:
-                    report.add(Problem("file", f"{prel}: unexpected file in a rank folder (not in the manifest); "
-                                       f"remove it", role, int(child.name[5:]), file=prel))
+    """Entries of the role and rank folders the manifest does not list (`outnames`: the rule convert
+    --resume applies too)."""
+    listed = [f.get("path") for _, _, f in manifest_files(manifest)]
+    for s in strays(Tree(out), [p for p in listed if isinstance(p, str)], manifest.get("roles") or {},
+                    manifest.get("tp_size") or 0):
+        report.add(Problem("file", s.line, s.role if s.rank is not None else None, s.rank, file=s.rel))
 
 
 def verify_lines(report: Report) -> list[str]:
