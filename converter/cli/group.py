@@ -1,6 +1,7 @@
 """The `lucifer-shard` command line (one click group). Every command follows console.py's conventions."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -73,20 +74,14 @@ def target_options(f):
 
 
 def options_from(tp: int, arch: str | None, expert_layout: str, flashinfer_layout: str | None, max_file_size: str,
-                 align: int, no_mtp: bool, require_arch: bool) -> Options:
-    """The Options a command line asks for: options that do not apply are refused, a combination no
-    vetted runtime loads is warned about with the reason. Kernel layout without --arch is refused
-    when `require_arch` (convert) and shown for the first arch otherwise (plan); model layout
-    without --arch is Options.arch None: the same files serve every GPU family."""
+                 align: int, no_mtp: bool) -> Options:
+    """The Options a command line asks for (plan's and convert's alike: plan refuses what convert
+    refuses): options that do not apply are refused, a combination no vetted runtime loads is warned
+    about with the reason. Kernel layout without --arch is refused; model layout without --arch is
+    Options.arch None: the same files serve every GPU family."""
     from ..spec.plan import local_gpu
     from ..units import parse_size, size
 
-    if arch is None and require_arch and expert_layout == "kernel":
-        gpu = local_gpu()
-        here = f" (this machine has {gpu})" if gpu else ""
-        raise UsageRefused(f"--arch is required with --expert-layout kernel: the routed experts are laid out for one "
-                           f"GPU family and the loader refuses other GPUs; pass the serving GPU's, --arch "
-                           f"{'|'.join(ARCHES)}{here}, or --expert-layout model (any GPU family)")
     kernel90 = arch == "sm90" and expert_layout == "kernel"
     if flashinfer_layout is not None and not kernel90:
         raise UsageRefused("--flashinfer-layout applies only to --arch sm90 with --expert-layout kernel (sm120 and "
@@ -105,12 +100,17 @@ def options_from(tp: int, arch: str | None, expert_layout: str, flashinfer_layou
                            f"for Flash at TP3); choose 1M or more (default 4G)")
     if max_bytes > MAX_FILE_BYTES:
         raise UsageRefused(f"--max-file-size {max_file_size[:40]!r}: choose 1M to 1024T (1 PiB)")
+    if arch is None and expert_layout == "kernel":
+        gpu = local_gpu()
+        here = f" (this machine has {gpu})" if gpu else ""
+        raise UsageRefused(f"--arch is required with --expert-layout kernel: the routed experts are laid out for one "
+                           f"GPU family and the loader refuses other GPUs; pass the serving GPU's, --arch "
+                           f"{'|'.join(ARCHES)}{here}, or --expert-layout model (any GPU family)")
     if kernel90:
         Console.of().warn("no vetted vLLM build loads sm90 kernel-layout experts (the SM90 'c-full' load path is "
                           "not built), so lucifer-shard serve refuses these files; they serve FlashInfer-level "
                           "tests. To serve on sm90, use --expert-layout model")
-    shown = arch or (ARCHES[0] if expert_layout == "kernel" else None)
-    return Options(tp=tp, arch=shown, expert_layout=expert_layout,
+    return Options(tp=tp, arch=arch, expert_layout=expert_layout,
                    flashinfer_layout=flashinfer_layout or "folded", mtp=not no_mtp, max_file_bytes=max_bytes,
                    align=align)
 
@@ -175,7 +175,7 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     _refuse_resume_force(resume, force)
     config = resolve_config(model, revision)
     cfg = load_config(config)
-    options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, False)
+    options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp)
     p = make_plan(cfg, tp)
     specs = plan_specs(cfg, p, options.mtp)
     if out is not None:
@@ -186,9 +186,8 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
         refuse_target(out, root, resume, force, job, options, planned_paths(specs, options))
     fp = plan_footprint_of(cfg, specs, p, options)
     room = room_of(fp, out, force)
-    given = arch is not None
-    Console.of().emit({**plan_json(specs, p, options, given), "footprint": footprint_json(fp, room)},
-                      plan_lines(specs, p, options, fp, given) + footprint_lines(fp, room))
+    Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(fp, room)},
+                      plan_lines(specs, p, options, fp) + footprint_lines(fp, room))
     if room is not None and room.short:
         raise NoRoom(f"{out}: not enough room: {size(room.needed)} to write, {size(room.free)} free on "
                             f"{room.filesystem}; free {size(room.short)} more or choose another OUT", exit_code=1)
@@ -229,11 +228,24 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
 
     refuse_swapped("convert", model, out, model_first=True)
     _refuse_resume_force(resume, force)
-    options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, True)
+    options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp)
     con = Console.of()
     summary = run(model, out, options, resume=resume, force=force, workers=workers, progress=con.progress,
                   revision=revision, warn=con.warn)
-    con.emit(summary.to_dict(), summary.lines())
+    con.emit(summary.to_dict(), [*summary.lines(), next_steps(out)])
+
+
+def next_steps(out: Path) -> str:
+    """What to do with a finished OUT: prove it, copy what the serving host needs, serve it."""
+    from ..spec.manifest import STATE_DIR
+    from ..units import size
+
+    total = 0
+    for root, dirs, files in os.walk(out):  # os.walk follows no link; convert wrote every file here
+        dirs[:] = [d for d in dirs if not (Path(root) == out and d == STATE_DIR)]
+        total += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
+    return (f"next: lucifer-shard diff {out}; copy {out} ({size(total)}, without {STATE_DIR}/) to the serving host; "
+            f"lucifer-shard serve {out} --dry-run")
 
 
 @cli.command()
@@ -244,7 +256,7 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
               help="; ".join(f"{name}: {what}" for name, what in FILLS.items()) + ".")
 @click.option("--seed", type=click.IntRange(0, (1 << 32) - 1), default=0, show_default=True)
 @click.option("--no-mtp", is_flag=True, help="Leave the MTP layer out.")
-@conventions(interrupted="interrupted: OUT holds a partial checkpoint; remove it and run synth again")
+@conventions(interrupted="interrupted: {out} holds a partial checkpoint; remove it and run synth again")
 def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_mtp: bool) -> None:
     """Write a synthetic checkpoint with the exact DeepSeek-V4-Flash schema into OUT, which must not
     exist or be an empty directory.

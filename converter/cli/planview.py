@@ -96,7 +96,7 @@ def footprint_lines(fp: fpm.Footprint, room: Room | None) -> list[str]:
     return lines
 
 
-def plan_json(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Options, arch_given: bool) -> dict:
+def plan_json(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Options) -> dict:
     """Per role, rank and output tensor: name, shape, dtype, layout and source slices."""
     layouts = tensor_layouts(options)
     roles = {}
@@ -110,21 +110,18 @@ def plan_json(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Opt
             } for s in specs]}
             for r, specs in enumerate(ranks)
         ]
-    return {"plan": plan.to_dict(), "arch": options.arch if arch_given else None,
+    return {"plan": plan.to_dict(), "arch": options.arch,
             "moe_variant": MOE_VARIANT.get(options.arch), "expert_layout": options.expert_layout,
             "padding_only": [{"rank": p.rank, "axes": list(p.axes), "message": p.message} for p in padding_only(plan)],
             "roles": roles}
 
 
-def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Options, fp: fpm.Footprint,
-               arch_given: bool) -> list[str]:
-    if arch_given:
-        arch = f"arch {options.arch}: {MOE_VARIANT[options.arch]}"
-    elif options.arch is None:
+def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Options,
+               fp: fpm.Footprint) -> list[str]:
+    if options.arch is None:
         arch = "any arch (model layout: vLLM lays the experts out at load for the GPU it runs on)"
     else:
-        arch = (f"no --arch (shown for {options.arch}; convert requires one with kernel layout; sizes are the "
-                f"same for every arch)")
+        arch = f"arch {options.arch}: {MOE_VARIANT[options.arch]}"
     lines = [f"virtual-TP plan for TP={plan.tp} ({'padded' if plan.pads else 'plain split, nothing pads'}); "
              f"{arch}, experts in {options.expert_layout} layout", ""]
     lines.append(f"{'axis':<8} {'original':>9} {'padded':>9} {'per rank':>9} {'kernel-local':>13}   real per rank")

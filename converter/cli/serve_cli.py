@@ -6,6 +6,7 @@ imports vLLM at import time.
 from __future__ import annotations
 
 import shlex
+import shutil
 from pathlib import Path
 
 import click
@@ -24,6 +25,8 @@ class ServeCommand(click.Command):
         try:
             rest = super().parse_args(ctx, own)
         except click.UsageError as e:
+            if isinstance(e, click.NoSuchOption) and e.possibilities:  # a typo of serve's own option
+                raise
             if not (isinstance(e, click.NoSuchOption) or "extra argument" in e.message):
                 raise
             raise click.UsageError(f"{e.message.rstrip('.')}; vLLM's own arguments go after `--`: {SERVE_EXAMPLE}",
@@ -42,10 +45,34 @@ def _failed(checks) -> list:
 
 
 def _output_dir(out: Path) -> Path:
-    """OUT as an absolute path (vLLM gets it so); OutputError, like every command, when it is no directory."""
+    """OUT as an absolute path (vLLM gets it so). The OUT rule of every command: what is not a
+    lucifer-shard output at all is an OutputError (exit 2) that names the next step; a damaged one is
+    left to the checks."""
+    from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR
+    from .argorder import is_checkpoint
+
+    if out.is_file():
+        raise OutputError(f"{out}: a file, not an output directory; pass the directory lucifer-shard convert wrote")
     if not out.is_dir():
         raise OutputError(f"{out}: no such output directory")
+    if is_checkpoint(out):
+        raise OutputError(f"{out}: this is a checkpoint: convert it first (lucifer-shard convert --tp 3 "
+                          f"--expert-layout model {out} OUT), then use OUT")
+    if (out / STATE_DIR).is_dir() and not ((out / MANIFEST_NAME).is_file() and (out / COMPLETE_NAME).exists()):
+        raise OutputError(f"{out}: unfinished: run the same convert with --resume")
+    if not (out / MANIFEST_NAME).exists():
+        raise OutputError(f"{out}: not a lucifer-shard output (no {MANIFEST_NAME}): convert into it first "
+                          f"(lucifer-shard convert --tp 3 --expert-layout model MODEL {out})")
     return out.resolve()
+
+
+def _importing_note(con: Console) -> None:
+    """Importing vLLM takes from seconds to a minute: say so before the wait."""
+    from ..runtime_shim.doctor import vllm_identity
+
+    version = vllm_identity()[0]
+    if version is not None:
+        con.note(f"importing vLLM {version} to check it (this can take a minute) ...")
 
 
 @click.command("doctor")
@@ -65,10 +92,13 @@ def doctor(out: Path | None, mtp: bool) -> None:
 
     if mtp and out is None:
         raise UsageRefused("--mtp checks an output's MTP draft: pass OUT")
-    checks = doctor_report(None if out is None else _output_dir(out), mtp)
-    Console.of().emit({"checks": [c.to_dict() for c in checks], "builds": builds(),
-                       "routes": [{"route": r, "how": h} for r, h in routes()]},
-                      [format_report(checks), "", *guide_lines()])
+    con = Console.of()
+    out = None if out is None else _output_dir(out)
+    _importing_note(con)
+    checks = doctor_report(out, mtp)
+    con.emit({"checks": [c.to_dict() for c in checks], "builds": builds(),
+              "routes": [{"route": r, "how": h} for r, h in routes()]},
+             [format_report(checks, verbose=con.verbosity > 0), "", *guide_lines()])
     failed = _failed(checks)
     if failed:
         raise CheckFailed(f"doctor: {len(failed)} check(s) failed; first: {failed[0]}")
@@ -104,10 +134,14 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
     prefill-context parallel size above 1, --enable-expert-parallel, --enable-eplb, --enable-lora,
     a --model-loader-extra-config that is not an object of the loader's keys (verify, role).
     e.g. lucifer-shard serve out/ --mtp -- --max-model-len 65536 --port 8000
-    The preflight is `lucifer-shard doctor OUT`; a failed check stops serve with exit 1.
+    Before exec, the preflight checks OUT and what needs no vLLM import (package versions, the
+    vllm command, the plugin's entry point): it adds well under 2 s to the start. The checks that
+    need vLLM (symbols, source hashes, virtual TP, the GPU) run inside vLLM's own process as it
+    starts, where the plugin is loaded anyway; a failed check stops serve, or vLLM, with exit 1.
+    --dry-run runs every check (`lucifer-shard doctor OUT`).
     """
-    from ..runtime_shim.doctor import (backends_remark, doctor_report, exec_vllm, format_report, preflight,
-                                       serve_argv, serve_backends)
+    from ..runtime_shim import doctor as dr
+    from ..runtime_shim import serve as sv
     from ..runtime_shim.errors import ShimError
     from ..runtime_shim.manifest import load_manifest
 
@@ -119,30 +153,42 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
     out = _output_dir(out)
     try:
         manifest = load_manifest(out)
-        tp, arch, readable = manifest.tp_size, manifest.arch, True
+        tp, arch = manifest.tp_size, manifest.arch
     except ShimError:
-        tp, arch, readable = None, None, False  # the preflight's output check says why
-    backends = serve_backends(arch)
-    try:
-        argv = serve_argv(out, tp, vllm_args, (mtp_tokens or 1) if mtp else None, backends=backends)
+        manifest = tp = arch = None  # the output check says why; no command is printed for it
+    backends = dr.serve_backends(arch) if manifest is not None else None
+    argv = None
+    try:  # the refused vLLM arguments are refused whatever OUT is
+        argv = sv.serve_argv(out, tp or 1, vllm_args, (mtp_tokens or 1) if mtp else None, backends=backends)
     except ShimError as e:
         raise UsageRefused(str(e)) from None
-    checks = doctor_report(out, mtp)
-    verdict = preflight(checks)
-    notes = [n for n in (verdict.note(), backends_remark() if backends is None and readable else None) if n]
-    line = shlex.join(argv)
+    if manifest is None:
+        argv = None
+    elif shutil.which("vllm") is None and dr.vllm_command():  # beside this python, not on PATH
+        argv[0] = dr.vllm_command()
+    if dry_run:  # the thorough report (it runs nothing, so it may take its time)
+        _importing_note(con)
+        checks = dr.doctor_report(out, mtp)
+    else:  # before exec only what needs no vLLM import; the rest runs inside vLLM as it starts
+        checks = dr.quick_checks(out, mtp)
+    verdict = sv.preflight(checks)
+    notes = [n for n in (verdict.note(), sv.backends_remark() if backends is None and manifest is not None else None)
+             if n]
+    line = shlex.join(argv) if argv else None
     if dry_run:
+        tail = [line] if line else ["no command: OUT's manifest cannot be read (the output check above says why)"]
         con.emit({"preflight_ok": not verdict.failed, "output_ok": verdict.output_ok,
                   "environment_checked": verdict.environment_checked, "notes": notes,
-                  "checks": [c.to_dict() for c in checks], "argv": argv, "command": line},
-                 [format_report(checks), "", *notes, line])
+                  "checks": [c.to_dict() for c in verdict.shown], "argv": argv, "command": line},
+                 [dr.format_report(list(verdict.shown), verbose=con.verbosity > 0), "", *notes, *tail])
     elif verdict.failed:
         click.echo("\n".join(str(c) for c in verdict.failed), err=True)
     else:
-        con.note("; ".join([f"preflight passed ({len(checks)} checks)", *notes, f"exec {line}"]))
+        con.note("; ".join([f"preflight passed ({len(checks)} checks before vLLM; vLLM's own run as it starts)",
+                            *notes, f"exec {line}"]))
     if verdict.failed and not (dry_run and verdict.dry_run_ok):
         first = verdict.failed[0]
         raise PreflightFailed(f"serve: preflight failed ({len(verdict.failed)} check(s)); first: {first}; "
                               f"lucifer-shard doctor OUT shows every check")
     if not dry_run:
-        exec_vllm(argv)
+        sv.exec_vllm(argv, sv.serve_environment(out, mtp))

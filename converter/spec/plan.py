@@ -148,15 +148,26 @@ def arch_of_capability(major: int) -> str | None:
     return next((arch for arch, m in ARCH_CAPABILITY_MAJOR.items() if m == major), None)
 
 
-def local_gpu() -> str | None:
-    """'NVIDIA ... (capability 12.0 = sm120)' for this machine's first GPU, from nvidia-smi; None without one."""
+def gpu_capability() -> tuple[str, str] | None:
+    """(name, 'major.minor') of this machine's first GPU, from nvidia-smi (no torch, no CUDA context: a
+    tenth of a second); None without one."""
     if shutil.which("nvidia-smi") is None:
         return None
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10).stdout.splitlines()
         name, cap = (x.strip() for x in out[0].rsplit(",", 1))
-        arch = arch_of_capability(int(cap.split(".")[0]))
+        int(cap.split(".")[0])
     except (OSError, subprocess.SubprocessError, IndexError, ValueError):
         return None
+    return name, cap
+
+
+def local_gpu() -> str | None:
+    """'NVIDIA ... (capability 12.0 = sm120)' for this machine's first GPU, from nvidia-smi; None without one."""
+    found = gpu_capability()
+    if found is None:
+        return None
+    name, cap = found
+    arch = arch_of_capability(int(cap.split(".")[0]))
     return f"{name} (capability {cap} = {arch or 'no --arch'})"
