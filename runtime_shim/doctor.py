@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lucifer_shard import __version__
+from lucifer_shard.errors import LuciferError
 from lucifer_shard.guarded_io import read_regular
 
 from . import compat, stock_vtp
@@ -133,7 +134,8 @@ def _package_checks() -> list[Check]:
     return checks
 
 
-def doctor_report(out_dir: str | Path | None = None, mtp: bool = False) -> list[Check]:
+def doctor_report(out_dir: str | Path | None = None, mtp: bool = False,
+                  node_ranks: list[int] | None = None) -> list[Check]:
     """Inspect the installed vLLM/FlashInfer (and optionally an output directory, to be served with the
     MTP draft when `mtp`) for lucifer_tp3 serving. Every failing check says how to fix it. The output's
     checks come first: a damaged output is the first thing to fix, wherever this runs."""
@@ -142,17 +144,17 @@ def doctor_report(out_dir: str | Path | None = None, mtp: bool = False) -> list[
     if vllm_identity()[0] is not None:
         more, verdicts = _vllm_checks(out_dir)
         checks += more
-    outs = _output_checks(out_dir, verdicts, build, mtp) if out_dir is not None else []
+    outs = _output_checks(out_dir, verdicts, build, mtp, node_ranks) if out_dir is not None else []
     return [*outs, *checks]
 
 
-def quick_checks(out_dir: str | Path, mtp: bool = False) -> list[Check]:
+def quick_checks(out_dir: str | Path, mtp: bool = False, node_ranks: list[int] | None = None) -> list[Check]:
     """serve's preflight before it execs vLLM: OUT's own checks and what this environment says without
     importing vLLM or torch (versions from package metadata, the `vllm` command, the plugin's entry point,
     the environment variables). The checks that need vLLM imported run inside vLLM's own process as it
     starts (`in_vllm_failures`, from the plugin's register()); `doctor` runs both."""
     checks, build = _static_environment_checks()
-    return [*_output_checks(out_dir, None, build, mtp), *checks]
+    return [*_output_checks(out_dir, None, build, mtp, node_ranks), *checks]
 
 
 def _static_environment_checks() -> tuple[list[Check], compat.Build | None]:
@@ -313,7 +315,7 @@ def _gpu_check() -> Check:
 
 
 # The GPU families by product name (the README's serving checklist says the same).
-GPU_FAMILIES = "sm90 (H100, H200), sm100 (B200, GB200), sm120 (RTX PRO 6000, RTX 5090)"
+GPU_FAMILIES = "sm90 (H100, H200), sm100 (B200, GB200), sm120 (RTX PRO 6000, RTX 5090), sm121 (DGX Spark GB10)"
 
 
 def _entry_point_checks() -> list[Check]:
@@ -363,7 +365,29 @@ def _out(name: str, status: str, detail: str, fix: str = "") -> Check:
 ANY_ARCH = "any (converted without --arch)"
 
 
-def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
+def _share_checks(m, node_ranks: list[int] | None) -> list[Check]:
+    """A node's share (lucifer-shard stage): which ranks it holds and lacks; with `node_ranks` (serve
+    --nnodes/--node-rank), whether it holds this node's."""
+    from lucifer_shard.spec.share import describe, node_problem, read_share
+
+    try:
+        share = read_share(m.out, m.conversion_id)
+    except LuciferError as e:
+        return [_out("output share", FAIL, str(e), "stage the node's share again")]
+    checks = []
+    if share is not None:
+        lacking = [r for r in range(m.tp_size) if r not in share["ranks"]]
+        checks.append(_out("output share", INFO, f"a node's share: {describe(share)}; lacks rank(s) "
+                           f"{', '.join(map(str, lacking)) or 'none'} (on other nodes)"))
+    if node_ranks is not None and share is not None:
+        problem = node_problem(m.out, m.conversion_id, node_ranks)
+        checks.append(_out("output node ranks", FAIL if problem else OK,
+                           problem or f"holds this node's TP rank(s) {', '.join(map(str, node_ranks))}",
+                           "stage this node's share (lucifer-shard stage) or pass its --node-rank" if problem else ""))
+    return checks
+
+
+def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | None = None) -> list[Check]:
     """OUT's checks: on its own (any machine), then against this vLLM and GPU (`verdicts`: None
     without an importable vLLM)."""
     from .manifest import load_manifest
@@ -378,6 +402,7 @@ def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
                    f"{m.arch or ANY_ARCH}, experts {m.expert_layout} layout{variant}, roles {', '.join(m.roles)}")]
     from lucifer_shard.spec.manifest import copy_problems
 
+    checks.extend(_share_checks(m, node_ranks))
     for name, problem in copy_problems(m.out, m.doc):  # vLLM reads OUT/config.json and the tokenizer
         checks.append(_out(f"output {name}", FAIL, problem, "lucifer-shard verify OUT"))
     if mtp and "draft" not in m.roles:
@@ -445,8 +470,12 @@ def _arch_checks(m, arch: str, cap: str, fork: bool) -> list[Check]:
             "no backends are known for this GPU family"
         return [_out("output arch", INFO, f"any GPU family (converted without --arch); this GPU is {cap} ({arch}): "
                      f"{picks}")]
-    if arch == m.arch:
-        return []
+    from lucifer_shard.spec.layouts import same_kernel_layout
+    from lucifer_shard.spec.plan import ARCH_CAPABILITY
+
+    family = ARCH_CAPABILITY[arch][0] == ARCH_CAPABILITY.get(m.arch, (None,))[0]
+    if arch == m.arch or (family and same_kernel_layout(arch, m.arch)):
+        return []  # one CUDA major, the same files (GB10, 12.1, runs the SM120 family's kernels)
     if m.expert_layout != "model":
         return [_out("output arch", FAIL, f"files laid out for {m.arch}, this GPU is {cap} ({arch})",
                      f"re-convert with --arch {arch}")]
@@ -524,4 +553,4 @@ def local_arch() -> str | None:
     from lucifer_shard.spec.plan import arch_of_capability, gpu_capability
 
     found = gpu_capability()
-    return arch_of_capability(int(found[1].split(".")[0])) if found else None
+    return arch_of_capability(*map(int, found[1].split(".")[:2])) if found else None

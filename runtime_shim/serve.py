@@ -14,6 +14,9 @@ from .errors import ShimError
 from .patches import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND
 
 SERVE_FLAGS = ("--tensor-parallel-size", "--load-format", "--attention-backend", "--moe-backend")
+# vLLM's multi-node flags: serve's own options (before `--`), passed on; node 1.. run headless (no API
+# server: node 0 serves it), as vLLM's multi-node mp launch does.
+NODE_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless")
 # --hf-overrides: the plugin gives vLLM the manifest's padded sizes through it, and refuses a user's at
 # load (the model must be the config that was converted); refused here before vLLM starts, like the rest.
 HF_OVERRIDES_FLAG = "--hf-overrides"
@@ -45,13 +48,16 @@ def serve_environment(out_dir: str | Path, mtp: bool) -> dict[str, str]:
 
 def serve_argv(out_dir: str | Path, tp: int, extra_args: list[str] | tuple[str, ...] = (),
                mtp_tokens: int | None = None, vllm: str = "vllm",
-               backends: tuple[str, str] | None = (ATTENTION_BACKEND, MOE_BACKEND)) -> list[str]:
-    """The `vllm serve` command for OUT (`tp` from its manifest) with the
-    given backends (`serve_backends`; None leaves them to vLLM). Raises ShimError when the extra
+               backends: tuple[str, str] | None = (ATTENTION_BACKEND, MOE_BACKEND),
+               node: dict | None = None) -> list[str]:
+    """The `vllm serve` command for OUT (`tp` from its manifest) with the given backends
+    (`serve_backends`; None leaves them to vLLM) and, for one node of several, vLLM's multi-node
+    flags (`node`: nnodes, node_rank, master_addr, master_port). Raises ShimError when the extra
     arguments set a flag lucifer-shard sets, or one the plugin refuses at load (`settings.REQUIRED`,
     the loader's --model-loader-extra-config)."""
     extra = list(extra_args)
     owned = {flag: "lucifer-shard serve sets it from the manifest" for flag in SERVE_FLAGS}
+    owned.update({flag: "it is serve's own option: pass it before `--`" for flag in NODE_FLAGS})
     owned[HF_OVERRIDES_FLAG] = ("the plugin sets it from the manifest (the model must be the config that was "
                                 "converted)")
     if mtp_tokens:
@@ -69,6 +75,10 @@ def serve_argv(out_dir: str | Path, tp: int, extra_args: list[str] | tuple[str, 
         argv += ["--attention-backend", backends[0], "--moe-backend", backends[1]]
     if mtp_tokens:
         argv += [SPECULATIVE_FLAG, speculative_config(mtp_tokens)]
+    if node is not None:
+        argv += ["--nnodes", str(node["nnodes"]), "--node-rank", str(node["node_rank"]), "--master-addr",
+                 node["master_addr"], *(["--master-port", str(node["master_port"])] if node.get("master_port") else []),
+                 *(["--headless"] if node["node_rank"] > 0 else [])]
     return argv + extra
 
 

@@ -39,6 +39,7 @@ LOAD_FORMAT = RUNTIME["load_format"]
 # 120/121), so FlashMLA sparse (24 local heads padded to 64) and Marlin, which ship in the wheel.
 STOCK_BACKENDS = {
     "sm120": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),
+    "sm121": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),  # GB10: the SM120 family's (not run here)
     "sm100": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),
     "sm90": ("FLASHMLA_SPARSE_DSV4", "marlin"),
 }

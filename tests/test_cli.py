@@ -178,7 +178,7 @@ def test_plan_predicts_convert_exactly(tiny_pattern, tmp_path):
 def test_convert_requires_arch(tiny_pattern, tmp_path):
     r = run("convert", "--tp", 3, tiny_pattern, tmp_path / "out")
     assert r.exit_code == 2 and not (tmp_path / "out").exists()
-    assert r.output.startswith("error: --arch is required") and "sm120|sm100|sm90" in r.output
+    assert r.output.startswith("error: --arch is required") and "sm120|sm121|sm100|sm90" in r.output
     assert r.output.count("\n") == 1
 
 

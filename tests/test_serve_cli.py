@@ -44,8 +44,8 @@ SKIPPED = ("environment checks skipped: vLLM is not installed here, so vLLM, the
 def preflight_passes(monkeypatch):
     """A vetted serving environment, as far as the doctor's checks go."""
     passed = [Check("vllm", OK, "vetted build")]
-    monkeypatch.setattr(doctor, "doctor_report", lambda out=None, mtp=False: passed)
-    monkeypatch.setattr(doctor, "quick_checks", lambda out, mtp=False: passed)
+    monkeypatch.setattr(doctor, "doctor_report", lambda out=None, mtp=False, node_ranks=None: passed)
+    monkeypatch.setattr(doctor, "quick_checks", lambda out, mtp=False, node_ranks=None: passed)
 
 
 def edited_copy(out: Path, dst: Path, edit) -> Path:
@@ -209,7 +209,7 @@ def test_an_output_for_any_arch_gets_the_serving_gpus_backends(any_arch, monkeyp
     assert line == command_of(any_arch, backends=False)
     assert skip_note == SKIPPED and backends_note == serve.backends_remark()
     assert "no GPU is visible here" in backends_note and "sm90: FLASHMLA_SPARSE_DSV4 + marlin" in backends_note
-    assert "sm120, sm100: FLASHINFER_MLA_SPARSE_DSV4 + flashinfer_cutlass" in backends_note
+    assert "sm120, sm121, sm100: FLASHINFER_MLA_SPARSE_DSV4 + flashinfer_cutlass" in backends_note
     assert json.loads(run("serve", any_arch, "--dry-run", "--json").stdout)["result"]["notes"] == [SKIPPED,
                                                                                                backends_note]
     for arch in ("sm90", "sm100", "sm120"):

@@ -16,6 +16,7 @@ import click
 from ..errors import MismatchError, OutputError
 from ..proof.report import Report
 from ..proof.structure import open_files, read_manifest
+from ..spec.share import describe, read_share
 from ..spec.manifest import MANIFEST_NAME, complete_problem, digest_ok, parse_manifest, read_manifest_bytes
 from ..spec.outwatch import ReadWatch
 from ..spec.rules import DTYPE_SIZE
@@ -80,7 +81,8 @@ def _report(out: Path, run, lines, noun: str, fix: str) -> None:
     """Run a check (`watched`), emit its report (text or the JSON envelope), and fail with one line
     when it found anything."""
     report = watched(out, click.get_current_context().info_name, run)
-    Console.of().emit(report.to_dict(), lines(report))
+    share = report.info.get("share")
+    Console.of().emit(report.to_dict(), [*([share_line(share)] if share else []), *lines(report)])
     if not report.ok:
         _fail(report, noun, fix)
 
@@ -161,13 +163,23 @@ def inspect(out: Path) -> None:
         _fail(report, "problem(s)", DAMAGED)
 
 
+def share_line(share: dict) -> str:
+    """What a node's share holds, said before its report: the other ranks are absent by design."""
+    others = [r for r in range(share["tp_size"]) if r not in share["ranks"]]
+    return (f"share of {describe(share)}: only its ranks are here and checked"
+            + (f" (rank(s) {', '.join(map(str, others))} are on other nodes)" if others else ""))
+
+
 def summarize(out: Path) -> dict:
     out = out_dir(out)
     m = parse_manifest(read_manifest_bytes(out), out / MANIFEST_NAME)
+    share = read_share(out, m.get("conversion_id"))
     roles = {}
     for role, rdoc in (m.get("roles") or {}).items():
         ranks = []
         for entry in rdoc.get("ranks") or []:
+            if share is not None and entry.get("rank") not in share["ranks"]:
+                continue
             tensors = entry.get("tensors") or {}
             data = pad = 0
             for info in tensors.values():
@@ -194,6 +206,7 @@ def summarize(out: Path) -> dict:
     src = m.get("source") or {}
     return {
         "out": str(out),
+        "share": share,
         "complete": complete_problem(out, m["conversion_id"]) is None,
         "manifest_digest_ok": digest_ok(m),
         "conversion_id": m.get("conversion_id"),
@@ -226,6 +239,7 @@ ROLE_ORDER = ("target", "draft")
 def summary_lines(d: dict) -> list[str]:
     src = d["source"]
     lines = [
+        *([share_line(d["share"])] if d.get("share") else []),
         f"output         {d['out']}",
         f"conversion     {d['conversion_id']}  "
         f"({'complete' if d['complete'] else 'NOT complete'}, manifest digest "

@@ -56,6 +56,7 @@ QUIET: dict[str, tuple[str, tuple[str, ...]]] = {
     "inspect": ("only the conversion id", ("conversion_id",)),
     "check-numerics": ("nothing (the exit code is the answer)", ()),
     "synth": ("only the checkpoint's path", ("path",)),
+    "stage": ("only DEST", ("dest",)),
     "doctor": ("nothing (the exit code is the answer)", ()),
     "serve": ("only the vllm command line (with --dry-run)", ("command",)),
 }

@@ -36,7 +36,8 @@ def conversion_options(f):
     """The options that decide what a conversion writes (shared by plan and convert)."""
     for option in reversed((
         click.option("--arch", type=click.Choice(ARCHES), default=None,
-                     help="The serving GPU family: sm120/sm100 (MXFP4 x MXFP8 CUTLASS: swap + 128x4 scale swizzle) "
+                     help="The serving GPU family: sm120/sm121/sm100 (MXFP4 x MXFP8 CUTLASS: swap + 128x4 scale "
+                          "swizzle; sm121 is DGX Spark GB10, the SM120 family's layout) "
                           "or sm90 (MXFP4 x BF16: swap + nibble and scale interleave). Required by convert with "
                           "--expert-layout kernel: the experts' kernel layout follows it and the loader refuses "
                           "other GPUs. Optional with --expert-layout model, whose files are the same for every "
@@ -167,8 +168,8 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     from ..spec.plan import make_plan
     from ..spec.source import config_root, resolve_config
     from ..units import size
-    from .planview import (footprint_json, footprint_lines, plan_footprint_of, plan_json, plan_lines, plan_specs,
-                           planned_paths, room_of)
+    from .planview import (footprint_json, footprint_lines, node_lines, per_node, plan_footprint_of, plan_json,
+                           plan_lines, plan_specs, planned_paths, room_of)
 
     # --workers changes no number plan shows: it is taken so that plan's command line is convert's.
     refuse_swapped("plan", model, out, model_first=True)
@@ -186,8 +187,10 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
         refuse_target(out, root, resume, force, job, options, planned_paths(specs, options))
     fp = plan_footprint_of(cfg, specs, p, options)
     room = room_of(fp, out, force)
-    Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(fp, room)},
-                      plan_lines(specs, p, options, fp) + footprint_lines(fp, room))
+    nodes = per_node(fp, p.tp)
+    Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(fp, room), "per_node": nodes},
+                      plan_lines(specs, p, options, fp) + node_lines(nodes, sum(n["bytes"] for n in nodes))
+                      + footprint_lines(fp, room))
     if room is not None and room.short:
         raise NoRoom(f"{out}: not enough room: {size(room.needed)} to write, {size(room.free)} free on "
                             f"{room.filesystem}; free {size(room.short)} more or choose another OUT", exit_code=1)
@@ -274,6 +277,48 @@ def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_m
     con = Console.of()
     path = run(preset, out, layers=layers, fill=fill, seed=seed, mtp=not no_mtp, progress=con.progress)
     con.emit({"preset": preset, "path": str(path)}, [f"wrote {preset} checkpoint to {path}"])
+
+
+@cli.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--ranks", default=None, metavar="K[,K...]", help="The TP ranks the node runs, e.g. --ranks 1.")
+@click.option("--nnodes", type=click.IntRange(1), default=None,
+              help="With --node-rank: the node count vLLM is started with; the ranks follow vLLM's rule.")
+@click.option("--node-rank", type=click.IntRange(0), default=None, help="With --nnodes: this node's number, 0..N-1.")
+@conventions(interrupted="interrupted: {out} is untouched; run the same stage again to finish the share")
+def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_rank: int | None) -> None:
+    """Write one node's share of OUT into DEST: the rank files of the ranks it runs (target and draft),
+    the manifest, config.json, the tokenizer files and COMPLETE.
+
+    
+    --ranks K[,K...]            the TP ranks the node runs
+    --nnodes N --node-rank R    as vLLM computes them: node R of N runs ranks R*TP/N .. (R+1)*TP/N - 1
+                                (at TP3 over three nodes, node R runs rank R)
+    Files are hard-linked when DEST is on OUT's filesystem, else copied and read back. Nothing outside
+    DEST is written; a stage stopped part-way is finished by running it again. verify, inspect,
+    doctor, serve and the loader check exactly the ranks the share holds. e.g.
+      lucifer-shard stage out/ node1/ --nnodes 3 --node-rank 1
+    """
+    from ..engine.stage import stage as run
+    from ..spec.manifest import load_manifest
+    from ..spec.share import node_ranks, parse_ranks
+
+    if (nnodes is None) != (node_rank is None):
+        raise UsageRefused("--nnodes and --node-rank go together; pass both, or --ranks")
+    if (ranks is None) == (nnodes is None):
+        raise UsageRefused("pass the ranks the node runs: --ranks K[,K...] or --nnodes N --node-rank R (one of them)")
+    if not out.is_dir():
+        from ..errors import OutputError
+
+        raise OutputError(f"{out}: no such output directory")
+    tp = load_manifest(out)["tp_size"]
+    chosen = parse_ranks(ranks, tp) if ranks is not None else node_ranks(tp, nnodes, node_rank)
+    summary = run(out, dest, chosen, nnodes, node_rank)
+    serve = (f"lucifer-shard serve {dest} --nnodes {nnodes} --node-rank {node_rank} --master-addr HOST"
+             if nnodes else f"lucifer-shard serve {dest} --dry-run")
+    Console.of().emit(summary.to_dict(), [*summary.lines(), f"next: lucifer-shard verify {dest}; copy {dest} to the "
+                                          f"node; {serve}"])
 
 
 # Commands defined beside their logic (each module imports only click at import time).

@@ -160,6 +160,21 @@ def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Op
     return lines
 
 
+def per_node(fp: fpm.Footprint, tp: int) -> list[dict]:
+    """The rank files one node holds when each node runs one rank (`stage --nnodes TP --node-rank R`)."""
+    per_rank = fp.per_rank()
+    return [{"node": r, "ranks": [r], "bytes": sum(n for (role, rank), (_, n) in per_rank.items() if rank == r)}
+            for r in range(tp)]
+
+
+def node_lines(nodes: list[dict], total: int) -> list[str]:
+    if len(nodes) < 2:
+        return []
+    return ["", f"per node, one rank each (lucifer-shard stage OUT DEST --nnodes {len(nodes)} --node-rank R): its "
+                f"rank files, of {size(total)} in all",
+            *(f"  node {n['node']}: rank {n['ranks'][0]}, {size(n['bytes'])} ({n['bytes']:,} bytes)" for n in nodes)]
+
+
 def _pad_bytes(spec: TensorSpec) -> int:
     """Bytes of pad in one rank's tensor: pad-region extent times the other dims."""
     item = DTYPE_SIZE[spec.dtype]

@@ -66,6 +66,19 @@ def _output_dir(out: Path) -> Path:
     return out.resolve()
 
 
+def _nodes(nnodes: int | None, node_rank: int | None, master_addr: str | None,
+           master_port: int | None) -> dict | None:
+    """vLLM's multi-node options, as serve takes them before `--` and passes them on; None: one node."""
+    if nnodes is None and node_rank is None and master_addr is None and master_port is None:
+        return None
+    if nnodes is None or node_rank is None or master_addr is None:
+        raise UsageRefused("--nnodes, --node-rank and --master-addr go together (--master-port optional); pass "
+                           "all three, or none for one node")
+    if node_rank >= nnodes:
+        raise UsageRefused(f"--node-rank {node_rank}: nodes are numbered 0..{nnodes - 1}")
+    return {"nnodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
+
+
 def _importing_note(con: Console) -> None:
     """Importing vLLM takes from seconds to a minute: say so before the wait."""
     from ..runtime_shim.doctor import vllm_identity
@@ -115,8 +128,16 @@ def doctor(out: Path | None, mtp: bool) -> None:
                    "'{\"method\":\"mtp\",\"num_speculative_tokens\":K}'.")
 @click.option("--mtp-tokens", type=click.IntRange(1), default=None,
               help="With --mtp: draft tokens per step (K; more than 1 reruns the one MTP layer)  [default: 1]")
+@click.option("--nnodes", type=click.IntRange(1), default=None,
+              help="vLLM's multi-node launch: the node count (the TP size must divide by it); with --node-rank and "
+                   "--master-addr. The preflight checks this node's ranks; the dry run prints every node's command.")
+@click.option("--node-rank", type=click.IntRange(0), default=None, help="With --nnodes: this node, 0..N-1.")
+@click.option("--master-addr", default=None, help="With --nnodes: node 0's address, as vLLM takes it.")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=None,
+              help="With --nnodes: node 0's port (vLLM's default when left out).")
 @conventions(interrupted="interrupted: serve started nothing")
-def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args: tuple[str, ...]) -> None:
+def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, nnodes: int | None, node_rank: int | None,
+          master_addr: str | None, master_port: int | None, vllm_args: tuple[str, ...]) -> None:
     """Preflight OUT against the installed vLLM, then exec `vllm serve OUT` with the flags it needs.
 
     \b
@@ -126,7 +147,7 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
         [--speculative-config '{"method":"mtp","num_speculative_tokens":K}'  with --mtp]
         [VLLM_ARGS: everything after `--`]
     with A, M for the output's --arch on stock vLLM (virtual TP supplied by the plugin):
-      sm120, sm100: FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass
+      sm120, sm121, sm100: FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass  (sm121, GB10: not yet run)
       sm90:         FLASHMLA_SPARSE_DSV4, marlin
     for an output converted without --arch, those of the serving host's GPU (left out where no GPU
     is visible); FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass on a vetted mlow/vllm build.
@@ -150,6 +171,7 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
         raise UsageRefused("--mtp-tokens applies only with --mtp")
     if con.json and not dry_run:
         raise UsageRefused("--json applies only with --dry-run (serve otherwise becomes vLLM)")
+    nodes = _nodes(nnodes, node_rank, master_addr, master_port)
     out = _output_dir(out)
     try:
         manifest = load_manifest(out)
@@ -157,9 +179,15 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
     except ShimError:
         manifest = tp = arch = None  # the output check says why; no command is printed for it
     backends = dr.serve_backends(arch) if manifest is not None else None
+    node_ranks = None  # the TP ranks this node runs: all of them on one node
+    if tp is not None:
+        from ..spec.share import node_ranks as ranks_of
+
+        node_ranks = ranks_of(tp, nnodes, node_rank) if nodes is not None else list(range(tp))
     argv = None
     try:  # the refused vLLM arguments are refused whatever OUT is
-        argv = sv.serve_argv(out, tp or 1, vllm_args, (mtp_tokens or 1) if mtp else None, backends=backends)
+        argv = sv.serve_argv(out, tp or 1, vllm_args, (mtp_tokens or 1) if mtp else None, backends=backends,
+                             node=nodes)
     except ShimError as e:
         raise UsageRefused(str(e)) from None
     if manifest is None:
@@ -168,15 +196,22 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
         argv[0] = dr.vllm_command()
     if dry_run:  # the thorough report (it runs nothing, so it may take its time)
         _importing_note(con)
-        checks = dr.doctor_report(out, mtp)
+        checks = dr.doctor_report(out, mtp, node_ranks)
     else:  # before exec only what needs no vLLM import; the rest runs inside vLLM as it starts
-        checks = dr.quick_checks(out, mtp)
+        checks = dr.quick_checks(out, mtp, node_ranks)
     verdict = sv.preflight(checks)
     notes = [n for n in (verdict.note(), sv.backends_remark() if backends is None and manifest is not None else None)
              if n]
     line = shlex.join(argv) if argv else None
     if dry_run:
         tail = [line] if line else ["no command: OUT's manifest cannot be read (the output check above says why)"]
+        if line and nodes is not None:  # every node's command, this one's marked
+            tail = ["every node's command (each on its own share: lucifer-shard stage OUT DEST --nnodes "
+                    f"{nnodes} --node-rank R; node 0 serves the API, start it first):"]
+            for r in range(nnodes):
+                other = sv.serve_argv(out, tp, vllm_args, (mtp_tokens or 1) if mtp else None, backends=backends,
+                                      node={**nodes, "node_rank": r})
+                tail.append(f"  node {r}{' (this one)' if r == node_rank else ''}: {shlex.join([argv[0], *other[1:]])}")
         con.emit({"preflight_ok": not verdict.failed, "output_ok": verdict.output_ok,
                   "environment_checked": verdict.environment_checked, "notes": notes,
                   "checks": [c.to_dict() for c in verdict.shown], "argv": argv, "command": line},

@@ -110,6 +110,24 @@ def test_refuses_missing_rank_files(out_kernel, tmp_path, tp_world):
     _refusal(e, "rank files missing", "target/rank-1/part-00000.safetensors")
 
 
+def test_a_nodes_share_loads_its_rank_and_names_node_rank_and_fix_for_another(out_model, tmp_path, tp_world):
+    """Issue 35: a worker reads its rank from a share that holds only that rank (lucifer-shard stage); a worker
+    whose rank the share lacks fails at load in one line naming the node, the rank and the fix."""
+    share = tmp_path / "node1"
+    sf.cli("stage", str(out_model), str(share), "--nnodes", "3", "--node-rank", "1", "-q")
+    assert {p.parent.name for p in share.rglob("*.safetensors")} == {"rank-1"}
+    man = sf.manifest(share)
+    tp_world(3, 1)
+    model = sf.build_model(man, "target", 1)
+    _loader({"verify": "full"}).load_weights(model, sf.model_config(share))
+    assert sf.assert_byte_exact(model, sf.file_tensors(share, man, "target", 1)) == 134
+    tp_world(3, 2)
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(sf.build_model(man, "target", 2), sf.model_config(share))
+    _refusal(e, "is node 1's share (rank(s) 1 of tp 3 (node 1 of 3)) but this worker runs TP rank 2, node 2's",
+             "lucifer-shard stage OUT DEST --nnodes 3 --node-rank 2")
+
+
 @EVERY_VERIFY
 def test_refuses_missing_and_unexpected_keys(out_kernel, tp_world, verify):
     man = sf.manifest(out_kernel)
