@@ -46,7 +46,7 @@ fuzz: installed
 demo: installed
 	rm -rf $(DEMO)
 	lucifer-shard synth tiny $(DEMO)/model --fill random --quiet
-	lucifer-shard plan --tp 3 $(DEMO)/model
+	lucifer-shard plan --tp 3 --arch sm120 $(DEMO)/model
 	lucifer-shard convert --tp 3 --arch sm120 $(DEMO)/model $(DEMO)/out --quiet
 	lucifer-shard diff $(DEMO)/out
 	lucifer-shard verify $(DEMO)/out
