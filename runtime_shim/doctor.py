@@ -148,13 +148,14 @@ def doctor_report(out_dir: str | Path | None = None, mtp: bool = False,
     return [*outs, *checks]
 
 
-def quick_checks(out_dir: str | Path, mtp: bool = False, node_ranks: list[int] | None = None) -> list[Check]:
+def quick_checks(out_dir: str | Path, mtp: bool = False, node_ranks: list[int] | None = None,
+                 manifest=None) -> list[Check]:
     """serve's preflight before it execs vLLM: OUT's own checks and what this environment says without
     importing vLLM or torch (versions from package metadata, the `vllm` command, the plugin's entry point,
     the environment variables). The checks that need vLLM imported run inside vLLM's own process as it
     starts (`in_vllm_failures`, from the plugin's register()); `doctor` runs both."""
     checks, build = _static_environment_checks()
-    return [*_output_checks(out_dir, None, build, mtp, node_ranks), *checks]
+    return [*_output_checks(out_dir, None, build, mtp, node_ranks, manifest), *checks]
 
 
 def _static_environment_checks() -> tuple[list[Check], compat.Build | None]:
@@ -387,13 +388,14 @@ def _share_checks(m, node_ranks: list[int] | None) -> list[Check]:
     return checks
 
 
-def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | None = None) -> list[Check]:
+def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | None = None,
+                   manifest=None) -> list[Check]:
     """OUT's checks: on its own (any machine), then against this vLLM and GPU (`verdicts`: None
     without an importable vLLM)."""
     from .manifest import load_manifest
 
     try:
-        m = load_manifest(out_dir)
+        m = manifest or load_manifest(out_dir)  # serve has read it already (a Flash manifest is MBs)
     except ShimError as e:
         return [_out("output", FAIL, str(e), "lucifer-shard verify OUT; if it is damaged, run the same convert with "
                      "--resume (it rewrites only the damaged files)")]

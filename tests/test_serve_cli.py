@@ -45,7 +45,7 @@ def preflight_passes(monkeypatch):
     """A vetted serving environment, as far as the doctor's checks go."""
     passed = [Check("vllm", OK, "vetted build")]
     monkeypatch.setattr(doctor, "doctor_report", lambda out=None, mtp=False, node_ranks=None: passed)
-    monkeypatch.setattr(doctor, "quick_checks", lambda out, mtp=False, node_ranks=None: passed)
+    monkeypatch.setattr(doctor, "quick_checks", lambda out, mtp=False, node_ranks=None, manifest=None: passed)
 
 
 def edited_copy(out: Path, dst: Path, edit) -> Path:

@@ -198,7 +198,7 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, nnodes: i
         _importing_note(con)
         checks = dr.doctor_report(out, mtp, node_ranks)
     else:  # before exec only what needs no vLLM import; the rest runs inside vLLM as it starts
-        checks = dr.quick_checks(out, mtp, node_ranks)
+        checks = dr.quick_checks(out, mtp, node_ranks, manifest)
     verdict = sv.preflight(checks)
     notes = [n for n in (verdict.note(), sv.backends_remark() if backends is None and manifest is not None else None)
              if n]
