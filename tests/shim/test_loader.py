@@ -61,6 +61,26 @@ def test_three_processes_gloo_tp3_each_loads_its_rank_byte_exact(out_kernel, tmp
         assert sink == [[sf.SINK_PARAM_LEN], "torch.float32"]
 
 
+def test_three_processes_each_on_a_share_of_its_own_rank_only(out_model, tmp_path, shim):
+    """Issue 35 (the fallback of its point 4, as this CPU cannot run vLLM's CPU forward): a TP3 world of
+    three gloo processes, process R given only node R's share (lucifer-shard stage --nnodes 3 --node-rank R),
+    each loads its rank byte for byte from files that hold no other rank."""
+    for r in range(3):
+        sf.cli("stage", str(out_model), str(tmp_path / f"node{r}"), "--nnodes", "3", "--node-rank", str(r), "-q")
+        assert {p.parent.name for p in (tmp_path / f"node{r}").rglob("*.safetensors")} == {f"rank-{r}"}
+    results = tmp_path / "results"
+    results.mkdir()
+    r = subprocess.run([sys.executable, str(HERE / "dist_load_worker.py"), str(tmp_path / "node{rank}"),
+                        str(_free_port()), str(results)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank in range(3):
+        rep = json.loads((results / f"rank-{rank}.json").read_text())
+        assert rep["tp_rank"] == rank and rep["all_ranks"] == [0, 1, 2]
+        for role in ("target", "draft"):
+            assert rep[role]["files"] and all(f.startswith(str(tmp_path / f"node{rank}" / role / f"rank-{rank}"))
+                                              for f in rep[role]["files"]), rep[role]["files"]
+
+
 def test_in_process_each_rank_byte_exact_and_hooks_replayed(out_kernel, tp_world):
     man = sf.manifest(out_kernel)
     for rank in range(3):
