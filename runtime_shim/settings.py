@@ -13,6 +13,9 @@ from typing import Any, Callable
 
 from .errors import ShimError
 
+# `lucifer-shard serve` hands the checks that need vLLM their OUT through the environment of the vLLM it
+# execs ({"out", "mtp"} as JSON); the plugin's register() runs them in vLLM's first process.
+SERVE_ENV = "LUCIFER_SHARD_SERVE"
 LOADER_CONFIG_FLAG = "--model-loader-extra-config"
 # The --model-loader-extra-config keys the loader accepts, with their values. verify: what is checked
 # beyond the key set, every tensor's dtype and shape (file header = manifest = parameter) and its

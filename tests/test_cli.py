@@ -110,31 +110,38 @@ def test_plan_json_carries_byte_counts(flash_dir, flash_cfg):
 
 def test_plan_any_tp(flash_dir):
     for tp in range(1, 9):
-        assert run("plan", "--tp", tp, flash_dir).exit_code == 0
+        assert run("plan", "--tp", tp, "--arch", "sm120", flash_dir).exit_code == 0
 
 
 def test_plan_without_arch_says_so(flash_dir):
     r = run("plan", "--tp", 3, flash_dir)  # model layout, convert's default without --arch
     assert r.exit_code == 0 and "any arch (model layout: vLLM lays the experts out at load" in r.output
     assert envelope(run("plan", "--tp", 3, "--json", flash_dir))["result"]["arch"] is None
-    r = run("plan", "--tp", 3, "--expert-layout", "kernel", flash_dir)
-    assert r.exit_code == 0 and "no --arch (shown for sm120; convert requires one" in r.output
+    assert envelope(run("plan", "--tp", 3, "--arch", "sm90", "--json", flash_dir))["result"]["arch"] == "sm90"
+
+
+def test_plan_refuses_kernel_layout_without_arch_as_convert_does(tiny_pattern, tmp_path):
+    """plan refuses what convert refuses: the same command line, the same line, exit 2 (issue 34)."""
+    planned = run("plan", "--tp", 3, "--expert-layout", "kernel", tiny_pattern, tmp_path / "out")
+    converting = run("convert", "--tp", 3, "--expert-layout", "kernel", tiny_pattern, tmp_path / "out")
+    assert planned.exit_code == converting.exit_code == 2 and planned.output == converting.output
+    assert planned.output.startswith("error: --arch is required with --expert-layout kernel")
 
 
 def test_plan_checks_the_room_on_outs_filesystem(flash_dir, tmp_path, monkeypatch):
     out = tmp_path / "deeper" / "out"  # not there yet: its nearest existing parent's filesystem counts
-    r = run("plan", "--tp", 3, flash_dir, out)
+    r = run("plan", "--tp", 3, "--arch", "sm120", flash_dir, out)
     free = shutil.disk_usage(tmp_path).free
     if free > 170 << 30:
         assert r.exit_code == 0 and ": enough" in r.output
     small_disk(monkeypatch, 100 << 30)
-    r = run("plan", "--tp", 3, flash_dir, out)
+    r = run("plan", "--tp", 3, "--arch", "sm120", flash_dir, out)
     assert r.exit_code == 1, r.output
     assert re.search(r"100\.00 GiB +free on \S+ \(\w+.*\), the filesystem of", r.output)
     assert "NOT enough: free 69.35 GiB more" in r.output
     assert r.output.strip().splitlines()[-1].startswith(f"error: {out}: not enough room: 169.35 GiB to write, "
                                                          "100.00 GiB free on ")
-    doc = envelope(run("plan", "--tp", 3, "--json", flash_dir, out))
+    doc = envelope(run("plan", "--tp", 3, "--arch", "sm120", "--json", flash_dir, out))
     room = doc["result"]["footprint"]["room"]
     assert not doc["ok"] and doc["error"]["exit_code"] == 1 and room["free_bytes"] == 100 << 30
     assert not room["enough"] and room["needed_bytes"] > doc["result"]["footprint"]["write_bytes"]
@@ -174,7 +181,7 @@ def test_plan_predicts_convert_exactly(tiny_pattern, tmp_path):
 def test_kernel_layout_requires_arch(tiny_pattern, tmp_path):
     r = run("convert", "--tp", 3, "--expert-layout", "kernel", tiny_pattern, tmp_path / "out")
     assert r.exit_code == 2 and not (tmp_path / "out").exists()
-    assert r.output.startswith("error: --arch is required") and "sm120|sm100|sm90" in r.output
+    assert r.output.startswith("error: --arch is required") and "sm120|sm121|sm100|sm90" in r.output
     assert r.output.count("\n") == 1
 
 
@@ -251,7 +258,7 @@ def test_swapped_arguments_are_named(converted, tiny_pattern, tmp_path):
     assert r.exit_code == 2 and "diff takes OUT MODEL" in r.output and f"diff ... {out} {tiny_pattern}" in r.output
     r = run("check-numerics", tiny_pattern, out)
     assert r.exit_code == 2 and "check-numerics takes OUT MODEL" in r.output
-    r = run("plan", "--tp", 3, out, tiny_pattern)
+    r = run("plan", "--tp", 3, "--arch", "sm120", out, tiny_pattern)
     assert r.exit_code == 2 and "plan takes MODEL OUT" in r.output
 
 
@@ -286,10 +293,10 @@ def test_bad_config_is_one_line_also_in_json(tmp_path, edit, needle):
     cfg = json.loads((CONFIGS / "deepseek-v4-flash.json").read_text())
     cfg.update(edit)
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
-    r = CliRunner().invoke(cli, ["plan", "--tp", "3", str(tmp_path)])
+    r = CliRunner().invoke(cli, ["plan", "--tp", "3", "--arch", "sm120", str(tmp_path)])
     assert r.exit_code == 2 and needle in r.output
     assert r.output.startswith("error: ") and r.output.count("\n") == 1
-    r = CliRunner().invoke(cli, ["plan", "--tp", "3", "--json", str(tmp_path)])
+    r = CliRunner().invoke(cli, ["plan", "--tp", "3", "--arch", "sm120", "--json", str(tmp_path)])
     doc = envelope(r)
     assert r.exit_code == 2 and not doc["ok"] and doc["result"] is None
     assert doc["error"]["exit_code"] == 2 and doc["error"]["kind"] == "source" and needle in doc["error"]["message"]
@@ -316,10 +323,11 @@ INTERRUPTED = {
     "verify": ("lucifer_shard.proof.verify.verify", ["{out}"],
                "interrupted: verify stopped before checking everything (it writes nothing); run it again"),
     "check-numerics": ("lucifer_shard.proof.check_numerics.check_numerics", ["{out}"],
-                       "interrupted: check-numerics stopped before checking every layer (it writes nothing)"),
+                       "interrupted: check-numerics stopped before checking everything (it writes nothing); run it "
+                       "again"),
     "synth": ("lucifer_shard.engine.synth.synth", ["tiny", "{tmp}/synth"],
-              "interrupted: OUT holds a partial checkpoint; remove it and run synth again"),
-    "plan": ("lucifer_shard.cli.planview.plan_footprint_of", ["--tp", "3", "{model}"],
+              "interrupted: {tmp}/synth holds a partial checkpoint; remove it and run synth again"),
+    "plan": ("lucifer_shard.cli.planview.plan_footprint_of", ["--tp", "3", "--arch", "sm120", "{model}"],
              "interrupted: plan writes nothing"),
 }
 
@@ -336,6 +344,7 @@ def test_ctrl_c_message_per_command(command, converted, tiny_pattern, tmp_path, 
     fill = {"model": tiny_pattern, "tmp": tmp_path, "out": converted()}
     argv = [command, *(a.format(**fill) for a in args)]
     r = CliRunner().invoke(cli, argv)
+    message = message.format(**fill)
     assert r.exit_code == 130 and r.output.strip() == message, r.output
     doc = envelope(CliRunner().invoke(cli, [*argv, "--json"]))
     assert doc["error"] == {"kind": "interrupted", "message": message, "exit_code": 130}
@@ -355,7 +364,7 @@ def test_verbose_logs_and_quiet_silences(tiny_pattern, tmp_path):
 def test_units_are_binary_everywhere(converted, tiny_pattern, flash_dir):
     out = converted()
     texts = [run("diff", out).output, run("verify", out).output, run("inspect", out).output,
-             run("plan", "--tp", 3, flash_dir).output]
+             run("plan", "--tp", 3, "--arch", "sm120", flash_dir).output]
     for text in texts:
         assert re.search(r"\d (KiB|MiB|GiB)", text), text
         assert not re.search(r"\d (kB|KB|MB|GB|TB)\b|MB/s|GB/s", text), text
@@ -412,7 +421,7 @@ def test_progress_bar_on_a_real_terminal_and_tqdm_disable(tmp_path):
 
 def _plan_subprocess(env: dict) -> subprocess.CompletedProcess:
     """huggingface_hub reads its environment at import: run in a fresh process."""
-    return subprocess.run([sys.executable, "-m", "lucifer_shard.cli", "plan", "--tp", "3",
+    return subprocess.run([sys.executable, "-m", "lucifer_shard.cli", "plan", "--tp", "3", "--arch", "sm120",
                            "deepseek-ai/DeepSeek-V4-Flash"], capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
 

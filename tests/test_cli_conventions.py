@@ -45,10 +45,10 @@ class Row:
 
 MISSING_OUT, OUT_A_FILE = "{missing}", "{file}"
 ROWS: dict[str, Row] = {
-    "plan": Row(("plan", "--tp", "3", "{model}"), r"\d+",
-                ("plan", "--tp", "abc", "{model}"), ("plan", "--tp", "3", "--bogus", "{model}"), ("plan", "{model}"),
-                ((("plan", "--tp", "3", "{missing}"), "source"),
-                 (("plan", "--tp", "3", "{model}", OUT_A_FILE), "output"))),
+    "plan": Row(("plan", "--tp", "3", "--arch", "sm120", "{model}"), r"\d+",
+                ("plan", "--tp", "abc", "{model}"), ("plan", "--tp", "3", "--arch", "sm120", "--bogus", "{model}"), ("plan", "{model}"),
+                ((("plan", "--tp", "3", "--arch", "sm120", "{missing}"), "source"),
+                 (("plan", "--tp", "3", "--arch", "sm120", "{model}", OUT_A_FILE), "output"))),
     "convert": Row(("convert", "--tp", "3", "--arch", "sm120", "{model}", "{new}"), "{new}",
                    ("convert", "--tp", "3", "--arch", "sm80", "{model}", "{new}"),
                    ("convert", "--tp", "3", "--arch", "sm120", "--bogus", "{model}", "{new}"),
@@ -73,6 +73,12 @@ ROWS: dict[str, Row] = {
     "synth": Row(("synth", "tiny", "{new}"), "{new}",
                  ("synth", "huge", "{new}"), ("synth", "tiny", "--bogus", "{new}"), ("synth", "tiny"),
                  ((("synth", "tiny", OUT_A_FILE), "output"),)),
+    "stage": Row(("stage", "{out}", "{new}", "--ranks", "1"), "{new}",
+                 ("stage", "{out}", "{new}", "--nnodes", "x", "--node-rank", "0"),
+                 ("stage", "{out}", "{new}", "--ranks", "1", "--bogus"), ("stage", "{out}"),
+                 ((("stage", MISSING_OUT, "{new}", "--ranks", "1"), "output"),
+                  (("stage", "{out}", OUT_A_FILE, "--ranks", "1"), "output"),
+                  (("stage", "{out}", "{new}", "--ranks", "5"), "usage"))),
     "doctor": Row(("doctor", "{out}"), None,
                   None, ("doctor", "--bogus"), None,
                   ((("doctor", MISSING_OUT), "output"), (("doctor", OUT_A_FILE), "output")),
@@ -97,8 +103,12 @@ def paths(tmp_path_factory, tiny_random, converted) -> dict[str, Path]:
     doc = json.loads(manifest.read_text())
     doc["tool_version"] = "0.0.0-edited"  # still a well-formed manifest, but not the one convert wrote
     manifest.write_text(json.dumps(doc, indent=1))
+    (root / "empty").mkdir()
+    unfinished = root / "unfinished"  # a convert stopped after its manifest, before COMPLETE
+    shutil.copytree(out, unfinished)
+    (unfinished / "COMPLETE").unlink()
     return {"model": tiny_random, "out": out, "file": root / "afile", "missing": root / "missing",
-            "damaged": damaged, "root": root}
+            "damaged": damaged, "root": root, "empty": root / "empty", "unfinished": unfinished}
 
 
 _fresh = itertools.count()
@@ -205,6 +215,54 @@ def test_a_damaged_output_is_a_mismatch_for_every_check(command, paths):
         assert "manifest digest MISMATCH" in invoke(argv).stdout
 
 
+# ---------------------------------------------------------------- messages that name the next step
+
+# (argv, kind, what the one error line says): what is not an output, for the commands that get an OUT
+# to serve, names the step that makes one; plan refuses what convert refuses; serve refuses before vLLM
+# starts what the plugin would refuse at load; a typo of an option gets click's did-you-mean.
+NEXT_STEP = (
+    (("doctor", "{model}"), "output", "{model}: this is a checkpoint: convert it first (lucifer-shard convert"),
+    (("serve", "{model}", "--dry-run"), "output", "{model}: this is a checkpoint: convert it first"),
+    (("doctor", "{empty}"), "output", "{empty}: not a lucifer-shard output (no lucifer-manifest.json): convert into"),
+    (("serve", "{empty}", "--dry-run"), "output", "{empty}: not a lucifer-shard output (no lucifer-manifest.json)"),
+    (("doctor", "{unfinished}"), "output", "{unfinished}: unfinished: run the same convert with --resume"),
+    (("serve", "{unfinished}", "--dry-run"), "output", "{unfinished}: unfinished: run the same convert with --resume"),
+    (("serve", "{file}", "--dry-run"), "output", "{file}: a file, not an output directory"),
+    (("plan", "--tp", "3", "{model}"), "usage", "--arch is required with --expert-layout kernel"),
+    (("serve", "{out}", "--dry-run", "--", "--hf-overrides", "{{}}"), "usage",
+     "--hf-overrides is in the vLLM arguments but the plugin sets it from the manifest"),
+    (("serve", "{out}", "--dryrun"), "usage", "No such option '--dryrun'. Did you mean '--dry-run'?"),
+)
+
+
+@pytest.mark.parametrize("i", range(len(NEXT_STEP)))
+def test_messages_name_the_next_step_with_their_kind(i, paths):
+    template, kind, message = NEXT_STEP[i]
+    argv, values = fill(template, paths)
+    stderr = assert_fails(argv, kind, argv[0])
+    assert message.format(**values) in one_error_line(stderr), stderr
+    if kind == "output":  # never a load-format check where OUT is no output at all
+        assert "lucifer_tp3" not in stderr, stderr
+
+
+def test_convert_ends_with_the_next_steps(paths):
+    argv, values = fill(ROWS["convert"].good, paths)
+    r = invoke(argv)
+    assert r.exit_code == 0, r.stderr
+    out = values["new"]
+    assert re.fullmatch(rf"next: lucifer-shard diff {re.escape(out)}; copy {re.escape(out)} \([\d.]+ MiB, without "
+                        rf"\.lucifer/\) to the serving host; lucifer-shard serve {re.escape(out)} --dry-run",
+                        r.stdout.strip().splitlines()[-1]), r.stdout
+
+
+def test_the_dry_run_without_vllm_prints_skipped_checks_not_failed_ones(paths):
+    if HAS_VLLM:
+        pytest.skip("vLLM is importable here: the environment is checked, nothing is skipped")
+    r = invoke(["serve", str(paths["out"]), "--dry-run"])
+    assert r.exit_code == 0 and "[FAIL]" not in r.stdout and "[skip] vllm: " in r.stdout, r.stdout
+    assert "will not work here" not in r.stdout and "environment check(s) skipped" in r.stdout
+
+
 # ---------------------------------------------------------------- --json on success
 
 
@@ -295,10 +353,14 @@ def test_a_closed_stdout_does_not_matter_when_nothing_is_written(paths):
 # ---------------------------------------------------------------- one table of kinds and codes
 
 
+CONVENTIONS_PAGE = REPO / "docs" / "cli.md"  # the reference the README links; its tables are these tables
+
+
 def _readme_rows(header: str) -> list[list[str]]:
-    """The rows of the README's markdown table that starts with `header` (in the Conventions section)."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### Conventions (every command)"):text.index("## Output contract")]
+    """The rows of the markdown table that starts with `header` in the Conventions section of the CLI
+    reference page."""
+    text = CONVENTIONS_PAGE.read_text()
+    section = text[text.index("## Conventions (every command)"):]
     lines = section[section.index(header):].splitlines()[2:]
     rows = []
     for line in lines:

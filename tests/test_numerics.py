@@ -268,7 +268,7 @@ def test_check_numerics_command_passes_and_fails(converted, tiny_random, tmp_pat
     envelope = json.loads(res.stdout)
     doc = envelope["result"]
     assert envelope["ok"] and envelope["command"] == "check-numerics"
-    assert doc["ok"] and doc["tp"] == 3 and doc["layers"] == [0, 1]
+    assert doc["ok"] and doc["tp_size"] == 3 and doc["layers"] == [0, 1]
     assert {r["component"] for r in doc["results"]} == {ROUTED, SHARED, ATTN, VIRTUAL}
     res = CliRunner().invoke(check_numerics_cmd, [str(out), "--layers", "4", "--tokens", "2"])  # MODEL: recorded
     assert res.exit_code == 0 and "output projection" in res.output and "all within tolerance" in res.output

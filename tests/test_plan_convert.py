@@ -50,7 +50,7 @@ def cli_subprocess(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 
 def test_plan_takes_the_shipped_config_json():
-    r = run("plan", "--tp", 3, FLASH)
+    r = run("plan", "--tp", 3, "--arch", "sm120", FLASH)
     assert r.exit_code == 0, r.output
     assert re.search(r"routed +2048 +2112 +704 +768", r.output)
 
@@ -63,7 +63,7 @@ def test_convert_refuses_a_config_file_with_the_reason(tmp_path):
 
 
 def test_repo_id_offline_names_the_missing_file_and_the_fix(tmp_path):
-    r = cli_subprocess("plan", "--tp", "3", "--revision", "v2", "deepseek-ai/DeepSeek-V4-Flash",
+    r = cli_subprocess("plan", "--tp", "3", "--arch", "sm120", "--revision", "v2", "deepseek-ai/DeepSeek-V4-Flash",
                        env={"HF_HUB_CACHE": str(tmp_path / "hub")})
     assert r.returncode == 2, r.stderr
     assert (f"error: deepseek-ai/DeepSeek-V4-Flash: config.json of deepseek-ai/DeepSeek-V4-Flash at v2 is not in "
@@ -73,7 +73,7 @@ def test_repo_id_offline_names_the_missing_file_and_the_fix(tmp_path):
 
 
 def test_revision_applies_only_to_a_repo_id(tiny_pattern):
-    r = run("plan", "--tp", 3, "--revision", "main", tiny_pattern)
+    r = run("plan", "--tp", 3, "--arch", "sm120", "--revision", "main", tiny_pattern)
     assert r.exit_code == 2 and "--revision applies only to a Hugging Face repo id" in r.output
 
 
@@ -115,7 +115,7 @@ def test_vllm_spellings_of_tp(spelling, tiny_pattern, tmp_path):
     for command in ("plan", "convert"):
         ctx = cli.commands[command].make_context(command, [spelling, "3", str(tiny_pattern), str(tmp_path)])
         assert ctx.params["tp"] == 3
-    assert run("plan", spelling, 3, FLASH).output == run("plan", "--tp", 3, FLASH).output
+    assert run("plan", spelling, 3, "--arch", "sm120", FLASH).output == run("plan", "--tp", 3, "--arch", "sm120", FLASH).output
 
 
 # ---------------------------------------------------------------- 2. plan is convert's dry run
@@ -145,7 +145,7 @@ OUTS = {
     ("a finished output", [], "already holds a complete conversion; pass --resume to re-check it"),
     ("an unfinished output", [], "holds an unfinished conversion; pass --resume to finish it or --force"),
     ("an unfinished output", ["--resume", "--max-file-size", "2M"],
-     "was started with other options (max_file_bytes: 4294967296 -> 2097152)"),
+     "was started with other options (--max-file-size 4G -> --max-file-size 2M)"),
 ])
 def test_plan_refuses_what_convert_refuses_in_its_words(state, flags, needle, converted, tiny_pattern, tmp_path):
     out = OUTS[state](converted, tmp_path)
@@ -171,7 +171,7 @@ def test_plan_writes_nothing_into_a_new_or_empty_out(tiny_pattern, tmp_path):
     (tmp_path / "empty").mkdir()
     for out in (tmp_path / "new" / "out", tmp_path / "empty"):
         before = listing(out)
-        assert run("plan", "--tp", 3, tiny_pattern, out).exit_code == 0
+        assert run("plan", "--tp", 3, "--arch", "sm120", tiny_pattern, out).exit_code == 0
         assert listing(out) == before and listing(tmp_path / "new") is None
 
 
@@ -185,16 +185,16 @@ def test_an_output_as_model_is_named(command, converted, tmp_path):
 
 
 def test_a_rank_of_only_padding_is_remarked(tiny_pattern, tmp_path):
-    text = run("plan", "--tp", 5, FLASH).output
+    text = run("plan", "--tp", 5, "--arch", "sm120", FLASH).output
     message = ("--tp 5: rank 4 holds only padding on heads, groups, shared: its 16 attention heads, 2 output groups "
                "and 512 shared-expert columns are zeros that cost memory and compute for nothing")
     assert f"  note: {message}\n" in text
-    doc = json.loads(run("plan", "--tp", 5, "--json", FLASH).stdout)["result"]
+    doc = json.loads(run("plan", "--tp", 5, "--arch", "sm120", "--json", FLASH).stdout)["result"]
     assert doc["padding_only"] == [{"rank": 4, "axes": ["heads", "groups", "shared"], "message": message}]
-    assert json.loads(run("plan", "--tp", 3, "--json", FLASH).stdout)["result"]["padding_only"] == []
-    assert "note:" not in run("plan", "--tp", 3, FLASH).output
+    assert json.loads(run("plan", "--tp", 3, "--arch", "sm120", "--json", FLASH).stdout)["result"]["padding_only"] == []
+    assert "note:" not in run("plan", "--tp", 3, "--arch", "sm120", FLASH).output
     # convert warns with the same words (the tiny checkpoint has Flash's 64 heads)
-    tiny = json.loads(run("plan", "--tp", 5, "--json", tiny_pattern).stdout)["result"]["padding_only"]
+    tiny = json.loads(run("plan", "--tp", 5, "--arch", "sm120", "--json", tiny_pattern).stdout)["result"]["padding_only"]
     r = run("convert", "--tp", 5, "--expert-layout", "model", tiny_pattern, tmp_path / "out")
     assert r.exit_code == 0, r.output
     assert [f"warning: {p['message']}" for p in tiny] == [l for l in r.stderr.splitlines() if "padding" in l]
@@ -255,9 +255,9 @@ def test_runtime_names_the_builds_and_backends_that_serve_the_output(kw, backend
 
 
 def test_flashinfer_generations_are_one_statement():
-    """--flashinfer-layout's help and the README's layout table say what the manifest records."""
+    """--flashinfer-layout's help and the output page's layout table say what the manifest records."""
     helptext = " ".join(run("convert", "--help").output.split())
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "output-format.md").read_text()
     for gen, versions in FLASHINFER_VERSIONS.items():
         assert f"{gen} = FlashInfer {versions}" in helptext
         assert f"sm90 {gen} (FlashInfer {versions})" in readme
@@ -280,8 +280,8 @@ def test_sizes_are_binary_with_single_letter_suffixes(text, n):
 
 
 def test_max_file_size_in_gguf_split_style():
-    doc = json.loads(run("plan", "--tp", 3, "--json", "--max-file-size", "1G", FLASH).stdout)
-    same = json.loads(run("plan", "--tp", 3, "--json", "--max-file-size", "1GiB", FLASH).stdout)
+    doc = json.loads(run("plan", "--tp", 3, "--arch", "sm120", "--json", "--max-file-size", "1G", FLASH).stdout)
+    same = json.loads(run("plan", "--tp", 3, "--arch", "sm120", "--json", "--max-file-size", "1GiB", FLASH).stdout)
     assert doc["ok"] and doc["result"]["footprint"] == same["result"]["footprint"]
     assert "4G = 4 GiB" in " ".join(run("plan", "--help").output.split())
 

@@ -560,7 +560,7 @@ def test_resume_with_other_options_or_source(tiny_pattern, tmp_path):
     proc.wait()
     other = cli("convert", "--tp", 3, "--arch", "sm90", "--quiet", "--max-file-size", "1MiB", "--resume",
                 tiny_pattern, out)
-    msg = one_line_error(other, "--resume", "other options", "arch: 'sm120' -> 'sm90'")
+    msg = one_line_error(other, "--resume", "other options", "--arch sm120 -> --arch sm90")
     record("--resume with other options", "refused, names what differs", other, msg)
     src = tmp_path / "model"
     shutil.copytree(tiny_pattern, src)

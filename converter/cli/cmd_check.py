@@ -16,6 +16,7 @@ import click
 from ..errors import MismatchError, OutputError
 from ..proof.report import REPAIR, Report
 from ..proof.structure import open_files, read_manifest
+from ..spec.share import describe, read_share
 from ..spec.manifest import MANIFEST_NAME, complete_problem, digest_ok, parse_manifest, read_manifest_bytes
 from ..spec.outwatch import ReadWatch
 from ..spec.rules import DTYPE_SIZE
@@ -80,7 +81,8 @@ def _report(out: Path, run, lines, noun: str, fix: str) -> None:
     """Run a check (`watched`), emit its report (text or the JSON envelope), and fail with one line
     when it found anything."""
     report = watched(out, click.get_current_context().info_name, run)
-    Console.of().emit(report.to_dict(), lines(report))
+    share = report.info.get("share")
+    Console.of().emit(report.to_dict(), [*([share_line(share)] if share else []), *lines(report)])
     if not report.ok:
         _fail(report, noun, fix)
 
@@ -161,13 +163,23 @@ def inspect(out: Path) -> None:
         _fail(report, "problem(s)", DAMAGED)
 
 
+def share_line(share: dict) -> str:
+    """What a node's share holds, said before its report: the other ranks are absent by design."""
+    others = [r for r in range(share["tp_size"]) if r not in share["ranks"]]
+    return (f"share of {describe(share)}: only its ranks are here and checked"
+            + (f" (rank(s) {', '.join(map(str, others))} are on other nodes)" if others else ""))
+
+
 def summarize(out: Path) -> dict:
     out = out_dir(out)
     m = parse_manifest(read_manifest_bytes(out), out / MANIFEST_NAME)
+    share = read_share(out, m.get("conversion_id"))
     roles = {}
     for role, rdoc in (m.get("roles") or {}).items():
         ranks = []
         for entry in rdoc.get("ranks") or []:
+            if share is not None and entry.get("rank") not in share["ranks"]:
+                continue
             tensors = entry.get("tensors") or {}
             data = pad = 0
             for info in tensors.values():
@@ -194,6 +206,7 @@ def summarize(out: Path) -> dict:
     src = m.get("source") or {}
     return {
         "out": str(out),
+        "share": share,
         "complete": complete_problem(out, m["conversion_id"]) is None,
         "manifest_digest_ok": digest_ok(m),
         "conversion_id": m.get("conversion_id"),
@@ -218,9 +231,15 @@ def summarize(out: Path) -> dict:
     }
 
 
+# plan's order of axes and roles, so that plan and inspect print their tables alike
+AXIS_ORDER = ("heads", "groups", "routed", "shared", "vocab")
+ROLE_ORDER = ("target", "draft")
+
+
 def summary_lines(d: dict) -> list[str]:
     src = d["source"]
     lines = [
+        *([share_line(d["share"])] if d.get("share") else []),
         f"output         {d['out']}",
         f"conversion     {d['conversion_id']}  "
         f"({'complete' if d['complete'] else 'NOT complete'}, manifest digest "
@@ -232,7 +251,7 @@ def summary_lines(d: dict) -> list[str]:
         f"content        {src['content'] or 'not recorded'}  (BLAKE3 of {src['content_tensors'] or 0} converted "
         f"tensors' bytes)",
         f"tp             {d['tp_size']}",
-        f"arch           {d['arch']}  MoE variant {d['moe_variant']}",
+        f"arch           {d['arch'] or 'any'}  MoE variant {d['moe_variant'] or 'any (vLLM picks it for the GPU)'}",
         f"experts        {d['expert_layout']} layout"
         + (f", FlashInfer {d['flashinfer_layout']} generation" if d.get("flashinfer_layout") else "")
         + f" (layout version {d['layout_version']})",
@@ -246,10 +265,10 @@ def summary_lines(d: dict) -> list[str]:
     axes = ((d.get("plan") or {}).get("axes") or {})
     if axes:
         lines += ["", f"{'axis':<8} {'original':>9} {'padded':>9} {'per rank':>9} {'kernel-local':>13}"]
-        for a in axes.values():
+        for a in sorted(axes.values(), key=lambda a: AXIS_ORDER.index(a["name"]) if a["name"] in AXIS_ORDER else 99):
             lines.append(f"{a['name']:<8} {a['original']:>9} {a['padded']:>9} {a['local']:>9} {a['kernel_local']:>13}")
     lines += ["", f"{'role':<7} {'rank':>4} {'files':>5} {'tensors':>7} {'bytes':>14} {'padding':>14} {'pad %':>6}"]
-    for role, ranks in d["roles"].items():
+    for role, ranks in sorted(d["roles"].items(), key=lambda kv: ROLE_ORDER.index(kv[0]) if kv[0] in ROLE_ORDER else 9):
         for r in ranks:
             pct = 100.0 * r["padding_bytes"] / r["tensor_bytes"] if r["tensor_bytes"] else 0.0
             lines.append(f"{role:<7} {r['rank']:>4} {r['files']:>5} {r['tensors']:>7} {r['bytes']:>14,} "

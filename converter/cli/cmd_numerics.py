@@ -19,7 +19,8 @@ from .console import Console, conventions
 @click.option("--tokens", type=int, default=16, show_default=True,
               help="Random tokens per layer; routed experts read per layer are at most tokens x top-k.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@conventions(interrupted="interrupted: check-numerics stopped before checking every layer (it writes nothing)")
+@conventions(interrupted="interrupted: check-numerics stopped before checking everything (it writes nothing); "
+                         "run it again")
 def check_numerics(out: Path, model: str | None, layers: str | None, tokens: int, seed: int) -> None:
     """Prove on the CPU that OUT's rank files, summed over ranks, compute what MODEL computes.
 
@@ -51,7 +52,9 @@ def check_numerics(out: Path, model: str | None, layers: str | None, tokens: int
         return run(out, model, layers=layers, tokens=tokens, seed=seed, progress=con.progress)
 
     report = watched(out, "check-numerics", checked)
-    con.emit(report.to_dict(), report.lines())
+    result = report.to_dict()
+    result["tp_size"] = result.pop("tp")  # the key diff and inspect use
+    con.emit(result, report.lines())
     if not report.ok:
         bad = [f"layer {r.layer} {r.component}" for r in report.results if not r.ok]
         raise MismatchError(f"numerics past tolerance: {', '.join(bad)}")

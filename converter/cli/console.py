@@ -50,7 +50,7 @@ _OFF = ("", "0", "false", "no", "off")
 
 # What -q leaves on stdout, per command: the one value a script captures with $(...), as (what it is,
 # its key path in the result); no path: nothing, the exit code is the answer. Errors and warnings
-# still go to stderr. (The -q help of each command and the README's table say the same.)
+# still go to stderr. (The -q help of each command and docs/cli.md's table say the same.)
 QUIET: dict[str, tuple[str, tuple[str, ...]]] = {
     "plan": ("only the bytes convert will write (an integer)", ("footprint", "write_bytes")),
     "convert": ("only OUT", ("out",)),
@@ -59,6 +59,7 @@ QUIET: dict[str, tuple[str, tuple[str, ...]]] = {
     "inspect": ("only the conversion id", ("conversion_id",)),
     "check-numerics": ("nothing (the exit code is the answer)", ()),
     "synth": ("only the checkpoint's path", ("path",)),
+    "stage": ("only DEST", ("dest",)),
     "doctor": ("nothing (the exit code is the answer)", ()),
     "serve": ("only the vllm command line (with --dry-run)", ("command",)),
 }
@@ -287,7 +288,9 @@ def conventions(interrupted: str) -> Callable:
         def command(*args, quiet: bool, verbose: int, as_json: bool, **kwargs):
             ctx = click.get_current_context()
             con = Console.of(ctx)
-            con.command, con.json, con.interrupted = ctx.command.name or "", as_json, interrupted
+            # the message may name OUT ({out}): where a partial result lies
+            message = interrupted.format(out=kwargs.get("out")) if "{out}" in interrupted else interrupted
+            con.command, con.json, con.interrupted = ctx.command.name or "", as_json, message
             try:
                 if quiet and verbose:
                     raise UsageRefused("-q and -v exclude each other; pass one")
@@ -299,9 +302,9 @@ def conventions(interrupted: str) -> Callable:
             except LuciferError as e:
                 con.fail(str(e), e.exit_code, e.kind)
             except Terminated:
-                con.fail(interrupted, ERROR_KINDS["terminated"][0], "terminated", line=interrupted)
+                con.fail(message, ERROR_KINDS["terminated"][0], "terminated", line=message)
             except KeyboardInterrupt:
-                con.fail(interrupted, ERROR_KINDS["interrupted"][0], "interrupted", line=interrupted)
+                con.fail(message, ERROR_KINDS["interrupted"][0], "interrupted", line=message)
             except BrokenPipeError:  # stdout closed early (`| head`): nothing is wrong, nothing to say
                 stdout_gone()
             except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):

@@ -1,6 +1,7 @@
 """The `lucifer-shard` command line (one click group). Every command follows console.py's conventions."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -35,7 +36,8 @@ def conversion_options(f):
     """The options that decide what a conversion writes (shared by plan and convert)."""
     for option in reversed((
         click.option("--arch", type=click.Choice(ARCHES), default=None,
-                     help="The serving GPU family: sm120/sm100 (MXFP4 x MXFP8 CUTLASS: swap + 128x4 scale swizzle) "
+                     help="The serving GPU family: sm120/sm121/sm100 (MXFP4 x MXFP8 CUTLASS: swap + 128x4 scale "
+                          "swizzle; sm121 is DGX Spark GB10, the SM120 family's layout) "
                           "or sm90 (MXFP4 x BF16: swap + nibble and scale interleave). Required by convert with "
                           "--expert-layout kernel: the experts' kernel layout follows it and the loader refuses "
                           "other GPUs. Optional with --expert-layout model, whose files are the same for every "
@@ -75,21 +77,16 @@ def target_options(f):
 
 
 def options_from(tp: int, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None, max_file_size: str,
-                 align: int, no_mtp: bool, require_arch: bool) -> Options:
-    """The Options a command line asks for: options that do not apply are refused, a combination no
-    vetted runtime loads is warned about with the reason. Kernel layout without --arch is refused
-    when `require_arch` (convert) and shown for the first arch otherwise (plan); model layout
-    without --arch is Options.arch None: the same files serve every GPU family."""
+                 align: int, no_mtp: bool) -> Options:
+    """The Options a command line asks for (plan's and convert's alike: plan refuses what convert
+    refuses): options that do not apply are refused, a combination no vetted runtime loads is warned
+    about with the reason. The expert layout defaults to kernel with --arch and model without; kernel
+    layout without --arch is refused; model layout without --arch is Options.arch None: the same files
+    serve every GPU family."""
     from ..spec.plan import local_gpu
     from ..units import parse_size, size
 
     expert_layout = expert_layout or ("kernel" if arch else "model")
-    if arch is None and require_arch and expert_layout == "kernel":
-        gpu = local_gpu()
-        here = f" (this machine has {gpu})" if gpu else ""
-        raise UsageRefused(f"--arch is required with --expert-layout kernel: the routed experts are laid out for one "
-                           f"GPU family and the loader refuses other GPUs; pass the serving GPU's, --arch "
-                           f"{'|'.join(ARCHES)}{here}, or --expert-layout model (any GPU family)")
     kernel90 = arch == "sm90" and expert_layout == "kernel"
     if flashinfer_layout is not None and not kernel90:
         raise UsageRefused("--flashinfer-layout applies only to --arch sm90 with --expert-layout kernel (sm120 and "
@@ -108,6 +105,12 @@ def options_from(tp: int, arch: str | None, expert_layout: str | None, flashinfe
                            f"for Flash at TP3); choose 1M or more (default 4G)")
     if max_bytes > MAX_FILE_BYTES:
         raise UsageRefused(f"--max-file-size {max_file_size[:40]!r}: choose 1M to 1024T (1 PiB)")
+    if arch is None and expert_layout == "kernel":
+        gpu = local_gpu()
+        here = f" (this machine has {gpu})" if gpu else ""
+        raise UsageRefused(f"--arch is required with --expert-layout kernel: the routed experts are laid out for one "
+                           f"GPU family and the loader refuses other GPUs; pass the serving GPU's, --arch "
+                           f"{'|'.join(ARCHES)}{here}, or --expert-layout model (any GPU family)")
     if kernel90 and flashinfer_layout == "legacy":
         Console.of().warn("no vetted vLLM build serves sm90 kernel layout of FlashInfer's legacy generation (vLLM "
                           "0.33.0 pins FlashInfer 0.7.2.post1, the folded one; the mlow/vllm builds serve only "
@@ -116,8 +119,7 @@ def options_from(tp: int, arch: str | None, expert_layout: str | None, flashinfe
         Console.of().note("sm90 kernel layout serves with FlashInfer's SM90 CUTLASS MoE module, which FlashInfer "
                           "0.7.2.post1 builds on the serving host at first use (an hour or more; cached after) "
                           "unless a prebuilt one is installed; --expert-layout model serves with Marlin, no build")
-    shown = arch or (ARCHES[0] if expert_layout == "kernel" else None)
-    return Options(tp=tp, arch=shown, expert_layout=expert_layout,
+    return Options(tp=tp, arch=arch, expert_layout=expert_layout,
                    flashinfer_layout=flashinfer_layout or "folded", mtp=not no_mtp, max_file_bytes=max_bytes,
                    align=align)
 
@@ -174,15 +176,15 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     from ..spec.plan import make_plan
     from ..spec.source import config_root, resolve_config
     from ..units import size
-    from .planview import (footprint_json, footprint_lines, plan_footprint_of, plan_json, plan_lines, plan_specs,
-                           planned_paths, room_of)
+    from .planview import (footprint_json, footprint_lines, node_lines, per_node, plan_footprint_of, plan_json,
+                           plan_lines, plan_specs, planned_paths, room_of)
 
     # --workers changes no number plan shows: it is taken so that plan's command line is convert's.
     refuse_swapped("plan", model, out, model_first=True)
     _refuse_resume_force(resume, force)
     config = resolve_config(model, revision)
     cfg = load_config(config)
-    options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, False)
+    options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp)
     p = make_plan(cfg, tp)
     specs = plan_specs(cfg, p, options.mtp)
     if out is not None:
@@ -193,9 +195,10 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
         refuse_target(out, root, resume, force, job, options, planned_paths(specs, options))
     fp = plan_footprint_of(cfg, specs, p, options)
     room = room_of(fp, out, force)
-    given = arch is not None
-    Console.of().emit({**plan_json(specs, p, options, given), "footprint": footprint_json(fp, room)},
-                      plan_lines(specs, p, options, fp, given) + footprint_lines(fp, room))
+    nodes = per_node(fp, p.tp)
+    Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(fp, room), "per_node": nodes},
+                      plan_lines(specs, p, options, fp) + node_lines(nodes, sum(n["bytes"] for n in nodes))
+                      + footprint_lines(fp, room))
     if room is not None and room.short:
         raise NoRoom(f"{out}: not enough room: {size(room.needed)} to write, {size(room.free)} free on "
                             f"{room.filesystem}; free {size(room.short)} more or choose another OUT", exit_code=1)
@@ -236,11 +239,24 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
 
     refuse_swapped("convert", model, out, model_first=True)
     _refuse_resume_force(resume, force)
-    options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, True)
+    options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp)
     con = Console.of()
     summary = run(model, out, options, resume=resume, force=force, workers=workers, progress=con.progress,
                   revision=revision, warn=con.warn)
-    con.emit(summary.to_dict(), summary.lines())
+    con.emit(summary.to_dict(), [*summary.lines(), next_steps(out)])
+
+
+def next_steps(out: Path) -> str:
+    """What to do with a finished OUT: prove it, copy what the serving host needs, serve it."""
+    from ..spec.manifest import STATE_DIR
+    from ..units import size
+
+    total = 0
+    for root, dirs, files in os.walk(out):  # os.walk follows no link; convert wrote every file here
+        dirs[:] = [d for d in dirs if not (Path(root) == out and d == STATE_DIR)]
+        total += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
+    return (f"next: lucifer-shard diff {out}; copy {out} ({size(total)}, without {STATE_DIR}/) to the serving host; "
+            f"lucifer-shard serve {out} --dry-run")
 
 
 @cli.command()
@@ -251,7 +267,7 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
               help="; ".join(f"{name}: {what}" for name, what in FILLS.items()) + ".")
 @click.option("--seed", type=click.IntRange(0, (1 << 32) - 1), default=0, show_default=True)
 @click.option("--no-mtp", is_flag=True, help="Leave the MTP layer out.")
-@conventions(interrupted="interrupted: OUT holds a partial checkpoint; remove it and run synth again")
+@conventions(interrupted="interrupted: {out} holds a partial checkpoint; remove it and run synth again")
 def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_mtp: bool) -> None:
     """Write a synthetic checkpoint with the exact DeepSeek-V4-Flash schema into OUT, which must not
     exist or be an empty directory.
@@ -269,6 +285,48 @@ def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_m
     con = Console.of()
     path = run(preset, out, layers=layers, fill=fill, seed=seed, mtp=not no_mtp, progress=con.progress)
     con.emit({"preset": preset, "path": str(path)}, [f"wrote {preset} checkpoint to {path}"])
+
+
+@cli.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--ranks", default=None, metavar="K[,K...]", help="The TP ranks the node runs, e.g. --ranks 1.")
+@click.option("--nnodes", type=click.IntRange(1), default=None,
+              help="With --node-rank: the node count vLLM is started with; the ranks follow vLLM's rule.")
+@click.option("--node-rank", type=click.IntRange(0), default=None, help="With --nnodes: this node's number, 0..N-1.")
+@conventions(interrupted="interrupted: {out} is untouched; run the same stage again to finish the share")
+def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_rank: int | None) -> None:
+    """Write one node's share of OUT into DEST: the rank files of the ranks it runs (target and draft),
+    the manifest, config.json, the tokenizer files and COMPLETE.
+
+    
+    --ranks K[,K...]            the TP ranks the node runs
+    --nnodes N --node-rank R    as vLLM computes them: node R of N runs ranks R*TP/N .. (R+1)*TP/N - 1
+                                (at TP3 over three nodes, node R runs rank R)
+    Files are hard-linked when DEST is on OUT's filesystem, else copied and read back. Nothing outside
+    DEST is written; a stage stopped part-way is finished by running it again. verify, inspect,
+    doctor, serve and the loader check exactly the ranks the share holds. e.g.
+      lucifer-shard stage out/ node1/ --nnodes 3 --node-rank 1
+    """
+    from ..engine.stage import stage as run
+    from ..spec.manifest import load_manifest
+    from ..spec.share import node_ranks, parse_ranks
+
+    if (nnodes is None) != (node_rank is None):
+        raise UsageRefused("--nnodes and --node-rank go together; pass both, or --ranks")
+    if (ranks is None) == (nnodes is None):
+        raise UsageRefused("pass the ranks the node runs: --ranks K[,K...] or --nnodes N --node-rank R (one of them)")
+    if not out.is_dir():
+        from ..errors import OutputError
+
+        raise OutputError(f"{out}: no such output directory")
+    tp = load_manifest(out)["tp_size"]
+    chosen = parse_ranks(ranks, tp) if ranks is not None else node_ranks(tp, nnodes, node_rank)
+    summary = run(out, dest, chosen, nnodes, node_rank)
+    serve = (f"lucifer-shard serve {dest} --nnodes {nnodes} --node-rank {node_rank} --master-addr HOST"
+             if nnodes else f"lucifer-shard serve {dest} --dry-run")
+    Console.of().emit(summary.to_dict(), [*summary.lines(), f"next: lucifer-shard verify {dest}; copy {dest} to the "
+                                          f"node; {serve}"])
 
 
 # Commands defined beside their logic (each module imports only click at import time).

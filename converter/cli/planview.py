@@ -96,7 +96,7 @@ def footprint_lines(fp: fpm.Footprint, room: Room | None) -> list[str]:
     return lines
 
 
-def plan_json(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Options, arch_given: bool) -> dict:
+def plan_json(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Options) -> dict:
     """Per role, rank and output tensor: name, shape, dtype, layout and source slices."""
     layouts = tensor_layouts(options)
     roles = {}
@@ -110,21 +110,18 @@ def plan_json(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Opt
             } for s in specs]}
             for r, specs in enumerate(ranks)
         ]
-    return {"plan": plan.to_dict(), "arch": options.arch if arch_given else None,
+    return {"plan": plan.to_dict(), "arch": options.arch,
             "moe_variant": MOE_VARIANT.get(options.arch), "expert_layout": options.expert_layout,
             "padding_only": [{"rank": p.rank, "axes": list(p.axes), "message": p.message} for p in padding_only(plan)],
             "roles": roles}
 
 
-def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Options, fp: fpm.Footprint,
-               arch_given: bool) -> list[str]:
-    if arch_given:
-        arch = f"arch {options.arch}: {MOE_VARIANT[options.arch]}"
-    elif options.arch is None:
+def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Options,
+               fp: fpm.Footprint) -> list[str]:
+    if options.arch is None:
         arch = "any arch (model layout: vLLM lays the experts out at load for the GPU it runs on)"
     else:
-        arch = (f"no --arch (shown for {options.arch}; convert requires one with kernel layout; sizes are the "
-                f"same for every arch)")
+        arch = f"arch {options.arch}: {MOE_VARIANT[options.arch]}"
     lines = [f"virtual-TP plan for TP={plan.tp} ({'padded' if plan.pads else 'plain split, nothing pads'}); "
              f"{arch}, experts in {options.expert_layout} layout", ""]
     lines.append(f"{'axis':<8} {'original':>9} {'padded':>9} {'per rank':>9} {'kernel-local':>13}   real per rank")
@@ -161,6 +158,21 @@ def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Op
             pad = sum(_pad_bytes(s) for s in rank_specs)
             lines.append(f"  {role:<7} {r:>4} {len(rank_specs):>7} {files:>5} {n:>16,} {size(n):>12} {size(pad):>12}")
     return lines
+
+
+def per_node(fp: fpm.Footprint, tp: int) -> list[dict]:
+    """The rank files one node holds when each node runs one rank (`stage --nnodes TP --node-rank R`)."""
+    per_rank = fp.per_rank()
+    return [{"node": r, "ranks": [r], "bytes": sum(n for (role, rank), (_, n) in per_rank.items() if rank == r)}
+            for r in range(tp)]
+
+
+def node_lines(nodes: list[dict], total: int) -> list[str]:
+    if len(nodes) < 2:
+        return []
+    return ["", f"per node, one rank each (lucifer-shard stage OUT DEST --nnodes {len(nodes)} --node-rank R): its "
+                f"rank files, of {size(total)} in all",
+            *(f"  node {n['node']}: rank {n['ranks'][0]}, {size(n['bytes'])} ({n['bytes']:,} bytes)" for n in nodes)]
 
 
 def _pad_bytes(spec: TensorSpec) -> int:

@@ -6,6 +6,7 @@ imports vLLM at import time.
 from __future__ import annotations
 
 import shlex
+import shutil
 from pathlib import Path
 
 import click
@@ -24,6 +25,8 @@ class ServeCommand(click.Command):
         try:
             rest = super().parse_args(ctx, own)
         except click.UsageError as e:
+            if isinstance(e, click.NoSuchOption) and e.possibilities:  # a typo of serve's own option
+                raise
             if not (isinstance(e, click.NoSuchOption) or "extra argument" in e.message):
                 raise
             raise click.UsageError(f"{e.message.rstrip('.')}; vLLM's own arguments go after `--`: {SERVE_EXAMPLE}",
@@ -42,10 +45,47 @@ def _failed(checks) -> list:
 
 
 def _output_dir(out: Path) -> Path:
-    """OUT as an absolute path (vLLM gets it so); OutputError, like every command, when it is no directory."""
+    """OUT as an absolute path (vLLM gets it so). The OUT rule of every command: what is not a
+    lucifer-shard output at all is an OutputError (exit 2) that names the next step; a damaged one is
+    left to the checks."""
+    from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR
+    from .argorder import is_checkpoint
+
+    if out.is_file():
+        raise OutputError(f"{out}: a file, not an output directory; pass the directory lucifer-shard convert wrote")
     if not out.is_dir():
         raise OutputError(f"{out}: no such output directory")
+    if is_checkpoint(out):
+        raise OutputError(f"{out}: this is a checkpoint: convert it first (lucifer-shard convert --tp 3 "
+                          f"--expert-layout model {out} OUT), then use OUT")
+    if (out / STATE_DIR).is_dir() and not ((out / MANIFEST_NAME).is_file() and (out / COMPLETE_NAME).exists()):
+        raise OutputError(f"{out}: unfinished: run the same convert with --resume")
+    if not (out / MANIFEST_NAME).exists():
+        raise OutputError(f"{out}: not a lucifer-shard output (no {MANIFEST_NAME}): convert into it first "
+                          f"(lucifer-shard convert --tp 3 --expert-layout model MODEL {out})")
     return out.resolve()
+
+
+def _nodes(nnodes: int | None, node_rank: int | None, master_addr: str | None,
+           master_port: int | None) -> dict | None:
+    """vLLM's multi-node options, as serve takes them before `--` and passes them on; None: one node."""
+    if nnodes is None and node_rank is None and master_addr is None and master_port is None:
+        return None
+    if nnodes is None or node_rank is None or master_addr is None:
+        raise UsageRefused("--nnodes, --node-rank and --master-addr go together (--master-port optional); pass "
+                           "all three, or none for one node")
+    if node_rank >= nnodes:
+        raise UsageRefused(f"--node-rank {node_rank}: nodes are numbered 0..{nnodes - 1}")
+    return {"nnodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
+
+
+def _importing_note(con: Console) -> None:
+    """Importing vLLM takes from seconds to a minute: say so before the wait."""
+    from ..runtime_shim.doctor import vllm_identity
+
+    version = vllm_identity()[0]
+    if version is not None:
+        con.note(f"importing vLLM {version} to check it (this can take a minute) ...")
 
 
 @click.command("doctor")
@@ -65,10 +105,13 @@ def doctor(out: Path | None, mtp: bool) -> None:
 
     if mtp and out is None:
         raise UsageRefused("--mtp checks an output's MTP draft: pass OUT")
-    checks = doctor_report(None if out is None else _output_dir(out), mtp)
-    Console.of().emit({"checks": [c.to_dict() for c in checks], "builds": builds(),
-                       "routes": [{"route": r, "how": h} for r, h in routes()]},
-                      [format_report(checks), "", *guide_lines()])
+    con = Console.of()
+    out = None if out is None else _output_dir(out)
+    _importing_note(con)
+    checks = doctor_report(out, mtp)
+    con.emit({"checks": [c.to_dict() for c in checks], "builds": builds(),
+              "routes": [{"route": r, "how": h} for r, h in routes()]},
+             [format_report(checks, verbose=con.verbosity > 0), "", *guide_lines()])
     failed = _failed(checks)
     if failed:
         raise CheckFailed(f"doctor: {len(failed)} check(s) failed; first: {failed[0]}")
@@ -85,8 +128,16 @@ def doctor(out: Path | None, mtp: bool) -> None:
                    "'{\"method\":\"mtp\",\"num_speculative_tokens\":K}'.")
 @click.option("--mtp-tokens", type=click.IntRange(1), default=None,
               help="With --mtp: draft tokens per step (K; more than 1 reruns the one MTP layer)  [default: 1]")
+@click.option("--nnodes", type=click.IntRange(1), default=None,
+              help="vLLM's multi-node launch: the node count (the TP size must divide by it); with --node-rank and "
+                   "--master-addr. The preflight checks this node's ranks; the dry run prints every node's command.")
+@click.option("--node-rank", type=click.IntRange(0), default=None, help="With --nnodes: this node, 0..N-1.")
+@click.option("--master-addr", default=None, help="With --nnodes: node 0's address, as vLLM takes it.")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=None,
+              help="With --nnodes: node 0's port (vLLM's default when left out).")
 @conventions(interrupted="interrupted: serve started nothing")
-def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args: tuple[str, ...]) -> None:
+def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, nnodes: int | None, node_rank: int | None,
+          master_addr: str | None, master_port: int | None, vllm_args: tuple[str, ...]) -> None:
     """Preflight OUT against the installed vLLM, then exec `vllm serve OUT` with the flags it needs.
 
     \b
@@ -96,7 +147,7 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
         [--speculative-config '{"method":"mtp","num_speculative_tokens":K}'  with --mtp]
         [VLLM_ARGS: everything after `--`]
     with A, M for the output's --arch on stock vLLM (virtual TP supplied by the plugin):
-      sm120, sm100: FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass
+      sm120, sm121, sm100: FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass  (sm121, GB10: not yet run)
       sm90:         FLASHMLA_SPARSE_DSV4, marlin (model layout) or flashinfer_cutlass (kernel layout)
     (a model-layout output may take another --moe-backend among VLLM_ARGS: vLLM lays its experts out);
     for an output converted without --arch, those of the serving host's GPU (left out where no GPU
@@ -105,10 +156,14 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
     prefill-context parallel size above 1, --enable-expert-parallel, --enable-eplb, --enable-lora,
     a --model-loader-extra-config that is not an object of the loader's keys (verify, role).
     e.g. lucifer-shard serve out/ --mtp -- --max-model-len 65536 --port 8000
-    The preflight is `lucifer-shard doctor OUT`; a failed check stops serve with exit 1.
+    Before exec, the preflight checks OUT and what needs no vLLM import (package versions, the
+    vllm command, the plugin's entry point): it adds well under 2 s to the start. The checks that
+    need vLLM (symbols, source hashes, virtual TP, the GPU) run inside vLLM's own process as it
+    starts, where the plugin is loaded anyway; a failed check stops serve, or vLLM, with exit 1.
+    --dry-run runs every check (`lucifer-shard doctor OUT`).
     """
-    from ..runtime_shim.doctor import (backends_remark, doctor_report, exec_vllm, format_report, preflight,
-                                       serve_argv, serve_backends)
+    from ..runtime_shim import doctor as dr
+    from ..runtime_shim import serve as sv
     from ..runtime_shim.errors import ShimError
     from ..runtime_shim.manifest import load_manifest
 
@@ -117,34 +172,60 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, vllm_args
         raise UsageRefused("--mtp-tokens applies only with --mtp")
     if con.json and not dry_run:
         raise UsageRefused("--json applies only with --dry-run (serve otherwise becomes vLLM)")
+    nodes = _nodes(nnodes, node_rank, master_addr, master_port)
     out = _output_dir(out)
     try:
         manifest = load_manifest(out)
-        tp, arch, readable = manifest.tp_size, manifest.arch, True
+        tp, arch = manifest.tp_size, manifest.arch
     except ShimError:
-        tp, arch, readable = None, None, False  # the preflight's output check says why
-    backends = serve_backends(arch, manifest.expert_layout if readable else "model")
-    try:
-        argv = serve_argv(out, tp, vllm_args, (mtp_tokens or 1) if mtp else None, backends=backends,
-                          expert_layout=manifest.expert_layout if readable else "kernel")
+        manifest = tp = arch = None  # the output check says why; no command is printed for it
+    layout = manifest.expert_layout if manifest is not None else "kernel"
+    backends = dr.serve_backends(arch, layout) if manifest is not None else None
+    node_ranks = None  # the TP ranks this node runs: all of them on one node
+    if tp is not None:
+        from ..spec.share import node_ranks as ranks_of
+
+        node_ranks = ranks_of(tp, nnodes, node_rank) if nodes is not None else list(range(tp))
+    argv = None
+    try:  # the refused vLLM arguments are refused whatever OUT is
+        argv = sv.serve_argv(out, tp or 1, vllm_args, (mtp_tokens or 1) if mtp else None, backends=backends,
+                             node=nodes, expert_layout=layout)
     except ShimError as e:
         raise UsageRefused(str(e)) from None
-    checks = doctor_report(out, mtp)
-    verdict = preflight(checks)
-    notes = [n for n in (verdict.note(), backends_remark() if backends is None and readable else None) if n]
-    line = shlex.join(argv)
+    if manifest is None:
+        argv = None
+    elif shutil.which("vllm") is None and dr.vllm_command():  # beside this python, not on PATH
+        argv[0] = dr.vllm_command()
+    if dry_run:  # the thorough report (it runs nothing, so it may take its time)
+        _importing_note(con)
+        checks = dr.doctor_report(out, mtp, node_ranks)
+    else:  # before exec only what needs no vLLM import; the rest runs inside vLLM as it starts
+        checks = dr.quick_checks(out, mtp, node_ranks, manifest)
+    verdict = sv.preflight(checks)
+    notes = [n for n in (verdict.note(), sv.backends_remark() if backends is None and manifest is not None else None)
+             if n]
+    line = shlex.join(argv) if argv else None
     if dry_run:
+        tail = [line] if line else ["no command: OUT's manifest cannot be read (the output check above says why)"]
+        if line and nodes is not None:  # every node's command, this one's marked
+            tail = ["every node's command (each on its own share: lucifer-shard stage OUT DEST --nnodes "
+                    f"{nnodes} --node-rank R; node 0 serves the API, start it first):"]
+            for r in range(nnodes):
+                other = sv.serve_argv(out, tp, vllm_args, (mtp_tokens or 1) if mtp else None, backends=backends,
+                                      node={**nodes, "node_rank": r}, expert_layout=layout)
+                tail.append(f"  node {r}{' (this one)' if r == node_rank else ''}: {shlex.join([argv[0], *other[1:]])}")
         con.emit({"preflight_ok": not verdict.failed, "output_ok": verdict.output_ok,
                   "environment_checked": verdict.environment_checked, "notes": notes,
-                  "checks": [c.to_dict() for c in checks], "argv": argv, "command": line},
-                 [format_report(checks), "", *notes, line])
+                  "checks": [c.to_dict() for c in verdict.shown], "argv": argv, "command": line},
+                 [dr.format_report(list(verdict.shown), verbose=con.verbosity > 0), "", *notes, *tail])
     elif verdict.failed:
         click.echo("\n".join(str(c) for c in verdict.failed), err=True)
     else:
-        con.note("; ".join([f"preflight passed ({len(checks)} checks)", *notes, f"exec {line}"]))
+        con.note("; ".join([f"preflight passed ({len(checks)} checks before vLLM; vLLM's own run as it starts)",
+                            *notes, f"exec {line}"]))
     if verdict.failed and not (dry_run and verdict.dry_run_ok):
         first = verdict.failed[0]
         raise PreflightFailed(f"serve: preflight failed ({len(verdict.failed)} check(s)); first: {first}; "
                               f"lucifer-shard doctor OUT shows every check")
     if not dry_run:
-        exec_vllm(argv)
+        sv.exec_vllm(argv, sv.serve_environment(out, mtp))

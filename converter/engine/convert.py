@@ -144,6 +144,8 @@ def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPo
                     layout = Layout(layout.name, layout.steps[1:], layout.version)
             if layout is not None and not layout.steps:
                 layout = None
+            logger.debug("%s part %d: %s %s%s per rank, layout %s", part.role, part.index, name, specs[0].dtype,
+                         list(specs[0].shape), job.layouts[specs[0].expert_tensor].name if layout else "model")
             work.extend(((name, layout), specs, a, b) for a, b in chunks(specs[0]))
         # The reader threads run ahead of assembly; the writers run behind it.
         stream = asm.stream(work)

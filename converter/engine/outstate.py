@@ -217,8 +217,22 @@ def _describe_diff(old: dict, new: dict) -> str:
         return "source checkpoint changed"
     a, b = old.get("options"), new["options"]
     a = a if isinstance(a, dict) else {}
-    diffs = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    diffs = [f"{_as_flag(k, a.get(k))} -> {_as_flag(k, b.get(k))}" for k in sorted(set(a) | set(b))
+             if a.get(k) != b.get(k)]
     return "; ".join(diffs) or f"tool version {old.get('tool_version')} -> {new.get('tool_version')}"
+
+
+def _as_flag(key: str, value) -> str:
+    """An option of the conversion record as the command line spells it (`--max-file-size 16M`)."""
+    from ..units import size_flag
+
+    if key == "mtp":
+        return "without --no-mtp" if value else "--no-mtp"
+    if value is None:
+        return f"no --{key.replace('_', '-')}"
+    if key == "max_file_bytes":
+        return f"--max-file-size {size_flag(int(value))}"
+    return f"--{'tp' if key == 'tp' else key.replace('_', '-')} {value}"
 
 
 def planned_files(job: Job) -> dict[str, dict]:

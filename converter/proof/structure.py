@@ -16,6 +16,7 @@ from ..spec.manifest import (COMPLETE_NAME, FORMAT_VERSION, MANIFEST_NAME, STATE
                              conversion_id, digest_ok, file_metadata, parse_manifest, read_manifest_bytes)
 from ..spec.plan import make_plan
 from ..spec.rules import TensorSpec, build_specs
+from ..spec.share import read_share
 from ..spec.stheader import HeaderError
 from .rankfile import RankFile
 from .report import REPAIR, Problem, Report
@@ -139,14 +140,25 @@ def read_manifest(report: Report, out: Path) -> dict:
         if cid != manifest.get("conversion_id"):
             report.add(Problem("manifest", "conversion_id does not follow from the recorded source fingerprint and "
                                "options: the manifest was edited", file=MANIFEST_NAME))
+    share = read_share(out, manifest.get("conversion_id"))
+    if share is not None:  # a node's share: exactly its ranks are checked (manifest_files)
+        report.info["share"] = share
+        manifest = {**manifest, SHARE_KEY: share["ranks"]}
     return manifest
 
 
+# Set by read_manifest on a node's share (spec/share.py): the TP ranks it holds.
+SHARE_KEY = "lucifer.share_ranks"
+
+
 def manifest_files(manifest: dict) -> list[tuple[str, int, dict]]:
-    """(role, rank, file entry) for every file the manifest lists."""
+    """(role, rank, file entry) for every file the manifest lists (of a share: of the ranks it holds)."""
     out = []
+    held = manifest.get(SHARE_KEY)
     for role, doc in (manifest.get("roles") or {}).items():
         for rank, entry in enumerate(doc.get("ranks") or []):
+            if held is not None and rank not in held:
+                continue
             for f in entry.get("files") or []:
                 out.append((role, rank, f))
     return out

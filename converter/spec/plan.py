@@ -22,11 +22,15 @@ VOCAB_ALIGN = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: every vocabulary is padde
 KERNEL_ALIGN = 128
 MAX_TP = 8
 
-ARCHES = ("sm120", "sm100", "sm90")
-ARCH_CAPABILITY_MAJOR = {"sm120": 12, "sm100": 10, "sm90": 9}
+ARCHES = ("sm120", "sm121", "sm100", "sm90")
+# The CUDA capability (major, minor) of each --arch; minor None: every minor of that major. sm121 is
+# GB10 (DGX Spark), 12.1: vLLM 0.33.0 and FlashInfer 0.7.2.post1 treat it as the SM120 family (the
+# MXFP4 x MXFP8 CUTLASS MoE, FlashInfer's "sparse" DSv4 MLA for SM120/SM121), so its files are sm120's.
+ARCH_CAPABILITY = {"sm120": (12, 0), "sm121": (12, 1), "sm100": (10, None), "sm90": (9, None)}
 # The FlashInfer-CUTLASS MXFP4 variant vLLM resolves per arch (`--moe-backend flashinfer_cutlass`).
 MOE_VARIANT = {
     "sm120": "FLASHINFER_CUTLASS_MXFP4_MXFP8",
+    "sm121": "FLASHINFER_CUTLASS_MXFP4_MXFP8",
     "sm100": "FLASHINFER_CUTLASS_MXFP4_MXFP8",
     "sm90": "FLASHINFER_CUTLASS_MXFP4_BF16",
 }
@@ -143,20 +147,31 @@ def stock_padded(axis: str, original: int) -> int:
     return align_up(original, VOCAB_ALIGN) if axis == "vocab" else original
 
 
-def arch_of_capability(major: int) -> str | None:
-    """The --arch of a GPU of CUDA compute capability `major`.x (None: no layout for it)."""
-    return next((arch for arch, m in ARCH_CAPABILITY_MAJOR.items() if m == major), None)
+def arch_of_capability(major: int, minor: int = 0) -> str | None:
+    """The --arch of a GPU of CUDA compute capability `major`.`minor` (None: no layout for it)."""
+    return next((arch for arch, (ma, mi) in ARCH_CAPABILITY.items() if ma == major and mi in (minor, None)), None)
 
 
-def local_gpu() -> str | None:
-    """'NVIDIA ... (capability 12.0 = sm120)' for this machine's first GPU, from nvidia-smi; None without one."""
+def gpu_capability() -> tuple[str, str] | None:
+    """(name, 'major.minor') of this machine's first GPU, from nvidia-smi (no torch, no CUDA context: a
+    tenth of a second); None without one."""
     if shutil.which("nvidia-smi") is None:
         return None
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10).stdout.splitlines()
         name, cap = (x.strip() for x in out[0].rsplit(",", 1))
-        arch = arch_of_capability(int(cap.split(".")[0]))
+        int(cap.split(".")[0])
     except (OSError, subprocess.SubprocessError, IndexError, ValueError):
         return None
+    return name, cap
+
+
+def local_gpu() -> str | None:
+    """'NVIDIA ... (capability 12.0 = sm120)' for this machine's first GPU, from nvidia-smi; None without one."""
+    found = gpu_capability()
+    if found is None:
+        return None
+    name, cap = found
+    arch = arch_of_capability(*map(int, cap.split(".")[:2]))
     return f"{name} (capability {cap} = {arch or 'no --arch'})"

@@ -1,6 +1,7 @@
 """3 processes, vLLM's own parallel state on gloo (CPU, TP=3): each loads its rank with the shim.
 
 Usage: python dist_load_worker.py OUT PORT RESULTS_DIR   (writes RESULTS_DIR/rank-<r>.json)
+OUT may hold `{rank}`: each process reads its own directory (a node's share, lucifer-shard stage).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def worker(rank: int, out: str, port: int, results: str) -> None:
                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
         ps.ensure_model_parallel_initialized(3, 1)
         tp_rank = ps.get_tensor_model_parallel_rank()
-        out_p = Path(out)
+        out_p = Path(out.replace("{rank}", str(rank)))
         man = sf.manifest(out_p)
         loader = get_model_loader(LoadConfig(load_format="lucifer_tp3",
                                              model_loader_extra_config={"verify": "full"}))

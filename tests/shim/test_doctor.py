@@ -83,7 +83,7 @@ def test_doctor_flags_b12x_env_and_plugin_allow_list(monkeypatch, shim):
 
 
 def test_serve_argv_and_refusals(out_kernel, shim):
-    from lucifer_shard.runtime_shim.doctor import serve_argv
+    from lucifer_shard.runtime_shim.serve import serve_argv
     from lucifer_shard.runtime_shim.errors import ShimError
 
     argv = serve_argv(out_kernel, 3, ["--max-model-len", "4096"])
@@ -111,6 +111,46 @@ def test_cli_commands(out_kernel, out_model, shim):
     r = CliRunner().invoke(cli, ["serve", str(out_kernel), "--dry-run"])  # kernel layout: stock 0.33.0 loads it
     assert r.exit_code == 0 and "[FAIL]" not in r.output, r.output
     assert r.stdout.strip().splitlines()[-1].endswith("--moe-backend flashinfer_cutlass")
+    r = CliRunner().invoke(cli, ["doctor", str(out_model)])
+    assert "importing vLLM 0.33.0 to check it" in r.stderr and "not used on this build" not in r.stdout
+    assert "not used on this build" in CliRunner().invoke(cli, ["doctor", "-v", str(out_model)]).stdout
+
+
+def test_serve_checks_what_needs_vllm_inside_vllm(out_kernel, out_model, shim, monkeypatch):
+    """serve's preflight before exec imports no vLLM and passes a kernel-layout output; the checks that need
+    vLLM run in vLLM's first process, from register(), and stop it there in one line per failed check
+    (issue 34: serve adds at most 2 s before vLLM starts)."""
+    import os
+
+    from click.testing import CliRunner
+
+    from lucifer_shard import runtime_shim
+    from lucifer_shard.cli import cli
+    from lucifer_shard.runtime_shim import doctor, serve
+    from lucifer_shard.runtime_shim.settings import SERVE_ENV
+
+    execs = []
+    monkeypatch.setattr(serve, "exec_vllm", lambda argv, env: execs.append((argv, env)))
+    r = CliRunner().invoke(cli, ["serve", str(out_kernel)])
+    assert r.exit_code == 0 and "preflight passed" in r.stderr, r.output
+    (argv, env), = execs
+    assert os.path.basename(argv[0]) == "vllm" and argv[1:3] == ["serve", str(out_kernel)] and SERVE_ENV in env
+    assert [str(c) for c in doctor.in_vllm_failures(out_model, False)] == []
+    assert [str(c) for c in doctor.in_vllm_failures(out_kernel, False)] == []  # 0.33.0's re-layout is vetted
+    from lucifer_shard.runtime_shim import compat, patches
+
+    monkeypatch.setitem(patches.VERDICTS, compat.RELAYOUT,  # as on a vLLM whose re-layout is not vetted
+                        compat.WrapperVerdict(compat.RELAYOUT, False, None, (), "a stand-in reason"))
+    failed = doctor.in_vllm_failures(out_kernel, False)
+    assert [c.name for c in failed] == ["output kernel-layout experts"]
+    monkeypatch.setenv(SERVE_ENV, env[SERVE_ENV])  # as vLLM's process inherits it
+    with pytest.raises(SystemExit) as e:
+        runtime_shim._serve_preflight()
+    assert str(e.value).splitlines()[0].startswith("lucifer-shard serve: preflight failed in vLLM: [FAIL] output "
+                                                   "kernel-layout experts: this vLLM cannot load experts in kernel layout verbatim")
+    assert SERVE_ENV not in os.environ  # vLLM's child processes do not check again
+    monkeypatch.setenv(SERVE_ENV, serve.serve_environment(out_model, True)[SERVE_ENV])
+    runtime_shim._serve_preflight()  # passes: vLLM goes on
 
 
 @pytest.fixture
@@ -128,7 +168,7 @@ def test_vllm_serve_parses_the_exact_command(out_kernel, shim, cpu_platform):
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from lucifer_shard.runtime_shim.doctor import serve_argv
+    from lucifer_shard.runtime_shim.serve import serve_argv
 
     argv = serve_argv(out_kernel, 3, ["--max-model-len", "4096"], mtp_tokens=2)
     parser = FlexibleArgumentParser()
@@ -150,7 +190,7 @@ def test_the_mtp_draft_comes_from_out_with_the_targets_loader(out_kernel, shim, 
     from vllm.config import ParallelConfig, SpeculativeConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from lucifer_shard.runtime_shim.doctor import speculative_config
+    from lucifer_shard.runtime_shim.serve import speculative_config
 
     target = AsyncEngineArgs(model=str(out_kernel), load_format="lucifer_tp3", max_model_len=4096).create_model_config()
     spec = SpeculativeConfig(target_model_config=target, target_parallel_config=ParallelConfig(tensor_parallel_size=1),
@@ -206,7 +246,7 @@ def test_serve_refuses_exactly_what_vllm_parses_into_a_refused_config(out_model,
     """serve reads vLLM's arguments without vLLM (the conversion box); here vLLM's own parser reads the same
     words, and the load-time checks find in its result exactly the problems serve found in the words."""
     from lucifer_shard.runtime_shim import settings
-    from lucifer_shard.runtime_shim.doctor import serve_argv
+    from lucifer_shard.runtime_shim.serve import serve_argv
 
     argv = serve_argv(out_model, 3, ["--max-model-len", "4096"])
     assert settings.argument_problems(args) == _vllm_reads(argv + args)
@@ -232,12 +272,16 @@ def test_an_output_for_any_arch_serves_with_this_gpus_backends(out_model, tmp_pa
 
     from lucifer_shard.cli import cli
     from lucifer_shard.runtime_shim import patches, stock_vtp
-    from lucifer_shard.runtime_shim.doctor import FAIL, INFO, backends_remark, doctor_report
+    from lucifer_shard.runtime_shim.doctor import FAIL, INFO, doctor_report
+    from lucifer_shard.runtime_shim.serve import backends_remark
     from lucifer_shard.runtime_shim.manifest import load_manifest
+
+    from lucifer_shard.runtime_shim import doctor
 
     out = _any_arch(out_model, tmp_path)
     assert load_manifest(out).arch is None
     monkeypatch.setattr(patches, "device_arch", lambda: (arch, cap))
+    monkeypatch.setattr(doctor, "local_arch", lambda: arch)  # serve reads the GPU with nvidia-smi
     c = _by_name(doctor_report(out))
     assert "arch any (converted without --arch)" in c["output"].detail
     assert not [x for x in c.values() if x.status == FAIL], [str(x) for x in c.values() if x.status == FAIL]
@@ -267,3 +311,13 @@ def _engine_like(out):
     return SimpleNamespace(model_config=sf.model_config(out, plan=None), parallel_config=pc, lora_config=None,
                            attention_config=SimpleNamespace(backend=AttentionBackendEnum["FLASHINFER_MLA_SPARSE_DSV4"]),
                            kernel_config=SimpleNamespace(moe_backend="flashinfer_cutlass"))
+
+
+def test_a_gpu_of_no_supported_family_is_told_unsupported(shim, monkeypatch):
+    from lucifer_shard.runtime_shim import patches
+    from lucifer_shard.runtime_shim.doctor import FAIL, doctor_report
+
+    monkeypatch.setattr(patches, "device_arch", lambda: (None, "8.0"))
+    gpu = _by_name(doctor_report())["GPU"]
+    assert gpu.status == FAIL and "capability 8.0: unsupported" in gpu.detail and "H100" in gpu.detail
+    assert "serving host" not in str(gpu)

@@ -61,6 +61,26 @@ def test_three_processes_gloo_tp3_each_loads_its_rank_byte_exact(out_kernel, tmp
         assert sink == [[sf.SINK_PARAM_LEN], "torch.float32"]
 
 
+def test_three_processes_each_on_a_share_of_its_own_rank_only(out_model, tmp_path, shim):
+    """Issue 35 (the fallback of its point 4, as this CPU cannot run vLLM's CPU forward): a TP3 world of
+    three gloo processes, process R given only node R's share (lucifer-shard stage --nnodes 3 --node-rank R),
+    each loads its rank byte for byte from files that hold no other rank."""
+    for r in range(3):
+        sf.cli("stage", str(out_model), str(tmp_path / f"node{r}"), "--nnodes", "3", "--node-rank", str(r), "-q")
+        assert {p.parent.name for p in (tmp_path / f"node{r}").rglob("*.safetensors")} == {f"rank-{r}"}
+    results = tmp_path / "results"
+    results.mkdir()
+    r = subprocess.run([sys.executable, str(HERE / "dist_load_worker.py"), str(tmp_path / "node{rank}"),
+                        str(_free_port()), str(results)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank in range(3):
+        rep = json.loads((results / f"rank-{rank}.json").read_text())
+        assert rep["tp_rank"] == rank and rep["all_ranks"] == [0, 1, 2]
+        for role in ("target", "draft"):
+            assert rep[role]["files"] and all(f.startswith(str(tmp_path / f"node{rank}" / role / f"rank-{rank}"))
+                                              for f in rep[role]["files"]), rep[role]["files"]
+
+
 def test_in_process_each_rank_byte_exact_and_hooks_replayed(out_kernel, tp_world):
     man = sf.manifest(out_kernel)
     for rank in range(3):
@@ -108,6 +128,24 @@ def test_refuses_missing_rank_files(out_kernel, tmp_path, tp_world):
     with pytest.raises(ValueError) as e:
         _loader().load_weights(sf.build_model(sf.manifest(out), "target", 1), sf.model_config(out))
     _refusal(e, "rank files missing", "target/rank-1/part-00000.safetensors")
+
+
+def test_a_nodes_share_loads_its_rank_and_names_node_rank_and_fix_for_another(out_model, tmp_path, tp_world):
+    """Issue 35: a worker reads its rank from a share that holds only that rank (lucifer-shard stage); a worker
+    whose rank the share lacks fails at load in one line naming the node, the rank and the fix."""
+    share = tmp_path / "node1"
+    sf.cli("stage", str(out_model), str(share), "--nnodes", "3", "--node-rank", "1", "-q")
+    assert {p.parent.name for p in share.rglob("*.safetensors")} == {"rank-1"}
+    man = sf.manifest(share)
+    tp_world(3, 1)
+    model = sf.build_model(man, "target", 1)
+    _loader({"verify": "full"}).load_weights(model, sf.model_config(share))
+    assert sf.assert_byte_exact(model, sf.file_tensors(share, man, "target", 1)) == 134
+    tp_world(3, 2)
+    with pytest.raises(ValueError) as e:
+        _loader().load_weights(sf.build_model(man, "target", 2), sf.model_config(share))
+    _refusal(e, "is node 1's share (rank(s) 1 of tp 3 (node 1 of 3)) but this worker runs TP rank 2, node 2's",
+             "lucifer-shard stage OUT DEST --nnodes 3 --node-rank 2")
 
 
 @EVERY_VERIFY

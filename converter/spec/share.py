@@ -1,0 +1,110 @@
+"""A node's share of an output (`lucifer-shard stage`): the files of the TP ranks one node runs, plus
+what every rank needs (manifest, config.json, tokenizer files, COMPLETE), and `lucifer-share.json`
+naming those ranks. The manifest is the output's own, byte for byte (it lists every rank); readers of
+a share check exactly the ranks `lucifer-share.json` names.
+
+Which ranks a node runs is vLLM's rule for `--nnodes N --node-rank R` with the mp executor
+(vllm/engine/arg_utils.py, 0.33.0): the world size must divide by N, and node R runs the global ranks
+R*W/N .. (R+1)*W/N - 1. With TP only (PP = DP = 1, as lucifer_tp3 requires) the global rank is the
+TP rank.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import OutputError, UsageRefused
+from ..guarded_io import Tree
+
+SHARE_NAME = "lucifer-share.json"
+SHARE_FORMAT = "lucifer-shard-share"
+SHARE_VERSION = 1
+
+
+def node_ranks(tp: int, nnodes: int, node_rank: int) -> list[int]:
+    """The TP ranks node `node_rank` of `nnodes` runs (vLLM's rule); UsageRefused where vLLM refuses."""
+    if nnodes < 1 or tp % nnodes:
+        raise UsageRefused(f"--nnodes {nnodes}: vLLM needs the world size (tp {tp}) to divide by the number of nodes; "
+                           f"choose one of {', '.join(str(n) for n in range(1, tp + 1) if tp % n == 0)}")
+    if not 0 <= node_rank < nnodes:
+        raise UsageRefused(f"--node-rank {node_rank}: nodes are numbered 0..{nnodes - 1}")
+    per = tp // nnodes
+    return list(range(node_rank * per, (node_rank + 1) * per))
+
+
+def parse_ranks(text: str, tp: int) -> list[int]:
+    """`--ranks 0,2` as a sorted list of distinct TP ranks below `tp`."""
+    try:
+        ranks = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise UsageRefused(f"--ranks {text[:40]!r}: expected TP ranks separated by commas, e.g. --ranks 1") from None
+    bad = [r for r in ranks if not 0 <= r < tp]
+    if not ranks or bad:
+        raise UsageRefused(f"--ranks {text[:40]!r}: the output has TP ranks 0..{tp - 1}")
+    return ranks
+
+
+def share_doc(conversion_id: str, tp: int, ranks: list[int], nnodes: int | None, node_rank: int | None) -> dict:
+    return {"format": SHARE_FORMAT, "format_version": SHARE_VERSION, "conversion_id": conversion_id,
+            "tp_size": tp, "ranks": sorted(ranks), "nnodes": nnodes, "node_rank": node_rank}
+
+
+def share_text(doc: dict) -> str:
+    return json.dumps(doc, indent=1, sort_keys=True) + "\n"
+
+
+def read_share(out: Path | str, conversion_id: str | None = None) -> dict | None:
+    """OUT's share record (None: OUT is a whole output). OutputError when it is not one, or is
+    another conversion's."""
+    tree = Tree(out)
+    if tree.lstat(SHARE_NAME) is None:
+        return None
+    try:
+        doc = json.loads(tree.read(SHARE_NAME))
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if not isinstance(doc, dict) or doc.get("format") != SHARE_FORMAT or not isinstance(doc.get("ranks"), list):
+        raise OutputError(f"{tree.path(SHARE_NAME)}: not a lucifer-shard share record; stage the node's share again "
+                          f"(lucifer-shard stage OUT DEST ...)")
+    if conversion_id is not None and doc.get("conversion_id") != conversion_id:
+        raise OutputError(f"{tree.path(SHARE_NAME)}: a share of conversion {str(doc.get('conversion_id'))[:12]}, the "
+                          f"manifest's is {conversion_id[:12]}: files of two conversions; stage it again")
+    return doc
+
+
+def describe(doc: dict) -> str:
+    """'ranks 1 of tp 3 (node 1 of 3)'."""
+    node = f" (node {doc['node_rank']} of {doc['nnodes']})" if doc.get("nnodes") else ""
+    return f"rank(s) {', '.join(map(str, doc['ranks']))} of tp {doc['tp_size']}{node}"
+
+
+def missing_rank(doc: dict, rank: int, where: Path | str) -> str:
+    """The one line for a worker whose TP rank is not in the share it was given: node, rank and fix."""
+    nnodes = doc.get("nnodes")
+    node = rank // (doc["tp_size"] // nnodes) if nnodes else None
+    here = f"node {doc['node_rank']}'s share" if doc.get("node_rank") is not None else "a share"
+    stage = (f"lucifer-shard stage OUT DEST --nnodes {nnodes} --node-rank {node}" if nnodes
+             else f"lucifer-shard stage OUT DEST --ranks {rank}")
+    return (f"{where} is {here} ({describe(doc)}) but this worker runs TP rank {rank}"
+            + (f", node {node}'s" if node is not None else "")
+            + f": start this node with the --node-rank its share was staged for, or stage its rank here ({stage})")
+
+
+def share_problem(out: Path | str, conversion_id: str, rank: int) -> str | None:
+    """Why a worker of TP rank `rank` cannot load from OUT (a share without that rank, or a share
+    record that is not this output's), None when it can (a whole output, or a share holding it)."""
+    try:
+        doc = read_share(out, conversion_id)
+    except OutputError as e:
+        return str(e)
+    return missing_rank(doc, rank, out) if doc is not None and rank not in doc["ranks"] else None
+
+
+def node_problem(out: Path | str, conversion_id: str, ranks: list[int]) -> str | None:
+    """Why OUT cannot serve a node that runs `ranks` (a share lacking some), None when it can."""
+    try:
+        doc = read_share(out, conversion_id)
+    except OutputError as e:
+        return str(e)
+    lacking = [r for r in ranks if doc is not None and r not in doc["ranks"]]
+    return missing_rank(doc, lacking[0], out) if lacking else None

@@ -1,0 +1,125 @@
+"""`lucifer-shard serve`: the vllm command it execs, the refusals before vLLM starts, its reading of the
+checks, and the exec. Imports nothing of vLLM (serve's start must not: issue 34).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from . import settings, stock_vtp
+from .doctor import ENVIRONMENT, FAIL, OUTPUT, SKIP, Check, vllm_identity
+from .errors import ShimError
+from .patches import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND
+
+SERVE_FLAGS = ("--tensor-parallel-size", "--load-format", "--attention-backend", "--moe-backend")
+# vLLM's multi-node flags: serve's own options (before `--`), passed on; node 1.. run headless (no API
+# server: node 0 serves it), as vLLM's multi-node mp launch does.
+NODE_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless")
+# --hf-overrides: the plugin gives vLLM the manifest's padded sizes through it, and refuses a user's at
+# load (the model must be the config that was converted); refused here before vLLM starts, like the rest.
+HF_OVERRIDES_FLAG = "--hf-overrides"
+SHORT_FLAGS = {"-tp": "--tensor-parallel-size"}  # vLLM's short spellings of the flags serve sets
+SPECULATIVE_FLAG = "--speculative-config"
+
+
+def speculative_config(tokens: int) -> str:
+    """vLLM's speculative decoding with the checkpoint's own MTP layer as the draft. Without a draft
+    `model`, method "mtp" drafts from the target's directory (OUT) with the target's load format, and
+    the lucifer_tp3 loader picks OUT/draft for the draft model (vLLM 0.33.0 and the mlow/vllm builds:
+    `SpeculativeConfig`, vllm/config/speculative.py)."""
+    return json.dumps({"method": "mtp", "num_speculative_tokens": tokens}, separators=(",", ":"))
+
+
+def backends_remark() -> str:
+    """What the dry run says when it cannot know the serving GPU (an output converted without --arch)."""
+    table = "; ".join(f"{', '.join(a for a, b in stock_vtp.STOCK_BACKENDS.items() if b == pair)}: {' + '.join(pair)}"
+                      for pair in dict.fromkeys(stock_vtp.STOCK_BACKENDS.values()))
+    return (f"backends: OUT was converted without --arch (any GPU family) and no GPU is visible here, so the command "
+            f"leaves --attention-backend and --moe-backend to vLLM; serve on a GPU host adds its family's ({table})")
+
+
+def serve_environment(out_dir: str | Path, mtp: bool) -> dict[str, str]:
+    """The environment serve execs vLLM with: this one, plus SERVE_ENV for the in-vLLM checks."""
+    return {**os.environ, settings.SERVE_ENV: json.dumps({"out": str(out_dir), "mtp": bool(mtp)})}
+
+
+
+def serve_argv(out_dir: str | Path, tp: int, extra_args: list[str] | tuple[str, ...] = (),
+               mtp_tokens: int | None = None, vllm: str = "vllm",
+               backends: tuple[str, str] | None = (ATTENTION_BACKEND, MOE_BACKEND),
+               node: dict | None = None, expert_layout: str = "kernel") -> list[str]:
+    """The `vllm serve` command for OUT (`tp` from its manifest) with the given backends
+    (`serve_backends`; None leaves them to vLLM) and, for one node of several, vLLM's multi-node
+    flags (`node`: nnodes, node_rank, master_addr, master_port). Raises ShimError when the extra
+    arguments set a flag lucifer-shard sets, or one the plugin refuses at load (`settings.REQUIRED`,
+    the loader's --model-loader-extra-config). A model-layout output may take another --moe-backend
+    there: vLLM lays its experts out for whichever MoE kernel it runs."""
+    extra = list(extra_args)
+    owned = {flag: "lucifer-shard serve sets it from the manifest" for flag in SERVE_FLAGS}
+    user_moe = expert_layout == "model" and "--moe-backend" in {settings.spelling(a)[0] for a in extra}
+    if user_moe:
+        del owned["--moe-backend"]
+    owned.update({flag: "it is serve's own option: pass it before `--`" for flag in NODE_FLAGS})
+    owned[HF_OVERRIDES_FLAG] = ("the plugin sets it from the manifest (the model must be the config that was "
+                                "converted)")
+    if mtp_tokens:
+        owned[SPECULATIVE_FLAG] = "--mtp sets it"
+    given = {SHORT_FLAGS.get(flag, flag).partition(".")[0] for flag, _ in map(settings.spelling, extra)}
+    for flag, why in owned.items():
+        if flag in given:
+            raise ShimError(f"{flag} is in the vLLM arguments but {why}; remove it from them")
+    refused = settings.argument_problems(extra)
+    if refused:
+        raise ShimError(f"refused before vLLM starts, as the loader would refuse it at load: {'; '.join(refused)}")
+    argv = [vllm, "serve", str(Path(out_dir)), "--tensor-parallel-size", str(tp),
+            "--load-format", LOAD_FORMAT]
+    if backends is not None:
+        argv += ["--attention-backend", backends[0]] + ([] if user_moe else ["--moe-backend", backends[1]])
+    if mtp_tokens:
+        argv += [SPECULATIVE_FLAG, speculative_config(mtp_tokens)]
+    if node is not None:
+        argv += ["--nnodes", str(node["nnodes"]), "--node-rank", str(node["node_rank"]), "--master-addr",
+                 node["master_addr"], *(["--master-port", str(node["master_port"])] if node.get("master_port") else []),
+                 *(["--headless"] if node["node_rank"] > 0 else [])]
+    return argv + extra
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """serve's reading of the checks. On a machine without vLLM (the conversion box) the environment
+    cannot be checked: its failures are shown as skipped, and only the output's count for the dry run."""
+
+    failed: tuple[Check, ...]  # the output's first, then the environment's
+    environment_checked: bool
+    shown: tuple[Check, ...] = ()  # the checks as the report prints them (skipped ones as SKIP)
+
+    @property
+    def output_ok(self) -> bool:
+        return not any(c.scope == OUTPUT for c in self.failed)
+
+    @property
+    def dry_run_ok(self) -> bool:
+        return self.output_ok and (not self.failed or not self.environment_checked)
+
+    def note(self) -> str | None:
+        if self.environment_checked:
+            return None
+        return ("environment checks skipped: vLLM is not installed here, so vLLM, the plugin and the GPU were not "
+                "checked; run lucifer-shard doctor OUT (or this dry run) again on the serving host")
+
+
+def preflight(checks: list[Check]) -> Preflight:
+    failed = sorted((c for c in checks if c.status == FAIL), key=lambda c: c.scope != OUTPUT)
+    checked = vllm_identity()[0] is not None
+    shown = checks if checked else [
+        replace(c, status=SKIP, fix="") if c.scope == ENVIRONMENT and c.status == FAIL else c for c in checks]
+    return Preflight(tuple(failed), checked, tuple(shown))
+
+
+def exec_vllm(argv: list[str], env: dict[str, str] | None = None) -> None:
+    """Replace this process by vLLM (never returns); `env`: serve_environment's."""
+    if env is None:
+        os.execvp(argv[0], argv)
+    os.execvpe(argv[0], argv, env)
