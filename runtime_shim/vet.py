@@ -85,14 +85,17 @@ def wheel_pin(wheel: Path, name: str) -> str:
 def candidate_row(version: str, wheel: Path, against: compat.Build) -> compat.Build:
     """The row a release gets: the wrappers of the release it is compared with, the hashes of their
     symbols in this wheel, its FlashInfer pin. Raises VetError when a symbol they rely on is gone."""
-    hashes = compat.hashes_in_wheel(str(wheel))
+    sources = compat.symbol_sources(compat.wheel_text_of(str(wheel)))
     needed = [k for w in against.wrappers for k in compat.WRAPPERS[w].symbols]
-    missing = [compat.SYMBOLS[k].dotted for k in needed if k not in hashes]
-    if missing:
-        raise VetError(f"{DIST} {version} lacks {', '.join(missing)}: the wrappers "
-                       f"{', '.join(against.wrappers)} cannot be installed on it; port them first")
+    missing = [compat.SYMBOLS[k].dotted for k in needed if k not in sources]
+    moved = [compat.SYMBOLS[k].dotted for k in needed
+             if k in sources and compat.source_params(sources[k]) != compat.SYMBOLS[k].params]
+    if missing or moved:
+        raise VetError(f"{DIST} {version} lacks {', '.join(missing) or 'nothing'} and changed the parameters of "
+                       f"{', '.join(moved) or 'nothing'}: the wrappers {', '.join(against.wrappers)} cannot be "
+                       f"installed on it as they are; port them first")
     return dataclasses.replace(against, commit=version, label=against.label.replace(against.commit, version),
-                               hashes={k: hashes[k] for k in needed}, flashinfer=wheel_pin(wheel, "flashinfer-python"),
+                               hashes={k: compat.source_hash(sources[k]) for k in needed}, flashinfer=wheel_pin(wheel, "flashinfer-python"),
                                install=f"pip install {DIST}=={version}")
 
 
@@ -144,7 +147,8 @@ def run_proofs(version: str, candidate: compat.Build) -> int:
     if not script.is_file():
         raise VetError(f"{script} not found: the proofs need a checkout of lucifer-shard installed editable "
                        f"(pip install -e); run vet from it, or pass --hashes-only")
-    env = {**os.environ, "LUCIFER_VLLM_VERSION": version, CANDIDATE_ENV: candidate_json(candidate)}
+    env = {k: v for k, v in os.environ.items() if k != "LUCIFER_VLLM_VENV"}  # the release's own venv
+    env.update({"LUCIFER_VLLM_VERSION": version, CANDIDATE_ENV: candidate_json(candidate)})
     cmd = ["bash", str(script), "python", "-m", "pytest", "-q", "-m", "vllm", *STOCK_PROOFS]
     print(f"$ LUCIFER_VLLM_VERSION={version} {' '.join(cmd[1:])}", flush=True)
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode

@@ -82,3 +82,22 @@ def test_the_stock_proofs_are_the_makefiles():
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     line = next(ln for ln in makefile.splitlines() if ln.startswith("STOCK_PROOFS = "))
     assert tuple(line.split(" = ", 1)[1].split()) == vet.STOCK_PROOFS
+
+
+def test_the_candidate_row_reaches_the_harness_intact(monkeypatch):
+    """vet hands the candidate row to the proofs through LUCIFER_VET_CANDIDATE; the harness adds it to the
+    vetted builds of its own process, equal to what vet computed, after the committed ones (the newest
+    vetted release stays the one doctor names)."""
+    import dataclasses
+
+    import shim_fixtures as sf
+    from lucifer_shard.runtime_shim import compat, vet
+
+    row = dataclasses.replace(_committed("0.34.0"), commit="9.9.9", label="vLLM 9.9.9 (PyPI, CUDA 13 wheel)",
+                              install="pip install vllm==9.9.9")
+    committed = compat.SUPPORTED_BUILDS
+    monkeypatch.setattr(compat, "SUPPORTED_BUILDS", committed)
+    monkeypatch.setenv(vet.CANDIDATE_ENV, vet.candidate_json(row))
+    sf.allow_vet_candidate()
+    assert compat.SUPPORTED_BUILDS == (*committed, row)
+    assert vet.stock_releases()[0] == row and vet.last_vetted("9.9.9").commit == "0.34.0"
