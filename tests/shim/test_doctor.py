@@ -77,14 +77,15 @@ def test_unvetted_vllm_fails_in_one_line_naming_the_function_the_pin_and_the_vet
     not match, the newest vetted release to install and the command that vets this one."""
     import shim_fixtures as sf
     from lucifer_shard.runtime_shim import compat, patches
-    from lucifer_shard.runtime_shim.doctor import FAIL, doctor_report
+    from lucifer_shard.runtime_shim.doctor import FAIL, STOCK, doctor_report
 
     checks = _by_name(doctor_report())
     vt = checks["virtual TP"]
     assert vt.status == FAIL and "\n" not in str(vt), vt
     assert "source hash of vllm.engine.arg_utils.EngineArgs.create_engine_config sha256:" in vt.detail
-    assert "matches no build vetted for it (0.34.0, 0.33.0, 0.32.0)" in vt.detail
-    assert vt.fix.startswith("pip install vllm==0.34.0 (the newest vetted release), or vet vLLM ")
+    vetted = ", ".join(b.commit for b in compat.SUPPORTED_BUILDS if compat.STOCK_CONFIG in b.wrappers)
+    assert f"matches no build vetted for it ({vetted})" in vt.detail
+    assert vt.fix.startswith(f"pip install vllm=={STOCK.commit} (the newest vetted release), or vet vLLM ")
     assert f"python -m lucifer_shard.runtime_shim.vet {sf.vllm_version()} " in vt.fix
     assert not patches.installed(compat.STOCK_CONFIG)
     assert all(x.status != FAIL for x in checks.values() if x.name != "virtual TP")
@@ -96,7 +97,9 @@ def test_unvetted_vllm_doctor_exits_non_zero_for_tp3_and_not_for_tp2(unvetted, o
     import shim_fixtures as sf
     from lucifer_shard.cli import cli
 
-    fix = "-> pip install vllm==0.34.0 (the newest vetted release), or vet vLLM"
+    from lucifer_shard.runtime_shim.doctor import STOCK
+
+    fix = f"-> pip install vllm=={STOCK.commit} (the newest vetted release), or vet vLLM"
     for args in ([], [str(out_model)]):  # without OUT, and with a TP3 output
         r = CliRunner().invoke(cli, ["doctor", *args])
         assert r.exit_code == 1, r.output
