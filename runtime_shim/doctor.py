@@ -289,15 +289,21 @@ def _virtual_tp_check(verdicts: dict, needs: dict | None) -> Check:
     if all(v.ok for v in stock):
         return Check("virtual TP", OK, f"supplied by the plugin on {stock[0].build.label}: --load-format lucifer_tp3 "
                      f"pads heads, output groups, experts and vocabulary to the manifest's plan")
-    # TP sizes that divide DeepSeek-V4's geometry (64 heads: TP 1/2/4/8) need none
-    status = INFO if needs is not None and not needs["virtual_tp"] else (FAIL if needs is not None else WARN)
+    # TP sizes that divide DeepSeek-V4's geometry (64 heads: TP 1/2/4/8) need none; without OUT, the TP3
+    # lucifer_tp3 exists for does
+    status = INFO if needs is not None and not needs["virtual_tp"] else FAIL
     why = patches.virtual_tp_missing()
     return Check("virtual TP", status,
                  f"not available: this vLLM has no virtual TP of its own and the plugin's stock wrappers are off "
                  f"({why}); outputs whose plan pads (TP3) cannot be served here",
-                 "" if status == INFO else
-                 f"pip install vllm=={STOCK.commit} (vetted: {', '.join(b.label for b in compat.SUPPORTED_BUILDS if b.stock)})"
-                 f", or a vetted mlow/vllm build")
+                 "" if status == INFO else unvetted_fix())
+
+
+def unvetted_fix() -> str:
+    """What to do on a vLLM whose wrapped functions no vetted build has: the newest vetted release, or vet this one."""
+    version = vllm_identity()[0] or "VERSION"
+    return (f"pip install vllm=={STOCK.commit} (the newest vetted release), or vet vLLM {version} from a lucifer-shard "
+            f"checkout: python -m lucifer_shard.runtime_shim.vet {version} (docs/vllm-releases.md)")
 
 
 def _torch_check() -> Check:
@@ -434,8 +440,7 @@ def _output_vllm_checks(m, verdicts: dict) -> list[Check]:
     if m.needs_virtual_tp() and not (verdicts[compat.POLICY].ok or plugin_vtp):
         checks.append(_out("output needs virtual TP", FAIL, f"the plan pads tp {m.tp_size} but neither the fork's "
                            f"policy wrapper nor the plugin's stock virtual TP is installed "
-                           f"({verdicts[compat.STOCK_CONFIG].reason})",
-                           f"pip install vllm=={STOCK.commit}, or serve on a vetted mlow/vllm build"))
+                           f"({verdicts[compat.STOCK_CONFIG].reason})", unvetted_fix()))
     if m.expert_layout != "model" and not verdicts[compat.RELAYOUT].ok:
         checks.append(_out("output kernel-layout experts", FAIL, f"this vLLM cannot load experts in kernel layout "
                            f"verbatim: the re-layout wrapper is not installed ({verdicts[compat.RELAYOUT].reason})",

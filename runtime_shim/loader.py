@@ -487,21 +487,27 @@ class LuciferTP3Loader(BaseModelLoader):
         return t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
 
     def _replay_hooks(self, model: nn.Module, role: str) -> None:
+        """Run the post-load hooks the model's `load_weights` runs (this loader does not call it), except
+        those its model-level post-load hook runs: vLLM calls that after every loader's `load_weights`
+        (0.33.0: `process_weights_after_loading` in model_loader/utils.py; 0.34.0: `finalize_model_weights`),
+        so replaying them too would run them twice (DeepSeek-V4's `finalize_mhc_broadcast_weights`)."""
+        post_load = getattr(type(model), "process_weights_after_loading", None)
+        vllm_runs = set(post_load.__code__.co_names) if hasattr(post_load, "__code__") else set()  # names it calls
         if role == "draft":
             for name in DRAFT_HOOKS:
                 fn = getattr(model, name, None)
-                if callable(fn):
+                if callable(fn) and name not in vllm_runs:
                     fn()
                     self.hooks_called.append(name)
             return
         inner = getattr(model, "model", None)
         for i, layer in enumerate(getattr(inner, "layers", []) or []):
             fn = getattr(layer, TARGET_LAYER_HOOK, None)
-            if callable(fn):
+            if callable(fn) and TARGET_LAYER_HOOK not in vllm_runs:
                 fn()
                 self.hooks_called.append(f"layers.{i}.{TARGET_LAYER_HOOK}")
         for name in TARGET_MODEL_HOOKS:
             fn = getattr(inner, name, None)
-            if callable(fn):
+            if callable(fn) and name not in vllm_runs:
                 fn()
                 self.hooks_called.append(name)

@@ -305,7 +305,7 @@ def test_doctor_without_vllm_says_which_build_and_how_to_install(converted):
     text = r.stdout
     assert "[  ok] lucifer-shard dependencies: all present" in text
     assert "[FAIL] vllm: not installed in this environment" in text and "-> run doctor inside the serving environment" in text
-    assert "vetted vLLM builds for lucifer_tp3:" in text and "pip install vllm==0.33.0" in text
+    assert "vetted vLLM builds for lucifer_tp3:" in text and "pip install vllm==0.34.0" in text
     cols = list(compat.SUPPORTED_BUILDS[0].serves())
     for b in compat.SUPPORTED_BUILDS:
         row = next(line for line in text.splitlines() if line.strip().startswith(b.commit + " "))
@@ -319,7 +319,8 @@ def test_doctor_without_vllm_says_which_build_and_how_to_install(converted):
     assert r.stderr.startswith("error: doctor: 1 check(s) failed; first: [FAIL] vllm")
     doc = json.loads(run("doctor", "--json").stdout)
     assert not doc["ok"] and doc["error"]["exit_code"] == 1
-    assert [b["commit"] for b in doc["result"]["builds"]] == ["45c1582e9", "cece381c4", "81564374e", "0.33.0", "0.32.0"]
+    assert [b["commit"] for b in doc["result"]["builds"]] == ["45c1582e9", "cece381c4", "81564374e", "0.34.0", "0.33.0",
+                                                              "0.32.0"]
     assert doc["result"]["builds"][1]["serves"]["MTP draft (--mtp)"] is False
     failed = [c for c in doc["result"]["checks"] if c["status"] == FAIL]
     assert failed and all(c["fix"] for c in failed)
@@ -355,7 +356,7 @@ def test_where_to_get_a_server_is_one_table_in_doctor_and_readme():
     guide = run("doctor").stdout
     assert [f"  {i}. {line}" for i, line in enumerate(expected, 1)] == [
         line for line in guide.splitlines() if re.match(r"  \d\. ", line)]
-    assert expected[0].startswith("stock vLLM 0.33.0, the route to take: pip install vllm==0.33.0")
+    assert expected[0].startswith("stock vLLM 0.34.0, the route to take: pip install vllm==0.34.0")
     image = compat.AUDIT_IMAGE
     assert image["tag"] in expected[1] and image["id"] in expected[1] and "cannot be pulled" in expected[1]
     assert readme.index("## Where to get a server") < readme.index("## From a checkpoint to a running server")

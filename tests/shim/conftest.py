@@ -1,4 +1,5 @@
-"""Runtime-shim tests: run against the real vllm==0.33.0 in the venv made by tools/vllm-env.sh.
+"""Runtime-shim tests: run against the real vLLM release in the venv made by tools/vllm-env.sh (0.34.0 by default,
+LUCIFER_VLLM_VERSION for another vetted one; `vet` runs the stock proofs on a candidate release).
 
 Every test here carries the marker `vllm`; the main environment (no vLLM) deselects them with
 `-m 'not gpu and not vllm'`. Run them with `bash tools/vllm-env.sh pytest -q tests/shim -m vllm`.
@@ -16,7 +17,10 @@ if str(HERE) not in sys.path:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "vllm: needs the vllm==0.33.0 venv (tools/vllm-env.sh)")
+    config.addinivalue_line("markers", "vllm: needs a vLLM test venv (tools/vllm-env.sh)")
+    from shim_fixtures import allow_vet_candidate
+
+    allow_vet_candidate()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -23,6 +23,24 @@ from lucifer_shard.spec.dtypes import TORCH_DTYPE as TORCH_DTYPES
 SINK_PARAM_LEN = 32  # DeepseekV4FlashInferSM120Attention pads 24 local heads to 32
 
 
+def allow_vet_candidate() -> None:
+    """Add `vet`'s candidate row (LUCIFER_VET_CANDIDATE, set by runtime_shim/vet.py) to the vetted
+    builds, in this process only: the stock proofs run on a release before its row is committed. Tests only;
+    the product reads nothing of it."""
+    from lucifer_shard.runtime_shim import compat, vet
+
+    text = os.environ.get(vet.CANDIDATE_ENV)
+    if text:
+        compat.SUPPORTED_BUILDS = (*compat.SUPPORTED_BUILDS, vet.candidate_from_json(text))
+
+
+def vllm_version() -> str:
+    """The vLLM release this venv holds (the one the suite proves)."""
+    from importlib.metadata import version
+
+    return version("vllm")
+
+
 def cli(*args: str) -> None:
     """Run `lucifer-shard ARGS` in this interpreter's environment."""
     r = subprocess.run([sys.executable, "-m", "lucifer_shard.cli", *args], capture_output=True, text=True)

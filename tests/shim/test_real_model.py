@@ -1,4 +1,4 @@
-"""The rank files in vLLM's own DeepSeek-V4 models (vllm==0.33.0), at TP 1, 2 and 4.
+"""The rank files in vLLM's own DeepSeek-V4 models (the venv's vetted stock release), at TP 1, 2 and 4.
 
 Per TP size, one world of gloo processes (`vllm_cpu_model.py`, one process per rank) builds the
 models vLLM selects and loads each into a fresh model, before post-load processing:
@@ -80,7 +80,7 @@ def world(request, source, tmp_path_factory) -> dict:
              "compare_to": "draft_default", **draft},
         ],
     }
-    reports = sf.run_world(spec, f"vllm-0.33.0-tp{tp}", timeout=WORLD_TIMEOUT_S)
+    reports = sf.run_world(spec, f"vllm-{sf.vllm_version()}-tp{tp}", timeout=WORLD_TIMEOUT_S)
     return {"tp": tp, "out": out, "reports": reports, "bad_file": bad_file, "bad_offset": bad_offset}
 
 
@@ -90,7 +90,7 @@ def _runs(world, name):
 
 def test_built_by_vllm_itself(world):
     for rep in world["reports"]:
-        assert rep["vllm"] == "0.33.0" and rep["platform"] == "CpuPlatform"
+        assert rep["vllm"] == sf.vllm_version() and rep["platform"] == "CpuPlatform"
         assert rep["tp_rank"] == rep["rank"]
         for name in ("default", "lucifer"):
             run = rep["runs"][name]

@@ -1,4 +1,4 @@
-"""TP3 on stock vLLM 0.33.0: the plugin supplies virtual TP, vLLM's own DeepSeek-V4 models load the rank files.
+"""TP3 on stock vLLM (the venv's vetted release): the plugin supplies virtual TP, vLLM's own DeepSeek-V4 models load the rank files.
 
 One world of three gloo processes (`vllm_cpu_model.py`) builds, with nothing but `--load-format
 lucifer_tp3` (no overrides passed, no config patched here; the harness replaces only its machine
@@ -15,6 +15,7 @@ checks), each into a fresh model:
   MoE layer (`Mxfp4MoEMethod.process_weights_after_loading`): the plugin's identity re-layout runs once
   per tagged layer, the experts keep their storage and bytes (SM90's scales viewed 5-D), and vLLM builds
   its FlashInfer CUTLASS kernel on them;
+* the SM120 class again, through vLLM's own post-load step after loading, counting its post-load hooks;
 * vLLM's own `DefaultModelLoader` on the original checkpoint, which stock vLLM refuses at TP3, and a
   lucifer_tp3 start the plugin refuses (`--hf-overrides`).
 
@@ -69,11 +70,13 @@ def world(tmp_path_factory) -> dict:
         *({"name": f"kernel_{arch}", "model": str(kernel[arch]), "load_format": "lucifer_tp3",
            "files": str(kernel[arch] / "target"), "model_class": NVIDIA_CLASS, "engine": engine,
            "capability": capability, "moe_post_load": True} for arch, (engine, capability) in KERNEL_RUNS.items()),
+        {"name": "post_load", **lucifer, "model_class": NVIDIA_CLASS, "engine": NVIDIA_ENGINE, "post_load": True,
+         "capture": False},
         {"name": "default", "model": str(source), "load_format": "auto"},
         {"name": "hf_overrides", **lucifer, "engine": {"hf_overrides": {"rope_theta": 5000}}},
     ]}
     return {"out": out, "source": source, "kernel": kernel,
-            "reports": sf.run_world(spec, "vllm-0.33.0-stock-tp3", timeout=WORLD_TIMEOUT_S)}
+            "reports": sf.run_world(spec, f"vllm-{sf.vllm_version()}-stock-tp3", timeout=WORLD_TIMEOUT_S)}
 
 
 def test_stock_vllm_itself_refuses_tp3(world):
@@ -92,7 +95,7 @@ def test_geometry_is_the_manifests_plan(world):
     cfg = json.loads((world["out"] / "config.json").read_text())
     assert (world["out"] / "config.json").read_bytes() == (world["source"] / "config.json").read_bytes()
     for rep in world["reports"]:
-        assert rep["vllm"] == "0.33.0" and rep["tp_rank"] == rep["rank"]
+        assert rep["vllm"] == sf.vllm_version() and rep["tp_rank"] == rep["rank"]
         for name in LOADED:
             run = rep["runs"][name]
             assert "error" not in run, (name, run.get("error"))
@@ -173,3 +176,14 @@ def test_the_plugin_refuses_what_stock_vllm_cannot_serve(world):
         err = rep["runs"]["hf_overrides"].get("error", "")
         assert err.startswith("ShimError: lucifer_tp3: --hf-overrides {'rope_theta': 5000} with --load-format "), err
         assert "\n" not in err and "drop --hf-overrides" in err
+
+
+def test_post_load_hooks_run_exactly_once(world):
+    """The NVIDIA class's post-load hook (`finalize_mhc_broadcast_weights`, called by the model's
+    `process_weights_after_loading`) runs once through the whole load: 0.33.0's `load_weights` ran it
+    itself and vLLM's post-load step runs it again, 0.34.0's runs it only from `finalize_model_weights`;
+    the loader replays only hooks vLLM's post-load step does not run."""
+    for rep in world["reports"]:
+        run = rep["runs"]["post_load"]
+        assert "error" not in run, run.get("error")
+        assert run["hook_calls"] == {"finalize_mhc_broadcast_weights": 1}, run["hook_calls"]

@@ -219,7 +219,7 @@ def test_policy_wrapper_installed_only_when_signature_and_hash_match(tmp_path, m
     assert wrapped is not original and wrapped.__lucifer_wrapped__ is original
     patches.install(builds=(good,))  # idempotent: hashes the original behind the wrapper, wraps once
     assert mod.maybe_apply_b12x_virtual_tp_padding is wrapped
-    assert not patches.installed(compat.RELAYOUT)  # this venv's 0.33.0 re-layout is vetted by no build given
+    assert not patches.installed(compat.RELAYOUT)  # this venv's re-layout is vetted by no build given
     assert "matches no build vetted for it (fake0001)" in patches.why_not_installed(compat.RELAYOUT)
 
     # the installed wrapper delegates non-Lucifer configs to the fork's function
@@ -243,24 +243,26 @@ def test_policy_wrapper_refuses_changed_signature(tmp_path, monkeypatch, shim):
 
 
 def test_relayout_wrapper_installed_only_where_its_hash_is_vetted(monkeypatch, shim):
-    """On this venv's vLLM 0.33.0 the re-layout wrapper sits where _setup_kernel looks it up; a build table
-    without 0.33.0's re-layout row leaves vLLM's function in place and says why."""
+    """On this venv's vLLM release the re-layout wrapper sits where _setup_kernel looks it up; a build table
+    without the release's re-layout row leaves vLLM's function in place and says why."""
     import dataclasses
 
     import vllm.model_executor.layers.quantization.mxfp4 as q
 
     from lucifer_shard.runtime_shim import compat, patches
 
-    assert patches.installed(compat.RELAYOUT) and patches.VERDICTS[compat.RELAYOUT].build.commit == "0.33.0"
+    release = sf.vllm_version()
+    assert patches.installed(compat.RELAYOUT) and patches.VERDICTS[compat.RELAYOUT].build.commit == release
     assert q.convert_weight_to_mxfp4_moe_kernel_format.__lucifer_wrapped__ is not None
     monkeypatch.setattr(q, "convert_weight_to_mxfp4_moe_kernel_format",
                         compat.unwrap(q.convert_weight_to_mxfp4_moe_kernel_format))
     monkeypatch.setattr(patches, "VERDICTS", {})
     unvetted = tuple(dataclasses.replace(b, wrappers=tuple(w for w in b.wrappers if w != compat.RELAYOUT))
-                     if b.commit == "0.33.0" else b for b in compat.SUPPORTED_BUILDS)
+                     if b.commit == release else b for b in compat.SUPPORTED_BUILDS)
     patches.install(builds=unvetted)
     assert not patches.installed(compat.RELAYOUT)
-    assert "convert_weight_to_mxfp4_moe_kernel_format sha256:171d153b1ce8" in patches.why_not_installed(compat.RELAYOUT)
+    why = patches.why_not_installed(compat.RELAYOUT)
+    assert "convert_weight_to_mxfp4_moe_kernel_format sha256:" in why and "matches no build vetted for it" in why
     assert getattr(q.convert_weight_to_mxfp4_moe_kernel_format, "__lucifer_wrapped__", None) is None
 
 

@@ -13,7 +13,8 @@ before `process_weights_after_loading`.
 SPEC = {"tp": N, "results": DIR, "engine"?: {EngineArgs overrides}, "dump"?: [SUBSTRING, ...],
         "runs": [{"name", "model", "load_format", "extra"?, "engine"?, "role"?: "draft", "capability"?: [9, 0],
                   "model_class"?: DOTTED, "plan"?: "fork-helper", "files"?: ROLE_DIR,
-                  "compare_to"?: RUN_NAME, "capture"?: false, "save_sharded"?: DIR, "moe_post_load"?: true}, ...]}
+                  "compare_to"?: RUN_NAME, "capture"?: false, "save_sharded"?: DIR, "post_load"?: true,
+                  "moe_post_load"?: true}, ...]}
 
 Each rank writes DIR/rank-<r>.json with, per run, the model class, the live virtual-TP plan (the fork's
 plan or the plugin's stock padding) and the config sizes the layers were built from, every
@@ -24,7 +25,9 @@ the configuration or load raised; with "compare_to", the parameters that differ 
 after the load (`moe_post_load`), then the loader's checks after it; with "files", the run's rank-file
 tensors compared with the loaded (and so processed) parameters; with "dump", the matching parameters as DIR/rank-<r>-<run>.safetensors. "capture":
 false keeps nothing of the loaded model (no digests: the load benchmark must not hold a second
-copy); "save_sharded" writes the loaded model with vLLM's `ShardedStateLoader.save_model`. The
+copy); "save_sharded" writes the loaded model with vLLM's `ShardedStateLoader.save_model`; "post_load"
+then runs vLLM's own post-load step (`vllm_post_load`) and records how often each post-load hook ran,
+the loader's replay included ("hook_calls"). The
 pseudo load format "floor" builds no model: each rank reads its own rank files (ROLE_DIR/rank-<r>,
 from "files") once, the floor of a load.
 
@@ -102,6 +105,24 @@ def allow_construction_on_this_cpu() -> None:
     # MarlinExperts, the MXFP4 MoE stock vLLM runs on SM90 (lucifer-shard serve's choice there).
     flashinfer_cutlass_moe.FlashInferExperts._supports_current_device = staticmethod(lambda: True)
     marlin_moe.MarlinExperts._supports_current_device = staticmethod(lambda: True)
+    # vLLM 0.34.0's CPU platform refuses an x86 CPU without Triton (triton-cpu) in check_and_update_config
+    # (`vllm/platforms/cpu.py:242-243`, "vLLM on x86 CPUs requires Triton (triton-cpu)."; 0.33.0 only warned),
+    # which every config of these worlds passes through. Triton runs CPU kernels of a forward pass, and none
+    # runs here: the check sees Triton present for the duration of that call only.
+    from vllm.platforms.cpu import CpuPlatform
+
+    check_config = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        import vllm.triton_utils as triton_utils
+
+        has_triton, triton_utils.HAS_TRITON = triton_utils.HAS_TRITON, True
+        try:
+            check_config(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = has_triton
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 @contextlib.contextmanager
@@ -297,9 +318,16 @@ def run_one(spec: dict, run: dict, rank: int, hook=None) -> tuple[dict, dict[str
                                      model_class=resolve(run["model_class"]) if run.get("model_class") else None)
         rec["construct_s"] = time.perf_counter() - t0
         rec["model_class"] = f"{type(model).__module__}.{type(model).__name__}"
+        calls = count_post_load_hooks(model) if run.get("post_load") else None
         loaded = measured_load(rec, run, lambda: loader.load_weights(model, model_config), hook)
         if loaded and run.get("moe_post_load"):
             rec["moe_post_load"] = moe_post_load(model, loader)
+        if loaded and calls is not None:
+            try:
+                vllm_post_load(model, model_config, cfg.device_config.device)
+            except Exception as e:  # noqa: BLE001 - the error line is this run's result
+                rec["error"] = f"post-load: {type(e).__name__}: {e}"
+            rec["hook_calls"] = calls
     try:
         return finish_run(spec, run, rank, rec, model) if loaded else (rec, None)
     finally:
@@ -335,6 +363,46 @@ def moe_post_load(model: torch.nn.Module, loader) -> dict:
     except Exception as e:  # noqa: BLE001 - the error line is this run's result
         return {"layers": layers, "error": f"{type(e).__name__}: {e}"}
     return {"layers": layers}
+
+
+def count_post_load_hooks(model: torch.nn.Module) -> dict[str, int]:
+    """Count, from now on, the calls of each post-load hook the lucifer_tp3 loader knows
+    (`runtime_shim.loader`'s hook tables) that this model has, whoever calls it."""
+    from lucifer_shard.runtime_shim import loader as lucifer
+
+    inner = getattr(model, "model", None)
+    owners = [(model, lucifer.DRAFT_HOOKS), (inner, lucifer.TARGET_MODEL_HOOKS),
+              *((layer, (lucifer.TARGET_LAYER_HOOK,)) for layer in getattr(inner, "layers", None) or [])]
+    calls: dict[str, int] = {}
+
+    def counted(name, fn):
+        def hook(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return hook
+
+    for owner, names in owners:
+        for name in names:
+            fn = getattr(owner, name, None)
+            if callable(fn):
+                calls.setdefault(name, 0)
+                object.__setattr__(owner, name, counted(name, fn))  # this instance only
+    return calls
+
+
+def vllm_post_load(model: torch.nn.Module, model_config, device) -> None:
+    """vLLM's own step after `load_weights` in `BaseModelLoader.load_model`
+    (`model_loader.utils.process_weights_after_loading`: per-layer quant processing, then the model's
+    post-load hooks; 0.34.0 runs those through `finalize_model_weights`). Harness-only: the quant
+    methods' processing builds GPU kernels (FlashInfer, Marlin), a matter of the machine, so it is
+    replaced by nothing here; every hook of the model runs as vLLM runs it."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    for module in model.modules():
+        qm = getattr(module, "quant_method", None)
+        if qm is not None:
+            qm.process_weights_after_loading = lambda layer: None
+    process_weights_after_loading(model, model_config, torch.device(device))
 
 
 def release(model: torch.nn.Module) -> None:
@@ -392,6 +460,9 @@ def rank_main(rank: int, spec: dict, port: int, hook=None) -> None:
         from vllm.platforms import current_platform
         from vllm.plugins import load_general_plugins
 
+        from shim_fixtures import allow_vet_candidate
+
+        allow_vet_candidate()  # `vet`'s candidate row, before the plugin judges this vLLM
         load_general_plugins()  # vLLM's own entry-point discovery registers lucifer_tp3 here
         report.update(vllm=vllm.__version__, vllm_path=str(Path(vllm.__file__).parent),
                       platform=type(current_platform).__name__)

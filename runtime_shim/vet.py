@@ -1,0 +1,202 @@
+"""Vet a stock vLLM release for the shim's wrappers, in one command (docs/vllm-releases.md):
+
+    python -m lucifer_shard.runtime_shim.vet VERSION [--against VETTED] [--hashes-only] [--wheels DIR]
+
+1. fetches the release's wheel and the last vetted release's (`pip download --no-deps`: pip's cache
+   when a test venv was built from it);
+2. hashes, from the wheels' text without importing them, every symbol of `compat.SYMBOLS`;
+3. prints, for each symbol whose source differs from the last vetted release, the unified diff of the
+   two sources and whether its parameters still are the ones the wrapper expects: what the
+   maintainer reads before accepting a hash;
+4. builds the release's CPU test venv (tools/vllm-env.sh) and runs the stock proofs on it, the
+   candidate row allowed in the test harness only (LUCIFER_VET_CANDIDATE, read by tests/shim);
+5. on success prints the `compat.Build` row to add to `compat.SUPPORTED_BUILDS`.
+
+Steps 4 and 5 need a checkout of lucifer-shard (tools/ and tests/). Imports nothing from vLLM.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from . import compat
+
+DIST = "vllm"
+ROOT = Path(__file__).resolve().parent.parent  # the checkout, for an editable install
+# What "the stock proofs" are: vLLM's own DeepSeek-V4 classes loaded from rank files at TP3 (target and
+# draft, SM120 and SM90 classes) and TP 1/2/4, and doctor/serve, all against the release in its venv.
+STOCK_PROOFS = ("tests/shim/test_stock_tp3.py", "tests/shim/test_real_model.py", "tests/shim/test_doctor.py")
+CANDIDATE_ENV = "LUCIFER_VET_CANDIDATE"  # the candidate row, JSON, for the test harness only
+
+
+class VetError(Exception):
+    """One line: what failed and what to do."""
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version))
+
+
+def stock_releases() -> list[compat.Build]:
+    """The vetted releases of the `vllm` distribution, newest first."""
+    found = [b for b in compat.SUPPORTED_BUILDS if b.stock and b.install == f"pip install {DIST}=={b.commit}"]
+    return sorted(found, key=lambda b: version_key(b.commit), reverse=True)
+
+
+def last_vetted(version: str) -> compat.Build:
+    """The release a new one is compared with: the newest vetted one other than `version`."""
+    others = [b for b in stock_releases() if b.commit != version]
+    if not others:
+        raise VetError(f"no vetted {DIST} release other than {version} in compat.SUPPORTED_BUILDS to compare with")
+    return others[0]
+
+
+def fetch_wheel(version: str, dest: Path) -> Path:
+    """The release's wheel, downloaded into `dest` (pip's cache first)."""
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                        f"{DIST}=={version}", "-d", str(dest)], capture_output=True, text=True)
+    wheels = sorted(dest.glob(f"{DIST}-{version}-*.whl"))
+    if r.returncode or not wheels:
+        tail = [ln for ln in (r.stderr or r.stdout).splitlines() if "is ignored" not in ln][-1:]
+        raise VetError(f"pip download --no-deps {DIST}=={version} failed ({' '.join(tail) or 'no wheel'}); "
+                       f"check the version and the package index")
+    return wheels[-1]
+
+
+def wheel_pin(wheel: Path, name: str) -> str:
+    """The version the wheel's metadata pins `name` to (`name==X`), "none" without such a pin."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(meta).decode()
+    m = re.search(rf"^Requires-Dist: {re.escape(name)}==([^\s;]+)\s*$", text, re.M)
+    return m.group(1) if m else "none"
+
+
+def candidate_row(version: str, wheel: Path, against: compat.Build) -> compat.Build:
+    """The row a release gets: the wrappers of the release it is compared with, the hashes of their
+    symbols in this wheel, its FlashInfer pin. Raises VetError when a symbol they rely on is gone."""
+    sources = compat.symbol_sources(compat.wheel_text_of(str(wheel)))
+    needed = [k for w in against.wrappers for k in compat.WRAPPERS[w].symbols]
+    missing = [compat.SYMBOLS[k].dotted for k in needed if k not in sources]
+    moved = [compat.SYMBOLS[k].dotted for k in needed
+             if k in sources and not compat.SYMBOLS[k].signature_ok(compat.source_params(sources[k]))]
+    if missing or moved:
+        raise VetError(f"{DIST} {version} lacks {', '.join(missing) or 'nothing'} and changed the parameters of "
+                       f"{', '.join(moved) or 'nothing'}: the wrappers {', '.join(against.wrappers)} cannot be "
+                       f"installed on it as they are; port them first")
+    return dataclasses.replace(against, commit=version, label=against.label.replace(against.commit, version),
+                               hashes={k: compat.source_hash(sources[k]) for k in needed}, flashinfer=wheel_pin(wheel, "flashinfer-python"),
+                               install=f"pip install {DIST}=={version}")
+
+
+def changes(version: str, wheel: Path, against: compat.Build, against_wheel: Path) -> list[str]:
+    """For each symbol of compat.SYMBOLS whose source differs between the two wheels: a header line,
+    the parameter check and the unified diff of the two sources."""
+    new_text, old_text = compat.wheel_text_of(str(wheel)), compat.wheel_text_of(str(against_wheel))
+    new, old = compat.symbol_sources(new_text), compat.symbol_sources(old_text)
+    out = []
+    for key, sym in compat.SYMBOLS.items():
+        if new.get(key) == old.get(key):
+            continue
+        users = [w for w in against.wrappers if key in compat.WRAPPERS[w].symbols]
+        use = f"used by {', '.join(users)}" if users else f"not used on {DIST} releases"
+        if key not in new:
+            out.append(f"=== {sym.dotted}: gone in {version} ({use})")
+            continue
+        params = compat.source_params(new[key])
+        sig = "parameters unchanged" if sym.signature_ok(params) else \
+            f"PARAMETERS CHANGED: ({', '.join(params)}) != expected ({', '.join(sym.params)})"
+        out.append(f"=== {sym.dotted} ({use}): {compat.source_hash(old[key])[:19] if key in old else 'absent'} -> "
+                   f"{compat.source_hash(new[key])[:19]}, {sig}")
+        out.extend(difflib.unified_diff(old.get(key, "").splitlines(), new[key].splitlines(),
+                                        f"{DIST}=={against.commit}:{sym.path}", f"{DIST}=={version}:{sym.path}",
+                                        lineterm=""))
+    return out
+
+
+def row_text(b: compat.Build) -> str:
+    """The Python text of a row of compat.SUPPORTED_BUILDS (evaluates to an equal Build)."""
+    hashes = "".join(f"\n            {k!r}: {v!r}," for k, v in b.hashes.items())
+    return (f"    Build(\n        commit={b.commit!r},\n        label={b.label!r},\n        hashes={{{hashes}\n        }},\n"
+            f"        draft_virtual_tp={b.draft_virtual_tp!r},\n        flashinfer={b.flashinfer!r},\n"
+            f"        branches={b.branches!r},\n        wrappers={b.wrappers!r},\n        install={b.install!r},\n    ),")
+
+
+def candidate_json(b: compat.Build) -> str:
+    return json.dumps(dataclasses.asdict(b))
+
+
+def candidate_from_json(text: str) -> compat.Build:
+    d = json.loads(text)
+    return compat.Build(**{**d, "branches": tuple(d["branches"]), "wrappers": tuple(d["wrappers"])})
+
+
+def run_proofs(version: str, candidate: compat.Build) -> int:
+    """The stock proofs on the release's CPU test venv (built on first use), the candidate row allowed."""
+    script = ROOT / "tools" / "vllm-env.sh"
+    if not script.is_file():
+        raise VetError(f"{script} not found: the proofs need a checkout of lucifer-shard installed editable "
+                       f"(pip install -e); run vet from it, or pass --hashes-only")
+    env = {k: v for k, v in os.environ.items() if k != "LUCIFER_VLLM_VENV"}  # the release's own venv
+    env.update({"LUCIFER_VLLM_VERSION": version, CANDIDATE_ENV: candidate_json(candidate)})
+    cmd = ["bash", str(script), "python", "-m", "pytest", "-q", "-m", "vllm", *STOCK_PROOFS]
+    print(f"$ LUCIFER_VLLM_VERSION={version} {' '.join(cmd[1:])}", flush=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env).returncode
+
+
+def vet(version: str, against_version: str | None, hashes_only: bool, work: Path) -> int:
+    against = next((b for b in stock_releases() if b.commit == against_version), None) if against_version \
+        else last_vetted(version)
+    if against is None:
+        raise VetError(f"--against {against_version} is not a vetted {DIST} release "
+                       f"({', '.join(b.commit for b in stock_releases())})")
+    wheel, against_wheel = fetch_wheel(version, work), fetch_wheel(against.commit, work)
+    print(f"{wheel.name}, compared with the last vetted release {against_wheel.name}")
+    hashes = compat.hashes_in_wheel(str(wheel))
+    for key, sym in compat.SYMBOLS.items():
+        print(f"  {sym.dotted}: {hashes.get(key, 'absent')}")
+    diff = changes(version, wheel, against, against_wheel)
+    print("\n".join(diff) if diff else f"no symbol's source differs from {against.commit}")
+    row = candidate_row(version, wheel, against)
+    if not hashes_only:
+        rc = run_proofs(version, row)
+        if rc:
+            print(f"vet {version}: the stock proofs failed (pytest exit {rc}); do not add the row", file=sys.stderr)
+            return 1
+    print(f"row for compat.SUPPORTED_BUILDS{' (hashes only: the stock proofs did not run)' if hashes_only else ''} "
+          f"(stock releases newest first):")
+    print(row_text(row))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m lucifer_shard.runtime_shim.vet",
+                                description="Vet a stock vLLM release for the shim's wrappers (docs/vllm-releases.md).")
+    p.add_argument("version", help="the vLLM release, e.g. 0.35.0")
+    p.add_argument("--against", help="the vetted release to diff with (default: the newest other one)")
+    p.add_argument("--hashes-only", action="store_true", help="fetch, hash and diff; no venv, no proofs")
+    p.add_argument("--wheels", type=Path, help="keep the wheels in this folder (default: a temporary one)")
+    args = p.parse_args(argv)
+    try:
+        if args.wheels:
+            args.wheels.mkdir(parents=True, exist_ok=True)
+            return vet(args.version, args.against, args.hashes_only, args.wheels)
+        with tempfile.TemporaryDirectory(prefix="lucifer-vet-") as work:
+            return vet(args.version, args.against, args.hashes_only, Path(work))
+    except VetError as e:
+        print(f"error: vet: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

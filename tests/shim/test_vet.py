@@ -1,0 +1,103 @@
+"""`vet`, the one command that vets a stock vLLM release: on the real wheels of the vetted releases
+it reproduces their committed rows of `compat.SUPPORTED_BUILDS` and shows what changed between them.
+
+The wheels come from `pip download --no-deps`, which pip answers from its cache once the test venvs were
+built (make test-shim); without that cache and without network these tests skip, saying why."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+RELEASES = ("0.33.0", "0.34.0")
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> dict:
+    from lucifer_shard.runtime_shim import vet
+
+    where = tmp_path_factory.mktemp("wheels")
+    try:
+        return {v: vet.fetch_wheel(v, where) for v in RELEASES}
+    except vet.VetError as e:
+        pytest.skip(f"needs the vLLM wheels (network or pip's cache): {e}")
+
+
+def _committed(version: str):
+    from lucifer_shard.runtime_shim import compat
+
+    return next(b for b in compat.SUPPORTED_BUILDS if b.commit == version)
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("version", RELEASES)
+def test_vet_reproduces_the_committed_row(wheels, version):
+    from lucifer_shard.runtime_shim import compat, vet
+
+    against = vet.last_vetted(version)
+    assert against.commit == next(v for v in RELEASES if v != version)
+    row = vet.candidate_row(version, wheels[version], against)
+    assert row == _committed(version)
+    text = vet.row_text(row)
+    assert eval(text.strip().removesuffix(","), {"Build": compat.Build}) == _committed(version)  # noqa: S307
+
+
+@pytest.mark.network
+def test_vet_shows_the_diff_of_each_changed_symbol(wheels):
+    from lucifer_shard.runtime_shim import vet
+
+    lines = vet.changes("0.34.0", wheels["0.34.0"], _committed("0.33.0"), wheels["0.33.0"])
+    headers = [ln for ln in lines if ln.startswith("=== ")]
+    engine = [h for h in headers if ".EngineArgs.create_engine_config " in h]
+    assert len(engine) == 1 and "(used by stock_virtual_tp_config)" in engine[0], headers
+    assert "sha256:1f9166220749 -> sha256:6df2ef3ae3e1, parameters unchanged" in engine[0]
+    assert not [h for h in headers if "VocabParallelEmbedding" in h]  # byte-identical: no diff to read
+    assert "+++ vllm==0.34.0:vllm/engine/arg_utils.py" in lines
+    assert "-        mamba_config.validate_ssu_algorithm()" in lines and "+        mamba_config.__post_init__()" in lines
+    for arg in ("enable_extensible_kv_cache", "max_num_inflight_kv_loads", "cache_aware_admission_window",
+                "cache_aware_admission_threshold"):
+        assert [ln for ln in lines if ln.startswith(f"+            {arg}=self.{arg},")], arg
+
+
+@pytest.mark.network
+def test_vet_command_prints_the_committed_row(wheels):
+    """The command itself, without the venv and the proofs (--hashes-only): vetting 0.33.0 again prints its row."""
+    from lucifer_shard.runtime_shim import compat
+
+    r = subprocess.run([sys.executable, "-m", "lucifer_shard.runtime_shim.vet", "0.33.0", "--hashes-only",
+                        "--wheels", str(wheels["0.33.0"].parent)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "compared with the last vetted release vllm-0.34.0-" in r.stdout
+    row = r.stdout[r.stdout.index("    Build(\n"):].strip().removesuffix(",")
+    assert eval(row, {"Build": compat.Build}) == _committed("0.33.0")  # noqa: S307
+
+
+def test_the_stock_proofs_are_the_makefiles():
+    """`vet` runs the stock proofs `make test` runs on the previous release: one list, said twice."""
+    from pathlib import Path
+
+    from lucifer_shard.runtime_shim import vet
+
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    line = next(ln for ln in makefile.splitlines() if ln.startswith("STOCK_PROOFS = "))
+    assert tuple(line.split(" = ", 1)[1].split()) == vet.STOCK_PROOFS
+
+
+def test_the_candidate_row_reaches_the_harness_intact(monkeypatch):
+    """vet hands the candidate row to the proofs through LUCIFER_VET_CANDIDATE; the harness adds it to the
+    vetted builds of its own process, equal to what vet computed, after the committed ones (the newest
+    vetted release stays the one doctor names)."""
+    import dataclasses
+
+    import shim_fixtures as sf
+    from lucifer_shard.runtime_shim import compat, vet
+
+    row = dataclasses.replace(_committed("0.34.0"), commit="9.9.9", label="vLLM 9.9.9 (PyPI, CUDA 13 wheel)",
+                              install="pip install vllm==9.9.9")
+    committed = compat.SUPPORTED_BUILDS
+    monkeypatch.setattr(compat, "SUPPORTED_BUILDS", committed)
+    monkeypatch.setenv(vet.CANDIDATE_ENV, vet.candidate_json(row))
+    sf.allow_vet_candidate()
+    assert compat.SUPPORTED_BUILDS == (*committed, row)
+    assert vet.stock_releases()[0] == row and vet.last_vetted("9.9.9").commit == "0.34.0"
