@@ -512,12 +512,12 @@ def routes() -> list[tuple[str, str]]:
     return [
         (f"stock vLLM {STOCK.commit}, the route to take",
          f"pip install vllm=={STOCK.commit}, then lucifer-shard into it with pip install --no-deps (make wheel); "
-         f"the plugin supplies virtual TP, so TP3 serves from outputs converted with --expert-layout model"),
+         f"the plugin supplies virtual TP and loads kernel-layout experts verbatim, so TP3 serves from any output"),
         (f"the audit's image (vLLM line {image['vllm']})",
          f"{image['tag']}, image ID {image['id']}; private to its owner: it cannot be pulled"),
         ("a fork build",
          f"from source only: git clone {compat.REPOSITORY} && git -C vllm checkout <commit> && pip install -e vllm "
-         f"(the CUDA toolchain of vLLM's build-from-source guide); it loads kernel-layout experts too"),
+         f"(the CUDA toolchain of vLLM's build-from-source guide); sm120/sm100 kernel layout and model layout"),
     ]
 
 

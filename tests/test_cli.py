@@ -355,7 +355,7 @@ def test_verbose_logs_and_quiet_silences(tiny_pattern, tmp_path):
     assert r.exit_code == 0
     assert re.search(r"lucifer_shard\.convert: room: [\d.]+ MiB to write, [\d.]+ \w+ free on ", r.stderr)
     assert re.search(r"lucifer_shard\.convert: target part 0: 3 file\(s\), [\d.]+ MiB", r.stderr)
-    r = run("convert", "--tp", 3, "--arch", "sm90", "-q", tiny_pattern, tmp_path / "b")
+    r = run("convert", "--tp", 3, "--arch", "sm90", "--flashinfer-layout", "legacy", "-q", tiny_pattern, tmp_path / "b")
     assert r.exit_code == 0 and r.stderr.startswith("warning: ")  # warnings survive -q, nothing else is said
     assert r.stderr.count("\n") == 1
     assert r.stdout == f"{tmp_path / 'b'}\n"  # -q: only OUT, for $(...)

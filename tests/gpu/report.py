@@ -425,7 +425,7 @@ def render(recs: list[dict], machine_text: str, log_text: str = "", build: dict 
         L += ["", f"Tolerances: vs unsharded rel <= {tol.get('vs_ref_rel')}, vs emulation rel <= {tol.get('vs_emul_rel')}.", ""]
 
     if serving.strip():
-        L += ["## 8. Served inside vLLM: stock vLLM 0.33.0 on the H200 (issue 24, a separate run)", "", serving.strip(), ""]
+        L += ["## 8. Served inside vLLM: stock vLLM 0.33.0 on the H200 (a separate run)", "", serving.strip(), ""]
 
     L += [RECIPE.strip(), ""]
 
