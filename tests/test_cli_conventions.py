@@ -228,7 +228,7 @@ NEXT_STEP = (
     (("doctor", "{unfinished}"), "output", "{unfinished}: unfinished: run the same convert with --resume"),
     (("serve", "{unfinished}", "--dry-run"), "output", "{unfinished}: unfinished: run the same convert with --resume"),
     (("serve", "{file}", "--dry-run"), "output", "{file}: a file, not an output directory"),
-    (("plan", "--tp", "3", "{model}"), "usage", "--arch is required with --expert-layout kernel"),
+    (("plan", "--tp", "3", "--expert-layout", "kernel", "{model}"), "usage", "--arch is required with --expert-layout kernel"),
     (("serve", "{out}", "--dry-run", "--", "--hf-overrides", "{{}}"), "usage",
      "--hf-overrides is in the vLLM arguments but the plugin sets it from the manifest"),
     (("serve", "{out}", "--dryrun"), "usage", "No such option '--dryrun'. Did you mean '--dry-run'?"),

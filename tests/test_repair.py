@@ -118,8 +118,8 @@ def test_resume_refuses_a_source_with_other_weights_and_names_the_tensor(finishe
     assert run("diff", finished).exit_code == 0
 
 
-@pytest.mark.parametrize("extra, named", [(("--align", "4096"), "align: 8 -> 4096"),
-                                          (("--no-mtp",), "mtp: True -> False")])
+@pytest.mark.parametrize("extra, named", [(("--align", "4096"), "--align 8 -> --align 4096"),
+                                          (("--no-mtp",), "without --no-mtp -> --no-mtp")])
 def test_resume_refuses_other_options_naming_them(finished, tiny_pattern, extra, named):
     flip(finished / DAMAGED)
     before = stamps(finished)
