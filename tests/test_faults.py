@@ -457,3 +457,20 @@ def test_fault_kinds_are_the_table():
             got = fault(e, command)
             assert got is not None and got.kind == kind and "\n" not in str(got), (e, command, got)
     assert fault(RuntimeError("a bug"), "convert") is None and fault(OSError(errno.EINVAL, "x"), "diff") is None
+
+
+def test_a_read_only_out_is_the_machines_refusal(tiny_pattern, tmp_path, monkeypatch):
+    """OUT where the lock cannot be created (a read-only filesystem; root ignores mode bits, so the
+    filesystem's answer is injected): kind environment, exit 2, naming OUT, nothing written."""
+    from lucifer_shard.guarded_io import Tree
+
+    def read_only(self, rel, flags):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Tree, "open_own", read_only)
+    out = tmp_path / "out"
+    r = invoke("convert", "--tp", "3", tiny_pattern, out, "--json")
+    assert r.exit_code == 2, r.output
+    envelope = json.loads(r.stdout)
+    assert envelope["error"]["kind"] == "environment" and "Read-only file system" in envelope["error"]["message"]
+    assert str(out) in envelope["error"]["message"] and not list(out.rglob("*"))

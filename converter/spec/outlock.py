@@ -19,7 +19,7 @@ import socket
 import time
 from pathlib import Path
 
-from ..errors import Locked, OutputError
+from ..errors import EnvironmentRefused, Locked, OutputError
 from ..guarded_io import Refused, Tree, remove_empty_dir
 from .manifest import STATE_DIR
 
@@ -85,9 +85,9 @@ class OutLock:
                 fd = self.tree.open_own(LOCK_REL, os.O_RDWR)
             except Refused as e:
                 raise OutputError(f"refusing OUT: {e}") from None
-            except OSError as e:
-                raise OutputError(f"{self.out}: cannot create {LOCK_REL} ({e.strerror}); "
-                                  f"choose a directory you can write") from None
+            except OSError as e:  # a read-only or unwritable OUT: the machine's refusal, one kind everywhere
+                raise EnvironmentRefused(f"{self.out}: cannot create {LOCK_REL} ({e.strerror}); "
+                                         f"choose a directory you can write") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
