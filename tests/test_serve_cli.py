@@ -265,9 +265,9 @@ def test_serve_execs_vllm_after_the_preflight(converted, preflight_passes, monke
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--mtp-tokens", "2"], "--mtp-tokens applies only with --mtp"),
+    (["--mtp-tokens", "2"], "--draft-tokens applies only with --draft"),
     (["--json"], "--json applies only with --dry-run"),
-    (["--mtp", "--", "--speculative-config", "{}"], "--speculative-config is in the vLLM arguments but --mtp sets it"),
+    (["--mtp", "--", "--speculative-config", "{}"], "--speculative-config is in the vLLM arguments but --draft sets it"),
     (["--", "-tp", "4"], "--tensor-parallel-size is in the vLLM arguments but lucifer-shard serve sets it"),
     (["--", "--load-format=auto"], "--load-format is in the vLLM arguments"),
     (["--dry-run", "--", "--hf-overrides", "{}"], "--hf-overrides is in the vLLM arguments but the plugin sets it"),
@@ -283,9 +283,9 @@ def test_mtp_needs_a_draft(converted):
     out = converted(mtp=False)
     r = run("serve", out, "--dry-run", "--mtp")
     assert r.exit_code == 1
-    assert "[FAIL] output MTP draft: OUT has no draft/ (converted with --no-mtp) -> serve without --mtp" in r.stdout
+    assert "[FAIL] output draft: OUT has no draft/ (converted with --no-mtp) -> serve without --draft" in r.stdout
     r = run("doctor", converted())
-    assert "[info] output MTP draft: OUT/draft holds the MTP draft -> serve --mtp to use it" in r.stdout
+    assert "[info] output draft: OUT/draft holds the MTP layer (DeepSeekV4MTP, --speculative-config method 'mtp') -> serve --draft to use it" in r.stdout
 
 
 def test_dry_run_with_an_unreadable_manifest_prints_no_placeholder(converted, tmp_path):
@@ -324,7 +324,7 @@ def test_doctor_without_vllm_says_which_build_and_how_to_install(converted):
     assert doc["result"]["builds"][1]["serves"]["MTP draft (--mtp)"] is False
     failed = [c for c in doc["result"]["checks"] if c["status"] == FAIL]
     assert failed and all(c["fix"] for c in failed)
-    assert run("doctor", "--mtp").output.startswith("error: --mtp checks an output's MTP draft: pass OUT")
+    assert run("doctor", "--mtp").output.startswith("error: --mtp checks an output's draft: pass OUT")
 
 
 def test_no_serve_extra_and_the_wheel_carries_the_plugin(tmp_path):

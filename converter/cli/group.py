@@ -260,13 +260,13 @@ def next_steps(out: Path) -> str:
 
 
 @cli.command()
-@click.argument("preset", type=click.Choice(["tiny", "flash-layer", "flash-moe", "forward"]))
+@click.argument("preset", type=click.Choice(["tiny", "flash-layer", "flash-moe", "forward", "dspark"]))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--layers", type=click.IntRange(1, 64), default=None, help="Decoder layers (flash-layer: default 1).")
 @click.option("--fill", type=click.Choice(list(FILLS)), default=DEFAULT_FILL, show_default=True,
               help="; ".join(f"{name}: {what}" for name, what in FILLS.items()) + ".")
 @click.option("--seed", type=click.IntRange(0, (1 << 32) - 1), default=0, show_default=True)
-@click.option("--no-mtp", is_flag=True, help="Leave the MTP layer out.")
+@click.option("--no-mtp", is_flag=True, help="Leave the draft (MTP layer, DSpark stages) out.")
 @conventions(interrupted="interrupted: {out} holds a partial checkpoint; remove it and run synth again")
 def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_mtp: bool) -> None:
     """Write a synthetic checkpoint with the exact DeepSeek-V4-Flash schema into OUT, which must not
@@ -279,6 +279,8 @@ def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_m
     flash-moe    Flash expert geometry (hidden 4096, routed 2048, top-6), 1 layer, small rest
     forward      tiny with what vLLM's DeepSeek-V4 CPU kernels require: head_dim 512,
                  index_topk 512, 64 experts (about 300 MB; make test-forward)
+    dspark       tiny's target with DeepSeek-V4-Flash-0731's draft: a three-stage DSpark
+                 drafter (context projection, Markov rank 64, confidence head) under mtp.*
     """
     from ..engine.synth import synth as run
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import click
 
 from ..errors import CheckFailed, OutputError, PreflightFailed, UsageRefused
+from ..spec.config import MTP
+from ..spec.drafts import DRAFT_KINDS
 from .console import Console, conventions
 
 SERVE_EXAMPLE = "lucifer-shard serve OUT [OPTIONS] -- --max-model-len 65536"
@@ -42,6 +44,17 @@ def _failed(checks) -> list:
     from ..runtime_shim.doctor import FAIL
 
     return [c for c in checks if c.status == FAIL]
+
+
+def _manifest_or_none(out: Path | None):
+    """OUT's manifest, or None where it cannot be read (the output check then says why)."""
+    from ..runtime_shim.errors import ShimError
+    from ..runtime_shim.manifest import load_manifest
+
+    try:
+        return None if out is None else load_manifest(out)
+    except ShimError:
+        return None
 
 
 def _output_dir(out: Path) -> Path:
@@ -88,11 +101,28 @@ def _importing_note(con: Console) -> None:
         con.note(f"importing vLLM {version} to check it (this can take a minute) ...")
 
 
+def draft_asked(draft: bool, mtp: bool, manifest) -> bool:
+    """Whether serve (or doctor) is asked for OUT's own draft: --draft takes whichever kind OUT holds,
+    --mtp only an MTP layer (a DSpark output served as MTP would build a class that has none of its weights)."""
+    if mtp and manifest is not None and manifest.draft_kind not in (None, MTP):
+        kind = DRAFT_KINDS[manifest.draft_kind]
+        raise UsageRefused(f"--mtp: {manifest.out}/draft holds a {kind.label}, not an MTP layer; use --draft "
+                           f"(--speculative-config method {kind.method!r})")
+    return draft or mtp
+
+
+DRAFT_HELP = ("With OUT's own draft (speculative decoding), whichever kind OUT/draft holds: an MTP layer (method "
+              "'mtp') or DeepSeek-V4-Flash-0731's DSpark drafter (method 'dspark').")
+MTP_HELP = "As --draft, refused unless OUT's draft is an MTP layer (the original DeepSeek-V4-Flash)."
+
+
 @click.command("doctor")
 @click.argument("out", required=False, type=click.Path(path_type=Path))
-@click.option("--mtp", is_flag=True, help="Also check that OUT can be served with its MTP draft (serve --mtp).")
+@click.option("--draft", is_flag=True, help="Also check that OUT can be served with its draft (serve --draft). "
+              + DRAFT_HELP.split(", ", 1)[1])
+@click.option("--mtp", is_flag=True, help=MTP_HELP)
 @conventions(interrupted="interrupted: doctor changes nothing")
-def doctor(out: Path | None, mtp: bool) -> None:
+def doctor(out: Path | None, draft: bool, mtp: bool) -> None:
     """Check this environment for serving lucifer-shard outputs (and OUT, if given) with vLLM.
 
     Prints each check with its fix: given OUT, its TP size, arch, layout and roles first; then
@@ -103,12 +133,13 @@ def doctor(out: Path | None, mtp: bool) -> None:
     """
     from ..runtime_shim.doctor import builds, doctor_report, format_report, guide_lines, routes
 
-    if mtp and out is None:
-        raise UsageRefused("--mtp checks an output's MTP draft: pass OUT")
+    if (draft or mtp) and out is None:
+        raise UsageRefused(f"--{'draft' if draft else 'mtp'} checks an output's draft: pass OUT")
     con = Console.of()
     out = None if out is None else _output_dir(out)
+    asked = draft_asked(draft, mtp, _manifest_or_none(out))
     _importing_note(con)
-    checks = doctor_report(out, mtp)
+    checks = doctor_report(out, asked)
     con.emit({"checks": [c.to_dict() for c in checks], "builds": builds(),
               "routes": [{"route": r, "how": h} for r, h in routes()]},
              [format_report(checks, verbose=con.verbosity > 0), "", *guide_lines()])
@@ -123,11 +154,12 @@ def doctor(out: Path | None, mtp: bool) -> None:
               help="Print the preflight report and the exact vllm command, run nothing. Exit 0 when the "
                    "preflight passes, and on a machine without vLLM (the conversion box) when OUT's own checks "
                    "pass: the environment's are then skipped, to be run on the serving host.")
-@click.option("--mtp", is_flag=True,
-              help="Serve with the MTP draft in OUT/draft (speculative decoding): adds --speculative-config "
-                   "'{\"method\":\"mtp\",\"num_speculative_tokens\":K}'.")
-@click.option("--mtp-tokens", type=click.IntRange(1), default=None,
-              help="With --mtp: draft tokens per step (K; more than 1 reruns the one MTP layer)  [default: 1]")
+@click.option("--draft", is_flag=True, help="Serve " + DRAFT_HELP.split(" ", 1)[1] + " Adds --speculative-config "
+              "'{\"method\":M,\"num_speculative_tokens\":K}'.")
+@click.option("--mtp", is_flag=True, help=MTP_HELP)
+@click.option("--draft-tokens", "--mtp-tokens", "mtp_tokens", type=click.IntRange(1), default=None,
+              help="With --draft: draft tokens per step (K)  [default: the manifest's: 1 for MTP (more reruns the "
+                   "one layer), the config's dspark_block_size for DSpark]")
 @click.option("--nnodes", type=click.IntRange(1), default=None,
               help="vLLM's multi-node launch: the node count (the TP size must divide by it); with --node-rank and "
                    "--master-addr. The preflight checks this node's ranks; the dry run prints every node's command.")
@@ -136,7 +168,8 @@ def doctor(out: Path | None, mtp: bool) -> None:
 @click.option("--master-port", type=click.IntRange(1, 65535), default=None,
               help="With --nnodes: node 0's port (vLLM's default when left out).")
 @conventions(interrupted="interrupted: serve started nothing")
-def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, nnodes: int | None, node_rank: int | None,
+def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | None, nnodes: int | None,
+          node_rank: int | None,
           master_addr: str | None, master_port: int | None, vllm_args: tuple[str, ...]) -> None:
     """Preflight OUT against the installed vLLM, then exec `vllm serve OUT` with the flags it needs.
 
@@ -144,7 +177,8 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, nnodes: i
     The command is
       vllm serve /abs/OUT --tensor-parallel-size <from the manifest> --load-format lucifer_tp3
         --attention-backend A --moe-backend M
-        [--speculative-config '{"method":"mtp","num_speculative_tokens":K}'  with --mtp]
+        [--speculative-config '{"method":M,"num_speculative_tokens":K}'  with --draft: M is "mtp"
+          for an MTP layer, "dspark" for DeepSeek-V4-Flash-0731's DSpark drafter]
         [VLLM_ARGS: everything after `--`]
     with A, M for the output's --arch on stock vLLM (virtual TP supplied by the plugin):
       sm120, sm121, sm100: FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass  (sm121, GB10: not yet run)
@@ -155,7 +189,7 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, nnodes: i
     VLLM_ARGS the plugin refuses at load are refused here, before vLLM starts: a pipeline, data or
     prefill-context parallel size above 1, --enable-expert-parallel, --enable-eplb, --enable-lora,
     a --model-loader-extra-config that is not an object of the loader's keys (verify, role).
-    e.g. lucifer-shard serve out/ --mtp -- --max-model-len 65536 --port 8000
+    e.g. lucifer-shard serve out/ --draft -- --max-model-len 65536 --port 8000
     Before exec, the preflight checks OUT and what needs no vLLM import (package versions, the
     vllm command, the plugin's entry point): it adds well under 2 s to the start. The checks that
     need vLLM (symbols, source hashes, virtual TP, the GPU) run inside vLLM's own process as it
@@ -168,8 +202,8 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, nnodes: i
     from ..runtime_shim.manifest import load_manifest
 
     con = Console.of()
-    if mtp_tokens is not None and not mtp:
-        raise UsageRefused("--mtp-tokens applies only with --mtp")
+    if mtp_tokens is not None and not (draft or mtp):
+        raise UsageRefused("--draft-tokens applies only with --draft")
     if con.json and not dry_run:
         raise UsageRefused("--json applies only with --dry-run (serve otherwise becomes vLLM)")
     nodes = _nodes(nnodes, node_rank, master_addr, master_port)
@@ -179,6 +213,9 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, nnodes: i
         tp, arch = manifest.tp_size, manifest.arch
     except ShimError:
         manifest = tp = arch = None  # the output check says why; no command is printed for it
+    mtp = draft_asked(draft, mtp, manifest)  # from here on: serve with OUT's draft
+    kind = manifest.draft_kind if manifest is not None else MTP
+    tokens = (mtp_tokens or (manifest.draft_tokens if manifest is not None else 1)) if mtp else None
     layout = manifest.expert_layout if manifest is not None else "kernel"
     backends = dr.serve_backends(arch, layout) if manifest is not None else None
     node_ranks = None  # the TP ranks this node runs: all of them on one node
@@ -188,8 +225,8 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, nnodes: i
         node_ranks = ranks_of(tp, nnodes, node_rank) if nodes is not None else list(range(tp))
     argv = None
     try:  # the refused vLLM arguments are refused whatever OUT is
-        argv = sv.serve_argv(out, tp or 1, vllm_args, (mtp_tokens or 1) if mtp else None, backends=backends,
-                             node=nodes, expert_layout=layout)
+        argv = sv.serve_argv(out, tp or 1, vllm_args, tokens, backends=backends, node=nodes, expert_layout=layout,
+                             draft_kind=kind)
     except ShimError as e:
         raise UsageRefused(str(e)) from None
     if manifest is None:
@@ -211,8 +248,8 @@ def serve(out: Path, dry_run: bool, mtp: bool, mtp_tokens: int | None, nnodes: i
             tail = ["every node's command (each on its own share: lucifer-shard stage OUT DEST --nnodes "
                     f"{nnodes} --node-rank R; node 0 serves the API, start it first):"]
             for r in range(nnodes):
-                other = sv.serve_argv(out, tp, vllm_args, (mtp_tokens or 1) if mtp else None, backends=backends,
-                                      node={**nodes, "node_rank": r}, expert_layout=layout)
+                other = sv.serve_argv(out, tp, vllm_args, tokens, backends=backends, node={**nodes, "node_rank": r},
+                                      expert_layout=layout, draft_kind=kind)
                 tail.append(f"  node {r}{' (this one)' if r == node_rank else ''}: {shlex.join([argv[0], *other[1:]])}")
         con.emit({"preflight_ok": not verdict.failed, "output_ok": verdict.output_ok,
                   "environment_checked": verdict.environment_checked, "notes": notes,

@@ -38,6 +38,7 @@ import numpy as np
 from ..errors import ENVIRONMENT_ERRNOS, EnvironmentRefused, SourceError
 from ..guarded_io import open_regular
 from ..spec.content import ContentDigests
+from ..spec.dtypes import CONVERSIONS, convert_bytes
 from ..spec.rules import DTYPE_SIZE, TensorSpec
 from ..spec.source import Checkpoint
 
@@ -335,12 +336,14 @@ def _check_scales(data: np.ndarray, key: str, entry, start: int) -> None:
                           f"refusing to write a NaN scale")
 
 
-def _narrow(raw: np.ndarray, key: str, file: str, n_experts: int) -> np.ndarray:
-    """I64 expert ids -> I32 bytes, refusing ids outside [0, n_experts)."""
-    v = raw.view(np.int64)
-    if v.size and (int(v.min()) < 0 or int(v.max()) >= n_experts):
-        raise SourceError(f"{file}: tensor {key!r} holds expert ids outside [0, {n_experts}); cannot narrow to I32")
-    return v.astype(np.int32).view(np.uint8)
+def _convert(raw: np.ndarray, src: str, dst: str, key: str, file: str, n_experts: int) -> np.ndarray:
+    """Source bytes as the rank tensor's dtype (spec/dtypes.CONVERSIONS); I64 holds expert ids (tid2eid),
+    refused outside [0, n_experts)."""
+    if src == "I64":
+        v = np.ascontiguousarray(raw).view(np.int64)
+        if v.size and (int(v.min()) < 0 or int(v.max()) >= n_experts):
+            raise SourceError(f"{file}: tensor {key!r} holds expert ids outside [0, {n_experts}); cannot narrow to I32")
+    return convert_bytes(raw, src, dst)
 
 
 # ---------------------------------------------------------------- assembly
@@ -389,7 +392,7 @@ class Assembler:
         for i, spec in enumerate(specs):
             for key, src, dst in _boxes(spec, a, b, tail=False):
                 by_key.setdefault(key, []).append((i, src, dst))
-        narrow = specs[0].src_dtype == "I64" and specs[0].dtype == "I32"
+        convert = (specs[0].src_dtype, specs[0].dtype) in CONVERSIONS
         segments: list[_Segment] = []
         copies = []
         for key, group in by_key.items():
@@ -400,7 +403,7 @@ class Assembler:
             wants: dict[tuple, list] = {}  # (start, end, source box, strided) -> [(rank, dst box)]
             for i, src, dst in group:
                 sr = _norm(src, shape)
-                if not narrow and _contiguous(sr, shape):
+                if not convert and _contiguous(sr, shape):
                     n = item
                     for s, e in sr:
                         n *= e - s
@@ -432,7 +435,8 @@ class Assembler:
     def _start(self, plan: _Plan) -> tuple[np.ndarray, list]:
         """Begin the chunk's reads (on the reader threads, or here without prefetching)."""
         buf = self.reads.take(plan.size)
-        jobs = [j for seg in plan.segments for j in self.reader.jobs(seg, buf)]
+        digest = not plan.specs[0].alias  # an alias re-reads bytes its owner's spec digests
+        jobs = [(*j, digest) for seg in plan.segments for j in self.reader.jobs(seg, buf)]
         if self._thread is None:
             try:
                 for j in jobs:
@@ -444,11 +448,11 @@ class Assembler:
         return buf, [self._thread.submit(self._read, *j) for j in jobs]
 
     def _read(self, file: str, key: str, x0: int, x1: int, need0: int, need1: int, buf: np.ndarray,
-              at: int) -> None:
+              at: int, digest: bool = True) -> None:
         """One read job, then its bytes into the content digest (on the reader thread: hashing overlaps
         assembly and writing)."""
         self.reader.read_range(file, key, x0, x1, need0, need1, buf, at)
-        if self.digests is not None:
+        if self.digests is not None and digest:
             start = self.reader.base(file) + self.ckpt.tensors[key].offsets[0]
             self.digests.feed(key, need0 - start, buf[at + need0 - x0:at + need1 - x0])
 
@@ -511,7 +515,8 @@ class Assembler:
             region = data[off:off + rows * src_item * int(np.prod(shape[1:], dtype=np.int64))]
             region = region.reshape(rows, *shape[1:-1], shape[-1] * src_item)
             if src_item != item:
-                region = _narrow(region, seg.key, entry.file, self.ckpt.config.n_experts).reshape(
+                region = _convert(region, entry.dtype, spec0.dtype, seg.key, entry.file,
+                                  self.ckpt.config.n_experts).reshape(
                     rows, *shape[1:-1], shape[-1] * item)
             local = tuple([slice(0, rows)] + [slice(s, e) for s, e in sr[1:]])
             for i, dst in dsts:

@@ -9,6 +9,7 @@ from blake3 import blake3
 
 from .. import __version__
 from ..guarded_io import Tree
+from ..spec.drafts import draft_record
 from ..spec.content import ALGORITHM, BLOCK, checkpoint_digest, shard_digests
 from ..spec.layouts import LAYOUT_VERSION
 from ..guarded_io import JSON_LIMIT, read_regular
@@ -75,6 +76,8 @@ def build_manifest(job: Job, files: dict[str, dict], out: Path | None = None) ->
         "dropped": dict(sorted(job.dropped.items())),
         "roles": {},
     }
+    if "draft" in job.roles:
+        doc["draft"] = draft_record(job.ckpt.config)
     for role in job.roles:
         ranks = []
         for rank, specs in enumerate(job.specs[role]):

@@ -25,7 +25,7 @@ from ..errors import LuciferError, OutputError
 from ..guarded_io import Tree, kind, probe
 from ..spec.manifest import MANIFEST_NAME, STATE_DIR
 from ..spec.dtypes import TORCH_DTYPE
-from ..spec.config import ModelConfig, parse_config
+from ..spec.config import DSPARK_FIELDS, ModelConfig, parse_config
 from ..spec.rules import DTYPE_SIZE, Source, expected_sources
 from ..units import byte_bar
 from .fills import DEFAULT_FILL, FILLS
@@ -38,6 +38,9 @@ PRESETS = {
     # head_dim 512 (the sparse-MLA kernel and fp8_ds_mla cache), index_topk 512 (the CPU indexer's
     # top-k), 64 experts (the CPU top-k routers take 64/128/256/384 only).
     "forward": "forward.json",
+    # tiny's target with DeepSeek-V4-Flash-0731's draft: a three-stage DSpark drafter (the 0731 config's
+    # dspark_* keys, 0731's stale num_nextn_predict_layers 1) reading target layers 1-3, Markov rank 64
+    "dspark": "dspark.json",
 }
 MAX_SHARD_BYTES = 1 << 30
 
@@ -59,6 +62,8 @@ def preset_config(preset: str, layers: int | None = None, mtp: bool = True) -> d
     if not mtp:
         raw["compress_ratios"] = raw["compress_ratios"][: raw["num_hidden_layers"]]
         raw["num_nextn_predict_layers"] = 0
+        for key in DSPARK_FIELDS:
+            raw.pop(key, None)
     return raw
 
 

@@ -169,12 +169,21 @@ def _finish(report: Report, stats: dict, t0: float) -> None:
 
 
 def _check_accounting(report: Report, ckpt: Checkpoint, specs: dict, dropped: dict) -> None:
-    """Every source tensor is consumed by exactly one rank tensor, or dropped with a stated reason."""
+    """Every source tensor is consumed by exactly one rank tensor, or dropped with a stated reason; an alias
+    tensor (the rules' second parameter of the same bytes) reads only what another one consumes."""
     consumed: dict[str, list[str]] = {}
+    aliased: dict[str, str] = {}
     for role, rank_specs in specs.items():
         for spec in rank_specs[0]:
             for k in dict.fromkeys(spec.sources()):
-                consumed.setdefault(k, []).append(f"{role} {spec.name}")
+                if spec.alias:
+                    aliased[k] = f"{role} {spec.name}"
+                else:
+                    consumed.setdefault(k, []).append(f"{role} {spec.name}")
+    for key, alias in sorted(aliased.items()):
+        if key not in consumed:
+            report.add(Problem("coverage", f"source tensor {key!r} is read by {alias}, an alias of a tensor that "
+                               f"no rank tensor holds", file=key))
     for key in sorted(set(ckpt.tensors) | set(consumed) | set(dropped)):
         uses = consumed.get(key, [])
         if key not in ckpt.tensors:
@@ -286,28 +295,36 @@ def _group_chunks(reader: ProofSourceReader, per_rank: list[list[Member]], chunk
     return row_chunks(n0, max(rank_row, src_row), chunk_bytes)
 
 
-def _regions(reader: ProofSourceReader, per_rank: list[list[Member]], a: int, b: int) -> list[tuple[str, int, int]]:
-    """Every source region (key, first row, end row) the chunk [a, b) of the group compares against."""
-    out: dict[tuple[str, int, int], None] = {}
-    tensors = reader.ckpt.tensors
+def _regions(reader: ProofSourceReader, per_rank: list[list[Member]], a: int, b: int) -> dict[tuple[str, int, int], bool]:
+    """Every source region (key, first row, end row) the chunk [a, b) of the group compares against, and
+    whether its bytes feed the content digest (not where only an alias spec reads it: its owner's does)."""
+    out: dict[tuple[str, int, int], bool] = {}
     for ms in per_rank:
         for spec, _, _, _ in ms:
-            for p in spec.pieces:
-                if spec.experts:
-                    for e in range(a, b):
-                        key = p.source.format(e=e)
-                        if key in tensors:
-                            out[(key, 0, tensors[key].shape[0])] = None
-                elif p.source not in tensors:
-                    continue
-                elif p.dim == 0:
-                    lo, hi = max(a, p.dst_start), min(b, p.dst_start + p.length)
-                    if lo < hi:
-                        s0 = p.src_start + lo - p.dst_start
-                        out[(p.source, s0, s0 + hi - lo)] = None
-                else:
-                    out[(p.source, a, b)] = None
-    return list(out)
+            for region in _spec_regions(reader.ckpt.tensors, spec, a, b):
+                out[region] = out.get(region, False) or not spec.alias
+    return out
+
+
+def _spec_regions(tensors: dict, spec: TensorSpec, a: int, b: int) -> list[tuple[str, int, int]]:
+    """The source regions one spec's chunk [a, b) reads."""
+    out = []
+    for p in spec.pieces:
+        if spec.experts:
+            for e in range(a, b):
+                key = p.source.format(e=e)
+                if key in tensors:
+                    out.append((key, 0, tensors[key].shape[0]))
+        elif p.source not in tensors:
+            continue
+        elif p.dim == 0:
+            lo, hi = max(a, p.dst_start), min(b, p.dst_start + p.length)
+            if lo < hi:
+                s0 = p.src_start + lo - p.dst_start
+                out.append((p.source, s0, s0 + hi - lo))
+        else:
+            out.append((p.source, a, b))
+    return out
 
 
 class SwappedHalves:

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import MismatchError
 from ..spec.content import ContentDigests, checkpoint_digest, shard_digests
+from ..spec.dtypes import CONVERSIONS, InexactConversion, convert_bytes
 from ..spec.rules import DTYPE_SIZE
 from ..spec.source import Checkpoint
 from .rankfile import DirectFile, ProofBufferPool, byte_shape
@@ -17,7 +18,7 @@ from .report import Problem, Report
 
 
 class NarrowingError(ValueError):
-    """A source I64 value does not fit the I32 the output stores."""
+    """A source value does not survive the conversion to the dtype the output stores."""
 
 
 COALESCE_GAP = 256 << 10  # source regions closer than this are read with one request
@@ -122,8 +123,10 @@ class ChunkSources:
     """The source regions of one chunk, read in few large requests (regions of a file that lie
     together are coalesced), each byte once, shared by all ranks' tasks."""
 
-    def __init__(self, reader: ProofSourceReader, regions: list[tuple[str, int, int]]):
+    def __init__(self, reader: ProofSourceReader, regions: dict[tuple[str, int, int], bool]):
+        """`regions`: each region, and whether its bytes feed the content digest."""
         self.reader = reader
+        self._digested = regions
         self._where: dict[tuple[str, int, int], tuple[Future, int]] = {}
         self._converted: dict[tuple[str, int, int], np.ndarray] = {}
         self._lock = threading.Lock()
@@ -154,6 +157,8 @@ class ChunkSources:
         try:
             got = self.reader.read_block(file, start, end, needed, [r[0][0] for r in members], self.buf[at:])
             for (key, r0, r1), rstart in members:
+                if not self._digested[(key, r0, r1)]:
+                    continue
                 row = row_bytes(self.reader.ckpt.tensors[key].shape, DTYPE_SIZE[self.reader.ckpt.tensors[key].dtype])
                 at_block = rstart - start
                 self.reader.digests.feed(key, r0 * row, got[at_block:at_block + (r1 - r0) * row])
@@ -176,16 +181,15 @@ class ChunkSources:
         n = (r1 - r0) * row_bytes(entry.shape, item)
         shape = byte_shape((r1 - r0, *entry.shape[1:]), item) if len(entry.shape) > 1 else (n,)
         raw = block[off:off + n].reshape(shape)
-        if entry.dtype == "I64" and out_dtype == "I32":
+        if (entry.dtype, out_dtype) in CONVERSIONS:
             with self._lock:
                 got = self._converted.get((key, r0, r1))
             if got is None:
-                v = raw.view(np.int64)
-                narrow = v.astype(np.int32)
-                if not np.array_equal(narrow.astype(np.int64), v):
-                    raise NarrowingError(f"source tensor {key!r} holds values outside int32; the I32 rank tensor "
-                                         f"cannot equal it")
-                got = narrow.view(np.uint8).reshape(*raw.shape[:-1], raw.shape[-1] // 2)
+                try:
+                    got = convert_bytes(raw, entry.dtype, out_dtype)
+                except InexactConversion as e:
+                    raise NarrowingError(f"source tensor {key!r} holds {e}; the {out_dtype} rank tensor cannot "
+                                         f"equal it") from None
                 with self._lock:
                     self._converted[(key, r0, r1)] = got
             return got

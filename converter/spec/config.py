@@ -7,7 +7,7 @@ from typing import Any
 
 from ..errors import SourceError
 from ..guarded_io import JSON_LIMIT, read_regular
-from .schema import Int, ListOf, Num, Obj, SchemaError, Str, check, loads
+from .schema import Bool, Int, ListOf, Num, Obj, SchemaError, Str, check, loads
 
 ARCHITECTURE = "DeepseekV4ForCausalLM"
 MODEL_TYPE = "deepseek_v4"
@@ -20,8 +20,17 @@ REQUIRED_FIELDS = (
     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
     "num_hash_layers", "swiglu_limit", "quantization_config",
 )
-# Config fields that belong to schema variants this tool does not know (V4-Flash-0731 DSpark).
+# Config fields that belong to schema variants this tool does not know.
 UNKNOWN_VARIANT_FIELDS = ("dspark_config", "num_dspark_layers", "dspark_layers")
+# The keys that make a config a DSpark checkpoint (DeepSeek-V4-Flash-0731): its `mtp.*` tensors are a
+# DSpark drafter, and `num_nextn_predict_layers` no longer describes them.
+DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
+# vLLM's DSpark stage count when the config names none (`num_dspark_layers` in
+# vllm/models/deepseek_v4/nvidia/dspark.py: `n_mtp_layers` or 3).
+DSPARK_DEFAULT_STAGES = 3
+# The draft kinds: what `mtp.*` holds. MTP: `num_nextn_predict_layers` MTP layers; DSpark: a stage stack
+# with a context projection and Markov/confidence heads (docs/checkpoints.md).
+MTP, DSPARK = "mtp", "dspark"
 
 FP8_BLOCK = 128
 MXFP4_GROUP = 32
@@ -40,7 +49,9 @@ FIELD_TYPES = Obj({
     "n_routed_experts": Int(1, 1 << 16), "num_experts_per_tok": Int(1, 1 << 16), "n_shared_experts": Int(1, 64),
     "num_hash_layers": Int(0, 1024), "swiglu_limit": Num(0, 1e6),
     "quantization_config": Obj({"quant_method": Str(), "weight_block_size": ListOf(Int(1, 1 << 16), max_len=4)}),
-}, optional={"expert_dtype": Str()})
+}, optional={"expert_dtype": Str(), "n_mtp_layers": Int(1, 16), "dspark_block_size": Int(1, 64),
+              "dspark_noise_token_id": Int(0, 1 << 24), "dspark_target_layer_ids": ListOf(Int(0, 1023), 1, 16),
+              "dspark_markov_rank": _SIZE, "enable_confidence_head": Bool()})
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,11 @@ class ModelConfig:
     n_shared: int
     num_hash_layers: int
     swiglu_limit: float
+    draft_kind: str = MTP  # what `mtp.*` holds: MTP or DSPARK
+    dspark_target_layers: tuple[int, ...] = ()  # DSpark: the target layers whose hidden states it reads
+    dspark_markov_rank: int = 0
+    dspark_block_size: int = 0
+    confidence_head: bool = False  # DSpark: vLLM builds (and loads) mtp.<last>.confidence_head
 
     @property
     def shared_intermediate(self) -> int:
@@ -84,10 +100,16 @@ class ModelConfig:
         return self.compress_ratios[layer]
 
     def layer_ids(self, role: str) -> list[int]:
-        """vLLM layer indices of a role: main layers for the target, the MTP layers for the draft."""
+        """Layer indices of a role: main layers for the target; for the draft the indices its layers are
+        built with (`num_hidden_layers + i`: their compress ratio and router type follow from it)."""
         if role == "target":
             return list(range(self.num_layers))
         return list(range(self.num_layers, self.num_layers + self.num_mtp))
+
+    @property
+    def draft_tokens(self) -> int:
+        """vLLM's default draft tokens per step: one per MTP layer pass; DSpark's block size."""
+        return self.dspark_block_size if self.draft_kind == DSPARK else 1
 
 
 def parse_config(raw: dict[str, Any], where: str = "config.json") -> ModelConfig:
@@ -116,12 +138,17 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> ModelConfig
         raise SourceError(
             f"{where}: quantization_config {q!r}; expected quant_method 'fp8' with weight_block_size [128, 128]"
         )
+    dspark = [k for k in DSPARK_FIELDS if k in raw]
+    if dspark and len(dspark) != len(DSPARK_FIELDS):
+        missing = ", ".join(k for k in DSPARK_FIELDS if k not in raw)
+        raise SourceError(f"{where}: has DSpark field(s) {', '.join(dspark)} but not {missing}; a DSpark config "
+                          f"(DeepSeek-V4-Flash-0731) has all of {', '.join(DSPARK_FIELDS)}")
+    draft = _draft_fields(raw) if dspark else {"num_mtp": raw["num_nextn_predict_layers"]}
     cfg = ModelConfig(
         raw=raw,
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
         num_layers=raw["num_hidden_layers"],
-        num_mtp=raw["num_nextn_predict_layers"],
         num_heads=raw["num_attention_heads"],
         head_dim=raw["head_dim"],
         q_lora_rank=raw["q_lora_rank"],
@@ -137,23 +164,38 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> ModelConfig
         n_shared=raw["n_shared_experts"],
         num_hash_layers=raw["num_hash_layers"],
         swiglu_limit=float(raw["swiglu_limit"]),
+        **draft,
     )
     _check_geometry(cfg, where)
     return cfg
 
 
+def _draft_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """A DSpark config's draft fields. The stage count is vLLM's (`n_mtp_layers`, else 3); the config's
+    `num_nextn_predict_layers` is stale there (0731 keeps 1) and is not read."""
+    return {"draft_kind": DSPARK, "num_mtp": raw.get("n_mtp_layers") or DSPARK_DEFAULT_STAGES,
+            "dspark_target_layers": tuple(raw["dspark_target_layer_ids"]),
+            "dspark_markov_rank": raw["dspark_markov_rank"], "dspark_block_size": raw["dspark_block_size"],
+            "confidence_head": bool(raw.get("enable_confidence_head", True))}
+
+
 def _check_geometry(cfg: ModelConfig, where: str) -> None:
     n_ratios = cfg.num_layers + cfg.num_mtp
     if len(cfg.compress_ratios) != n_ratios:
+        draft = ("num_nextn_predict_layers" if cfg.draft_kind == MTP
+                 else f"the {cfg.num_mtp} DSpark stages (n_mtp_layers, else vLLM's {DSPARK_DEFAULT_STAGES})")
         raise SourceError(
             f"{where}: compress_ratios has {len(cfg.compress_ratios)} entries, expected "
-            f"num_hidden_layers + num_nextn_predict_layers = {n_ratios}"
+            f"num_hidden_layers + {draft} = {n_ratios}"
         )
+    if cfg.draft_kind == DSPARK:
+        _check_dspark(cfg, where)
     bad = sorted({r for r in cfg.compress_ratios if r not in (0, 1, 4, 128)})
     if bad:
         raise SourceError(f"{where}: compress_ratios contains {bad}; the V4-Flash schema knows 0, 1, 4 and 128")
     if any(cfg.compress_ratios[i] not in (0, 1) for i in range(cfg.num_layers, n_ratios)):
-        raise SourceError(f"{where}: MTP layers must have compress ratio 0 (sliding window only)")
+        raise SourceError(f"{where}: {cfg.draft_kind.upper()} draft layers must have compress ratio 0 "
+                          f"(sliding window only)")
     if cfg.top_k > cfg.n_experts:
         raise SourceError(f"{where}: num_experts_per_tok {cfg.top_k} > n_routed_experts {cfg.n_experts}")
     if cfg.num_heads % cfg.o_groups:
@@ -170,6 +212,16 @@ def _check_geometry(cfg: ModelConfig, where: str) -> None:
     for name, (value, mult) in checks.items():
         if value <= 0 or value % mult:
             raise SourceError(f"{where}: {name}={value} must be a positive multiple of {mult} for block-scaled weights")
+
+
+def _check_dspark(cfg: ModelConfig, where: str) -> None:
+    bad = [i for i in cfg.dspark_target_layers if i >= cfg.num_layers]
+    if bad:
+        raise SourceError(f"{where}: dspark_target_layer_ids {list(cfg.dspark_target_layers)} name layer(s) {bad} "
+                          f"of a {cfg.num_layers}-layer model")
+    noise = cfg.raw["dspark_noise_token_id"]
+    if noise >= cfg.vocab_size:
+        raise SourceError(f"{where}: dspark_noise_token_id {noise} is outside the vocabulary ({cfg.vocab_size})")
 
 
 def load_config(path: Path, follow: bool = True) -> ModelConfig:

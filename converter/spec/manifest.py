@@ -3,7 +3,7 @@
 ```
 OUT/config.json, tokenizer and generation files   byte-identical copies of the source's
 OUT/lucifer-manifest.json                         written after every rank file
-OUT/<role>/rank-<r>/part-<NNNNN>.safetensors      role = target (main model) or draft (MTP)
+OUT/<role>/rank-<r>/part-<NNNNN>.safetensors      role = target (main model) or draft (MTP or DSpark)
 OUT/COMPLETE                                      written last
 OUT/.lucifer/                                     conversion record and journal (for --resume)
 ```
@@ -21,6 +21,7 @@ from blake3 import blake3
 from .. import __version__
 from ..errors import OutputError, SourceError
 from ..guarded_io import JSON_LIMIT, Refused, read_regular
+from .drafts import DRAFT_KINDS
 from .plan import ARCHES, MAX_TP
 from .rules import DTYPE_SIZE, ROLES
 from .source import SIDE_FILES
@@ -197,7 +198,9 @@ MANIFEST_FIELDS = Obj({
     "runtime": MapOf(Str()), "dropped": MapOf(Str()),
     "roles": MapOf(Obj({"ranks": ListOf(Obj({"rank": Int(0, MAX_TP - 1), "files": ListOf(_FILE, 1),
                                             "tensors": MapOf(_TENSOR)}), 1, MAX_TP)}), key=OneOf(ROLES)),
-}, optional={"runtime_owned": ListOf(Str())})
+}, optional={"runtime_owned": ListOf(Str()),
+             # the draft's kind (spec/drafts.DRAFT_KINDS); a manifest without it and with a draft role is MTP's
+             "draft": Obj({"kind": OneOf(tuple(DRAFT_KINDS)), "stages": Int(1, 16), "tokens": Int(1, 64)})})
 
 
 def _layout_problem(doc: dict) -> str | None:

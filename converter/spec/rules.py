@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import PlanError, SourceError
-from .config import FP8_BLOCK, MXFP4_GROUP, ModelConfig
-from .plan import Plan
+from .config import DSPARK, FP8_BLOCK, MTP, MXFP4_GROUP, ModelConfig
+from .plan import Plan, stock_padded
 
 # Storage units along a sharded dim, in logical elements per stored index.
 ELEM = 1  # unpacked elements (BF16/F32/FP8 weights, rows of packed MXFP4 tensors)
@@ -27,10 +27,19 @@ FP8_BLOCK_SCALE = FP8_BLOCK  # FP8 block scales: one per 128x128 block
 DTYPE_SIZE = {"BF16": 2, "F32": 4, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E8M0": 1}
 NEG_INF_F32 = b"\x00\x00\x80\xff"
 
-# Layer predicates.
-ALL, HASH, BIAS, C4, C128, COMPRESSED = "all", "hash", "bias", "c4", "c128", "compressed"
-# Scopes: where the key lives and where its parameter goes.
+# Layer predicates (CONFIDENCE: the config asks for DSpark's confidence head).
+ALL, HASH, BIAS, C4, C128, COMPRESSED, CONFIDENCE = "all", "hash", "bias", "c4", "c128", "compressed", "confidence"
+# Scopes: where the key lives and where its parameter goes. MTP_ONLY: each MTP layer's own tensors; the DSpark
+# drafter's model-level tensors live in its first stage (DSPARK_FIRST), its last (DSPARK_LAST), or are every
+# stage's tensor stacked into one parameter (DSPARK_STACK).
 GLOBAL, LAYER, EXPERT, MTP_ONLY = "global", "layer", "expert", "mtp"
+DSPARK_FIRST, DSPARK_LAST, DSPARK_STACK = "dspark-first", "dspark-last", "dspark-stack"
+# Where a draft layer's tensors go in vLLM's draft model, per draft kind (`{i}` the layer index, `{j}` the
+# stage): DeepSeekV4MTP nests the block under the layer (vllm/models/deepseek_v4/nvidia/mtp.py);
+# DSparkDeepseekV4ForCausalLM keeps its stages in `model.layers` from 0 (`_remap_dspark_name` in
+# vllm/models/deepseek_v4/nvidia/dspark.py).
+DRAFT_BLOCK = {MTP: "model.layers.{i}.mtp_block.", DSPARK: "model.layers.{j}."}
+DRAFT_SCOPES = {MTP: (MTP_ONLY,), DSPARK: (DSPARK_FIRST, DSPARK_LAST, DSPARK_STACK)}
 
 Shape = Callable[[ModelConfig, int], tuple[int, ...]]
 
@@ -48,9 +57,11 @@ class Rule:
     per_index: Callable[[ModelConfig], int] = lambda c: 1  # tensor elements per axis index
     unit: int = ELEM  # logical elements per stored index along `dim`
     segment: int = 0  # position in a fused target
-    out_dtype: str | None = None  # None = same as source; U8 = byte view; I32 = checked narrowing
+    out_dtype: str | None = None  # None = same as source; U8 = byte view; I32/F32: exact (spec/dtypes.CONVERSIONS)
     pad: bytes = b"\x00"
     expert_tensor: str | None = None  # w13_weight / w13_weight_scale / w2_weight / w2_weight_scale
+    padded: Callable[[ModelConfig], int] | None = None  # replicated, zero tail to this length along `dim`
+    alias: bool = False  # reads a key another rule owns (a second parameter made of the same bytes)
 
 
 def _fp8(key: str, target: str, shape: Shape, **kw) -> list[Rule]:
@@ -163,12 +174,37 @@ RULES: tuple[Rule, ...] = tuple([
     Rule("hc_head_fn", "hc_head_fn", lambda c, r: (c.hc_mult, c.hc_dim), "F32", scope=MTP_ONLY),
     Rule("hc_head_base", "hc_head_base", lambda c, r: (c.hc_mult,), "F32", scope=MTP_ONLY),
     Rule("hc_head_scale", "hc_head_scale", lambda c, r: (1,), "F32", scope=MTP_ONLY),
+    # DSpark drafter (DeepSeek-V4-Flash-0731): model-level tensors of DSparkDeepseekV4Model
+    # (vllm/models/deepseek_v4/nvidia/dspark.py). main_proj reads the tapped target layers' hidden states.
+    *_fp8("main_proj", "main_proj", lambda c, r: (c.hidden_size, len(c.dspark_target_layers) * c.hidden_size),
+          scope=DSPARK_FIRST),
+    Rule("main_norm.weight", "main_norm.weight", H, "BF16", scope=DSPARK_FIRST),
+    # every stage's wkv again, stacked: the cross-layer context projection (`_duplicate_context_wkv_weights`)
+    *_fp8("attn.wkv", "context_wkv_proj", lambda c, r: (c.head_dim, c.hidden_size), scope=DSPARK_STACK,
+          alias=True),
+    Rule("norm.weight", "norm.weight", H, "BF16", scope=DSPARK_LAST),
+    Rule("hc_head_fn", "hc_head_fn", lambda c, r: (c.hc_mult, c.hc_dim), "F32", scope=DSPARK_LAST),
+    Rule("hc_head_base", "hc_head_base", lambda c, r: (c.hc_mult,), "F32", scope=DSPARK_LAST),
+    Rule("hc_head_scale", "hc_head_scale", lambda c, r: (1,), "F32", scope=DSPARK_LAST),
+    # the Markov head, replicated (DSparkMarkovHead in vllm/model_executor/models/qwen3_dspark.py): w1 an
+    # nn.Embedding, w2 a ParallelLMHead(disable_tp) whose rows vLLM pads to 64 only, never to the TP multiple
+    Rule("markov_head.markov_w1.weight", "markov_head.markov_w1.weight",
+         lambda c, r: (c.vocab_size, c.dspark_markov_rank), "BF16", scope=DSPARK_LAST),
+    Rule("markov_head.markov_w2.weight", "markov_head.markov_w2.weight",
+         lambda c, r: (c.vocab_size, c.dspark_markov_rank), "BF16", scope=DSPARK_LAST,
+         padded=lambda c: stock_padded("vocab", c.vocab_size)),
+    # vLLM's parameter is F32 (DSparkConfidenceHead: params_dtype=torch.float32): widened exactly from BF16
+    Rule("confidence_head.proj.weight", "confidence_head.proj.weight",
+         lambda c, r: (1, c.hidden_size + c.dspark_markov_rank), "BF16", scope=DSPARK_LAST, when=CONFIDENCE,
+         out_dtype="F32"),
 ])
 
 ROLES = ("target", "draft")
 
 
-def _applies(rule: Rule, cfg: ModelConfig, layer: int) -> bool:
+def _applies(rule: Rule, cfg: ModelConfig, layer: int | None) -> bool:
+    if layer is None:  # a model-level tensor
+        return rule.when == ALL or (rule.when == CONFIDENCE and cfg.confidence_head)
     ratio = cfg.compress_ratio(layer)
     return {
         ALL: True,
@@ -192,8 +228,28 @@ class Source:
     expert: int | None = None
 
 
+def draft_prefixes(cfg: ModelConfig, layer: int) -> tuple[str, str]:
+    """(checkpoint prefix, vLLM parameter prefix) of draft layer `layer`'s decoder block."""
+    j = cfg.layer_ids("draft").index(layer)
+    return f"mtp.{j}.", DRAFT_BLOCK[cfg.draft_kind].format(i=layer, j=j)
+
+
+def _draft_scope(rule: Rule, cfg: ModelConfig, j: int, i: int) -> tuple[str, int | None] | None:
+    """(target prefix, layer) of a draft rule at stage `j` (layer `i`), None where it has no instance."""
+    if rule.scope in (LAYER, EXPERT):
+        return draft_prefixes(cfg, i)[1], i
+    if rule.scope not in DRAFT_SCOPES[cfg.draft_kind]:
+        return None
+    if rule.scope == MTP_ONLY:
+        return f"model.layers.{i}.", i
+    last = j == cfg.num_mtp - 1
+    if rule.scope == DSPARK_STACK or (rule.scope == DSPARK_FIRST and j == 0) or (rule.scope == DSPARK_LAST and last):
+        return "model.", None
+    return None
+
+
 def _scopes(cfg: ModelConfig, role: str):
-    """(rule, source key prefix, target prefix, layer) for every rule instance of a role."""
+    """(rule, source key prefix, target prefix, layer) for every rule instance of a role, in stage order."""
     if role == "target":
         for rule in RULES:
             if rule.scope == GLOBAL:
@@ -205,10 +261,9 @@ def _scopes(cfg: ModelConfig, role: str):
     else:
         for j, i in enumerate(cfg.layer_ids("draft")):
             for rule in RULES:
-                if rule.scope in (LAYER, EXPERT):
-                    yield rule, f"mtp.{j}.", f"model.layers.{i}.mtp_block.", i
-                elif rule.scope == MTP_ONLY:
-                    yield rule, f"mtp.{j}.", f"model.layers.{i}.", i
+                found = _draft_scope(rule, cfg, j, i)
+                if found is not None:
+                    yield rule, f"mtp.{j}.", *found
 
 
 def expected_sources(cfg: ModelConfig, roles: tuple[str, ...] = ROLES) -> dict[str, Source]:
@@ -216,7 +271,7 @@ def expected_sources(cfg: ModelConfig, roles: tuple[str, ...] = ROLES) -> dict[s
     out: dict[str, Source] = {}
     for role in roles:
         for rule, sprefix, _tprefix, layer in _scopes(cfg, role):
-            if layer is not None and not _applies(rule, cfg, layer):
+            if rule.alias or not _applies(rule, cfg, layer):
                 continue
             ratio = cfg.compress_ratio(layer) if layer is not None else 0
             shape = tuple(rule.shape(cfg, ratio))
@@ -267,6 +322,7 @@ class TensorSpec:
     experts: int | None = None  # stacked expert count
     expert_tensor: str | None = None
     layer: int | None = None
+    alias: bool = False  # every source is another spec's too (read again, digested once, by that spec)
 
     @property
     def nbytes(self) -> int:
@@ -302,7 +358,7 @@ def build_specs(cfg: ModelConfig, plan: Plan, role: str) -> list[list[TensorSpec
     """Per rank, the sorted list of tensor specs of `role` (identical names and shapes on every rank)."""
     groups: dict[str, list[tuple[Rule, str, int | None]]] = {}
     for rule, sprefix, tprefix, layer in _scopes(cfg, role):
-        if layer is not None and not _applies(rule, cfg, layer):
+        if not _applies(rule, cfg, layer):
             continue
         groups.setdefault(tprefix + rule.target, []).append((rule, sprefix, layer))
     ranks: list[list[TensorSpec]] = []
@@ -314,7 +370,7 @@ def build_specs(cfg: ModelConfig, plan: Plan, role: str) -> list[list[TensorSpec
 
 def _spec(cfg: ModelConfig, plan: Plan, role: str, rank: int, name: str,
           members: list[tuple[Rule, str, int | None]]) -> TensorSpec:
-    members = sorted(members, key=lambda m: m[0].segment)
+    members = sorted(members, key=lambda m: m[0].segment)  # stable: a stack keeps stage order
     first, _, layer = members[0]
     ratio = cfg.compress_ratio(layer) if layer is not None else 0
     pieces = []
@@ -326,8 +382,9 @@ def _spec(cfg: ModelConfig, plan: Plan, role: str, rank: int, name: str,
         key = sprefix + rule.key
         if rule.axis is None:
             length = shape[dim]
-            pieces.append(Piece(key, dim, 0, offset, length, length))
-            offset += length
+            seg_len = rule.padded(cfg) if rule.padded else length
+            pieces.append(Piece(key, dim, 0, offset, length, seg_len))
+            offset += seg_len
             continue
         axis = plan.axes[rule.axis]
         per = rule.per_index(cfg)
@@ -346,6 +403,7 @@ def _spec(cfg: ModelConfig, plan: Plan, role: str, rank: int, name: str,
     return TensorSpec(
         name=name, role=role, rank=rank, shape=tuple(out_shape), dtype=out_dtype, src_dtype=first.dtype,
         pieces=tuple(pieces), pad=first.pad, experts=experts, expert_tensor=first.expert_tensor, layer=layer,
+        alias=first.alias,
     )
 
 

@@ -236,11 +236,11 @@ def test_the_mtp_draft_comes_from_out_with_the_targets_loader(out_kernel, shim, 
     from vllm.config import ParallelConfig, SpeculativeConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from lucifer_shard.runtime_shim.serve import speculative_config
+    from lucifer_shard.spec.drafts import speculative_config
 
     target = AsyncEngineArgs(model=str(out_kernel), load_format="lucifer_tp3", max_model_len=4096).create_model_config()
     spec = SpeculativeConfig(target_model_config=target, target_parallel_config=ParallelConfig(tensor_parallel_size=1),
-                             **json.loads(speculative_config(1)))
+                             **json.loads(speculative_config("mtp", 1)))
     draft = spec.draft_model_config
     assert (spec.method, draft.model, draft.architectures, draft.hf_config.n_predict) == (
         "mtp", str(out_kernel), ["DeepSeekV4MTPModel"], 1)

@@ -36,7 +36,8 @@ import shim_fixtures as sf
 from lucifer_shard.runtime_shim.compat import SUPPORTED_BUILDS
 
 FORK_BUILDS = tuple(b for b in SUPPORTED_BUILDS if not b.stock)
-from lucifer_shard.runtime_shim.manifest import DRAFT_RUNTIME_OWNED, DRAFT_RUNTIME_OWNED_SUFFIXES, compare_plan
+from lucifer_shard.runtime_shim.manifest import compare_plan
+from lucifer_shard.spec.drafts import owned_by_runtime
 from vllm_cpu_model import NVIDIA_ENGINE
 
 TP = 3
@@ -212,8 +213,7 @@ def test_draft_in_the_forks_mtp_model(world):
         assert fork["virtual_tp_plan"] == lucifer["virtual_tp_plan"] is not None
         entry = man["roles"]["draft"]["ranks"][rep["rank"]]["tensors"]
         owned = set(fork["params"]) - set(entry)
-        assert owned == {n for n in fork["params"] if n in DRAFT_RUNTIME_OWNED
-                         or n.endswith(DRAFT_RUNTIME_OWNED_SUFFIXES)} and len(owned) == 2, owned
+        assert owned == owned_by_runtime("mtp", fork["params"]) and len(owned) == 2, owned
         assert set(fork["params"]) == set(lucifer["params"])
         assert lucifer["file_tensors"] == len(entry) and lucifer["file_problems"] == []
         differ = {d.split(":")[0] for d in lucifer["vs_reference"]["differ"]}
@@ -238,7 +238,6 @@ def test_stock_vllm_with_the_plugin_loads_the_forks_bytes_except_w2(world, stock
             fork, ours = rep["runs"][fork_run], st["runs"][stock_run]
             assert "error" not in ours, ours.get("error")
             assert set(fork["params"]) == set(ours["params"]), set(fork["params"]) ^ set(ours["params"])
-            owned = {n for n in fork["params"] if role == "draft" and (n in DRAFT_RUNTIME_OWNED
-                                                                       or n.endswith(DRAFT_RUNTIME_OWNED_SUFFIXES))}
+            owned = (owned_by_runtime("mtp", fork["params"]) if role == "draft" else set())
             differ = {n for n, p in fork["params"].items() if p != ours["params"][n]} - owned
             assert differ == w2, (role, rep["rank"], sorted(differ ^ w2))

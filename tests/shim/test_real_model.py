@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import shim_fixtures as sf
-from lucifer_shard.runtime_shim.manifest import DRAFT_RUNTIME_OWNED, DRAFT_RUNTIME_OWNED_SUFFIXES
+from lucifer_shard.spec.drafts import owned_by_runtime
 from vllm_cpu_model import NVIDIA_ENGINE
 
 TP_SIZES = (1, 2, 4)
@@ -155,8 +155,7 @@ def test_draft_built_by_vllm_itself_and_byte_identical(world):
         # The draft borrows the target's embedding and LM head after loading: neither the checkpoint's
         # MTP layer nor the draft rank files hold them, and neither loader fills them.
         owned = set(default["params"]) - set(entry)
-        assert owned == {n for n in default["params"] if n in DRAFT_RUNTIME_OWNED
-                         or n.endswith(DRAFT_RUNTIME_OWNED_SUFFIXES)} and len(owned) == 2, owned
+        assert owned == owned_by_runtime("mtp", default["params"]) and len(owned) == 2, owned
         assert set(default["params"]) == set(lucifer["params"])
         for name, d in default["params"].items():
             assert d[:2] == lucifer["params"][name][:2], name

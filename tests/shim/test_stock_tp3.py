@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 import shim_fixtures as sf
-from lucifer_shard.runtime_shim.manifest import DRAFT_RUNTIME_OWNED, DRAFT_RUNTIME_OWNED_SUFFIXES
+from lucifer_shard.spec.drafts import owned_by_runtime
 from vllm_cpu_model import NVIDIA_ENGINE
 
 TP = 3
@@ -124,8 +124,7 @@ def test_every_loaded_parameter_is_its_rank_file_tensor(world):
             entry = man["roles"][role]["ranks"][rep["rank"]]["tensors"]
             assert run["file_tensors"] == len(entry) and run["file_problems"] == [], (name, run["file_problems"])
             # the draft borrows the target's embedding and LM head after loading: no file holds them
-            owned = {n for n in run["params"] if role == "draft" and (n in DRAFT_RUNTIME_OWNED
-                                                                      or n.endswith(DRAFT_RUNTIME_OWNED_SUFFIXES))}
+            owned = (owned_by_runtime("mtp", run["params"]) if role == "draft" else set())
             assert set(run["params"]) - owned == set(entry), (name, set(run["params"]) ^ set(entry))
             assert len(owned) == (2 if role == "draft" else 0), (name, owned)
 
