@@ -173,6 +173,7 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     from ..engine.job import prepare
     from ..engine.outstate import refuse_target
     from ..spec.config import load_config
+    from ..spec.drafts import draft_record
     from ..spec.plan import make_plan
     from ..spec.source import config_root, resolve_config
     from ..units import size
@@ -196,8 +197,9 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     fp = plan_footprint_of(cfg, specs, p, options)
     room = room_of(fp, out, force)
     nodes = per_node(fp, p.tp)
-    Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(fp, room), "per_node": nodes},
-                      plan_lines(specs, p, options, fp) + node_lines(nodes, sum(n["bytes"] for n in nodes))
+    Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(fp, room), "per_node": nodes,
+                       "draft": draft_record(cfg) if "draft" in specs else None},
+                      plan_lines(specs, p, options, fp, cfg) + node_lines(nodes, sum(n["bytes"] for n in nodes))
                       + footprint_lines(fp, room))
     if room is not None and room.short:
         raise NoRoom(f"{out}: not enough room: {size(room.needed)} to write, {size(room.free)} free on "

@@ -12,7 +12,8 @@ from ..engine.owned import plan_clearing
 from ..engine.job import layout_name, plan_footprint, plan_parts, stored_shape, tensor_layouts
 from ..guarded_io import Tree
 from ..spec import footprint as fpm
-from ..spec.config import ModelConfig
+from ..spec.config import DSPARK, ModelConfig
+from ..spec.drafts import DRAFT_KINDS
 from ..spec.manifest import Options, part_path
 from ..spec.plan import MOE_VARIANT, Plan, padding_only
 from ..spec.rules import DTYPE_SIZE, TensorSpec, build_specs, expected_sources
@@ -116,14 +117,23 @@ def plan_json(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Opt
             "roles": roles}
 
 
+def draft_line(cfg: ModelConfig, specs: dict[str, list[list[TensorSpec]]]) -> str:
+    """What the draft role holds and how vLLM serves it (spec/drafts.DRAFT_KINDS)."""
+    if "draft" not in specs:
+        return "draft: none (--no-mtp, or the checkpoint has none)"
+    kind = DRAFT_KINDS[cfg.draft_kind]
+    return (f"draft: {kind.label}, {cfg.num_mtp} {'stages' if cfg.draft_kind == DSPARK else 'layer(s)'} "
+            f"(vLLM's {kind.vllm_class}, --speculative-config method {kind.method!r}; serve --draft)")
+
+
 def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Options,
-               fp: fpm.Footprint) -> list[str]:
+               fp: fpm.Footprint, cfg: ModelConfig) -> list[str]:
     if options.arch is None:
         arch = "any arch (model layout: vLLM lays the experts out at load for the GPU it runs on)"
     else:
         arch = f"arch {options.arch}: {MOE_VARIANT[options.arch]}"
     lines = [f"virtual-TP plan for TP={plan.tp} ({'padded' if plan.pads else 'plain split, nothing pads'}); "
-             f"{arch}, experts in {options.expert_layout} layout", ""]
+             f"{arch}, experts in {options.expert_layout} layout", draft_line(cfg, specs), ""]
     lines.append(f"{'axis':<8} {'original':>9} {'padded':>9} {'per rank':>9} {'kernel-local':>13}   real per rank")
     for a in plan.axes.values():
         reals = "/".join(str(a.real(r)) for r in range(plan.tp))
@@ -148,7 +158,8 @@ def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Op
                     parts.append(f"r{r} [{p.src_start},{p.src_start + p.length})+{p.seg_len - p.length}")
                 key = spec.pieces[seg].source.split(".", 2)[-1] if spec.layer is not None else spec.pieces[seg].source
                 lines.append(f"      {key} dim {spec.pieces[seg].dim}: " + "  ".join(parts))
-    lines.append("  (every other tensor is replicated whole on each rank; the MTP block's families match the target's)")
+    lines.append("  (every other tensor is replicated whole on each rank; the draft's decoder-block families match the "
+                 "target's)")
     lines += ["", "per rank (files of at most --max-file-size; padding = virtual-TP and kernel zero tails)",
               f"  {'role':<7} {'rank':>4} {'tensors':>7} {'files':>5} {'bytes':>16} {'size':>12} {'padding':>12}"]
     per_rank = fp.per_rank()
