@@ -172,8 +172,10 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     """
     from ..engine.job import prepare
     from ..engine.outstate import refuse_target
-    from ..spec.config import load_config
+    from ..spec.config import parse_config, read_config
     from ..spec.drafts import draft_record
+    from ..spec.v41 import is_v41
+    from .planview import v41_report
     from ..spec.plan import make_plan
     from ..spec.source import config_root, resolve_config
     from ..units import size
@@ -184,7 +186,12 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     refuse_swapped("plan", model, out, model_first=True)
     _refuse_resume_force(resume, force)
     config = resolve_config(model, revision)
-    cfg = load_config(config)
+    raw = read_config(config)
+    if is_v41(raw):  # another model: its bytes per rank, then convert's one-line refusal names what is missing
+        lines, doc = v41_report(raw, tp, str(config))
+        Console.of().emit(doc, lines)
+        return
+    cfg = parse_config(raw, str(config))
     options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp)
     p = make_plan(cfg, tp)
     specs = plan_specs(cfg, p, options.mtp)

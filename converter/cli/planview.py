@@ -16,6 +16,7 @@ from ..spec.config import DSPARK, ModelConfig
 from ..spec.drafts import DRAFT_KINDS
 from ..spec.manifest import Options, part_path
 from ..spec.plan import MOE_VARIANT, Plan, padding_only
+from ..spec import v41
 from ..spec.rules import DTYPE_SIZE, TensorSpec, build_specs, expected_sources
 from ..units import duration, rate, size
 
@@ -199,3 +200,24 @@ def _pad_bytes(spec: TensorSpec) -> int:
                 other *= extent
         n += (hi - lo) * other * item
     return n * (spec.experts or 1)
+
+
+def v41_report(raw: dict, tp: int, where: str) -> tuple[list[str], dict]:
+    """`plan` on a DeepSeek-V4.1 config: per TP size each rank's GPU and host bytes (an estimate, spec/v41.py),
+    at `tp` per family and against the common boxes, and why convert refuses it."""
+    sizes = {t: v41.rank_bytes(raw, t, where) for t in sorted({*v41.TP_SIZES, tp})}
+    at = sizes[tp]
+    lines = [f"DeepSeek-V4.1-Flash ({where}): not convertible yet (docs/deepseek-v4.1.md); each rank's bytes under a "
+             f"V4-style virtual plan, an estimate (routed experts exact, compressors and indexer not counted)", "",
+             f"  {'tp':>3} {'GPU per rank':>14} {'host per rank (Engram)':>24}"]
+    lines += [f"  {t:>3} {size(r.gpu_total):>14} {size(r.host):>24}" for t, r in sizes.items()]
+    lines += ["", f"per family at --tp {tp}, on each rank's GPU:"]
+    lines += [f"  {name:<24} {size(n):>12}" for name, n in at.gpu.items()]
+    lines += [f"  {'Engram tables (host)':<24} {size(at.host):>12}", "", f"at --tp {tp}, weights alone (the KV cache "
+              f"needs what is left):"]
+    lines += [f"  {box:<20} {'fits' if ok else 'does not fit':<13} {why}" for box, ok, why in v41.fits(at)]
+    lines += ["", f"convert refuses it: {v41.refusal(where)}"]
+    doc = {"model": "DeepSeek-V4.1-Flash", "convertible": False, "estimate": True,
+           "per_tp": {t: {"gpu_bytes": r.gpu_total, "host_bytes": r.host} for t, r in sizes.items()},
+           "families": at.gpu, "fits": [{"box": b, "fits": ok, "why": why} for b, ok, why in v41.fits(at)]}
+    return lines, doc

@@ -11,6 +11,7 @@ from .schema import Bool, Int, ListOf, Num, Obj, SchemaError, Str, check, loads
 
 ARCHITECTURE = "DeepseekV4ForCausalLM"
 MODEL_TYPE = "deepseek_v4"
+V41_MODEL_TYPE = "deepseek_v41"  # DeepSeek-V4.1-Flash: planned (spec/v41.py), refused by convert
 
 # Fields the tensor schema is derived from; a config lacking one cannot be planned.
 REQUIRED_FIELDS = (
@@ -115,6 +116,10 @@ class ModelConfig:
 def parse_config(raw: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """Validate a config dict as a DeepSeek-V4 (V4-Flash schema) config; raise SourceError naming what differs."""
     archs = raw.get("architectures") or []
+    if raw.get("model_type") == V41_MODEL_TYPE:
+        from .v41 import refusal  # the V4.1 sizing model: plan shows it, nothing converts it yet
+
+        raise refusal(where)
     if raw.get("model_type") != MODEL_TYPE or not isinstance(archs, list) or ARCHITECTURE not in archs:
         raise SourceError(
             f"{where}: model_type={raw.get('model_type')!r}, architectures={archs!r}; "
@@ -226,6 +231,11 @@ def _check_dspark(cfg: ModelConfig, where: str) -> None:
 
 def load_config(path: Path, follow: bool = True) -> ModelConfig:
     """Read and validate a config.json (`follow=False`: an output's copy, which must not be a link)."""
+    return parse_config(read_config(path, follow), str(path))
+
+
+def read_config(path: Path, follow: bool = True) -> dict[str, Any]:
+    """config.json as a JSON object (bounded, no link when `follow=False`); SourceError otherwise."""
     try:
         raw = loads(read_regular(path, JSON_LIMIT, follow=follow))
     except FileNotFoundError:
@@ -236,4 +246,4 @@ def load_config(path: Path, follow: bool = True) -> ModelConfig:
         raise SourceError(f"{path}: config is {e}; fix or re-download it") from None
     if not isinstance(raw, dict):
         raise SourceError(f"{path}: config is not a JSON object")
-    return parse_config(raw, str(path))
+    return raw

@@ -1,0 +1,122 @@
+"""DeepSeek-V4.1-Flash (`model_type` deepseek_v41): recognised, sized for `plan`, not converted.
+
+V4.1 is another model (docs/deepseek-v4.1.md): a nested `text_config`, hidden 5120, 384 experts, FP8 in
+32x32 UE8M0 blocks, two Engram tables that vLLM keeps in host memory, a vision tower, a 128-expert
+DSpark drafter. vLLM 0.34.0's `DeepseekV41ForCausalLM` asserts heads % TP == 0 and Engram's `wkv`
+(25600 rows) does not divide by 3, so TP3 needs a plan this tool does not have yet. What `plan` shows is
+an estimate of each rank's bytes under a V4-style virtual plan (the same padded axes as `plan.make_plan`),
+family by family from the config: the routed experts exactly, the dense families by their shapes (the
+compressors and indexer are left out), the Engram tables split by hash head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import SourceError
+from .config import V41_MODEL_TYPE as MODEL_TYPE
+from .plan import HEADS_ALIGN, MAX_TP, ROUTED_ALIGN, SHARED_ALIGN, VOCAB_ALIGN, KERNEL_ALIGN, _virtual_axis, align_up
+
+BLOCK = 32  # FP8 weight_block_size [32, 32] (V4: 128)
+ENGRAM_HEADS_PER_TABLE = 24  # hash heads per Engram table (the rows are split by head, whole heads per rank)
+DSPARK_STAGES = 3
+# The common three-box setups of the field: GPU memory per box (bytes) and whether host and GPU share it.
+BOXES = (("3x H200", 141 * 10**9, False), ("3x RTX PRO 6000", 96 * 10**9, False),
+         ("3x DGX Spark (GB10)", 121 * 2**30, True))
+FP4_BYTES = 17 / 32  # one packed E2M1 byte per 2 elements and one E8M0 scale per 32: bytes per element
+
+
+def is_v41(raw: dict[str, Any]) -> bool:
+    return raw.get("model_type") == MODEL_TYPE
+
+
+def _fp8(rows: int, cols: int) -> int:
+    """An FP8 weight with its 32x32 UE8M0 block scales."""
+    return rows * cols + -(-rows // BLOCK) * -(-cols // BLOCK)
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    tp: int
+    gpu: dict[str, int]  # family -> bytes on each rank's GPU
+    host: int  # Engram table bytes in host memory, the largest rank's
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(self.gpu.values())
+
+
+def _text(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    text = raw.get("text_config")
+    need = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "n_routed_experts", "engram_num_embeddings",
+            "engram_head_dim", "hc_mult", "dspark_n_routed_experts", "dspark_markov_rank")
+    if not isinstance(text, dict) or any(not isinstance(text.get(k), (int, list)) for k in need):
+        raise SourceError(f"{where}: a DeepSeek-V4.1 config needs text_config with {', '.join(need)}")
+    return text
+
+
+def rank_bytes(raw: dict[str, Any], tp: int, where: str = "config.json") -> RankBytes:
+    """Each rank's bytes at `tp` under a V4-style virtual plan (an estimate: see the module docstring)."""
+    t = _text(raw, where)
+    h, layers, heads, hd = t["hidden_size"], t["num_hidden_layers"], t["num_attention_heads"], t["head_dim"]
+    axis = {"heads": _virtual_axis("heads", heads, tp, HEADS_ALIGN),
+            "routed": _virtual_axis("routed", t["moe_intermediate_size"], tp, ROUTED_ALIGN, KERNEL_ALIGN),
+            "shared": _virtual_axis("shared", t["moe_intermediate_size"] * t.get("n_shared_experts", 1), tp,
+                                    SHARED_ALIGN)}
+    local_heads, groups = axis["heads"].local, axis["heads"].local // (heads // t["o_groups"])
+    routed, shared = axis["routed"].kernel_local, axis["shared"].local
+    vocab = align_up(t["vocab_size"], VOCAB_ALIGN * tp) // tp
+    stages = DSPARK_STAGES
+    decoders = layers + stages
+    attention = (_fp8(t["q_lora_rank"], h) + _fp8(hd, h) + _fp8(local_heads * hd, t["q_lora_rank"])
+                 + _fp8(groups * t["o_lora_rank"], heads // t["o_groups"] * hd) + _fp8(h, groups * t["o_lora_rank"])
+                 + 2 * (t["q_lora_rank"] + hd) + 4 * local_heads)
+    mix, hc = (2 + t["hc_mult"]) * t["hc_mult"], t["hc_mult"] * h
+    per_layer_small = 2 * 4 * (mix * hc + mix + 3) + 2 * 2 * h  # hc mixers (F32) and the two norms
+    engram_wkv_rows = align_up(-(-5 * h // tp), BLOCK)  # wkv [5 * hidden, 24 * 256], split by rows
+    engram_layers = len(t.get("engram_layer_ids", []))
+    gpu = {
+        "routed experts": (layers * t["n_routed_experts"] + stages * t["dspark_n_routed_experts"])
+                          * int(3 * routed * h * FP4_BYTES),
+        "shared experts": decoders * (2 * _fp8(shared, h) + _fp8(h, shared)),
+        "attention": decoders * attention,
+        "routers, mixers, norms": decoders * per_layer_small
+                                  + (layers * t["n_routed_experts"] + stages * t["dspark_n_routed_experts"]) * (2 * h + 8),
+        "embedding and LM head": 2 * vocab * h * 2,
+        "Engram wkv": engram_layers * (_fp8(engram_wkv_rows, ENGRAM_HEADS_PER_TABLE * t["engram_head_dim"])
+                                       + 2 * 4 * h * 2),
+        "drafter heads": (_fp8(h, stages * h) + 2 * t["vocab_size"] * t["dspark_markov_rank"] * 2
+                          + 4 * (h + t["dspark_markov_rank"]) + _fp8(stages * hd, h)),
+        "vision tower": _vision(raw.get("vision_config") or {}),
+    }
+    heads_per_rank = -(-ENGRAM_HEADS_PER_TABLE // tp)
+    row = t["engram_head_dim"] + t["engram_head_dim"] // BLOCK  # F8 row and its E8M0 scales
+    host = sum(-(-rows * heads_per_rank // ENGRAM_HEADS_PER_TABLE) * row for rows in t["engram_num_embeddings"])
+    return RankBytes(tp, gpu, host)
+
+
+def _vision(v: dict[str, Any]) -> int:
+    """The vision tower in BF16, replicated: per block q, k, v, o and a gated MLP (an estimate)."""
+    n, d, inter = v.get("num_hidden_layers", 0), v.get("hidden_size", 0), v.get("intermediate_size", 0)
+    return 2 * n * (4 * d * d + 3 * d * inter)
+
+
+def fits(r: RankBytes) -> list[tuple[str, bool, str]]:
+    """(box, fits, why) for the common three-box setups, weights alone (the KV cache needs the rest)."""
+    out = []
+    for name, memory, unified in BOXES:
+        need = r.gpu_total + (r.host if unified else 0)
+        what = "GPU weights + Engram tables in the one unified memory" if unified else "GPU weights"
+        out.append((name, need <= memory, f"{what}: {need / 2**30:.2f} GiB of {memory / 2**30:.2f} GiB"))
+    return out
+
+
+def refusal(where: str) -> SourceError:
+    return SourceError(f"{where}: DeepSeek-V4.1-Flash (model_type {MODEL_TYPE!r}) is not supported yet: it needs its "
+                       f"own TP3 plan (Engram tables split by hash head, 32x32 FP8 scale blocks, heads and Engram wkv "
+                       f"padding, docs/deepseek-v4.1.md); `lucifer-shard plan --tp 3 config.json` shows its bytes "
+                       f"per rank")
+
+
+TP_SIZES = tuple(t for t in (1, 2, 3, 4, 8) if t <= MAX_TP)

@@ -1,0 +1,51 @@
+"""DeepSeek-V4.1-Flash: `plan` reads its nested config and shows each rank's GPU and host bytes; `convert`
+refuses it in one line and writes nothing."""
+from __future__ import annotations
+
+import json
+import shutil
+
+from click.testing import CliRunner
+
+from helpers import CONFIGS
+from lucifer_shard.cli import cli
+from lucifer_shard.spec import v41
+
+CONFIG = CONFIGS / "deepseek-v4.1-flash.json"
+# From the V4.1 tensor inventory (the team's checkpoint notes): TP3 routed-expert bytes per rank, main model
+# and drafter, exactly a third; each rank's Engram rows times 264 bytes (rank 0 and rank 2).
+ROUTED_TP3 = 96_259_276_800 + 2_406_481_920
+ENGRAM_TP3 = (67_585_364_880, 67_586_622_048)
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_tp3_bytes_per_rank():
+    r = v41.rank_bytes(json.loads(CONFIG.read_text()), 3)
+    assert r.gpu["routed experts"] == ROUTED_TP3
+    assert ENGRAM_TP3[0] <= r.host <= ENGRAM_TP3[1]
+    assert 96.5 < r.gpu_total / 2**30 < 97.0  # the inventory's 96.91 GiB less the compressors and indexer
+    assert [ok for _, ok, _ in v41.fits(r)] == [True, False, False]  # H200 yes; RTX PRO 6000, Spark no
+
+
+def test_plan_shows_gpu_and_host_bytes_and_the_boxes():
+    r = run("plan", "--tp", "3", str(CONFIG))
+    assert r.exit_code == 0, r.output
+    assert "not convertible yet" in r.output and "an estimate" in r.output
+    assert "    3      96.69 GiB                62.94 GiB" in r.output
+    assert "3x H200              fits" in r.output and "3x DGX Spark (GB10)  does not fit" in r.output
+    doc = json.loads(run("plan", "--tp", "3", str(CONFIG), "--json").output)["result"]
+    assert doc["convertible"] is False and doc["per_tp"]["3"]["host_bytes"] > 0
+
+
+def test_convert_refuses_it_in_one_line_and_writes_nothing(tmp_path):
+    model, out = tmp_path / "model", tmp_path / "out"
+    model.mkdir()
+    shutil.copy(CONFIG, model / "config.json")
+    r = run("convert", "--tp", "3", str(model), str(out))
+    assert r.exit_code == 2, r.output
+    line = r.output.strip()
+    assert "\n" not in line and "DeepSeek-V4.1-Flash (model_type 'deepseek_v41') is not supported yet" in line
+    assert "lucifer-shard plan --tp 3 config.json" in line and not out.exists()
