@@ -56,7 +56,7 @@ fuzz: installed
 
 demo: installed
 	rm -rf $(DEMO)
-	lucifer-shard synth tiny $(DEMO)/model --fill random --quiet
+	lucifer-shard synth dspark $(DEMO)/model --fill random --quiet
 	lucifer-shard plan --tp 3 --arch sm120 $(DEMO)/model
 	lucifer-shard convert --tp 3 --arch sm120 $(DEMO)/model $(DEMO)/out --quiet
 	lucifer-shard diff $(DEMO)/out

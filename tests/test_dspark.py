@@ -3,7 +3,7 @@ by diff and verify: of the `dspark` synth preset, and of a 0731-shaped checkpoin
 its own tensor table (the names, shapes and dtypes of the 0731 inventory at small size, the parameter
 names of vLLM 0.34.0's `DSparkDeepseekV4ForCausalLM`), not from the converter's rules.
 
-vLLM's own DSpark class loading the rank files is tests/shim/test_dspark.py.
+vLLM's own DSpark class loading the rank files is tests/shim/test_dspark_model.py.
 """
 from __future__ import annotations
 

@@ -134,12 +134,13 @@ def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Op
     else:
         arch = f"arch {options.arch}: {MOE_VARIANT[options.arch]}"
     lines = [f"virtual-TP plan for TP={plan.tp} ({'padded' if plan.pads else 'plain split, nothing pads'}); "
-             f"{arch}, experts in {options.expert_layout} layout", draft_line(cfg, specs), ""]
+             f"{arch}, experts in {options.expert_layout} layout", ""]
     lines.append(f"{'axis':<8} {'original':>9} {'padded':>9} {'per rank':>9} {'kernel-local':>13}   real per rank")
     for a in plan.axes.values():
         reals = "/".join(str(a.real(r)) for r in range(plan.tp))
         lines.append(f"{a.name:<8} {a.original:>9} {a.padded:>9} {a.local:>9} {a.kernel_local:>13}   {reals}")
     lines += [f"  note: {p.message}" for p in padding_only(plan)]
+    lines += ["", draft_line(cfg, specs)]
     layouts = tensor_layouts(options)
     lines += ["", "per tensor family: source range per rank in stored units [start, end) -> tail"]
     seen = set()

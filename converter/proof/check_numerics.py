@@ -31,6 +31,7 @@ import torch
 
 from ..errors import LuciferError, OutputError, SourceError
 from ..spec.manifest import source_model
+from ..spec.rules import draft_prefixes
 from ..spec.source import Checkpoint, open_checkpoint, resolve_model
 from .numerics import (attn_output_reference, dequant_fp8_block, mlp_reference, moe_reference, moe_reference_streamed,
                        shared_expert_reference)
@@ -271,9 +272,9 @@ def _prefixes(cfg, layer: int) -> tuple[str, str, str]:
         return "target", f"layers.{layer}.", f"model.layers.{layer}."
     draft = cfg.layer_ids("draft")
     if layer in draft:
-        return "draft", f"mtp.{draft.index(layer)}.", f"model.layers.{layer}.mtp_block."
+        return ("draft", *draft_prefixes(cfg, layer))
     raise LuciferError(f"--layers: layer {layer} does not exist (target 0..{cfg.num_layers - 1}"
-                       + (f", MTP {draft[0]}..{draft[-1]})" if draft else ")"))
+                       + (f", {cfg.draft_kind.upper()} {draft[0]}..{draft[-1]})" if draft else ")"))
 
 
 @dataclass
@@ -299,7 +300,7 @@ def load_layer(ckpt: Checkpoint, output: Output, layer: int, cache: bool = False
     cfg = ckpt.config
     role, sp, tp_ = _prefixes(cfg, layer)
     if role not in output.roles:
-        raise OutputError(f"layer {layer} is an MTP layer but {output.root} has no draft role (converted --no-mtp)")
+        raise OutputError(f"layer {layer} is a draft layer but {output.root} has no draft role (converted --no-mtp)")
     tp = output.tp
     wrap = Cached if cache else (lambda f: f)
 
