@@ -14,9 +14,9 @@ SHORT_STEPS, LONG_STEPS, LOGPROBS, MAX_MODEL_LEN = 8, 4, 20, 4096
 FLIP_TENSOR = "model.layers.0.ffn.experts.routed_experts.w13_weight"
 
 
-def flip_routed_expert_byte(model: Path, out: Path) -> dict:
-    """XOR 0xFF into the first byte of FLIP_TENSOR's row block of the expert that layer 0's hash routing
-    gives SHORT[0][0]; returns where."""
+def flip_routed_expert_byte(model: Path, out: Path, rank: int = 0) -> dict:
+    """XOR 0xFF into the first byte of FLIP_TENSOR's row block, in RANK's file, of the expert that layer 0's
+    hash routing gives SHORT[0][0]; returns where."""
     from safetensors import safe_open
 
     from lucifer_shard.spec.stheader import read_header
@@ -24,7 +24,7 @@ def flip_routed_expert_byte(model: Path, out: Path) -> dict:
     index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
     with safe_open(str(model / index["layers.0.ffn.gate.tid2eid"]), "pt") as f:
         expert = int(f.get_tensor("layers.0.ffn.gate.tid2eid")[SHORT[0][0], 0])
-    part = next(p for p in sorted((out / "target" / "rank-0").glob("*.safetensors"))
+    part = next(p for p in sorted((out / "target" / f"rank-{rank}").glob("*.safetensors"))
                 if FLIP_TENSOR in read_header(p).tensors)
     header = read_header(part)
     t = header.tensors[FLIP_TENSOR]
@@ -35,4 +35,4 @@ def flip_routed_expert_byte(model: Path, out: Path) -> dict:
         b = fh.read(1)[0]
         fh.seek(offset)
         fh.write(bytes([b ^ 0xFF]))
-    return {"file": str(part), "expert": expert, "offset": offset}
+    return {"file": str(part), "rank": rank, "expert": expert, "offset": offset}

@@ -3,7 +3,8 @@
 # root. Each call carries one piece of the vLLM kit (.vllmkitN/, tools/gpu-vllm-kit.sh) and one of them the
 # FlashInfer kit too (.gpu/, built per ../shared/gpu/README.md: FlashInfer 0.7.2.post1 with its prebuilt SM90
 # MoE module); both are staged in /tmp, which survives between calls while the machine stays warm. Exit 3:
-# a piece is still missing (carry the next one); otherwise serve_run.py's phases run (arguments go to it).
+# a piece is still missing (carry the next one); otherwise serve_run.py's phases run, or LUCIFER_RUN's (arguments
+# go to it).
 set -u
 FI=${LUCIFER_FI_KIT:-/tmp/lucifer-fi-kit}
 if [ -d .gpu ]; then mkdir -p "$FI" && cp -rn .gpu/. "$FI"/; fi
@@ -20,4 +21,6 @@ export PYTHONPATH=$FI/.venv${PYTHONPATH:+:$PYTHONPATH}
 eval "$KIT_ENV"
 export PYTHONPATH=$PWD/tests/gpu/hooks:$FI:$PYTHONPATH FLASHINFER_W4A16_TRIM=1 FLASHINFER_DISABLE_JIT=1 \
        FLASHINFER_WORKSPACE_BASE=$FI/.fi_ws
-exec python3 tests/gpu/serve_run.py --work /tmp/serve --out "${OUT:-/tmp/serve-out}" "$@"
+# LUCIFER_RUN picks the run: the serving run (default) or TP on one GPU (tests/gpu/tp_run.py, its own work folder)
+RUN=${LUCIFER_RUN:-tests/gpu/serve_run.py}
+exec python3 "$RUN" --work "/tmp/$(basename "$RUN" .py)" --out "${OUT:-/tmp/serve-out}" "$@"

@@ -60,6 +60,15 @@ FI, MARLIN = "flashinfer_cutlass", "marlin"
 EAGER = ["--enforce-eager"]
 GRAPHS = []  # vLLM's default: torch.compile with piecewise and full CUDA graphs
 STARTUP_REPS = 3
+HARNESS_ENV = {
+    "VLLM_DEEP_GEMM_WARMUP": "skip",  # compile DeepGEMM kernels at first use only
+    # FlashInfer's sampler is a JIT module too (v1/sample/ops/topk_topp_sampler.py:118-125); greedy sampling
+    # never uses it.
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    # FlashInfer's FP8 block-scale GEMM (vLLM's first choice for the FP8 linears on SM90 when FlashInfer is
+    # present) is a JIT module the kit does not carry; DeepGEMM serves those layers instead
+    "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0",
+}
 VERBATIM = "loaded verbatim in kernel layout"  # the loader's line after its post-load checks
 LOAD_RE = re.compile(r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds")
 
@@ -78,14 +87,14 @@ def cli(*args: str) -> str:
 class Server:
     """One `vllm serve` process (started directly or through `lucifer-shard serve`), its log and timings."""
 
-    def __init__(self, name: str, argv: list[str], port: int, logs: Path):
-        self.name, self.port, self.log = name, port, logs / f"{name}.log"
+    def __init__(self, name: str, argv: list[str], port: int, logs: Path, env: dict[str, str] | None = None):
+        self.name, self.port, self.log, self.env = name, port, logs / f"{name}.log", env or {}
         self.pwal = logs / f"{name}.pwal"  # tests/gpu/hooks/sitecustomize.py's records of the post-load step
         shutil.rmtree(self.pwal, ignore_errors=True)
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(argv + ["--port", str(port)], stdout=open(self.log, "w"),
                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "LUCIFER_PWAL_LOG": str(self.pwal)})
+                                     env={**os.environ, **self.env, "LUCIFER_PWAL_LOG": str(self.pwal)})
         self.argv = argv
 
     def url(self, path: str) -> str:
@@ -104,6 +113,8 @@ class Server:
             except OSError:
                 pass
             time.sleep(0.5)
+        if self.proc.poll() is not None:  # ended while an earlier server used up the deadline
+            return None
         raise TimeoutError(f"{self.name}: not ready after {time.monotonic() - self.t0:.0f} s")
 
     def complete(self, prompt: list[int], max_tokens: int) -> dict:
@@ -387,13 +398,8 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     results_path = work / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")  # compile DeepGEMM kernels at first use only
-    # FlashInfer's sampler is a JIT module too (v1/sample/ops/topk_topp_sampler.py:118-125); greedy sampling
-    # never uses it.
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    # FlashInfer's FP8 block-scale GEMM (vLLM's first choice for the FP8 linears on SM90 when FlashInfer is
-    # present) is a JIT module the kit does not carry; DeepGEMM serves those layers instead
-    os.environ.setdefault("VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER", "0")
+    for key, value in HARNESS_ENV.items():
+        os.environ.setdefault(key, value)
     deadline = time.monotonic() + args.seconds
     # `timeout` (the device call's limit) sends SIGTERM: unwind, so the servers stop and the logs come back
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))

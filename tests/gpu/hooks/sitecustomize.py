@@ -18,6 +18,10 @@ vLLM modules that would take other kernels from FlashInfer when it is importable
 the logits' top-k, DeepSeek's scaling RoPE, the MLA k-concat, the indexer's opt-in top-k) see no FlashInfer,
 so they run vLLM's own kernels, as in a run without FlashInfer: those kernels are not in the kit, the MoE is
 what the run compares, and every server of the run has the same fallback.
+
+With LUCIFER_ONE_GPU_TP=1 (tests/gpu/tp_run.py, for its servers of TP > 1 on one GPU; its docstring says
+why each): every worker takes device 0 (`ParallelConfig.get_local_gpu_index`), and vLLM's distributed
+backend on CUDA is gloo, not NCCL (`CudaPlatformBase.dist_backend`).
 """
 import importlib.abc
 import importlib.util
@@ -41,7 +45,10 @@ FLASHINFER_ELSEWHERE = ("vllm.model_executor.layers.logits_processor",
                         "vllm.model_executor.layers.attention.mla_attention",
                         "vllm.model_executor.layers.attention.sparse_mla_attention",
                         "vllm.model_executor.layers.indexer_topk")
+ONE_GPU = os.environ.get("LUCIFER_ONE_GPU_TP") == "1"
 MOE_MODULE = "vllm.model_executor.layers.quantization.mxfp4"
+PARALLEL_MODULE = "vllm.config.parallel"
+CUDA_PLATFORM_MODULE = "vllm.platforms.cuda"
 LOADER_MODULE = "vllm.model_executor.model_loader.base_loader"
 
 
@@ -98,6 +105,10 @@ if LOG:
                                             _time_moe_layer(m.Mxfp4MoEMethod.process_weights_after_loading))
     PATCHES[LOADER_MODULE] = lambda m: setattr(m, "process_weights_after_loading",
                                                _time_post_load(m.process_weights_after_loading))
+if ONE_GPU:
+    PATCHES[PARALLEL_MODULE] = lambda m: setattr(m.ParallelConfig, "get_local_gpu_index",
+                                                 lambda self, local_rank, dp_local_rank=None: 0)
+    PATCHES[CUDA_PLATFORM_MODULE] = lambda m: setattr(m.CudaPlatformBase, "dist_backend", "gloo")
 if TRIM:
     for _name in FLASHINFER_ELSEWHERE:
         PATCHES[_name] = lambda m: setattr(m, "has_flashinfer", lambda: False)
