@@ -75,6 +75,13 @@ class Manifest:
         return str(self.doc.get("expert_layout", "model"))
 
     @property
+    def moe_backend(self) -> str | None:
+        """The MoE route the routed width was planned for (`Options.moe_backend`, spec/plan.MOE_ROUTES): "b12x",
+        or None for the default (the width every backend that rounds to 128 takes)."""
+        backend = (self.doc.get("options") or {}).get("moe_backend")
+        return None if backend is None else str(backend)
+
+    @property
     def draft_kind(self) -> str | None:
         """What OUT/draft holds (spec/drafts.DRAFT_KINDS), None without a draft; MTP for a manifest
         written before the record existed."""

@@ -28,6 +28,7 @@ from .configview import backend_name, model_problems, text_config
 from .errors import ShimError
 from .manifest import Manifest, load_manifest
 
+FP8_BLOCK = 128  # the block-FP8 weights' block (quantization_config.weight_block_size)
 # manifest plan axis -> the hf config key vLLM sizes it from
 CONFIG_KEYS = {"heads": "num_attention_heads", "groups": "o_groups", "routed": "moe_intermediate_size"}
 # hf config attribute `pad_config` leaves behind: what it applied, read by the vocabulary wrapper and
@@ -38,19 +39,29 @@ LOAD_FORMAT = RUNTIME["load_format"]
 UNRUNNABLE_ATTENTION = {"sm90": {"FLASHINFER_MLA_SPARSE_DSV4": "FLASHMLA_SPARSE_DSV4"}}
 
 
+def block_shared_local(moe_intermediate: int, tp: int, block: int = FP8_BLOCK) -> int:
+    """The per-rank width vLLM's NVIDIA DeepSeek-V4 class gives the block-FP8 shared expert built from
+    `moe_intermediate`: whole 128-blocks, their count per rank rounded up (`DeepseekV4MLP.__init__`,
+    vllm/models/deepseek_v4/nvidia/model.py, both vetted releases). The CPU class splits it unpadded."""
+    return -(-(moe_intermediate // block) // tp) * block
+
+
 def padding(manifest: Manifest) -> dict[str, Any]:
     """What the model configs must say for `manifest`'s padded plan: per hf key (original, padded),
     and the padded vocabulary. The expert width is the routed experts' kernel-local width times TP:
-    the rank files hold 704 real + 64 zero columns per rank at TP3 (768), and vLLM builds the
-    shared expert from the same field (the CPU class unpadded), whose per-rank share must be 768 too."""
+    at TP3 768 per rank on the default route (704 real + 64 zero columns), 704 on the b12x route. vLLM
+    builds the shared expert from the same field: 768 per rank at TP3 either way on the NVIDIA class
+    (`block_shared_local`); the CPU class splits it unpadded, which only the default route matches (the b12x
+    route is refused there by its MoE backend, `stock_problems`)."""
     axes, tp = manifest.plan["axes"], manifest.tp_size
     routed, shared = axes["routed"], axes.get("shared")
-    if shared is not None and int(shared["local"]) != int(routed["kernel_local"]):
+    width = int(routed["kernel_local"]) * tp
+    if shared is not None and int(shared["local"]) not in (int(routed["kernel_local"]), block_shared_local(width, tp)):
         raise ShimError(f"{manifest.path}: routed experts are {routed['kernel_local']} and shared experts "
-                        f"{shared['local']} wide per rank; stock vLLM sizes both from moe_intermediate_size, so "
-                        f"they must be equal; serve this output on a vetted mlow/vllm build")
-    padded = {"heads": int(axes["heads"]["padded"]), "groups": int(axes["groups"]["padded"]),
-              "routed": int(routed["kernel_local"]) * tp}
+                        f"{shared['local']} wide per rank; stock vLLM sizes both from moe_intermediate_size "
+                        f"({width} gives shared experts {block_shared_local(width, tp)} per rank); serve this "
+                        f"output on a vetted mlow/vllm build")
+    padded = {"heads": int(axes["heads"]["padded"]), "groups": int(axes["groups"]["padded"]), "routed": width}
     return {"sizes": {CONFIG_KEYS[a]: (int(axes[a]["original"]), padded[a]) for a in CONFIG_KEYS},
             "vocab": (int(axes["vocab"]["original"]), int(axes["vocab"]["padded"])), "tp": tp}
 
@@ -115,6 +126,12 @@ def stock_problems(vllm_config, manifest: Manifest) -> list[str]:
         diff = geometry_problem(cfg, manifest) if cfg is not None else None
         if diff:
             problems.append(f"{role}: {diff} (this vLLM did not apply the plugin's hf_overrides to it)")
+    moe = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)
+    if manifest.moe_backend is not None and moe != manifest.moe_backend:
+        routed = manifest.plan["axes"]["routed"]["kernel_local"]
+        problems.append(f"the routed experts are {routed} wide per rank for vLLM's {manifest.moe_backend} MoE, which "
+                        f"MoE backend {moe!r} would round to another width (pass --moe-backend {manifest.moe_backend}, "
+                        f"as lucifer-shard serve does, or re-convert without --moe-backend {manifest.moe_backend})")
     if current_platform.is_cpu():
         experts = int(getattr(text_config(mc), "n_routed_experts", 0) or 0)
         if manifest.tp_size > 1 and experts % manifest.tp_size:

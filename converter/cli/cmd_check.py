@@ -254,6 +254,7 @@ def summary_lines(d: dict) -> list[str]:
         f"arch           {d['arch'] or 'any'}  MoE variant {d['moe_variant'] or 'any (vLLM picks it for the GPU)'}",
         f"experts        {d['expert_layout']} layout"
         + (f", FlashInfer {d['flashinfer_layout']} generation" if d.get("flashinfer_layout") else "")
+        + (f", routed width for vLLM's {moe} MoE" if (moe := (d.get("options") or {}).get("moe_backend")) else "")
         + f" (layout version {d['layout_version']})",
     ]
     for t, name in (d.get("layouts") or {}).items():

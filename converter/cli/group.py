@@ -10,7 +10,7 @@ from .. import __version__
 from ..engine.fills import DEFAULT_FILL, FILLS
 from ..errors import NoRoom, UsageRefused
 from ..spec.manifest import FLASHINFER_VERSIONS, MAX_ALIGN, Options
-from ..spec.plan import ARCHES
+from ..spec.plan import ARCHES, DEFAULT_ROUTE, MOE_ROUTES
 from ..units import SIZE_SYNTAX
 from .argorder import is_checkpoint, refuse_swapped
 from .console import Console, Group, conventions, exit_code_lines
@@ -32,6 +32,18 @@ def _flashinfer_help() -> str:
     return f"Only with --arch sm90 and kernel layout: FlashInfer's layout generation, {gens}  [default: folded]"
 
 
+_ROUTES = [r for r in MOE_ROUTES if r != DEFAULT_ROUTE]
+
+
+def _route_help() -> str:
+    b12x = MOE_ROUTES["b12x"]
+    return (f"b12x: the routed experts at their exact per-rank width (704 at TP3, a multiple of "
+            f"{b12x.kernel_align}) for stock vLLM's b12x MoE (vllm[b12x], {'/'.join(b12x.arches)} GPUs: RTX PRO 6000 "
+            f"class, DGX Spark), model layout; serve passes --moe-backend b12x. Default: the width the CUTLASS, "
+            f"Marlin and TRT-LLM backends round to ({MOE_ROUTES[DEFAULT_ROUTE].kernel_align}: 768 at TP3), which "
+            f"every GPU family serves")
+
+
 def conversion_options(f):
     """The options that decide what a conversion writes (shared by plan and convert)."""
     for option in reversed((
@@ -49,6 +61,8 @@ def conversion_options(f):
                           "[default: kernel with --arch, model without]"),
         click.option("--flashinfer-layout", type=click.Choice(["folded", "legacy"]), default=None,
                      help=_flashinfer_help()),
+        click.option("--moe-backend", type=click.Choice(_ROUTES, case_sensitive=False), default=None,
+                     help=_route_help()),
         click.option("--max-file-size", default="4G", show_default=True,
                      help=f"Largest rank file part, at least 1M (a larger tensor gets a file of its own); {SIZE_SYNTAX}."),
         click.option("--align", type=int, default=8, show_default=True,
@@ -77,7 +91,7 @@ def target_options(f):
 
 
 def options_from(tp: int, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None, max_file_size: str,
-                 align: int, no_mtp: bool) -> Options:
+                 align: int, no_mtp: bool, moe_backend: str | None = None) -> Options:
     """The Options a command line asks for (plan's and convert's alike: plan refuses what convert
     refuses): options that do not apply are refused, a combination no vetted runtime loads is warned
     about with the reason. The expert layout defaults to kernel with --arch and model without; kernel
@@ -86,6 +100,17 @@ def options_from(tp: int, arch: str | None, expert_layout: str | None, flashinfe
     from ..spec.plan import local_gpu
     from ..units import parse_size, size
 
+    moe_backend = moe_backend.lower() if moe_backend else None
+    if moe_backend is not None:
+        route = MOE_ROUTES[moe_backend]
+        if arch is not None and arch not in route.arches:
+            raise UsageRefused(f"--moe-backend {moe_backend} runs on {'/'.join(route.arches)} GPUs only (vLLM's "
+                               f"B12xExperts asks for the SM120 family); drop --arch {arch}, or drop --moe-backend for "
+                               f"the width every GPU family serves")
+        if expert_layout is not None and expert_layout not in route.layouts:
+            raise UsageRefused(f"--moe-backend {moe_backend} takes model layout only (its load path lays the experts "
+                               f"out itself); drop --expert-layout {expert_layout}")
+        expert_layout = route.layouts[0]
     expert_layout = expert_layout or ("kernel" if arch else "model")
     kernel90 = arch == "sm90" and expert_layout == "kernel"
     if flashinfer_layout is not None and not kernel90:
@@ -121,7 +146,7 @@ def options_from(tp: int, arch: str | None, expert_layout: str | None, flashinfe
                           "unless a prebuilt one is installed; --expert-layout model serves with Marlin, no build")
     return Options(tp=tp, arch=arch, expert_layout=expert_layout,
                    flashinfer_layout=flashinfer_layout or "folded", mtp=not no_mtp, max_file_bytes=max_bytes,
-                   align=align)
+                   align=align, moe_backend=moe_backend)
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
@@ -156,7 +181,7 @@ def cli() -> None:
 @conventions(interrupted="interrupted: plan writes nothing")
 def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None,
          max_file_size: str, align: int, no_mtp: bool, revision: str | None, workers: int, resume: bool,
-         force: bool) -> None:
+         force: bool, moe_backend: str | None) -> None:
     """Dry run of convert: the virtual-TP plan and the conversion's disk footprint. Writes nothing.
 
     MODEL is a checkpoint directory, a repo id or a config.json file: plan needs only
@@ -180,7 +205,7 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     from ..spec.source import config_root, resolve_config
     from ..units import size
     from .planview import (footprint_json, footprint_lines, node_lines, per_node, plan_footprint_of, plan_json,
-                           plan_lines, plan_specs, planned_paths, room_of)
+                           plan_lines, plan_specs, planned_paths, room_of, route_lines, route_saving)
 
     # --workers changes no number plan shows: it is taken so that plan's command line is convert's.
     refuse_swapped("plan", model, out, model_first=True)
@@ -192,8 +217,8 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
         Console.of().emit(doc, lines)
         return
     cfg = parse_config(raw, str(config))
-    options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp)
-    p = make_plan(cfg, tp)
+    options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, moe_backend)
+    p = make_plan(cfg, tp, options.moe_backend)
     specs = plan_specs(cfg, p, options.mtp)
     if out is not None:
         root = config_root(model, config)
@@ -204,10 +229,11 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     fp = plan_footprint_of(cfg, specs, p, options)
     room = room_of(fp, out, force)
     nodes = per_node(fp, p.tp)
+    saving = route_saving(cfg, p, options, fp)
     Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(fp, room), "per_node": nodes,
-                       "draft": draft_record(cfg) if "draft" in specs else None},
+                       "draft": draft_record(cfg) if "draft" in specs else None, "route_saving": saving},
                       plan_lines(specs, p, options, fp, cfg) + node_lines(nodes, sum(n["bytes"] for n in nodes))
-                      + footprint_lines(fp, room))
+                      + route_lines(saving) + footprint_lines(fp, room))
     if room is not None and room.short:
         raise NoRoom(f"{out}: not enough room: {size(room.needed)} to write, {size(room.free)} free on "
                             f"{room.filesystem}; free {size(room.short)} more or choose another OUT", exit_code=1)
@@ -227,7 +253,7 @@ def _refuse_resume_force(resume: bool, force: bool) -> None:
 @conventions(interrupted="interrupted: finished files are kept; run the same command with --resume to continue")
 def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None,
             max_file_size: str, align: int, no_mtp: bool, revision: str | None, workers: int, resume: bool,
-            force: bool) -> None:
+            force: bool, moe_backend: str | None) -> None:
     """Write per-rank safetensors of MODEL into OUT: sliced, zero-padded, experts laid out.
 
     \b
@@ -248,7 +274,7 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
 
     refuse_swapped("convert", model, out, model_first=True)
     _refuse_resume_force(resume, force)
-    options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp)
+    options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, moe_backend)
     con = Console.of()
     summary = run(model, out, options, resume=resume, force=force, workers=workers, progress=con.progress,
                   revision=revision, warn=con.warn)

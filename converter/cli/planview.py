@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..engine import diskspace
@@ -15,7 +15,7 @@ from ..spec import footprint as fpm
 from ..spec.config import DSPARK, ModelConfig
 from ..spec.drafts import DRAFT_KINDS
 from ..spec.manifest import Options, part_path
-from ..spec.plan import MOE_VARIANT, Plan, padding_only
+from ..spec.plan import MOE_ROUTES, MOE_VARIANT, Plan, make_plan, padding_only
 from ..spec import v41
 from ..spec.rules import DTYPE_SIZE, TensorSpec, build_specs, expected_sources
 from ..units import duration, rate, size
@@ -112,8 +112,9 @@ def plan_json(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Opt
             } for s in specs]}
             for r, specs in enumerate(ranks)
         ]
-    return {"plan": plan.to_dict(), "arch": options.arch,
-            "moe_variant": MOE_VARIANT.get(options.arch), "expert_layout": options.expert_layout,
+    return {"plan": plan.to_dict(), "arch": options.arch, "moe_backend": options.moe_backend,
+            "moe_variant": None if options.moe_backend else MOE_VARIANT.get(options.arch),
+            "expert_layout": options.expert_layout,
             "padding_only": [{"rank": p.rank, "axes": list(p.axes), "message": p.message} for p in padding_only(plan)],
             "roles": roles}
 
@@ -129,7 +130,10 @@ def draft_line(cfg: ModelConfig, specs: dict[str, list[list[TensorSpec]]]) -> st
 
 def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Options,
                fp: fpm.Footprint, cfg: ModelConfig) -> list[str]:
-    if options.arch is None:
+    if options.moe_backend is not None:
+        arch = (f"vLLM's {options.moe_backend} MoE ({'/'.join(MOE_ROUTES[options.moe_route].arches)}; it lays the "
+                f"experts out at load)")
+    elif options.arch is None:
         arch = "any arch (model layout: vLLM lays the experts out at load for the GPU it runs on)"
     else:
         arch = f"arch {options.arch}: {MOE_VARIANT[options.arch]}"
@@ -171,6 +175,33 @@ def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Op
             pad = sum(_pad_bytes(s) for s in rank_specs)
             lines.append(f"  {role:<7} {r:>4} {len(rank_specs):>7} {files:>5} {n:>16,} {size(n):>12} {size(pad):>12}")
     return lines
+
+
+def route_saving(cfg: ModelConfig, plan: Plan, options: Options, fp: fpm.Footprint) -> dict | None:
+    """What a MoE route other than the default saves against it (b12x: no kernel rounding of the routed width):
+    each rank's bytes on both routes (every role), from config.json alone; None on the default route."""
+    if options.moe_backend is None:
+        return None
+    default = replace(options, moe_backend=None)
+    base = make_plan(cfg, plan.tp)
+    base_fp = plan_footprint_of(cfg, plan_specs(cfg, base, options.mtp), base, default)
+
+    def per_rank(f: fpm.Footprint) -> list[int]:
+        return [sum(n for (_, r), (_, n) in f.per_rank().items() if r == rank) for rank in range(plan.tp)]
+
+    return {"route": options.moe_backend, "routed_width": plan.routed.kernel_local,
+            "default_routed_width": base.routed.kernel_local, "rank_bytes": per_rank(fp),
+            "default_rank_bytes": per_rank(base_fp)}
+
+
+def route_lines(saving: dict | None) -> list[str]:
+    if saving is None:
+        return []
+    now, before = saving["rank_bytes"], saving["default_rank_bytes"]
+    return ["", f"{saving['route']} route: routed experts {saving['routed_width']} wide per rank ("
+                f"{saving['default_routed_width']} on the default route); each rank's files:",
+            *(f"  rank {r}: {size(a)} against {size(b)}: {size(b - a)} less ({(b - a) / b:.1%})"
+              for r, (a, b) in enumerate(zip(now, before)))]
 
 
 def per_node(fp: fpm.Footprint, tp: int) -> list[dict]:

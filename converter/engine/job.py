@@ -126,7 +126,7 @@ def prepare(model: str, options: Options, revision: str | None = None) -> Job:
     root = resolve_model(model, revision)
     roles = ("target", "draft") if options.mtp else ("target",)
     ckpt = open_checkpoint(root, roles)
-    plan = make_plan(ckpt.config, options.tp)
+    plan = make_plan(ckpt.config, options.tp, options.moe_backend)
     layouts = tensor_layouts(options)
     specs = {}
     for role in roles:

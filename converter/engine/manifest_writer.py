@@ -66,7 +66,8 @@ def build_manifest(job: Job, files: dict[str, dict], out: Path | None = None) ->
         "plan": job.plan.to_dict(),
         "options": o.to_dict(),
         "arch": o.arch,  # null: model layout converted without --arch, for any GPU family
-        "moe_variant": MOE_VARIANT.get(o.arch),  # null with arch: vLLM picks it for the GPU it runs on
+        # null without arch, or on the b12x route: vLLM picks the variant for the GPU it runs on
+        "moe_variant": None if o.moe_backend else MOE_VARIANT.get(o.arch),
         "expert_layout": o.expert_layout,
         "flashinfer_layout": o.flashinfer_layout if o.arch == "sm90" and o.expert_layout == "kernel" else None,
         "layouts": {t: {"name": lay.name, "steps": list(lay.steps), "version": lay.version}

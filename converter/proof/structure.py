@@ -37,7 +37,7 @@ def options_of(manifest: dict) -> Options:
 
 def expected_entries(cfg: ModelConfig, options: Options) -> tuple[dict, dict[str, list[list[TensorSpec]]]]:
     """What the manifest's tensor entries must say, from the rule table: {role: [{name: entry}]}, specs."""
-    plan = make_plan(cfg, options.tp)
+    plan = make_plan(cfg, options.tp, options.moe_backend)
     roles = ["target"] + (["draft"] if options.mtp and cfg.num_mtp else [])
     layouts = {t: expert_layout(options.arch, options.expert_layout, options.flashinfer_layout, t)
                for t in EXPERT_TENSORS}

