@@ -30,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lucifer_shard.guarded_io import read_regular
+
 from . import compat
 
 DIST = "vllm"
@@ -69,7 +71,7 @@ def venv_problem(venv: Path) -> str | None:
     if venv.exists() and not venv.is_dir():
         return f"the venv {venv} is a file; pass --venv DIR for a folder"
     stamp = venv / PROJECT_STAMP
-    owner = stamp.read_text().split(" ", 1)[0] if stamp.is_file() else None
+    owner = read_regular(stamp, follow=True).decode().split(" ", 1)[0] if stamp.is_file() else None
     if owner is not None and Path(owner) != ROOT:
         return (f"the venv {venv} is installed for the checkout {owner} (its make test-shim uses it); pass --venv "
                 f"DIR for a venv of vet's own (about {VENV_GIB} GiB)")

@@ -268,7 +268,21 @@ def next_steps(out: Path) -> str:
             f"lucifer-shard serve {out} --dry-run")
 
 
-@cli.command()
+class SizedPresets(click.Command):
+    """synth: its help names the bytes each preset writes, computed from the preset (engine/presets.py)
+    when the help is shown, not at every start of the CLI."""
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from ..engine.presets import PRESETS, preset_bytes
+        from ..units import size
+
+        written = {p.replace("-", "_"): size(preset_bytes(p)) for p in PRESETS}
+        written["flash_layer_more"] = size(preset_bytes("flash-layer", 2) - preset_bytes("flash-layer", 1))
+        self.help = (self.help or "").format(**written) if "{" in (self.help or "") else self.help
+        super().format_help_text(ctx, formatter)
+
+
+@cli.command(cls=SizedPresets)
 @click.argument("preset", type=click.Choice(["tiny", "flash-layer", "flash-moe", "forward", "dspark"]))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--layers", type=click.IntRange(1, 64), default=None, help="Decoder layers (flash-layer: default 1).")
@@ -279,17 +293,22 @@ def next_steps(out: Path) -> str:
 @conventions(interrupted="interrupted: {out} holds a partial checkpoint; remove it and run synth again")
 def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_mtp: bool) -> None:
     """Write a synthetic checkpoint with the exact DeepSeek-V4-Flash schema into OUT, which must not
-    exist or be an empty directory.
+    exist or be an empty directory, after checking that OUT's filesystem has room for it.
 
     \b
     tiny         every padded axis at its real size (64 heads, 8 groups, routed and shared
-                 2048, vocab 1000), hidden 256, 8 experts, 4 layers (hash, SWA, C4, C128) + MTP
-    flash-layer  exact Flash dimensions, --layers K (default 1), for benchmarks
-    flash-moe    Flash expert geometry (hidden 4096, routed 2048, top-6), 1 layer, small rest
+                 2048, vocab 1000), hidden 256, 8 experts, 4 layers (hash, SWA, C4, C128) + MTP;
+                 writes {tiny}
+    flash-layer  exact Flash dimensions, --layers K (default 1), for benchmarks; writes
+                 {flash_layer} at --layers 1, {flash_layer_more} more per layer
+    flash-moe    Flash expert geometry (hidden 4096, routed 2048, top-6), 1 layer, small rest;
+                 writes {flash_moe}
     forward      tiny with what vLLM's DeepSeek-V4 CPU kernels require: head_dim 512,
-                 index_topk 512, 64 experts (about 300 MB; make test-forward)
+                 index_topk 512, 64 experts (make test-forward); writes {forward}
     dspark       tiny's target with DeepSeek-V4-Flash-0731's draft: a three-stage DSpark
-                 drafter (context projection, Markov rank 64, confidence head) under mtp.*
+                 drafter (context projection, Markov rank 64, confidence head) under mtp.*;
+                 writes {dspark}
+    (with the draft; --no-mtp writes less)
     """
     from ..engine.synth import synth as run
 
