@@ -35,7 +35,7 @@ def _flashinfer_help() -> str:
 def conversion_options(f):
     """The options that decide what a conversion writes (shared by plan and convert)."""
     for option in reversed((
-        click.option("--arch", type=click.Choice(ARCHES), default=None,
+        click.option("--arch", type=click.Choice(ARCHES, case_sensitive=False), default=None,
                      help="The serving GPU family: sm120/sm121/sm100 (MXFP4 x MXFP8 CUTLASS: swap + 128x4 scale "
                           "swizzle; sm121 is DGX Spark GB10, the SM120 family's layout) "
                           "or sm90 (MXFP4 x BF16: swap + nibble and scale interleave). Required by convert with "
@@ -172,6 +172,8 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     """
     from ..engine.job import prepare
     from ..engine.outstate import refuse_target
+    from ..engine.repair import reference
+    from ..guarded_io import Tree
     from ..spec.config import parse_config, read_config
     from ..spec.drafts import draft_record
     from ..spec.v41 import is_v41
@@ -200,7 +202,9 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
         # --resume trusts an earlier run only for the same source: with a local checkpoint, its
         # headers are read (as convert reads them) so that a changed source is refused here too.
         job = prepare(model, options) if resume and root is not None and is_checkpoint(Path(model)) else None
-        refuse_target(out, root, resume, force, job, options, planned_paths(specs, options))
+        # convert's rule: a finished output of this job is repaired against its manifest (engine/convert.py)
+        repair = job is not None and out.is_dir() and reference(Tree(out), job) is not None
+        refuse_target(out, root, resume, force, job, options, planned_paths(specs, options), repair)
     fp = plan_footprint_of(cfg, specs, p, options)
     room = room_of(fp, out, force)
     nodes = per_node(fp, p.tp)
