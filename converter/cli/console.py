@@ -61,7 +61,7 @@ QUIET: dict[str, tuple[str, tuple[str, ...]]] = {
     "synth": ("only the checkpoint's path", ("path",)),
     "stage": ("only DEST", ("dest",)),
     "doctor": ("nothing (the exit code is the answer)", ()),
-    "serve": ("only the vllm command line (with --dry-run)", ("command",)),
+    "serve": ("only the vllm command line (with --dry-run, when the preflight passes)", ("command",)),
 }
 
 

@@ -44,7 +44,8 @@ def conversion_options(f):
                           "arch: without it the output serves on any GPU family (the manifest's arch is null)."),
         click.option("--expert-layout", type=click.Choice(["kernel", "model"]), default=None,
                      help="kernel: routed experts pre-laid-out for the FlashInfer-CUTLASS kernel of --arch, loaded "
-                          "verbatim (stock vLLM 0.33.0 with the plugin serves it on every arch); model: as vLLM holds "
+                          "verbatim (the plugin's re-layout wrapper on a vetted stock vLLM, which lucifer-shard doctor names; "
+                          "run on a GPU: sm90, vLLM 0.33.0); model: as vLLM holds "
                           "them before post-load processing (vLLM lays them out at load, for any MoE backend)  "
                           "[default: kernel with --arch, model without]"),
         click.option("--flashinfer-layout", type=click.Choice(["folded", "legacy"]), default=None,
