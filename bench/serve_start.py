@@ -108,7 +108,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     vllm = installed_vllm()
-    where = f"in a vLLM {vllm} environment ({sys.prefix})" if vllm else \
+    where = f"in a vLLM {vllm} environment" if vllm else \
         f"without vLLM (vllm {STANDIN_VERSION}'s package metadata only: run it in a vLLM venv, make bench-serve)"
     result = {"reps": args.reps, "median_s": statistics.median(times), "max_s": max(times), "min_s": min(times),
               "times_s": times, "vllm": vllm, "python": sys.version.split()[0], "environment": where,
