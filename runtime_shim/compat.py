@@ -150,8 +150,8 @@ class Build:
     wrappers: tuple[str, ...] = FORK_WRAPPERS  # what the shim installs on this build
     install: str = ""  # how a user gets it
     image: dict | None = None  # a known image of the build (AUDIT_IMAGE), not necessarily one a user can pull
-    # the draft kinds (spec/drafts.DRAFT_KINDS) the build has a model class for: DSpark's came with 0.34.0
-    # (vllm/models/deepseek_v4/nvidia/dspark.py; vetted there only), the CPU build has none
+    # the draft kinds (spec/drafts.DRAFT_KINDS) the build has a model class for (DRAFT_CLASS_FILES); the CPU
+    # build has none
     draft_kinds: tuple[str, ...] = (MTP,)
 
     @property
@@ -252,6 +252,7 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         branches=(),
         wrappers=STOCK_WRAPPERS + (RELAYOUT,),
         install="pip install vllm==0.33.0",
+        draft_kinds=(MTP, DSPARK),
     ),
     Build(
         commit="0.32.0",

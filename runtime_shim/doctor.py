@@ -7,28 +7,26 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import importlib.util
 import os
 import re
 import shutil
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lucifer_shard import __version__
-from lucifer_shard.errors import LuciferError
 from lucifer_shard.guarded_io import read_regular
 
 from lucifer_shard.spec.config import DSPARK
 from lucifer_shard.spec.drafts import DRAFT_KINDS
 
 from . import compat, stock_vtp
+from .checks import ENVIRONMENT, FAIL, INFO, OK, OUTPUT, SKIP, WARN, Check, format_report  # noqa: F401 (doctor's names)
+from .checks import out_check as _out
+from .nodefiles import rank_files_check, share_checks
 from .errors import ShimError
 from .patches import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND
 
-OK, WARN, FAIL, INFO, SKIP = "ok", "warn", "FAIL", "info", "skip"
-# What a check is about: OUT (its files, wherever they are checked) or this environment (vLLM, the
-# plugin, the GPU: meaningful only on the serving host). Output checks come first in every report.
-OUTPUT, ENVIRONMENT = "output", "environment"
 ENTRY_GROUP = "vllm.general_plugins"
 ENTRY_NAME = "lucifer_tp3"
 NEEDED = (  # (module, attribute) the loader and plugin rely on, on every vLLM line
@@ -41,39 +39,6 @@ NEEDED = (  # (module, attribute) the loader and plugin rely on, on every vLLM l
     ("vllm.distributed.parallel_state", "get_tensor_model_parallel_world_size"),
     ("vllm.distributed.parallel_state", "get_pp_group"),
 )
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: str  # ok / warn / FAIL / info
-    detail: str
-    fix: str = ""
-    scope: str = ENVIRONMENT  # OUTPUT or ENVIRONMENT
-    verbose: bool = False  # shown only with -v (a fact about other builds, not this one)
-
-    def __str__(self) -> str:
-        s = f"[{self.status:>4}] {self.name}: {self.detail}"
-        return s + (f" -> {self.fix}" if self.fix else "")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def format_report(checks: list[Check], verbose: bool = True) -> str:
-    """The checks, one line each (those marked verbose only when `verbose`), and a summary worded for
-    what was checked: skipped checks (no vLLM here) are neither passed nor failed."""
-    fails = sum(c.status == FAIL for c in checks)
-    warns = sum(c.status == WARN for c in checks)
-    skips = sum(c.status == SKIP for c in checks)
-    if fails:
-        tail = f"{fails} check(s) failed: lucifer_tp3 serving will not work here"
-    elif skips:
-        tail = (f"OUT's checks passed; {skips} environment check(s) skipped (no vLLM here): run lucifer-shard doctor "
-                f"OUT on the serving host")
-    else:
-        tail = "lucifer_tp3 serving can work here" + (f" ({warns} warning(s))" if warns else "")
-    return "\n".join(str(c) for c in checks if verbose or not c.verbose) + "\n" + tail
 
 
 def _dist_version(name: str) -> str | None:
@@ -93,10 +58,12 @@ def vllm_identity() -> tuple[str | None, str | None]:
         return None, None
     commit = None
     try:
-        spec = importlib.util.find_spec("vllm._version")
-        if spec and spec.origin:
+        # The top-level spec only: find_spec("vllm._version") would import vllm (and torch) to find it.
+        spec = importlib.util.find_spec("vllm")
+        version_py = Path(next(iter(spec.submodule_search_locations or ()))) / "_version.py" if spec else None
+        if version_py is not None and version_py.is_file():
             ns: dict = {}
-            exec(compile(read_regular(spec.origin, follow=True).decode(), spec.origin, "exec"), ns)  # noqa: S102
+            exec(compile(read_regular(version_py, follow=True).decode(), str(version_py), "exec"), ns)  # noqa: S102
             commit = ns.get("__commit_id__") or ns.get("commit_id")
     except Exception:  # noqa: BLE001
         commit = None
@@ -370,33 +337,7 @@ def _wrapper_verdicts() -> dict[str, compat.WrapperVerdict]:
     return dict(patches.VERDICTS)
 
 
-def _out(name: str, status: str, detail: str, fix: str = "") -> Check:
-    return Check(name, status, detail, fix, OUTPUT)
-
-
 ANY_ARCH = "any (converted without --arch)"
-
-
-def _share_checks(m, node_ranks: list[int] | None) -> list[Check]:
-    """A node's share (lucifer-shard stage): which ranks it holds and lacks; with `node_ranks` (serve
-    --nnodes/--node-rank), whether it holds this node's."""
-    from lucifer_shard.spec.share import describe, node_problem, read_share
-
-    try:
-        share = read_share(m.out, m.conversion_id)
-    except LuciferError as e:
-        return [_out("output share", FAIL, str(e), "stage the node's share again")]
-    checks = []
-    if share is not None:
-        lacking = [r for r in range(m.tp_size) if r not in share["ranks"]]
-        checks.append(_out("output share", INFO, f"a node's share: {describe(share)}; lacks rank(s) "
-                           f"{', '.join(map(str, lacking)) or 'none'} (on other nodes)"))
-    if node_ranks is not None and share is not None:
-        problem = node_problem(m.out, m.conversion_id, node_ranks)
-        checks.append(_out("output node ranks", FAIL if problem else OK,
-                           problem or f"holds this node's TP rank(s) {', '.join(map(str, node_ranks))}",
-                           "stage this node's share (lucifer-shard stage) or pass its --node-rank" if problem else ""))
-    return checks
 
 
 def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | None = None,
@@ -409,15 +350,16 @@ def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | 
         m = manifest or load_manifest(out_dir)  # serve has read it already (a Flash manifest is MBs)
     except ShimError as e:
         return [_out("output", FAIL, str(e), "lucifer-shard verify OUT; if it is damaged, run the same convert with "
-                     "--resume (it rewrites only the damaged files)")]
+                     "--resume (it rewrites only the damaged files)", damage=True)]
     variant = f" ({m.moe_variant})" if m.moe_variant else ""
     checks = [_out("output", OK, f"{m.out}: conversion {m.conversion_id[:12]}, tp {m.tp_size}, arch "
                    f"{m.arch or ANY_ARCH}, experts {m.expert_layout} layout{variant}, roles {', '.join(m.roles)}")]
     from lucifer_shard.spec.manifest import copy_problems
 
-    checks.extend(_share_checks(m, node_ranks))
+    checks.extend(share_checks(m, node_ranks))
+    checks.append(rank_files_check(m, node_ranks))
     for name, problem in copy_problems(m.out, m.doc):  # vLLM reads OUT/config.json and the tokenizer
-        checks.append(_out(f"output {name}", FAIL, problem, "lucifer-shard verify OUT"))
+        checks.append(_out(f"output {name}", FAIL, problem, "lucifer-shard verify OUT", damage=True))
     checks.extend(_draft_checks(m, build, mtp))
     if verdicts is None:
         return checks

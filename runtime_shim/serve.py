@@ -12,7 +12,8 @@ from lucifer_shard.spec.config import MTP
 from lucifer_shard.spec.drafts import DRAFT_KINDS, speculative_config
 
 from . import settings, stock_vtp
-from .doctor import ENVIRONMENT, FAIL, OUTPUT, SKIP, Check, vllm_identity
+from .checks import ENVIRONMENT, FAIL, OUTPUT, SKIP, Check
+from .doctor import vllm_identity
 from .errors import ShimError
 from .patches import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND
 
@@ -109,20 +110,26 @@ def serve_argv(out_dir: str | Path, tp: int, extra_args: list[str] | tuple[str, 
 
 @dataclass(frozen=True)
 class Preflight:
-    """serve's reading of the checks. On a machine without vLLM (the conversion box) the environment
-    cannot be checked: its failures are shown as skipped, and only the output's count for the dry run."""
+    """serve's reading of the checks. A dry run on a machine without vLLM (the conversion box) cannot
+    check the environment: its failures are shown as skipped and only OUT's decide. serve itself never
+    skips one (it is about to exec vLLM here)."""
 
-    failed: tuple[Check, ...]  # the output's first, then the environment's
+    failed: tuple[Check, ...]  # of the shown checks: the output's first, then the environment's
     environment_checked: bool
     shown: tuple[Check, ...] = ()  # the checks as the report prints them (skipped ones as SKIP)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
 
     @property
     def output_ok(self) -> bool:
         return not any(c.scope == OUTPUT for c in self.failed)
 
     @property
-    def dry_run_ok(self) -> bool:
-        return self.output_ok and (not self.failed or not self.environment_checked)
+    def damaged(self) -> bool:
+        """A failure that finds OUT damaged or edited (kind mismatch, as every reader of OUT says it)."""
+        return any(c.damage for c in self.failed)
 
     def note(self) -> str | None:
         if self.environment_checked:
@@ -131,12 +138,12 @@ class Preflight:
                 "checked; run lucifer-shard doctor OUT (or this dry run) again on the serving host")
 
 
-def preflight(checks: list[Check]) -> Preflight:
-    failed = sorted((c for c in checks if c.status == FAIL), key=lambda c: c.scope != OUTPUT)
-    checked = vllm_identity()[0] is not None
-    shown = checks if checked else [
-        replace(c, status=SKIP, fix="") if c.scope == ENVIRONMENT and c.status == FAIL else c for c in checks]
-    return Preflight(tuple(failed), checked, tuple(shown))
+def preflight(checks: list[Check], dry_run: bool) -> Preflight:
+    skip = dry_run and vllm_identity()[0] is None
+    shown = [replace(c, status=SKIP, fix="") if skip and c.scope == ENVIRONMENT and c.status == FAIL else c
+             for c in checks]
+    failed = sorted((c for c in shown if c.status == FAIL), key=lambda c: c.scope != OUTPUT)
+    return Preflight(tuple(failed), not skip, tuple(shown))
 
 
 def exec_vllm(argv: list[str], env: dict[str, str] | None = None) -> None:

@@ -8,11 +8,14 @@
 3. prints, for each symbol whose source differs from the last vetted release, the unified diff of the
    two sources and whether its parameters still are the ones the wrapper expects: what the
    maintainer reads before accepting a hash;
-4. builds the release's CPU test venv (tools/vllm-env.sh) and runs the stock proofs on it, the
-   candidate row allowed in the test harness only (LUCIFER_VET_CANDIDATE, read by tests/shim);
+4. builds the release's CPU test venv (tools/vllm-env.sh: --venv, else $LUCIFER_VLLM_VENV, else
+   ~/.cache/lucifer-shard/vllm-VERSION) and runs the stock proofs on it, the candidate row allowed in
+   the test harness only (LUCIFER_VET_CANDIDATE, read by tests/shim);
 5. on success prints the `compat.Build` row to add to `compat.SUPPORTED_BUILDS`.
 
 Steps 4 and 5 need a checkout of lucifer-shard (tools/ and tests/). Imports nothing from vLLM.
+Exit 0: the row is printed; 1: the release failed vetting (a wrapped function gone or changed, or the
+stock proofs failed); 2: it could not be vetted (no such release, no wheel, a venv it may not use).
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lucifer_shard.guarded_io import read_regular
+
 from . import compat
 
 DIST = "vllm"
@@ -38,7 +43,39 @@ CANDIDATE_ENV = "LUCIFER_VET_CANDIDATE"  # the candidate row, JSON, for the test
 
 
 class VetError(Exception):
-    """One line: what failed and what to do."""
+    """One line: what failed and what to do. `exit_code` 2: vet could not judge the release; 1: the
+    release failed vetting."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+VENV_GIB = 9.5  # a vllm test venv on disk, measured (docs/vllm-releases.md)
+# tools/vllm-env.sh's stamp of the checkout its editable install points at ("<checkout> <pyproject hash>")
+PROJECT_STAMP = ".lucifer-project"
+
+
+def default_venv(version: str) -> Path:
+    """Where tools/vllm-env.sh puts the release's venv when no LUCIFER_VLLM_VENV names one (its rule)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "lucifer-shard" / f"{DIST}-{version}"
+
+
+def venv_problem(venv: Path) -> str | None:
+    """Why vet may not build or use `venv` (None: it may). Never another checkout's: vet points the venv's
+    editable install at this checkout, which would swap the code under that checkout's make test-shim."""
+    venv = venv.absolute()
+    if venv == ROOT or ROOT in venv.parents:
+        return f"the venv {venv} is inside the checkout {ROOT}; put it outside (--venv DIR)"
+    if venv.exists() and not venv.is_dir():
+        return f"the venv {venv} is a file; pass --venv DIR for a folder"
+    stamp = venv / PROJECT_STAMP
+    owner = read_regular(stamp, follow=True).decode().split(" ", 1)[0] if stamp.is_file() else None
+    if owner is not None and Path(owner) != ROOT:
+        return (f"the venv {venv} is installed for the checkout {owner} (its make test-shim uses it); pass --venv "
+                f"DIR for a venv of vet's own (about {VENV_GIB} GiB)")
+    return None
 
 
 def version_key(version: str) -> tuple[int, ...]:
@@ -67,7 +104,7 @@ def fetch_wheel(version: str, dest: Path) -> Path:
     if r.returncode or not wheels:
         tail = [ln for ln in (r.stderr or r.stdout).splitlines() if "is ignored" not in ln][-1:]
         raise VetError(f"pip download --no-deps {DIST}=={version} failed ({' '.join(tail) or 'no wheel'}); "
-                       f"check the version and the package index")
+                       f"check that {version} is a release of {DIST}, and the package index")
     return wheels[-1]
 
 
@@ -93,7 +130,7 @@ def candidate_row(version: str, wheel: Path, against: compat.Build) -> compat.Bu
     if missing or moved:
         raise VetError(f"{DIST} {version} lacks {', '.join(missing) or 'nothing'} and changed the parameters of "
                        f"{', '.join(moved) or 'nothing'}: the wrappers {', '.join(against.wrappers)} cannot be "
-                       f"installed on it as they are; port them first")
+                       f"installed on it as they are; port them first", exit_code=1)
     return dataclasses.replace(against, commit=version, label=against.label.replace(against.commit, version),
                                hashes={k: compat.source_hash(sources[k]) for k in needed}, flashinfer=wheel_pin(wheel, "flashinfer-python"),
                                install=f"pip install {DIST}=={version}")
@@ -141,25 +178,34 @@ def candidate_from_json(text: str) -> compat.Build:
     return compat.Build(**{**d, "branches": tuple(d["branches"]), "wrappers": tuple(d["wrappers"])})
 
 
-def run_proofs(version: str, candidate: compat.Build) -> int:
-    """The stock proofs on the release's CPU test venv (built on first use), the candidate row allowed."""
+def run_proofs(version: str, candidate: compat.Build, venv: Path) -> int:
+    """The stock proofs on the release's CPU test venv `venv` (built on first use), the candidate row
+    allowed: pytest's exit code. VetError when the venv cannot be made or used (not a failed proof)."""
     script = ROOT / "tools" / "vllm-env.sh"
     if not script.is_file():
         raise VetError(f"{script} not found: the proofs need a checkout of lucifer-shard installed editable "
                        f"(pip install -e); run vet from it, or pass --hashes-only")
-    env = {k: v for k, v in os.environ.items() if k != "LUCIFER_VLLM_VENV"}  # the release's own venv
-    env.update({"LUCIFER_VLLM_VERSION": version, CANDIDATE_ENV: candidate_json(candidate)})
+    env = {**os.environ, "LUCIFER_VLLM_VENV": str(venv), "LUCIFER_VLLM_VERSION": version}
+    print(f"$ LUCIFER_VLLM_VENV={venv} LUCIFER_VLLM_VERSION={version} bash tools/vllm-env.sh", flush=True)
+    made = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+    if made.returncode:
+        said = [ln for ln in made.stderr.splitlines() if ln.strip()][-1:]
+        raise VetError(f"the venv {venv} could not be made or used ({' '.join(said) or f'exit {made.returncode}'})")
     cmd = ["bash", str(script), "python", "-m", "pytest", "-q", "-m", "vllm", *STOCK_PROOFS]
-    print(f"$ LUCIFER_VLLM_VERSION={version} {' '.join(cmd[1:])}", flush=True)
-    return subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    print(f"$ {' '.join(cmd[1:])}", flush=True)
+    return subprocess.run(cmd, cwd=ROOT, env={**env, CANDIDATE_ENV: candidate_json(candidate)}).returncode
 
 
-def vet(version: str, against_version: str | None, hashes_only: bool, work: Path) -> int:
+def vet(version: str, against_version: str | None, hashes_only: bool, work: Path, venv: Path) -> int:
     against = next((b for b in stock_releases() if b.commit == against_version), None) if against_version \
         else last_vetted(version)
     if against is None:
         raise VetError(f"--against {against_version} is not a vetted {DIST} release "
                        f"({', '.join(b.commit for b in stock_releases())})")
+    problem = None if hashes_only else venv_problem(venv)
+    if problem:  # before the downloads: a venv it may not use is known at once
+        raise VetError(problem)
     wheel, against_wheel = fetch_wheel(version, work), fetch_wheel(against.commit, work)
     print(f"{wheel.name}, compared with the last vetted release {against_wheel.name}")
     hashes = compat.hashes_in_wheel(str(wheel))
@@ -169,7 +215,7 @@ def vet(version: str, against_version: str | None, hashes_only: bool, work: Path
     print("\n".join(diff) if diff else f"no symbol's source differs from {against.commit}")
     row = candidate_row(version, wheel, against)
     if not hashes_only:
-        rc = run_proofs(version, row)
+        rc = run_proofs(version, row, venv)
         if rc:
             print(f"vet {version}: the stock proofs failed (pytest exit {rc}); do not add the row", file=sys.stderr)
             return 1
@@ -181,21 +227,35 @@ def vet(version: str, against_version: str | None, hashes_only: bool, work: Path
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m lucifer_shard.runtime_shim.vet",
-                                description="Vet a stock vLLM release for the shim's wrappers (docs/vllm-releases.md).")
+                                description="Vet a stock vLLM release for the shim's wrappers (docs/vllm-releases.md).",
+                                epilog="Exit 0: the row is printed; 1: the release failed vetting; 2: it could not "
+                                       "be vetted (no such release, a folder or venv it may not use).")
     p.add_argument("version", help="the vLLM release, e.g. 0.35.0")
     p.add_argument("--against", help="the vetted release to diff with (default: the newest other one)")
     p.add_argument("--hashes-only", action="store_true", help="fetch, hash and diff; no venv, no proofs")
     p.add_argument("--wheels", type=Path, help="keep the wheels in this folder (default: a temporary one)")
+    p.add_argument("--venv", type=Path, help=f"the release's test venv for the stock proofs, built there once and "
+                   f"reused (about {VENV_GIB} GiB, a few minutes); its editable install is pointed at this checkout, "
+                   f"so vet refuses one installed for another checkout (default: $LUCIFER_VLLM_VENV, else "
+                   f"~/.cache/lucifer-shard/vllm-VERSION)")
     args = p.parse_args(argv)
+    if args.wheels is not None and args.wheels.exists() and not args.wheels.is_dir():
+        print(f"error: vet: --wheels {args.wheels}: a file, not a folder; pass a folder to keep the wheels in",
+              file=sys.stderr)
+        return 2
+    venv = args.venv or Path(os.environ.get("LUCIFER_VLLM_VENV") or default_venv(args.version))
     try:
         if args.wheels:
             args.wheels.mkdir(parents=True, exist_ok=True)
-            return vet(args.version, args.against, args.hashes_only, args.wheels)
+            return vet(args.version, args.against, args.hashes_only, args.wheels, venv)
         with tempfile.TemporaryDirectory(prefix="lucifer-vet-") as work:
-            return vet(args.version, args.against, args.hashes_only, Path(work))
+            return vet(args.version, args.against, args.hashes_only, Path(work), venv)
     except VetError as e:
         print(f"error: vet: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
+    except OSError as e:  # a --wheels folder it cannot make, a full disk: the machine's, one line
+        print(f"error: vet: {e.filename or ''}: {e.strerror}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ IO_MODULE_CALLS = {"os": {"open", "unlink", "remove", "rmdir", "removedirs", "re
 IO_METHODS = {"unlink", "rmdir", "rename", "read_text", "write_text", "read_bytes", "write_bytes", "touch", "open"}
 # (module, call as reported) -> why it is not a file of a user, a model or an output.
 IO_EXEMPT = {
-    ("lucifer_shard.engine.synth", "read_text"): "a preset config shipped inside the package",
+    ("lucifer_shard.engine.presets", "read_text"): "a preset config shipped inside the package",
     ("lucifer_shard.engine.job", "footprint.read_bytes"): "arithmetic: the bytes a plan reads",
     ("lucifer_shard.cli.console", "os.open"): "os.devnull, in place of a stdout that was closed",
     ("lucifer_shard.runtime_shim.compat", "f.read_text"): "vLLM's own sources in an unpacked wheel (the build table "

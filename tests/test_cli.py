@@ -442,3 +442,13 @@ def test_repo_id_from_the_cache(tmp_path):
     r = _plan_subprocess({"HF_HUB_CACHE": str(tmp_path / "hub")})
     assert r.returncode == 0, r.stderr
     assert "routed        2048      2112       704           768" in r.stdout
+
+
+@pytest.mark.parametrize("lead", [["--json"], ["-q", "--json"], ["-v"]])
+def test_conventions_before_the_command_are_the_commands(lead, converted):
+    """Issue 43 finding 16: `lucifer-shard --json inspect OUT` was refused ("No such option"); the flags every
+    command takes are taken before its name as after it."""
+    out = converted()
+    before = CliRunner().invoke(cli, [*lead, "inspect", str(out)])
+    after = CliRunner().invoke(cli, ["inspect", str(out), *lead])
+    assert before.exit_code == after.exit_code == 0 and before.stdout == after.stdout, before.output

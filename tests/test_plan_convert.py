@@ -306,3 +306,47 @@ def test_plan_resume_refuses_a_changed_source_as_convert_does(converted, tiny_pa
     planned, converting = run("plan", *args), run("convert", *args)
     assert planned.exit_code == converting.exit_code == 2
     assert planned.output == converting.output and "was started with other source" in planned.output, planned.output
+
+
+def _other_weights(tiny_random, tmp_path) -> Path:
+    """The tiny checkpoint with other weights (another seed): the same schema, headers and sizes."""
+    from lucifer_shard.engine.synth import synth
+
+    return synth("tiny", tmp_path / "other-weights", fill="random", seed=8, progress=False)
+
+
+def test_a_refused_resume_with_other_weights_leaves_out_as_it_was(converted, tiny_random, tmp_path):
+    """Issue 43 finding 16: convert --resume on a damaged output, given a same-schema checkpoint of other
+    weights, is refused by the content check of the first part it would rewrite; COMPLETE, the record and
+    every file stay as they were (COMPLETE used to go first)."""
+    out = tmp_path / "out"
+    shutil.copytree(converted(tiny_random, expert_layout="model"), out)
+    (out / "target" / "rank-1" / "part-00000.safetensors").unlink()
+    before = listing(out)
+    args = ["--tp", 3, "--arch", "sm120", "--expert-layout", "model", "--resume", _other_weights(tiny_random, tmp_path), out]
+    r = run("convert", *args)
+    assert r.exit_code == 2 and "holds other weights than the checkpoint" in r.output, r.output
+    assert listing(out) == before and (out / "COMPLETE").exists()
+    # plan agrees with convert's rule: a finished output of this conversion is repaired against its manifest,
+    # so the record's file stamps do not refuse it; whether the weights are the converted ones only the
+    # hashing of the parts to rewrite can say (docs/serving.md, issue 43)
+    assert run("plan", *args).exit_code == 0
+    repaired = run("convert", *args[:-2], tiny_random, out)
+    assert repaired.exit_code == 0 and "repaired: rewrote target/rank-1/part-00000.safetensors" in repaired.output
+
+
+def test_plan_and_resume_agree_on_an_intact_output_and_other_weights(converted, tiny_random, tmp_path):
+    """Nothing to rewrite: convert --resume reads no source byte and keeps OUT; plan said so too (it said
+    "source checkpoint changed since OUT was started" while convert answered "nothing to repair")."""
+    out = tmp_path / "out"
+    shutil.copytree(converted(tiny_random, expert_layout="model"), out)
+    args = ["--tp", 3, "--arch", "sm120", "--expert-layout", "model", "--resume", _other_weights(tiny_random, tmp_path), out]
+    planned, converting = run("plan", *args), run("convert", *args)
+    assert planned.exit_code == converting.exit_code == 0, (planned.output, converting.output)
+    assert "nothing to repair" in converting.output
+
+
+@pytest.mark.parametrize("spelling", ["SM120", "Sm120"])
+def test_arch_names_are_taken_in_any_case(spelling, tiny_pattern, tmp_path):
+    r = run("plan", "--tp", 3, "--arch", spelling, tiny_pattern, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["result"]["arch"] == "sm120", r.output

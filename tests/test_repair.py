@@ -92,7 +92,8 @@ def test_resume_restores_a_deleted_conversion_record(finished, tiny_pattern):
 
 def test_resume_refuses_a_source_with_other_weights_and_names_the_tensor(finished, tiny_pattern, tmp_path):
     """Same headers and sizes (same fingerprint), one tensor's bytes changed: the rewritten file's
-    content stamp would differ, so it is not published; the damaged file stays, COMPLETE goes."""
+    content stamp would differ, so it is not published; the refusal leaves OUT as it was: the damaged file
+    and COMPLETE stay (issue 43: COMPLETE went first, before the check)."""
     other = tmp_path / "other"
     shutil.copytree(tiny_pattern, other)
     index = json.loads((other / "model.safetensors.index.json").read_text())
@@ -112,7 +113,7 @@ def test_resume_refuses_a_source_with_other_weights_and_names_the_tensor(finishe
     line = r.output.strip().splitlines()[-1]
     assert line.startswith("error: --resume:") and key in line and "--force" in line, line
     assert (finished / "target/rank-0/part-00000.safetensors").read_bytes() == damaged
-    assert not list(finished.rglob("*.partial")) and not (finished / "COMPLETE").exists()
+    assert not list(finished.rglob("*.partial")) and (finished / "COMPLETE").exists()
     done = run(*ARGS, tiny_pattern, finished, "--resume")  # the converted source finishes it
     assert done.exit_code == 0, done.output
     assert run("diff", finished).exit_code == 0

@@ -136,3 +136,39 @@ def test_every_file_written_is_0666_minus_umask(tmp_path, umask):
     want = {rel: (0o777 if (tmp_path / rel).is_dir() else 0o666) & ~umask for rel in modes}
     assert "out/.lucifer/journal.jsonl" in modes and "out/.lucifer/lock" in modes
     assert {rel: oct(m) for rel, m in modes.items() if m != want[rel]} == {}
+
+
+def test_synth_checks_the_room_before_writing(tmp_path, monkeypatch):
+    """Issue 43 finding 15: `synth flash-layer --layers 40` ran a shared disk full before it cleaned up; now
+    the preset's bytes (engine/presets.py) are checked against the filesystem first, kind no_room, and
+    nothing is created."""
+    from click.testing import CliRunner
+
+    from lucifer_shard.cli import cli
+    from lucifer_shard.engine import diskspace
+    from lucifer_shard.engine.presets import preset_bytes
+
+    need = preset_bytes("flash-layer", 40)
+    monkeypatch.setattr(diskspace, "free_bytes", lambda path: need // 2)
+    out = tmp_path / "big"
+    r = CliRunner().invoke(cli, ["synth", "flash-layer", str(out), "--layers", "40", "--json"])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 2 and doc["error"]["kind"] == "no_room", r.output
+    assert f"({need:,} bytes: checkpoint shards and JSON files)" in doc["error"]["message"]
+    assert "then run synth flash-layer again" in doc["error"]["message"] and not out.exists()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "dspark"])
+def test_the_preset_bytes_synth_names_are_what_it_writes(tmp_path, preset):
+    """The room check's (and the help's) bytes: at least what synth writes, within 128 KiB of it (the bound on
+    the headers and JSON files)."""
+    from click.testing import CliRunner
+
+    from lucifer_shard.cli import cli
+    from lucifer_shard.engine.presets import preset_bytes
+    from lucifer_shard.units import size
+
+    out = synth(preset, tmp_path / preset, progress=False)
+    written = sum(p.stat().st_size for p in out.iterdir())
+    assert 0 <= preset_bytes(preset) - written <= 64 << 10 << 1, (preset_bytes(preset), written)
+    assert f"writes {size(preset_bytes(preset))}" in CliRunner().invoke(cli, ["synth", "--help"]).stdout

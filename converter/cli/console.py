@@ -61,7 +61,7 @@ QUIET: dict[str, tuple[str, tuple[str, ...]]] = {
     "synth": ("only the checkpoint's path", ("path",)),
     "stage": ("only DEST", ("dest",)),
     "doctor": ("nothing (the exit code is the answer)", ()),
-    "serve": ("only the vllm command line (with --dry-run)", ("command",)),
+    "serve": ("only the vllm command line (with --dry-run, when the preflight passes)", ("command",)),
 }
 
 
@@ -351,7 +351,8 @@ class Group(click.Group):
     has them."""
 
     def make_context(self, info_name, args, parent=None, **extra) -> click.Context:
-        argv = list(args)
+        argv = command_first(list(args)) if parent is None else list(args)
+        args = argv
         with _usage_errors(argv):
             ctx = super().make_context(info_name, args, parent, **extra)
         ctx.meta[f"{_META_KEY}.argv"] = argv
@@ -360,6 +361,21 @@ class Group(click.Group):
     def invoke(self, ctx: click.Context):
         with _usage_errors(ctx.meta.get(f"{_META_KEY}.argv", [])):
             return super().invoke(ctx)
+
+
+# Every command's own conventions: given before the command's name (`lucifer-shard --json verify OUT`),
+# they are the command's, as if given after it.
+CONVENTION_FLAGS = ("--json", "-q", "--quiet", "-v", "-vv", "--verbose")
+
+
+def command_first(argv: list[str]) -> list[str]:
+    """`argv` with the convention flags before the command's name moved after it."""
+    lead = 0
+    while lead < len(argv) and argv[lead] in CONVENTION_FLAGS:
+        lead += 1
+    if 0 < lead < len(argv) and not argv[lead].startswith("-"):
+        return [argv[lead], *argv[:lead], *argv[lead + 1:]]
+    return argv
 
 
 @contextlib.contextmanager

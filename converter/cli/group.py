@@ -47,7 +47,7 @@ def _route_help() -> str:
 def conversion_options(f):
     """The options that decide what a conversion writes (shared by plan and convert)."""
     for option in reversed((
-        click.option("--arch", type=click.Choice(ARCHES), default=None,
+        click.option("--arch", type=click.Choice(ARCHES, case_sensitive=False), default=None,
                      help="The serving GPU family: sm120/sm121/sm100 (MXFP4 x MXFP8 CUTLASS: swap + 128x4 scale "
                           "swizzle; sm121 is DGX Spark GB10, the SM120 family's layout) "
                           "or sm90 (MXFP4 x BF16: swap + nibble and scale interleave). Required by convert with "
@@ -56,7 +56,8 @@ def conversion_options(f):
                           "arch: without it the output serves on any GPU family (the manifest's arch is null)."),
         click.option("--expert-layout", type=click.Choice(["kernel", "model"]), default=None,
                      help="kernel: routed experts pre-laid-out for the FlashInfer-CUTLASS kernel of --arch, loaded "
-                          "verbatim (stock vLLM 0.33.0 with the plugin serves it on every arch); model: as vLLM holds "
+                          "verbatim (the plugin's re-layout wrapper on a vetted stock vLLM, which lucifer-shard doctor names; "
+                          "run on a GPU: sm90, vLLM 0.33.0); model: as vLLM holds "
                           "them before post-load processing (vLLM lays them out at load, for any MoE backend)  "
                           "[default: kernel with --arch, model without]"),
         click.option("--flashinfer-layout", type=click.Choice(["folded", "legacy"]), default=None,
@@ -197,6 +198,8 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     """
     from ..engine.job import prepare
     from ..engine.outstate import refuse_target
+    from ..engine.repair import reference
+    from ..guarded_io import Tree
     from ..spec.config import parse_config, read_config
     from ..spec.drafts import draft_record
     from ..spec.v41 import is_v41
@@ -225,7 +228,9 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
         # --resume trusts an earlier run only for the same source: with a local checkpoint, its
         # headers are read (as convert reads them) so that a changed source is refused here too.
         job = prepare(model, options) if resume and root is not None and is_checkpoint(Path(model)) else None
-        refuse_target(out, root, resume, force, job, options, planned_paths(specs, options))
+        # convert's rule: a finished output of this job is repaired against its manifest (engine/convert.py)
+        repair = job is not None and out.is_dir() and reference(Tree(out), job) is not None
+        refuse_target(out, root, resume, force, job, options, planned_paths(specs, options), repair)
     fp = plan_footprint_of(cfg, specs, p, options)
     room = room_of(fp, out, force)
     nodes = per_node(fp, p.tp)
@@ -294,7 +299,21 @@ def next_steps(out: Path) -> str:
             f"lucifer-shard serve {out} --dry-run")
 
 
-@cli.command()
+class SizedPresets(click.Command):
+    """synth: its help names the bytes each preset writes, computed from the preset (engine/presets.py)
+    when the help is shown, not at every start of the CLI."""
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from ..engine.presets import PRESETS, preset_bytes
+        from ..units import size
+
+        written = {p.replace("-", "_"): size(preset_bytes(p)) for p in PRESETS}
+        written["flash_layer_more"] = size(preset_bytes("flash-layer", 2) - preset_bytes("flash-layer", 1))
+        self.help = (self.help or "").format(**written) if "{" in (self.help or "") else self.help
+        super().format_help_text(ctx, formatter)
+
+
+@cli.command(cls=SizedPresets)
 @click.argument("preset", type=click.Choice(["tiny", "flash-layer", "flash-moe", "forward", "dspark"]))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--layers", type=click.IntRange(1, 64), default=None, help="Decoder layers (flash-layer: default 1).")
@@ -305,17 +324,22 @@ def next_steps(out: Path) -> str:
 @conventions(interrupted="interrupted: {out} holds a partial checkpoint; remove it and run synth again")
 def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_mtp: bool) -> None:
     """Write a synthetic checkpoint with the exact DeepSeek-V4-Flash schema into OUT, which must not
-    exist or be an empty directory.
+    exist or be an empty directory, after checking that OUT's filesystem has room for it.
 
     \b
     tiny         every padded axis at its real size (64 heads, 8 groups, routed and shared
-                 2048, vocab 1000), hidden 256, 8 experts, 4 layers (hash, SWA, C4, C128) + MTP
-    flash-layer  exact Flash dimensions, --layers K (default 1), for benchmarks
-    flash-moe    Flash expert geometry (hidden 4096, routed 2048, top-6), 1 layer, small rest
+                 2048, vocab 1000), hidden 256, 8 experts, 4 layers (hash, SWA, C4, C128) + MTP;
+                 writes {tiny}
+    flash-layer  exact Flash dimensions, --layers K (default 1), for benchmarks; writes
+                 {flash_layer} at --layers 1, {flash_layer_more} more per layer
+    flash-moe    Flash expert geometry (hidden 4096, routed 2048, top-6), 1 layer, small rest;
+                 writes {flash_moe}
     forward      tiny with what vLLM's DeepSeek-V4 CPU kernels require: head_dim 512,
-                 index_topk 512, 64 experts (about 300 MB; make test-forward)
+                 index_topk 512, 64 experts (make test-forward); writes {forward}
     dspark       tiny's target with DeepSeek-V4-Flash-0731's draft: a three-stage DSpark
-                 drafter (context projection, Markov rank 64, confidence head) under mtp.*
+                 drafter (context projection, Markov rank 64, confidence head) under mtp.*;
+                 writes {dspark}
+    (with the draft; --no-mtp writes less)
     """
     from ..engine.synth import synth as run
 

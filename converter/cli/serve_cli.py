@@ -5,13 +5,15 @@ imports vLLM at import time.
 """
 from __future__ import annotations
 
+import ipaddress
+import re
 import shlex
 import shutil
 from pathlib import Path
 
 import click
 
-from ..errors import CheckFailed, OutputError, PreflightFailed, UsageRefused
+from ..errors import CheckFailed, MismatchError, OutputError, PreflightFailed, UsageRefused
 from ..spec.config import MTP
 from ..spec.drafts import DRAFT_KINDS
 from .console import Console, conventions
@@ -44,6 +46,12 @@ def _failed(checks) -> list:
     from ..runtime_shim.doctor import FAIL
 
     return [c for c in checks if c.status == FAIL]
+
+
+def _refusal(failed: list, message: str, otherwise: type[CheckFailed] | type[PreflightFailed]):
+    """The error for failed checks: kind mismatch when one finds OUT damaged or edited (as every command
+    that reads OUT says it), else `otherwise` (check_failed, preflight_failed)."""
+    return (MismatchError if any(c.damage for c in failed) else otherwise)(message)
 
 
 def _manifest_or_none(out: Path | None):
@@ -89,7 +97,22 @@ def _nodes(nnodes: int | None, node_rank: int | None, master_addr: str | None,
                            "all three, or none for one node")
     if node_rank >= nnodes:
         raise UsageRefused(f"--node-rank {node_rank}: nodes are numbered 0..{nnodes - 1}")
+    if not is_host(master_addr):
+        raise UsageRefused(f"--master-addr {master_addr!r}: not a host name or IP address; pass node 0's address "
+                           f"(serve adds --headless itself on nodes above 0)")
     return {"nnodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
+
+
+HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def is_host(text: str) -> bool:
+    """A host name (RFC 1123 labels) or an IPv4/IPv6 address: what vLLM can connect to as --master-addr."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return len(text) <= 253 and HOST_NAME.fullmatch(text) is not None
 
 
 def _importing_note(con: Console) -> None:
@@ -145,7 +168,7 @@ def doctor(out: Path | None, draft: bool, mtp: bool) -> None:
              [format_report(checks, verbose=con.verbosity > 0), "", *guide_lines()])
     failed = _failed(checks)
     if failed:
-        raise CheckFailed(f"doctor: {len(failed)} check(s) failed; first: {failed[0]}")
+        raise _refusal(failed, f"doctor: {len(failed)} check(s) failed; first: {failed[0]}", CheckFailed)
 
 
 @click.command("serve", cls=ServeCommand)
@@ -238,31 +261,35 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
         checks = dr.doctor_report(out, mtp, node_ranks)
     else:  # before exec only what needs no vLLM import; the rest runs inside vLLM as it starts
         checks = dr.quick_checks(out, mtp, node_ranks, manifest)
-    verdict = sv.preflight(checks)
+    verdict = sv.preflight(checks, dry_run)
     notes = [n for n in (verdict.note(), sv.backends_remark() if backends is None and manifest is not None else None)
              if n]
     line = shlex.join(argv) if argv else None
     if dry_run:
-        tail = [line] if line else ["no command: OUT's manifest cannot be read (the output check above says why)"]
+        if line and not verdict.ok:  # a script capturing -q's line gets no command to run
+            line = None
+            tail = ["no command: the preflight failed (the FAIL lines above say what to fix)"]
+        else:
+            tail = [line] if line else ["no command: OUT's manifest cannot be read (the output check above says why)"]
         if line and nodes is not None:  # every node's command, this one's marked
             tail = ["every node's command (each on its own share: lucifer-shard stage OUT DEST --nnodes "
-                    f"{nnodes} --node-rank R; node 0 serves the API, start it first):"]
+                    f"{nnodes} --node-rank R; node 0 serves the API, start it first). Each names this box's "
+                    f"path, {out}: on another box put the path of that node's share there:"]
             for r in range(nnodes):
                 other = sv.serve_argv(out, tp, vllm_args, tokens, backends=backends, node={**nodes, "node_rank": r},
                                       expert_layout=layout, draft_kind=kind)
                 tail.append(f"  node {r}{' (this one)' if r == node_rank else ''}: {shlex.join([argv[0], *other[1:]])}")
-        con.emit({"preflight_ok": not verdict.failed, "output_ok": verdict.output_ok,
+        con.emit({"preflight_ok": verdict.ok, "output_ok": verdict.output_ok,
                   "environment_checked": verdict.environment_checked, "notes": notes,
-                  "checks": [c.to_dict() for c in verdict.shown], "argv": argv, "command": line},
+                  "checks": [c.to_dict() for c in verdict.shown], "argv": argv if line else None, "command": line},
                  [dr.format_report(list(verdict.shown), verbose=con.verbosity > 0), "", *notes, *tail])
     elif verdict.failed:
         click.echo("\n".join(str(c) for c in verdict.failed), err=True)
     else:
         con.note("; ".join([f"preflight passed ({len(checks)} checks before vLLM; vLLM's own run as it starts)",
                             *notes, f"exec {line}"]))
-    if verdict.failed and not (dry_run and verdict.dry_run_ok):
-        first = verdict.failed[0]
-        raise PreflightFailed(f"serve: preflight failed ({len(verdict.failed)} check(s)); first: {first}; "
-                              f"lucifer-shard doctor OUT shows every check")
+    if not verdict.ok:
+        raise _refusal(list(verdict.failed), f"serve: preflight failed ({len(verdict.failed)} check(s)); first: "
+                       f"{verdict.failed[0]}; lucifer-shard doctor OUT shows every check", PreflightFailed)
     if not dry_run:
         sv.exec_vllm(argv, sv.serve_environment(out, mtp))

@@ -281,10 +281,18 @@ def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dic
         if not record_ok:
             left.append(len(record_text(conversion_record(job)).encode()))
         check_room(out, left, partial_bytes(out, job), "run the same command with --resume")
-        tree.remove(COMPLETE_NAME)
-        remove_partials(out, job)
-        if not record_ok:  # what --force may delete, listed again
-            tree.write_bytes(RECORD_REL, record_text(conversion_record(job)).encode())
+        remove_partials(out, job)  # the tool's own temporaries of a stopped run, not the output
+        changed = False
+
+        def begin() -> None:
+            """The output's first change, once the source passed the first part's content check: a
+            refused MODEL (another checkpoint of the same schema) leaves OUT as it was, COMPLETE kept."""
+            nonlocal changed
+            if not changed:
+                changed = True
+                tree.remove(COMPLETE_NAME)
+                if not record_ok:  # what --force may delete, listed again
+                    tree.write_bytes(RECORD_REL, record_text(conversion_record(job)).encode())
         by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
         sizes = job.source_sizes
         pools = [ThreadPoolExecutor(1) if workers > 1 else None for _ in range(job.plan.tp)]
@@ -299,6 +307,7 @@ def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dic
 
                 def check(content: str, sources: dict[str, str], rel: str = rel, first: dict | None = first) -> None:
                     check_content(rel, rep.content[rel], content, sources, first, job.ckpt.root)
+                    begin()
 
                 keys = part_keys(by_name[part.role], part)
                 digests = ContentDigests({k: sizes[k] for k in keys})
@@ -312,6 +321,7 @@ def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dic
             for pool in pools:
                 if pool is not None:
                     pool.shutdown(wait=True)
+        begin()  # only copies or the record to rewrite: no part's check ran
         for name in rep.copies:
             tree.copy_in(job.ckpt.root / name, name)
         tree.write_bytes(COMPLETE_NAME, (job.cid + "\n").encode())

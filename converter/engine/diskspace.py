@@ -78,22 +78,23 @@ def shortfall(needed: int, free: int, given_back: int = 0) -> int:
     return max(0, needed - free - given_back)
 
 
-def check_room(out: Path, sizes: list[int], given_back: int, then: str) -> None:
-    """Refuse, before writing, when the files still to write do not fit, in bytes or in files the
-    filesystem can still create; `given_back`: bytes this run frees first (files --force deletes
-    that have no other link, a resumed run's partial files)."""
+def check_room(out: Path, sizes: list[int], given_back: int, then: str,
+               what: str = "rank files, journal, manifest, config and tokenizer copies") -> None:
+    """Refuse, before writing, when the files still to write (`sizes`, of `what`) do not fit, in bytes or
+    in files the filesystem can still create; `given_back`: bytes this run frees first (files --force
+    deletes that have no other link, a resumed run's partial files)."""
     need, free = on_disk(sizes, out), free_bytes(out)
     short = shortfall(need, free, given_back)
     if short:
         back = f" (+{size(given_back)} this run removes)" if given_back else ""
         raise NoRoom(f"{out}: not enough room on {filesystem(out)}: {size(sum(sizes))} still to write "
-                          f"({sum(sizes):,} bytes: rank files, journal, manifest, config and tokenizer copies), "
+                          f"({sum(sizes):,} bytes: {what}), "
                           f"{size(free)} free{back}; free {size(short)} more, then {then}, or choose an OUT on "
                           f"another filesystem")
     inodes = free_inodes(out)
     if inodes is not None and inodes < len(sizes) + INODE_SLACK:
         raise NoRoom(f"{out}: {filesystem(out)} can create only {inodes:,} more files (no free inodes) and "
-                          f"this conversion writes up to {len(sizes) + INODE_SLACK:,}; remove files there, then "
+                          f"this run writes up to {len(sizes) + INODE_SLACK:,}; remove files there, then "
                           f"{then}, or choose an OUT on another filesystem")
 
 

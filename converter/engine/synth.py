@@ -13,7 +13,6 @@ import hashlib
 import json
 import logging
 import stat
-from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
@@ -25,47 +24,12 @@ from ..errors import LuciferError, OutputError
 from ..guarded_io import Tree, kind, probe
 from ..spec.manifest import MANIFEST_NAME, STATE_DIR
 from ..spec.dtypes import TORCH_DTYPE
-from ..spec.config import DSPARK_FIELDS, ModelConfig, parse_config
-from ..spec.rules import DTYPE_SIZE, Source, expected_sources
+from ..spec.config import ModelConfig, parse_config
+from ..spec.rules import DTYPE_SIZE, Source
 from ..units import byte_bar
+from .diskspace import check_room
 from .fills import DEFAULT_FILL, FILLS
-
-PRESETS = {
-    "tiny": "tiny.json",
-    "flash-layer": "deepseek-v4-flash.json",
-    "flash-moe": "flash-moe.json",
-    # tiny's padded axes with the geometry vLLM's DeepSeek-V4 CPU kernels require (tests/forward):
-    # head_dim 512 (the sparse-MLA kernel and fp8_ds_mla cache), index_topk 512 (the CPU indexer's
-    # top-k), 64 experts (the CPU top-k routers take 64/128/256/384 only).
-    "forward": "forward.json",
-    # tiny's target with DeepSeek-V4-Flash-0731's draft: a three-stage DSpark drafter (the 0731 config's
-    # dspark_* keys, 0731's stale num_nextn_predict_layers 1) reading target layers 1-3, Markov rank 64
-    "dspark": "dspark.json",
-}
-MAX_SHARD_BYTES = 1 << 30
-
-
-def preset_config(preset: str, layers: int | None = None, mtp: bool = True) -> dict:
-    """The config dict of a preset; `layers` truncates the decoder (flash-layer), `mtp=False` drops MTP."""
-    if preset not in PRESETS:
-        raise LuciferError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    raw = json.loads(resources.files("lucifer_shard.configs").joinpath(PRESETS[preset]).read_text())
-    if preset == "flash-layer" and layers is None:
-        layers = 1
-    if layers is not None:
-        n, ratios = raw["num_hidden_layers"], raw["compress_ratios"]
-        if not 1 <= layers <= n:
-            raise LuciferError(f"--layers {layers}: preset {preset!r} has 1..{n} layers")
-        raw["compress_ratios"] = ratios[:layers] + ratios[n:]
-        raw["num_hidden_layers"] = layers
-        raw["num_hash_layers"] = min(raw["num_hash_layers"], layers)
-    if not mtp:
-        raw["compress_ratios"] = raw["compress_ratios"][: raw["num_hidden_layers"]]
-        raw["num_nextn_predict_layers"] = 0
-        for key in DSPARK_FIELDS:
-            raw.pop(key, None)
-    return raw
-
+from .presets import PRESETS, file_sizes, nbytes, ordered_sources, preset_config, shards  # noqa: F401 (PRESETS)
 
 logger = logging.getLogger("lucifer_shard.synth")  # -v prints "lucifer_shard.synth: ..."
 
@@ -117,30 +81,6 @@ def make_tensor(src: Source, cfg: ModelConfig, fill: str, seed: int) -> torch.Te
     return _random_tensor(src, cfg, np.random.default_rng(_seed(seed, src.key)))
 
 
-def _nbytes(src: Source) -> int:
-    return int(np.prod(src.shape)) * DTYPE_SIZE[src.dtype]
-
-
-def _shards(sources: list[Source]) -> Iterator[list[Source]]:
-    """Group keys in order into shards (at least four for small models, at most 1 GiB each)."""
-    limit = min(MAX_SHARD_BYTES, max(1, sum(map(_nbytes, sources)) // 4))
-    shard: list[Source] = []
-    size = 0
-    for src in sources:
-        nbytes = _nbytes(src)
-        if shard and size + nbytes > limit:
-            yield shard
-            shard, size = [], 0
-        shard.append(src)
-        size += nbytes
-    if shard:
-        yield shard
-
-
-def _order(src: Source) -> tuple:
-    return (src.layer if src.layer is not None else -1, src.key)
-
-
 def refuse_out(out: Path) -> None:
     """OUT must be absent or an empty directory: synth writes a whole checkpoint, config.json included,
     so anything already there (a finished output, another checkpoint, a user's files) would be mixed
@@ -179,11 +119,12 @@ def synth(preset: str, out: Path, layers: int | None = None, fill: str = DEFAULT
     cfg = parse_config(raw, f"preset {preset}")
     out = Path(out)
     refuse_out(out)
+    check_room(out, file_sizes(raw), 0, f"run synth {preset} again", what="checkpoint shards and JSON files")
     out.mkdir(parents=True, exist_ok=True)
     tree = Tree(out)
-    sources = sorted(expected_sources(cfg).values(), key=_order)
-    groups = list(_shards(sources))
-    total = sum(map(_nbytes, sources))
+    sources = ordered_sources(raw, f"preset {preset}")
+    groups = list(shards(sources))
+    total = sum(map(nbytes, sources))
     weight_map: dict[str, str] = {}
     bar = byte_bar(total, f"synth {preset}", progress)
     for n, group in enumerate(groups, 1):
@@ -195,7 +136,7 @@ def synth(preset: str, out: Path, layers: int | None = None, fill: str = DEFAULT
             logger.debug("%s: %s %s", src.key, tensors[src.key].dtype, list(tensors[src.key].shape))
         tree.write_bytes(name, save(tensors, metadata={"format": "pt"}))
         bar.update(sum(t.numel() * t.element_size() for t in tensors.values()))
-        logger.info("%s: %d tensor(s), %d bytes", name, len(tensors), sum(map(_nbytes, group)))
+        logger.info("%s: %d tensor(s), %d bytes", name, len(tensors), sum(map(nbytes, group)))
         del tensors
     bar.close()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

@@ -5,8 +5,9 @@ the real CLI's check of the flags it owns."""
 from __future__ import annotations
 
 import subprocess
-import time
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +89,16 @@ def test_a_run_cut_by_its_deadline_keeps_every_servers_log_tail_and_stops_them_a
     assert got["b"] == {"argv": exits, "env": {"X": "1"}, "started": False, "exit": 3,
                         "log_tail": "refused: verify=full"}
     assert "timed_out" in got["c"]
+
+
+def test_report_renders_the_one_gpu_section_from_its_committed_text():
+    """docs/gpu-validation.md is rendered by report.py: section 9 comes from tests/gpu/results/tp-one-gpu.md, and the
+    committed document holds what that renders."""
+    import report
+    from test_gpu_report import MACHINE
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "tests" / "gpu" / "results" / "tp-one-gpu.md").read_text()
+    section = f"## 9. {report.ONE_GPU_TP_TITLE}\n\n{text.strip()}\n"
+    assert section in report.render([], MACHINE, one_gpu_tp=text)
+    assert section in (root / "docs" / "gpu-validation.md").read_text()

@@ -101,3 +101,67 @@ def test_the_candidate_row_reaches_the_harness_intact(monkeypatch):
     sf.allow_vet_candidate()
     assert compat.SUPPORTED_BUILDS == (*committed, row)
     assert vet.stock_releases()[0] == row and vet.last_vetted("9.9.9").commit == "0.34.0"
+
+
+def _vet(*args: str, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """The vet command with pip kept off every index (PIP_NO_INDEX, an empty find-links): no network."""
+    import os
+    import tempfile
+
+    empty = tempfile.mkdtemp(prefix="lucifer-vet-links-")
+    offline = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": empty, "PIP_CONFIG_FILE": os.devnull,
+               **(env or {})}
+    try:
+        return subprocess.run([sys.executable, "-m", "lucifer_shard.runtime_shim.vet", *args], capture_output=True,
+                              text=True, env=offline, cwd=cwd)
+    finally:
+        os.rmdir(empty)
+
+
+def _one_line_error(r: subprocess.CompletedProcess, needle: str) -> None:
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert needle in r.stderr and len([ln for ln in r.stderr.splitlines() if ln.startswith("error")]) == 1, r.stderr
+
+
+def test_vet_refuses_a_wheels_path_that_is_a_file(tmp_path):
+    """Issue 43 finding 14: `--wheels EXISTING_FILE` ended in a FileExistsError traceback."""
+    wheels = tmp_path / "wheels"
+    wheels.write_text("")
+    _one_line_error(_vet("9.9.9", "--hashes-only", "--wheels", str(wheels)), f"--wheels {wheels}: a file, not a folder")
+
+
+def test_a_release_that_does_not_exist_cannot_be_vetted_exit_2():
+    r = _vet("9.9.9", "--hashes-only")
+    _one_line_error(r, "pip download --no-deps vllm==9.9.9 failed (")
+    assert "check that 9.9.9 is a release of vllm" in r.stderr
+
+
+def test_vet_never_takes_over_another_checkouts_venv(tmp_path):
+    """vet points the venv's editable install at its own checkout: a venv installed for another one (its
+    make test-shim's) is refused before any download, whether named by --venv or LUCIFER_VLLM_VENV."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / ".lucifer-project").write_text("/elsewhere/lucifer-shard 0123456789abcdef\n")
+    needle = f"the venv {theirs} is installed for the checkout /elsewhere/lucifer-shard"
+    _one_line_error(_vet("9.9.9", "--venv", str(theirs)), needle)
+    _one_line_error(_vet("9.9.9", env={"LUCIFER_VLLM_VENV": str(theirs)}), needle)
+    from lucifer_shard.runtime_shim import vet
+
+    _one_line_error(_vet("9.9.9", "--venv", str(vet.ROOT / "venv")), "is inside the checkout")
+
+
+def test_a_venv_that_vllm_env_refuses_is_not_a_failed_proof(tmp_path):
+    """A venv that tools/vllm-env.sh refuses (here: it holds another release) is reported as that, with
+    vllm-env's reason, not as "the stock proofs failed"."""
+    import pytest as _pytest
+
+    from lucifer_shard.runtime_shim import vet
+
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".lucifer-base-ok").write_text("vllm==0.1.0\n")
+    with _pytest.raises(vet.VetError) as e:
+        vet.run_proofs("9.9.9", _committed("0.34.0"), venv)
+    assert e.value.exit_code == 2 and f"the venv {venv} could not be made or used" in str(e.value)
+    assert "holds vllm==0.1.0, not vllm==9.9.9" in str(e.value), str(e.value)
+    assert sorted(p.name for p in venv.iterdir()) == [".lucifer-base-ok"]  # nothing built, nothing removed
