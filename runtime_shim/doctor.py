@@ -403,9 +403,36 @@ def _output_vllm_checks(m, verdicts: dict) -> list[Check]:
     from . import patches
 
     arch, cap = patches.device_arch()
+    checks.extend(_route_checks(m, arch, cap))
     if arch is not None:
         checks.extend(_arch_checks(m, arch, cap, verdicts[compat.POLICY].ok))
     return checks
+
+
+def _route_checks(m, arch: str | None, cap: str) -> list[Check]:
+    """OUT's MoE route (`Options.moe_backend`, spec/plan.MOE_ROUTES) on this host: its GPU families, and its
+    backend's package as vLLM imports it (b12x: `vllm.utils.b12x` finds a top-level `b12x`, which FlashInfer
+    0.7.x installs as an alias of its embedded copy, shadowing a standalone `b12x` from `vllm[b12x]`)."""
+    if m.moe_backend is None:
+        return []
+    from lucifer_shard.spec.plan import MOE_ROUTES
+
+    route = MOE_ROUTES[m.moe_backend]
+    width = m.plan["axes"]["routed"]["kernel_local"]
+    what = f"routed experts {width} wide per rank for vLLM's {m.moe_backend} MoE"
+    checks = []
+    if arch is not None and arch not in route.arches:
+        checks.append(_out("output MoE route", FAIL, f"{what}, which runs on {'/'.join(route.arches)} only; this GPU "
+                           f"is {cap} ({arch})", f"re-convert without --moe-backend {m.moe_backend}"))
+    try:
+        module = importlib.import_module(f"{m.moe_backend}.moe.fused_moe")
+    except Exception as e:  # noqa: BLE001 - any import failure is the answer
+        return checks + [_out("output MoE route", FAIL, f"{what}, whose package does not import here "
+                              f"({type(e).__name__}: {e})", f"pip install 'vllm[{m.moe_backend}]=={STOCK.commit}'")]
+    where = str(Path(module.__file__).parent)
+    source = ("FlashInfer's embedded copy (its top-level alias package shadows a standalone one)"
+              if "flashinfer" in where else f"{m.moe_backend} {_dist_version(m.moe_backend) or '(no version)'}")
+    return checks or [_out("output MoE route", OK, f"{what}: {m.moe_backend} imports from {where}, {source}")]
 
 
 def in_vllm_failures(out_dir: str | Path, mtp: bool) -> list[Check]:
@@ -425,6 +452,8 @@ def in_vllm_failures(out_dir: str | Path, mtp: bool) -> list[Check]:
 
 def _arch_checks(m, arch: str, cap: str, fork: bool) -> list[Check]:
     """OUT's arch against this GPU's family `arch` (capability `cap`)."""
+    if m.arch is None and m.moe_backend is not None:
+        return []  # its route fixes the GPU families (`_route_checks`)
     if m.arch is None:  # model layout for any family: serve picks this GPU's backends
         backends = serve_backends(None)
         picks = f"serve picks --attention-backend {backends[0]} --moe-backend {backends[1]}" if backends else \
@@ -495,18 +524,20 @@ def guide_lines() -> list[str]:
 
 # ---------------------------------------------------------------------------------- serve
 
-def serve_backends(arch: str | None, expert_layout: str = "model") -> tuple[str, str] | None:
-    """(attention backend, MoE backend) `serve` passes for an output converted for `arch`: the Lucifer
-    tuple on a vetted fork build (its policy accepts nothing else); on stock vLLM what it runs on that GPU
-    family (`stock_vtp.STOCK_BACKENDS`), also where vLLM is absent (the conversion box). For an output
-    converted without --arch (None), this GPU's family's; None where no GPU says which (the serving host
-    chooses). Imports no vLLM: the build is known from its package metadata, the GPU from nvidia-smi."""
+def serve_backends(arch: str | None, expert_layout: str = "model", moe_backend: str | None = None
+                   ) -> tuple[str, str] | None:
+    """(attention backend, MoE backend) `serve` passes for an output converted for `arch` (and MoE route
+    `moe_backend`, `Options.moe_backend`): the Lucifer tuple on a vetted fork build (its policy accepts nothing
+    else); on stock vLLM what it runs on that GPU family (`stock_vtp.STOCK_BACKENDS`), also where vLLM is absent
+    (the conversion box). For an output converted without --arch (None), this GPU's family's (the b12x route:
+    its own family's); None where no GPU says which (the serving host chooses). Imports no vLLM: the build is
+    known from its package metadata, the GPU from nvidia-smi."""
     build = identify_build(*vllm_identity())
     if build is not None and compat.POLICY in build.wrappers:
         return ATTENTION_BACKEND, MOE_BACKEND
-    if arch is None:
+    if arch is None and moe_backend is None:
         arch = local_arch()
-    return stock_vtp.stock_backends(arch, expert_layout) if arch else None
+    return stock_vtp.stock_backends(arch, expert_layout, moe_backend) if arch or moe_backend else None
 
 
 def local_arch() -> str | None:

@@ -70,17 +70,21 @@ def serve_environment(out_dir: str | Path, mtp: bool) -> dict[str, str]:
 def serve_argv(out_dir: str | Path, tp: int, extra_args: list[str] | tuple[str, ...] = (),
                mtp_tokens: int | None = None, vllm: str = "vllm",
                backends: tuple[str, str] | None = (ATTENTION_BACKEND, MOE_BACKEND),
-               node: dict | None = None, expert_layout: str = "kernel", draft_kind: str | None = MTP) -> list[str]:
+               node: dict | None = None, expert_layout: str = "kernel", draft_kind: str | None = MTP,
+               moe_route: str | None = None) -> list[str]:
     """The `vllm serve` command for OUT (`tp` from its manifest) with the given backends, its draft (of
     `draft_kind`, `mtp_tokens` per step) when `mtp_tokens`
     (`serve_backends`; None leaves them to vLLM) and, for one node of several, vLLM's multi-node
     flags (`node`: nnodes, node_rank, master_addr, master_port). Raises ShimError when the extra
     arguments set a flag lucifer-shard sets, or one the plugin refuses at load (`settings.REQUIRED`,
     the loader's --model-loader-extra-config). A model-layout output may take another --moe-backend
-    there: vLLM lays its experts out for whichever MoE kernel it runs."""
+    there (vLLM lays its experts out for whichever MoE kernel it runs), unless it is of a MoE route
+    (`moe_route`: b12x), whose width only that backend takes."""
     extra = list(extra_args)
     owned = {flag: "lucifer-shard serve sets it from the manifest" for flag in SERVE_FLAGS}
-    user_moe = expert_layout == "model" and "--moe-backend" in {settings.spelling(a)[0] for a in extra}
+    # a model-layout output of the default route may take another 128-rounding backend; the b12x route's width
+    # is its backend's alone (`moe_route`)
+    user_moe = expert_layout == "model" and moe_route is None and "--moe-backend" in {settings.spelling(a)[0] for a in extra}
     if user_moe:
         del owned["--moe-backend"]
     owned.update({flag: "it is serve's own option: pass it before `--`" for flag in NODE_FLAGS})

@@ -110,3 +110,20 @@ def test_a_scale_tail_that_is_not_0x00_is_refused_by_verify(converted, tmp_path)
     flip(path, offset, 0x7F)
     (pad,) = named(verify(out, progress=False), name, 2, "pad")
     assert pad.detail["region"] == [1, 20, 22] and pad.detail["file_offset"] == [offset]
+
+
+def test_serve_asks_vllm_for_b12x_and_refuses_another_moe_backend(converted):
+    """serve's command for a b12x output names vLLM's b12x MoE and the SM120 family's attention, whatever GPU
+    this box has (none here); a --moe-backend among the vLLM arguments is refused in one line, since only b12x
+    takes the 704 width (a default-route model-layout output may take another backend)."""
+    from test_serve_cli import run
+
+    out = converted(arch=None, expert_layout="model", moe_backend="b12x")
+    r = run("serve", out, "--dry-run", "--json")
+    command = json.loads(r.stdout)["result"]["command"]
+    assert "--attention-backend FLASHINFER_MLA_SPARSE_DSV4 --moe-backend b12x" in command, command
+    r = run("serve", out, "--dry-run", "--", "--moe-backend", "flashinfer_cutlass")
+    assert r.exit_code == 2 and "--moe-backend is in the vLLM arguments but lucifer-shard serve sets it" in r.output
+    assert r.output.strip().count("\n") == 0, r.output
+    default = converted(arch=None, expert_layout="model")
+    assert run("serve", default, "--dry-run", "--", "--moe-backend", "marlin").exit_code in (0, 1)

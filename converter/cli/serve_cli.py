@@ -240,7 +240,7 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     kind = manifest.draft_kind if manifest is not None else MTP
     tokens = (mtp_tokens or (manifest.draft_tokens if manifest is not None else 1)) if mtp else None
     layout = manifest.expert_layout if manifest is not None else "kernel"
-    backends = dr.serve_backends(arch, layout) if manifest is not None else None
+    backends = dr.serve_backends(arch, layout, manifest.moe_backend) if manifest is not None else None
     node_ranks = None  # the TP ranks this node runs: all of them on one node
     if tp is not None:
         from ..spec.share import node_ranks as ranks_of
@@ -249,7 +249,7 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     argv = None
     try:  # the refused vLLM arguments are refused whatever OUT is
         argv = sv.serve_argv(out, tp or 1, vllm_args, tokens, backends=backends, node=nodes, expert_layout=layout,
-                             draft_kind=kind)
+                             draft_kind=kind, moe_route=manifest.moe_backend if manifest is not None else None)
     except ShimError as e:
         raise UsageRefused(str(e)) from None
     if manifest is None:

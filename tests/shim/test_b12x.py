@@ -115,3 +115,23 @@ def test_a_backend_that_rounds_to_768_is_refused_in_one_line(world):
         err = rep["runs"]["cutlass"].get("error", "")
         assert "704 wide per rank for vLLM's b12x MoE" in err and "--moe-backend b12x" in err, err
         assert "\n" not in err
+
+
+def test_doctor_says_where_b12x_comes_from_and_refuses_another_gpu_family(world, monkeypatch):
+    """doctor's route check in this vLLM environment: on an SM120-family GPU it passes, naming where vLLM's
+    `b12x` imports from (FlashInfer's embedded copy behind its top-level alias, in these venvs); on an H200
+    (sm90) it fails, naming the route and the fix."""
+    from lucifer_shard.runtime_shim import doctor
+    from lucifer_shard.runtime_shim.manifest import load_manifest
+
+    m = load_manifest(world["out"])
+    (ok,) = doctor._route_checks(m, "sm121", "12.1")
+    assert ok.status == doctor.OK and "704 wide per rank for vLLM's b12x MoE" in ok.detail, ok
+    assert "imports from" in ok.detail and ("FlashInfer's embedded copy" in ok.detail or "b12x 1." in ok.detail), ok
+    (bad,) = doctor._route_checks(m, "sm90", "9.0")
+    assert bad.status == doctor.FAIL and "runs on sm120/sm121 only" in bad.detail
+    assert bad.fix == "re-convert without --moe-backend b12x"
+    monkeypatch.setattr(doctor.importlib, "import_module", lambda name: (_ for _ in ()).throw(ImportError("no b12x")))
+    (missing,) = doctor._route_checks(m, "sm120", "12.0")
+    assert missing.status == doctor.FAIL and "does not import here (ImportError: no b12x)" in missing.detail
+    assert missing.fix.startswith("pip install 'vllm[b12x]==")
