@@ -4,7 +4,8 @@ line, a stale temporary or a user's file in a rank folder. Each failing case hol
 
 * exit 2 with one `error:` line naming the path (or the limit) and the fault, of the kind
   `errors.ERROR_KINDS` gives that fault (`--json`'s error.kind), never an internal error;
-* no COMPLETE, none of the tool's `.partial` files left;
+* no COMPLETE once the run has changed OUT (a repair's first change comes after the first part's content
+  check: a fault before it leaves OUT as it was, COMPLETE included), none of the tool's `.partial` files left;
 * nothing of an earlier run lost: its rank files keep their inode, mtime and size, its journal
   lines stay the journal's start, its conversion record its bytes;
 * the source untouched, nothing written outside OUT (no log in the temporary folder either);
@@ -314,9 +315,13 @@ def test_file_size_limit_during_a_repair(tiny_pattern, finished):
     scene.files.pop(damaged)  # the repair's to rewrite
     r = Ran.of(subprocess_cli(*WHOLE, "--json", "--resume", tiny_pattern, finished,
                               limit=(resource.RLIMIT_FSIZE, 4 << 20)))
+    # the limit strikes while the first part to rewrite is written, before its content check: the repair
+    # has changed nothing yet, so OUT stays as it was, COMPLETE included (issue 43: a repair's first
+    # change comes after the check)
     scene.holds(r, "environment", "target/rank-1/.part-00000.safetensors.partial", "File too large",
                 "4,194,304 bytes (ulimit -f)", "--resume", case="RLIMIT_FSIZE 4 MiB during a --resume repair",
-                outcome="exit 2 naming the limit and the largest file; the sound files kept")
+                outcome="exit 2 naming the limit and the largest file; OUT as it was (COMPLETE kept: the repair "
+                        "had changed nothing)", untouched=True)
     scene.resumes(*WHOLE)
 
 

@@ -490,3 +490,21 @@ def test_master_addr_is_a_host_name_or_an_address(converted, addr):
 def test_master_addr_takes_hosts_and_addresses(converted, addr):
     r = run("serve", converted(), "--dry-run", "--nnodes", "3", "--node-rank", "0", "--master-addr", addr)
     assert r.exit_code == 0 and f"--master-addr {addr}" in r.stdout, r.output
+
+
+def test_each_gpu_row_of_the_proof_table_names_its_machine_model_and_vllm():
+    """Issue 43 finding 13: a GPU row says on which machine, with which model (a synth preset: no Flash
+    checkpoint ran on a GPU) and which vLLM (or none) it ran; what has not run is listed as not proven."""
+    from lucifer_shard.engine.presets import PRESETS
+
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("## Proof status", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[3:] if line.startswith("|")]
+    gpu = [(claim, status) for claim, status, _ in rows if status.startswith("proven") and "CPU" not in status]
+    assert gpu
+    for claim, status in gpu:
+        assert re.search(r"NVIDIA (H100|H200|B200|GB200|RTX|DGX)", status), status
+        assert any(f"`{p}`" in claim + status or f"synth {p}" in claim + status for p in PRESETS), claim
+        assert re.search(r"vLLM 0\.\d+\.\d+|no vLLM", status), status
+    unproven = [claim for claim, status, _ in rows if status.startswith("**not")]
+    assert any("0.34.0 on a GPU" in c for c in unproven) and any("a draft token" in c for c in unproven), unproven
