@@ -176,7 +176,8 @@ def doctor(out: Path | None, draft: bool, mtp: bool) -> None:
 @click.option("--dry-run", is_flag=True,
               help="Print the preflight report and the exact vllm command, run nothing. Exit 0 when the "
                    "preflight passes, and on a machine without vLLM (the conversion box) when OUT's own checks "
-                   "pass: the environment's are then skipped, to be run on the serving host.")
+                   "pass: the environment's are then skipped, to be run on the serving host. The command is "
+                   "printed only then.")
 @click.option("--draft", is_flag=True, help="Serve " + DRAFT_HELP.split(" ", 1)[1] + " Adds --speculative-config "
               "'{\"method\":M,\"num_speculative_tokens\":K}'.")
 @click.option("--mtp", is_flag=True, help=MTP_HELP)
