@@ -40,6 +40,9 @@ BASE_STAMP="$VENV/.lucifer-base-ok"        # the distribution + test deps instal
 PROJ_STAMP="$VENV/.lucifer-project"        # which clone (and pyproject) is installed editable
 
 log() { echo "$DIST-env: $*" >&2; }
+# A stamp is replaced, never written through: a venv copied with `cp -al` (hard links) must not rewrite
+# the original's stamp.
+stamp() { echo "$1" > "$2.tmp" && mv -f "$2.tmp" "$2"; }
 # pip's output goes to a log (this machine's pip.conf adds noisy find-links); shown on failure.
 pip_q() {
   local logf="$VENV.pip.log"
@@ -106,7 +109,7 @@ PYEOF
       log "this CPU lacks avx512_bf16: vllm._C not imported (the forward suite skips here)"
     fi
   fi
-  echo "$BASE" > "$BASE_STAMP"
+  stamp "$BASE" "$BASE_STAMP"
   rm -f "$PROJ_STAMP"
   log "created in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1) on disk"
 fi
@@ -117,7 +120,7 @@ want="$ROOT $(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"
 if [ ! -f "$PROJ_STAMP" ] || [ "$(cat "$PROJ_STAMP")" != "$want" ]; then
   log "installing $ROOT editable (--no-deps)"
   pip_q install -q --no-deps --no-build-isolation -e "$ROOT" || pip_q install -q --no-deps -e "$ROOT"
-  echo "$want" > "$PROJ_STAMP"
+  stamp "$want" "$PROJ_STAMP"
 fi
 
 if [ $# -eq 0 ]; then
