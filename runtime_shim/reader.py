@@ -2,9 +2,10 @@
 
 Each tensor is cut into chunks (`CHUNK`, 16 MiB) read with positional reads (`os.preadv`, which
 releases the GIL) at the offset its file's header gives, by a small pool of reader threads
-(`THREADS`): several reads are in flight at once, of the same tensor or the next ones. The calling
-thread hands out the chunks in file order and collects them in that order, so an error is the one a
-serial reader would have met first, and every thread is joined before it is raised.
+(`THREADS`: 4, fewer on a machine with fewer cores): several reads are in flight at once, of the
+same tensor or the next ones. The calling thread hands out the chunks in file order and collects
+them in that order, so an error is the one a serial reader would have met first, and every thread
+is joined before it is raised.
 
 A contiguous CPU destination is filled in place: one copy, page cache to parameter, as `cat` does,
 with no mmap page faults, no intermediate tensor and no file pages held in the process's RSS. Any
@@ -42,7 +43,9 @@ from .errors import ShimError
 
 CHUNK = 16 << 20  # bytes per read (and per ring slot)
 SLOTS = 8  # ring slots: chunks read, being copied or being hashed at once
-THREADS = 4  # reads in flight at once (os.preadv releases the GIL)
+# reads in flight at once (os.preadv releases the GIL); no more than the cores we may run on: each
+# read is a CPU copy out of the page cache, and more readers than cores only take turns
+THREADS = min(4, len(os.sched_getaffinity(0)))
 PINNED_BOUND_MIB = SLOTS * CHUNK >> 20  # host (pinned) memory a device load holds: 128 MiB
 MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20  # x86-64 / arm64 (4 KiB base pages) PMD size: the unit MADV_HUGEPAGE can fault in
