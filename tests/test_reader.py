@@ -2,10 +2,14 @@
 or through the host-buffer ring a GPU parameter takes, with BLAKE3 computed while reading."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from blake3 import blake3
-from safetensors.torch import save_file
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 
 from lucifer_shard.runtime_shim import reader
 from lucifer_shard.runtime_shim.errors import ShimError
@@ -105,3 +109,51 @@ def test_huge_page_advice_covers_only_whole_huge_pages_inside_each_destination(t
                                                                            (data.numel() + 777) % reader.HUGE_PAGE)
     assert start % reader.HUGE_PAGE == 0 and (end - start) // reader.HUGE_PAGE == 4
     assert reader.huge_page_interior(small.data_ptr(), 100) is None  # smaller than a huge page: no advice
+
+
+def _lucifer_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(("lucifer-read", "lucifer-hash"))]
+
+
+@pytest.mark.parametrize("digests", [False, True], ids=["plain", "hashed"])
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "host-ring"])
+def test_many_reads_in_flight_match_safetensors_own_reading(shard, digests, staged):
+    """Several readers, a ring smaller than the reads in flight could use, chunks that end inside
+    elements: every byte equals what safetensors itself reads, digests as serial BLAKE3."""
+    path, _ = shard
+    ref = load_file(str(path))
+    params, reads = _reads(path, ref)
+    got = reader.read_tensors(path, reads, digests=digests, staged=staged, threads=4, slots=3, chunk=1000)
+    for name, t in ref.items():
+        assert _raw(params[name][: t.shape[0]] if name == "d.sink" else params[name]) == _raw(t), name
+    assert got == ({n: blake3(_raw(t)).hexdigest() for n, t in ref.items()} if digests else {})
+    assert not _lucifer_threads()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chunk=st.integers(1, 70_000), slots=st.integers(1, 9), threads=st.integers(1, 5), staged=st.booleans())
+def test_any_chunk_and_ring_size_reads_the_same_bytes(shard, chunk, slots, threads, staged):
+    path, _ = shard
+    ref = load_file(str(path))
+    params, reads = _reads(path, ref)
+    got = reader.read_tensors(path, reads, digests=True, staged=staged, threads=threads, slots=slots, chunk=chunk)
+    for name, t in ref.items():
+        assert _raw(params[name][: t.shape[0]] if name == "d.sink" else params[name]) == _raw(t), name
+    assert got == {n: blake3(_raw(t)).hexdigest() for n, t in ref.items()}
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "host-ring"])
+@pytest.mark.parametrize("digests", [False, True], ids=["plain", "hashed"])
+def test_a_worker_error_reaches_the_caller_and_no_thread_outlives_it(shard, staged, digests):
+    """Truncated in the first tensor's middle with many small reads in flight: the serial reader's
+    message (the first short chunk in file order), raised once every worker was joined."""
+    path, tensors = shard
+    params, reads = _reads(path, tensors)
+    header = read_header(path)
+    cut = header.data_start + header.tensors["a.weight"].start + 20_000
+    path.write_bytes(path.read_bytes()[:cut])
+    with pytest.raises(ShimError) as e:
+        reader.read_tensors(path, reads, digests=digests, staged=staged, threads=4, slots=6, chunk=1024)
+    assert str(e.value) == (f"lucifer_tp3: {path} ends inside tensor a.weight (byte {cut} of the file); the file is "
+                            f"truncated, re-copy it or re-run lucifer-shard convert --resume")
+    assert not _lucifer_threads()

@@ -1,0 +1,48 @@
+"""bench/gpu_load.py's plumbing on CPU (`--device cpu --preset tiny`): the converter's output made,
+every loader run cold and warm and checked, the JSON written, the scratch tree removed. The figures
+themselves come from the H200 run, not from here."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def gpu_load():
+    spec = importlib.util.spec_from_file_location("gpu_load", REPO / "bench" / "gpu_load.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_one_invocation_measures_and_checks_every_loader(gpu_load, tmp_path, capsys):
+    work, out = tmp_path / "work", tmp_path / "r.json"
+    gpu_load.main(["--device", "cpu", "--preset", "tiny", "--reps", "2", "--work", str(work), "--json", str(out),
+                   "--slots", "2", "--chunk-mib", "1"])
+    res = json.loads(out.read_text())
+    assert not work.exists()
+    assert res["prepare"]["file_bytes"] > 0 and res["cold_method"] in ("drop_caches", "fadvise")
+    ours = ("safetensors", "lucifer digests=off", "lucifer digests=on")
+    assert set(ours) <= res["loaders"].keys()
+    for name in ours:
+        rec = res["loaders"][name]
+        assert "error" not in rec and len(rec["cold"]) == len(rec["warm"]) == 2, (name, rec)
+        assert rec["warm_vs_best_peer"] == pytest.approx(rec["warm_median"] / max(
+            r["warm_median"] for n, r in res["loaders"].items() if not n.startswith("lucifer")), abs=1e-3)
+    assert set(res["skipped"]) | res["loaders"].keys() >= set(gpu_load.PEERS)
+    printed = capsys.readouterr().out
+    assert "| lucifer digests=on |" in printed and str(out) in printed
+
+
+def test_a_wrong_byte_fails_the_check(gpu_load):
+    ref = {"a": torch.arange(10, dtype=torch.uint8), "b": torch.zeros(3, dtype=torch.uint8)}
+    got = {"a": ref["a"].clone(), "b": torch.tensor([0, 0, 1], dtype=torch.uint8)}
+    gpu_load.check({"a": ref["a"].clone(), "b": ref["b"].clone()}, ref)
+    with pytest.raises(RuntimeError, match="1 tensors differ from the reference, e.g. b"):
+        gpu_load.check(got, ref)
