@@ -17,6 +17,8 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import EnvironmentRefused, Locked, OutputError
@@ -148,6 +150,27 @@ def writer_of(out: Path) -> str | None:
     finally:
         os.close(fd)  # also drops the probe's shared lock
     return None
+
+
+@contextmanager
+def reading(out: Path, command: str) -> Iterator[None]:
+    """OUT's writer lock held shared while `command` reads OUT (stage: for the whole of its copy), so
+    that no convert starts rewriting it meanwhile; Locked when a convert holds it now. Creates
+    nothing: an OUT without a state folder (copied without `.lucifer/`) has no writer to wait for."""
+    try:
+        fd = Tree(out).open_read(LOCK_REL)
+    except (FileNotFoundError, NotADirectoryError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Locked(f"{out} is being written by lucifer-shard convert ({describe(_read_record(fd))}); run "
+                         f"{command} when it has finished") from None
+        yield
+    finally:
+        os.close(fd)  # drops the shared lock
 
 
 def refuse_if_written(out: Path, command: str) -> None:
