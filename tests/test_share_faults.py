@@ -139,6 +139,18 @@ def test_2_every_reader_of_a_damaged_share_says_stage_it_again(converted, tmp_pa
     assert "stage the share again" in r.stderr and "--resume" not in r.stderr and "--force" not in r.stderr
 
 
+def test_2_an_edited_copy_in_a_share_names_the_share_fix(converted, tmp_path):
+    dest = tmp_path / "node1"
+    assert run("stage", converted(), dest, "--ranks", 1).exit_code == 0
+    cfg = dest / "config.json"
+    data = cfg.read_bytes()
+    cfg.unlink()  # the link: OUT's copy stays
+    cfg.write_bytes(data.replace(b"1", b"2", 1))
+    r = run("verify", dest)
+    assert r.exit_code == 1 and "config.json" in r.stderr and "stage the share again" in r.stderr, r.output
+    assert "convert --force" not in r.stderr and "--resume" not in r.stderr
+
+
 # ---------------------------------------------------------------- 3: diff never OK having compared nothing
 
 
@@ -194,7 +206,7 @@ def test_5_stage_waits_for_no_convert_and_holds_outs_lock(out, tmp_path):
         assert r.exit_code == 2 and "being written by lucifer-shard convert" in r.stderr, r.output
         assert not (tmp_path / "node1").exists()
     with reading(out, "stage"):  # a stage running: a convert cannot take OUT
-        with pytest.raises(Locked):
+        with pytest.raises(Locked, match="is being read by lucifer-shard stage"):
             OutLock(out).acquire()
 
 

@@ -33,7 +33,7 @@ from ..spec.manifest import copy_problems, file_digest
 from ..units import byte_bar, duration, rate, size
 from .pads import check_pads, check_scales, chunk_slices, is_scale, to_model
 from .rankfile import CHUNK_BYTES, HeaderTensor, RankFile, byte_shape, read_rows, row_chunks, scratch
-from .report import Problem, Report
+from .report import REPAIR, Problem, Report
 from .structure import check_manifest_rules, check_strays, is_replicated, manifest_files, open_files, read_manifest, usable
 
 logger = logging.getLogger("lucifer_shard.verify")  # -v: a line per rank file, -vv: per tensor
@@ -63,7 +63,7 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
         report.add(Problem("manifest", f"{e}; cannot check the manifest against the rule table", file="config.json"))
     if cfg is not None:
         check_manifest_rules(report, manifest, cfg)
-    for name, problem in copy_problems(out, manifest):
+    for name, problem in copy_problems(out, manifest, None if report.repair == REPAIR else report.repair):
         report.add(Problem("file", problem, file=name))
     check_strays(report, out, manifest)
     files = open_files(report, out, manifest)

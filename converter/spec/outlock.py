@@ -48,6 +48,15 @@ def _read_record(fd: int) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def _shared(fd: int) -> bool:
+    """Whether the lock `fd` could not take exclusively is held only shared (by readers)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True  # the caller closes fd, which drops this shared lock
+
+
 def describe(record: dict | None) -> str:
     """'pid 123 on host, started 2025-01-01T10:00:00+00:00' (or what is known of it)."""
     if not record:
@@ -94,10 +103,14 @@ class OutLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 record = _read_record(fd)
+                read_only = _shared(fd)  # held shared past a probe's grace: a stage copying OUT
                 os.close(fd)
                 if time.monotonic() < deadline:
                     time.sleep(0.01)
                     continue
+                if read_only:
+                    raise Locked(f"{self.out} is being read by lucifer-shard stage; wait for it to finish, then "
+                                 f"run again") from None
                 raise Locked(f"{self.out} is locked by another writer ({describe(record)}); wait for it to "
                                   f"finish or stop it, then run again") from None
             if self._same_file(fd):
