@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from ..errors import MismatchError, OutputError
-from ..proof.report import REPAIR, Report
+from ..proof.report import Report
 from ..proof.structure import open_files, read_manifest
 from ..spec.share import describe, read_share
 from ..spec.manifest import MANIFEST_NAME, complete_problem, digest_ok, parse_manifest, read_manifest_bytes
@@ -36,10 +36,12 @@ def _fail(report, noun: str, fix: str) -> None:
     if p is not None and p.file and p.file not in first:
         offs = p.detail.get("file_offset")
         where = f" [{p.file}" + (f" byte {offs[0]}" if offs else "") + "]"
-    raise MismatchError(f"{report.command}: {report.count} {noun}; first: {first}{where}; {fix}")
+    raise MismatchError(f"{report.command}: {report.count} {noun}; first: {first}{where}; "
+                        f"{fix.format(repair=report.repair)}")
 
 
-DAMAGED = f"OUT is damaged or mixed: {REPAIR} (verify OUT names every problem)"
+# `{repair}`: the report's fix (a node's share is staged again, a whole output repaired by convert)
+DAMAGED = "OUT is damaged or mixed: {repair} (verify OUT names every problem)"
 
 
 def out_dir(out: Path) -> Path:
@@ -118,7 +120,7 @@ def diff(out: Path, model: str | None, max_mismatches: int, workers: int | None,
     _report(out, lambda: run(out, model, max_mismatches=max_mismatches, progress=progress, workers=workers,
                              keep_going=keep_going),
             diff_lines, "difference(s)",
-            f"OUT is not MODEL: {REPAIR} (or pass the MODEL it was converted from)")
+            "OUT is not MODEL: {repair} (or pass the MODEL it was converted from)")
 
 
 @click.command("verify")
@@ -139,7 +141,7 @@ def verify(out: Path, max_mismatches: int) -> None:
 
     progress = Console.of().progress
     _report(out, lambda: run(out, max_problems=max_mismatches, progress=progress), verify_lines, "problem(s)",
-            f"OUT is damaged or mixed: {REPAIR} (diff OUT MODEL locates every byte)")
+            "OUT is damaged or mixed: {repair} (diff OUT MODEL locates every byte)")
 
 
 @click.command("inspect")
@@ -173,12 +175,16 @@ def share_line(share: dict) -> str:
 def summarize(out: Path) -> dict:
     out = out_dir(out)
     m = parse_manifest(read_manifest_bytes(out), out / MANIFEST_NAME)
-    share = read_share(out, m.get("conversion_id"))
+    try:
+        share = read_share(out, m.get("conversion_id"), m.get("tp_size"))
+        held = share["ranks"] if share is not None else None
+    except OutputError:  # structure's finding (exit 1 after the summary): no rank counts as the share's
+        share, held = None, []
     roles = {}
     for role, rdoc in (m.get("roles") or {}).items():
         ranks = []
         for entry in rdoc.get("ranks") or []:
-            if share is not None and entry.get("rank") not in share["ranks"]:
+            if held is not None and entry.get("rank") not in held:
                 continue
             tensors = entry.get("tensors") or {}
             data = pad = 0

@@ -150,6 +150,24 @@ def options_from(tp: int, arch: str | None, expert_layout: str | None, flashinfe
                    align=align, moe_backend=moe_backend)
 
 
+class Writes(click.Command):
+    """A command that writes (convert, stage): `--dry-run`, the `hf` habit, is answered with the command
+    that is its dry run, `plan`, which writes nothing."""
+
+    dry_run = {"convert": "lucifer-shard plan takes convert's arguments and options, makes its checks and "
+                          "writes nothing",
+               "stage": "lucifer-shard plan MODEL OUT --tp N shows the bytes each node's share holds, and stage "
+                        "run again keeps every file already in DEST that checks out"}
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as e:
+            if e.option_name != "--dry-run":
+                raise
+            raise click.UsageError(f"No such option: --dry-run ({self.dry_run[self.name]})", ctx) from None
+
+
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
              epilog="\b\nExit codes (every command; --json's error.kind in brackets):\n"
                     + "\n".join(exit_code_lines()))
@@ -249,7 +267,7 @@ def _refuse_resume_force(resume: bool, force: bool) -> None:
         raise UsageRefused("--resume keeps the finished files of OUT and --force deletes them; pass one")
 
 
-@cli.command()
+@cli.command(cls=Writes)
 @TP
 @click.argument("model")
 @click.argument("out", type=click.Path(path_type=Path))
@@ -348,7 +366,7 @@ def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_m
     con.emit({"preset": preset, "path": str(path)}, [f"wrote {preset} checkpoint to {path}"])
 
 
-@cli.command()
+@cli.command(cls=Writes)
 @click.argument("out", type=click.Path(path_type=Path))
 @click.argument("dest", type=click.Path(path_type=Path))
 @click.option("--ranks", default=None, metavar="K[,K...]", help="The TP ranks the node runs, e.g. --ranks 1.")

@@ -16,6 +16,7 @@ from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, Options, ma
 from ..spec.outlock import writer_of
 from ..guarded_io import Refused, Tree, kind, naming, partial_name
 from ..outnames import strays
+from ..spec.share import SHARE_NAME, SHARE_REPAIR
 from ..spec.source import side_files
 from .job import Job, part_keys
 from .manifest_writer import build_manifest
@@ -63,6 +64,9 @@ def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Op
     conversion record, is the reference: the files rewritten from the source must carry their
     recorded content stamps."""
     tree = Tree(out)
+    if tree.lstat(SHARE_NAME) is not None:  # --force would delete it, --resume fill it with every rank
+        raise OutputError(f"{out} is a node's share ({SHARE_NAME}, written by stage), not an output convert "
+                          f"writes; {SHARE_REPAIR}; convert into a new directory otherwise")
     others = [n for n in tree.entries() if n != STATE_DIR]
     ours = is_output(tree)
     if ours and not force:  # --force names them among what it will not delete

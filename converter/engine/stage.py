@@ -1,27 +1,39 @@
 """`lucifer-shard stage OUT DEST`: write one node's share of a finished output (spec/share.py).
 
 Each file goes in by a hard link when DEST is on OUT's filesystem (no byte copied), otherwise by a
-copy that is hashed while it is written and read back before it is published. Nothing outside DEST is
-written (guarded_io.Tree). Order: the manifest and the copies, the rank files, `lucifer-share.json`,
-`COMPLETE` last, so a stage stopped part-way is an unfinished share that the same command finishes:
-a file already in DEST is kept when it is the same inode as OUT's (a link) or has its size and
-bytes (a copy), and a file left half-written under its temporary name is removed by the next run.
+copy that is hashed while it is written and read back before it is published. What is placed is
+checked against the manifest, not against OUT's bytes alone: every file's size; the manifest's and
+the small side files' digests always; a rank file's digest (over its header and tensor digests, as
+verify computes it) when it is copied. A file already in DEST is kept when it is the same inode as
+OUT's (a link) or verifies against the manifest (a copy), and is never replaced by bytes that do not.
+Nothing outside DEST is written (guarded_io.Tree). Order: the manifest and the copies, the rank
+files, `lucifer-share.json`, `COMPLETE` last, so a stage stopped part-way is an unfinished share that
+the same command finishes; a file left half-written under its temporary name is removed by the next
+run. OUT is held with a shared lock on its writer lock for the whole stage (no convert rewrites it
+meanwhile), DEST with an exclusive lock on its directory (one stage at a time).
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from blake3 import blake3
 
-from ..errors import OutputError, UsageRefused
-from ..guarded_io import Tree, write_all
-from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, complete_problem, load_manifest
+from ..errors import Locked, MismatchError, OutputError, UsageRefused
+from ..guarded_io import Tree, naming, write_all
+from ..outnames import strays
+from ..spec.manifest import (COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, complete_problem, file_digest, load_manifest,
+                             read_manifest_bytes)
+from ..spec.outlock import reading
 from ..spec.share import SHARE_NAME, describe, read_share, share_doc, share_text
+from ..spec.stheader import Header, HeaderError, read_header
 from ..units import duration, size
 
 logger = logging.getLogger("lucifer_shard.stage")
@@ -50,21 +62,26 @@ class StageSummary:
                 f"time       {duration(self.seconds)}"]
 
 
-def share_files(manifest: dict, ranks: list[int]) -> list[tuple[str, int]]:
-    """(path, bytes) of every file a share of `ranks` holds but COMPLETE and the share record: the
-    manifest first (a DEST stopped part-way is then known as this output's share), the copies, then
-    each role's rank files of those ranks."""
-    files = [(MANIFEST_NAME, -1)]  # its size is the file's
-    files += [(name, rec["bytes"]) for name, rec in sorted(manifest["copies"].items())]
-    for role, doc in manifest["roles"].items():
+@dataclass(frozen=True)
+class Want:
+    """A file of a share as the manifest records it."""
+
+    rel: str
+    bytes: int
+    digest: str  # "blake3:..."
+    rank_file: bool  # the digest is over the header and tensor digests (`file_digest`), else over the bytes
+
+
+def share_files(manifest: dict, ranks: list[int], manifest_bytes: bytes) -> list[Want]:
+    """Every file a share of `ranks` holds but COMPLETE and the share record: the manifest first (a
+    DEST stopped part-way is then known as this output's share), the copies, then each role's rank
+    files of those ranks."""
+    files = [Want(MANIFEST_NAME, len(manifest_bytes), "blake3:" + blake3(manifest_bytes).hexdigest(), False)]
+    files += [Want(name, rec["bytes"], rec["digest"], False) for name, rec in sorted(manifest["copies"].items())]
+    for doc in manifest["roles"].values():
         for rank in ranks:
-            files += [(f["path"], f["bytes"]) for f in doc["ranks"][rank]["files"]]
+            files += [Want(f["path"], f["bytes"], f["digest"], True) for f in doc["ranks"][rank]["files"]]
     return files
-
-
-def share_bytes(manifest: dict, ranks: list[int]) -> int:
-    """The rank files' bytes of a share of `ranks` (what a node needs beyond a few small files)."""
-    return sum(n for _, n in share_files(manifest, ranks) if n > 0)
 
 
 def stage(out: Path, dest: Path, ranks: list[int], nnodes: int | None = None, node_rank: int | None = None) -> StageSummary:
@@ -72,36 +89,66 @@ def stage(out: Path, dest: Path, ranks: list[int], nnodes: int | None = None, no
     out, dest = Path(out), Path(dest)
     if not out.is_dir():
         raise OutputError(f"{out}: no such output directory")
-    if read_share(out) is not None:
+    if Tree(out).lstat(SHARE_NAME) is not None:
         raise UsageRefused(f"{out} is itself a node's share; stage from the whole output convert wrote")
-    manifest = load_manifest(out)
-    problem = complete_problem(out, manifest["conversion_id"])
-    if problem:
-        raise OutputError(f"{out}: {problem}")
-    _refuse_dest(out, dest, manifest, ranks)
+    _refuse_dest_path(out, dest)
+    with reading(out, "stage"):  # no convert rewrites OUT while its files are placed
+        manifest = load_manifest(out)
+        problem = complete_problem(out, manifest["conversion_id"])
+        if problem:
+            raise OutputError(f"{out}: {problem}")
+        wants = share_files(manifest, ranks, read_manifest_bytes(out))
+        src = Tree(out)
+        for want in wants:  # before DEST changes: a damaged OUT is named, not staged
+            _check_source(src, want)
+        dest.mkdir(parents=True, exist_ok=True)  # DEST itself, as convert makes OUT; below it only through Tree
+        with _only_stage(dest):
+            _refuse_dest(dest, manifest, ranks, wants)
+            return _stage_locked(src, Tree(dest), manifest, ranks, wants, nnodes, node_rank, t0)
+
+
+def _stage_locked(src: Tree, tree: Tree, manifest: dict, ranks: list[int], wants: list[Want], nnodes: int | None,
+                  node_rank: int | None, t0: float) -> StageSummary:
     doc = share_doc(manifest["conversion_id"], manifest["tp_size"], ranks, nnodes, node_rank)
-    dest.mkdir(parents=True, exist_ok=True)  # DEST itself, as convert makes OUT; below it only through Tree
-    src, tree = Tree(out), Tree(dest)
-    summary = StageSummary(str(out), str(dest), doc)
-    tree.remove(COMPLETE_NAME)  # a stage that changes DEST is unfinished until it ends
-    for rel, _ in share_files(manifest, ranks):
-        how = _place(src, tree, rel)
+    summary = StageSummary(str(src.root), str(tree.root), doc)
+    with _named(tree.path(COMPLETE_NAME)):
+        tree.remove(COMPLETE_NAME)  # a stage that changes DEST is unfinished until it ends
+    for want in wants:
+        how = _place(src, tree, want)
         setattr(summary, how, getattr(summary, how) + 1)
-        summary.bytes += tree.lstat(rel).st_size
-        summary.files.append(rel)
-        logger.info("%s: %s", rel, how)
-    tree.write_bytes(SHARE_NAME, share_text(doc).encode())
-    tree.write_bytes(COMPLETE_NAME, src.read(COMPLETE_NAME))
+        summary.bytes += want.bytes
+        summary.files.append(want.rel)
+        logger.info("%s: %s", want.rel, how)
+    with _named(tree.path(SHARE_NAME)):
+        tree.write_bytes(SHARE_NAME, share_text(doc).encode())
+    with _named(tree.path(COMPLETE_NAME)):
+        tree.write_bytes(COMPLETE_NAME, src.read(COMPLETE_NAME))
     summary.seconds = time.perf_counter() - t0
     return summary
 
 
-def _refuse_dest(out: Path, dest: Path, manifest: dict, ranks: list[int]) -> None:
-    """DEST must be new, empty, or an unfinished or finished share of the same conversion and ranks."""
+@contextmanager
+def _only_stage(dest: Path) -> Iterator[None]:
+    """DEST's directory locked for this stage alone (flock on the directory: nothing is written for it)."""
+    with Tree(dest).directory() as fd:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Locked(f"{dest} is being staged by another lucifer-shard stage; wait for it to finish, then run "
+                         f"this stage again (or stage into another DEST)") from None
+        yield  # closing the descriptor drops the lock
+
+
+def _refuse_dest_path(out: Path, dest: Path) -> None:
     if dest.resolve() == out.resolve() or out.resolve() in dest.resolve().parents:
         raise UsageRefused(f"{dest}: inside the output {out}; stage into a directory of its own")
     if dest.exists() and not dest.is_dir():
         raise OutputError(f"{dest}: a file, not a directory; choose another DEST")
+
+
+def _refuse_dest(dest: Path, manifest: dict, ranks: list[int], wants: list[Want]) -> None:
+    """DEST must be empty, or an unfinished or finished share of the same conversion, source content
+    and ranks, holding nothing in its role and rank folders but that share's files."""
     tree = Tree(dest)
     entries = tree.entries()
     if not entries:
@@ -111,67 +158,177 @@ def _refuse_dest(out: Path, dest: Path, manifest: dict, ranks: list[int]) -> Non
     there = None
     if MANIFEST_NAME in entries:
         try:
-            there = load_manifest(dest, check_digest=False)["conversion_id"]
+            there = load_manifest(dest, check_digest=False)
         except OutputError:
             there = None
-    if there != manifest["conversion_id"]:
+    if there is None or there["conversion_id"] != manifest["conversion_id"]:
         raise OutputError(f"{dest}: not empty and not a share of this output; stage into a new or empty directory")
-    share = read_share(dest)
+    theirs, ours = (((m.get("source") or {}).get("content") or {}).get("digest") for m in (there, manifest))
+    if theirs != ours:  # same headers and options, other weights: a share of another checkpoint
+        raise OutputError(f"{dest}: a share of other weights (source content {str(theirs)[:20]}..., OUT's "
+                          f"{str(ours)[:20]}...: another checkpoint with the same headers); stage into a new or "
+                          f"empty directory")
+    share = read_share(dest, manifest["conversion_id"], manifest["tp_size"])
     if share is not None and share["ranks"] != sorted(ranks):
         raise OutputError(f"{dest}: already a share of {describe(share)}; stage other ranks into another DEST")
+    foreign = [s for s in strays(tree, [w.rel for w in wants if w.rank_file], manifest["roles"], manifest["tp_size"])
+               if not s.ours]
+    if foreign:  # verify would fail on it: another rank's file, or one the tool did not write
+        raise OutputError(f"{tree.path(foreign[0].rel)}: {foreign[0].what.split(';')[0]}, not a file of this share "
+                          f"({len(foreign)} such entr{'y' if len(foreign) == 1 else 'ies'}); move it away or stage "
+                          f"into a new or empty directory")
 
 
-def _place(src: Tree, tree: Tree, rel: str) -> str:
-    """Put OUT's `rel` into DEST: 'kept' (already there and the same), 'linked' or 'copied'."""
-    st, there = src.lstat(rel), tree.lstat(rel)
-    if there is not None:
-        if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino) or (
-                there.st_size == st.st_size and _digest(tree, rel) == _digest(src, rel)):
-            return "kept"
-        tree.remove(rel)  # another file under the share's name: this stage wrote it, or it is stale
+def _damaged(src: Tree, rel: str, what: str) -> MismatchError:
+    return MismatchError(f"{src.path(rel)}: {what}: OUT is damaged; lucifer-shard verify {src.root} names every "
+                         f"problem and the same convert command with --resume repairs it; then stage again")
+
+
+def _check_source(src: Tree, want: Want) -> None:
+    """OUT's file as the manifest records it: its size; the digest of a small file (the manifest, the
+    copies: a rank file's is checked as it is copied)."""
+    with _named(src.path(want.rel)):
+        st = src.lstat(want.rel)
+        if st is None:
+            raise _damaged(src, want.rel, "missing")
+        if st.st_size != want.bytes:
+            raise _damaged(src, want.rel, f"{st.st_size} bytes, the manifest records {want.bytes}")
+        if not want.rank_file and _digest(src, want.rel) != want.digest[7:]:
+            raise _damaged(src, want.rel, f"not the bytes the manifest records (blake3 {want.digest[7:23]}...)")
+
+
+def _place(src: Tree, tree: Tree, want: Want) -> str:
+    """Put OUT's file into DEST: 'kept' (already there: the same inode, or a copy that verifies),
+    'linked' or 'copied'."""
+    rel = want.rel
+    with _named(tree.path(rel)):
+        there = tree.lstat(rel)
+        if there is not None:
+            st = src.lstat(rel)
+            if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino) or (
+                    there.st_size == want.bytes and _verifies(tree, want)):
+                return "kept"
+            tree.remove(rel)  # under the share's name but not its file: this stage wrote it, or it is stale
     try:
         tree.link_in(src, rel)
         return "linked"
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-            raise
-    want = _copy(src, tree, rel)
-    got = _digest(tree, rel)
-    if got != want:
-        tree.remove(rel)
-        raise OutputError(f"{tree.path(rel)}: the copy reads back other bytes than {src.path(rel)} (blake3 "
-                          f"{got[:16]}... != {want[:16]}...); check DEST's disk and stage again")
+            raise OSError(e.errno, e.strerror, str(src.path(rel)), None, str(tree.path(rel))) from None
+    with _named(tree.path(rel)):
+        wrote = _copy(src, tree, want)
+        got = _digest(tree, rel)
+        if got != wrote:
+            tree.remove(rel)
+            raise OutputError(f"{tree.path(rel)}: the copy reads back other bytes than {src.path(rel)} (blake3 "
+                              f"{got[:16]}... != {wrote[:16]}...); check DEST's disk and stage again")
     return "copied"
 
 
-def _copy(src: Tree, tree: Tree, rel: str) -> str:
-    """Publish a copy of OUT's `rel` in DEST; the BLAKE3 of the bytes read from OUT."""
-    h = blake3()
-    fd_in = src.open_read(rel)
-
-    def write(fd: int) -> None:
-        while True:
-            chunk = os.read(fd_in, CHUNK)
-            if not chunk:
-                return
-            h.update(chunk)
-            write_all(fd, chunk)
-
+def _copy(src: Tree, tree: Tree, want: Want) -> str:
+    """Publish a copy of OUT's file in DEST, once the bytes read are the manifest's; their BLAKE3."""
+    with _named(src.path(want.rel)):
+        fd_in = src.open_read(want.rel)
     try:
-        tree.publish(rel, write)
+        try:
+            digest = _Digest(_header(src, want, fd_in))
+        except HeaderError as e:
+            raise _damaged(src, want.rel, f"unreadable safetensors header ({e.reason})") from None
+
+        def write(fd: int) -> None:
+            while True:
+                with naming(src.path(want.rel)):  # a read OUT's disk refuses names OUT's file, not DEST's
+                    chunk = os.read(fd_in, CHUNK)
+                if not chunk:
+                    break
+                digest.update(chunk)
+                write_all(fd, chunk)
+            if digest.manifest_digest() != want.digest:  # not published: DEST keeps no damaged copy
+                raise _damaged(src, want.rel, f"not the bytes the manifest records (blake3 {want.digest[7:23]}...)")
+
+        tree.publish(want.rel, write)
     finally:
         os.close(fd_in)
-    return h.hexdigest()
+    return digest.whole.hexdigest()
+
+
+def _header(tree: Tree, want: Want, fd: int) -> Header | None:
+    """A rank file's header, which tells its tensors apart for the digest (HeaderError: unreadable)."""
+    return read_header(tree.path(want.rel), whole=False, fd=fd) if want.rank_file else None
+
+
+def _verifies(tree: Tree, want: Want) -> bool:
+    """Whether `tree`'s file is the one the manifest records (its digest, read in full)."""
+    fd = tree.open_read(want.rel)
+    try:
+        try:
+            digest = _Digest(_header(tree, want, fd))
+        except HeaderError:
+            return False
+        while chunk := os.read(fd, CHUNK):
+            digest.update(chunk)
+        return digest.manifest_digest() == want.digest
+    finally:
+        os.close(fd)
+
+
+class _Digest:
+    """A file's digest as the manifest records it, from its bytes in order: a rank file's over its
+    header and each tensor's BLAKE3 in data order (`file_digest`, what verify computes), another
+    file's over its bytes; `whole` is the BLAKE3 of every byte (what the read-back compares)."""
+
+    def __init__(self, header: Header | None):
+        self.whole = blake3()
+        self.pos = 0
+        self.head = bytearray()
+        self.block = len(header.block) if header is not None else 0
+        self.ranges = sorted(((self.block + t.start, self.block + t.end) for t in header.tensors.values())
+                             if header is not None else [])
+        self.tensors = [blake3() for _ in self.ranges]
+        self.next = 0  # the first tensor not yet hashed to its end
+        self.rank_file = header is not None
+
+    def update(self, chunk: bytes) -> None:
+        self.whole.update(chunk)
+        view, lo, hi = memoryview(chunk), self.pos, self.pos + len(chunk)
+        if lo < self.block:
+            self.head += view[:self.block - lo]
+        while self.next < len(self.ranges):
+            a, b = self.ranges[self.next]
+            if a >= hi:
+                break
+            if b > lo:
+                self.tensors[self.next].update(view[max(a, lo) - lo:min(b, hi) - lo])
+            if b > hi:
+                break
+            self.next += 1
+        self.pos = hi
+
+    def manifest_digest(self) -> str:
+        if not self.rank_file:
+            return "blake3:" + self.whole.hexdigest()
+        return "blake3:" + file_digest(bytes(self.head), [h.hexdigest() for h in self.tensors])
+
+
+@contextmanager
+def _named(path: Path) -> Iterator[None]:
+    """An OS error inside names `path` in full, saying whether it is OUT's or DEST's file (the guarded
+    helpers name only the entry in its directory); one that already names a full path is kept."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None and "/" in str(e.filename):
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def _digest(tree: Tree, rel: str) -> str:
+    """The BLAKE3 of every byte of `tree`'s `rel`."""
     h = blake3()
     fd = tree.open_read(rel)
     try:
-        while True:
-            chunk = os.read(fd, CHUNK)
-            if not chunk:
-                return h.hexdigest()
+        while chunk := os.read(fd, CHUNK):
             h.update(chunk)
+        return h.hexdigest()
     finally:
         os.close(fd)

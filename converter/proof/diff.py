@@ -56,7 +56,7 @@ from .pads import (check_pads, check_scales, chunk_slices, element_index, file_o
                    slice_starts, to_model)
 from .rankfile import CHUNK_BYTES, HeaderTensor, RankFile, byte_shape, read_rows_direct, row_chunks, scratch
 from .report import Problem, Report, fmt_index, hexbytes
-from .structure import check_manifest_rules, open_files, read_manifest, usable
+from .structure import check_manifest_rules, check_strays, open_files, read_manifest, usable
 
 logger = logging.getLogger("lucifer_shard.diff")  # -v: the source and a line per rank file, -vv: per tensor
 
@@ -93,6 +93,7 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
         raise OutputError(f"{out}: no such output directory")
     report = Report("diff", max_mismatches)
     manifest = read_manifest(report, out)
+    check_strays(report, out, manifest)
     model, recorded_model = source_model(out, manifest, model)
     root = resolve_model(model)
     roles = tuple(manifest.get("roles") or ("target",))
@@ -153,6 +154,9 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
     stats["source_bytes_read"] = reader.bytes_read
     stats["dropped"] = len(manifest.get("dropped") or {})
     stats["source_total"] = len(ckpt.tensors)
+    if not stats["rank_tensors"]:  # OK means compared: an output (or share) with no rank file proves nothing
+        report.add(Problem("structure", f"no rank tensor was compared: {out} holds no rank file the manifest "
+                           f"lists; {report.repair}"))
     _finish(report, stats, t0)
     return report
 

@@ -15,6 +15,7 @@ from ..spec.dtypes import TORCH_DTYPE
 from ..spec.layouts import layout_by_name
 from ..spec.manifest import complete_problem, load_manifest
 from ..spec.rules import DTYPE_SIZE
+from ..spec.share import describe, read_share
 from ..spec.stheader import Header, HeaderError, read_header
 from .report import REPAIR
 
@@ -32,6 +33,11 @@ class Output:
         problem = complete_problem(self.root, self.manifest["conversion_id"]) if require_complete else None
         if problem:
             raise OutputError(f"{root}: {problem}")
+        share = read_share(self.root, self.manifest["conversion_id"], self.manifest["tp_size"])
+        if share is not None:  # every rank's output is summed: a node's share cannot be checked alone
+            raise OutputError(f"{root} is a node's share ({describe(share)}): check-numerics sums every rank's "
+                              f"output, so it needs the whole output; run it where convert wrote OUT (lucifer-shard "
+                              f"verify {root} checks this share)")
         self._handles: dict[str, object] = {}
         self._headers: dict[str, Header] = {}
 

@@ -51,6 +51,7 @@ class Report:
     stats: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
     lead: int = 0  # problems listed first (add_first)
+    repair: str = REPAIR  # the fix its findings name (a node's share: stage it again, spec/share.py)
 
     @property
     def ok(self) -> bool:

@@ -10,13 +10,14 @@ from pathlib import Path
 from .. import __version__
 from ..errors import LuciferError, OutputError, fault
 from ..guarded_io import Refused, Tree
+from ..outnames import strays
 from ..spec.config import ModelConfig
 from ..spec.layouts import EXPERT_TENSORS, expert_layout
 from ..spec.manifest import (COMPLETE_NAME, FORMAT_VERSION, MANIFEST_NAME, STATE_DIR, Options, complete_problem,
                              conversion_id, digest_ok, file_metadata, parse_manifest, read_manifest_bytes)
 from ..spec.plan import make_plan
 from ..spec.rules import TensorSpec, build_specs
-from ..spec.share import read_share
+from ..spec.share import SHARE_NAME, SHARE_REPAIR, read_share
 from ..spec.stheader import HeaderError
 from .rankfile import RankFile
 from .report import REPAIR, Problem, Report
@@ -126,9 +127,11 @@ def read_manifest(report: Report, out: Path) -> dict:
         raise OutputError(f"{out} holds an unfinished conversion (no {MANIFEST_NAME}, no {COMPLETE_NAME}); "
                           f"run the same convert command with --resume")
     manifest = parse_manifest(read_manifest_bytes(out), out / MANIFEST_NAME)
+    if Tree(out).lstat(SHARE_NAME) is not None:
+        report.repair = SHARE_REPAIR  # before any finding: a share is never repaired by convert
     if not digest_ok(manifest):
         report.add(Problem("manifest", f"{out / MANIFEST_NAME}: manifest_digest does not match its content: the "
-                           f"manifest was edited after conversion; {REPAIR}", file=MANIFEST_NAME))
+                           f"manifest was edited after conversion; {report.repair}", file=MANIFEST_NAME))
     problem = complete_problem(out, manifest["conversion_id"])
     if problem:
         report.add(Problem("manifest", problem, file=COMPLETE_NAME))
@@ -140,11 +143,22 @@ def read_manifest(report: Report, out: Path) -> dict:
         if cid != manifest.get("conversion_id"):
             report.add(Problem("manifest", "conversion_id does not follow from the recorded source fingerprint and "
                                "options: the manifest was edited", file=MANIFEST_NAME))
-    share = read_share(out, manifest.get("conversion_id"))
-    if share is not None:  # a node's share: exactly its ranks are checked (manifest_files)
-        report.info["share"] = share
-        manifest = {**manifest, SHARE_KEY: share["ranks"]}
-    return manifest
+    return read_share_of(report, out, manifest)
+
+
+def read_share_of(report: Report, out: Path, manifest: dict) -> dict:
+    """The manifest as a reader of OUT sees it: on a node's share (spec/share.py), with the ranks it
+    holds, so that exactly those are checked (`manifest_files`) and every fix says to stage it again.
+    A share record that is not valid, or not this output's, is a finding (none of its ranks counts)."""
+    try:
+        share = read_share(out, manifest.get("conversion_id"), manifest.get("tp_size"))
+    except (OutputError, Refused) as e:
+        report.add(Problem("manifest", str(e), file=SHARE_NAME))
+        return {**manifest, SHARE_KEY: []}
+    if share is None:
+        return manifest
+    report.info["share"] = share
+    return {**manifest, SHARE_KEY: share["ranks"]}
 
 
 # Set by read_manifest on a node's share (spec/share.py): the TP ranks it holds.
@@ -162,6 +176,15 @@ def manifest_files(manifest: dict) -> list[tuple[str, int, dict]]:
             for f in entry.get("files") or []:
                 out.append((role, rank, f))
     return out
+
+
+def check_strays(report: Report, out: Path, manifest: dict) -> None:
+    """Entries of the role and rank folders the manifest does not list (`outnames`: the rule convert
+    --resume and stage apply too); of a share, every file of a rank it does not hold is one."""
+    listed = [f.get("path") for _, _, f in manifest_files(manifest)]
+    for s in strays(Tree(out), [p for p in listed if isinstance(p, str)], manifest.get("roles") or {},
+                    manifest.get("tp_size") or 0):
+        report.add(Problem("file", s.line, s.role if s.rank is not None else None, s.rank, file=s.rel))
 
 
 def open_files(report: Report, out: Path, manifest: dict, check_size: bool = True) -> dict[str, RankFile]:
@@ -183,14 +206,15 @@ def open_files(report: Report, out: Path, manifest: dict, check_size: bool = Tru
         except FileNotFoundError:
             folder = path.parent
             what = f"rank folder {folder.relative_to(out)} is missing" if not folder.is_dir() else "file is missing"
-            report.add(Problem("file", f"{rel}: {what} ({holds}); {REPAIR}", role, rank,
+            report.add(Problem("file", f"{rel}: {what} ({holds}); {report.repair}", role, rank,
                                held[0] if held else None, rel))
             continue
         except Refused as e:  # a link or not a regular file: never followed out of OUT
-            report.add(Problem("file", f"{e}; re-run convert --force", role, rank, file=rel))
+            report.add(Problem("file", f"{e}; {report.repair if report.repair != REPAIR else 're-run convert --force'}",
+                               role, rank, file=rel))
             continue
         except HeaderError as e:
-            report.add(Problem("file", f"{rel}: unreadable safetensors header: {e.reason}; {REPAIR}",
+            report.add(Problem("file", f"{rel}: unreadable safetensors header: {e.reason}; {report.repair}",
                                role, rank, file=rel))
             continue
         except OSError as e:  # the machine's fault (EIO, EACCES, EMFILE...), not a finding about OUT
@@ -200,18 +224,18 @@ def open_files(report: Report, out: Path, manifest: dict, check_size: bool = Tru
         logger.info("%s rank %d %s: header of %d tensor(s), %d bytes", role, rank, rel, len(rf.tensors), rf.size)
         if check_size and rf.size != f.get("bytes"):
             report.add(Problem("file", f"{rel}: {rf.size} bytes, the manifest records {f.get('bytes')} "
-                               f"({'truncated' if rf.size < (f.get('bytes') or 0) else 'grown'}); {REPAIR}",
+                               f"({'truncated' if rf.size < (f.get('bytes') or 0) else 'grown'}); {report.repair}",
                                role, rank, file=rel))
         elif rf.trailing:  # diff: safetensors (and so vLLM) refuses a file with bytes after its data
             report.add(Problem("file", f"{rel}: {rf.trailing} bytes follow the last tensor; safetensors "
-                               f"refuses such a file; {REPAIR}", role, rank, file=rel))
+                               f"refuses such a file; {report.repair}", role, rank, file=rel))
         want_meta = file_metadata(cid, role, rank, _part_of(rel), tp, f["content"]) if _part_of(rel) is not None \
             else None
         if want_meta is not None:
             for k, v in want_meta.items():
                 if rf.meta.get(k) != v:
                     report.add(Problem("file", f"{rel}: __metadata__ {k} is {rf.meta.get(k)!r}, expected {v!r}: "
-                                       f"{_identity_hint(k)}", role, rank, file=rel))
+                                       f"{_identity_hint(k, report.repair)}", role, rank, file=rel))
         for name in held:
             info = manifest["roles"][role]["ranks"][rank]["tensors"][name]
             ht = rf.tensors.get(name)
@@ -225,7 +249,7 @@ def open_files(report: Report, out: Path, manifest: dict, check_size: bool = Tru
                                    f"{info.get('dtype')}{info.get('shape')}", role, rank, name, rel))
             if rf.truncated(name):
                 report.add(Problem("file", f"{rel} is truncated inside this tensor (it ends at byte {ht.end}, the "
-                                   f"file has {rf.size}); {REPAIR}", role, rank, name, rel))
+                                   f"file has {rf.size}); {report.repair}", role, rank, name, rel))
         for name in sorted(set(rf.tensors) - set(held)):
             report.add(Problem("header", f"{rel} holds a tensor the manifest does not list there",
                                role, rank, name, rel))
@@ -242,14 +266,14 @@ def _part_of(rel: str) -> int | None:
     return None
 
 
-def _identity_hint(key: str) -> str:
+def _identity_hint(key: str, repair: str) -> str:
     if key == "lucifer.conversion_id":
-        return f"this file comes from another conversion; {REPAIR}"
+        return f"this file comes from another conversion; {repair}"
     if key == "lucifer.content":
-        return f"this file was made from other source weights (another checkpoint or revision); {REPAIR}"
+        return f"this file was made from other source weights (another checkpoint or revision); {repair}"
     if key in ("lucifer.rank", "lucifer.role", "lucifer.part"):
-        return f"this file was moved or swapped from another rank/part; {REPAIR}"
-    return f"this file does not belong to this output; {REPAIR}"
+        return f"this file was moved or swapped from another rank/part; {repair}"
+    return f"this file does not belong to this output; {repair}"
 
 
 def usable(rf: RankFile | None, name: str, info: dict) -> bool:

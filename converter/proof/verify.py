@@ -26,16 +26,15 @@ from blake3 import blake3
 from tqdm import tqdm
 
 from ..errors import LuciferError, OutputError
-from ..guarded_io import Tree, naming
-from ..outnames import strays
+from ..guarded_io import naming
 from ..spec.config import load_config
 from ..spec.layouts import layout_by_name
 from ..spec.manifest import copy_problems, file_digest
 from ..units import byte_bar, duration, rate, size
 from .pads import check_pads, check_scales, chunk_slices, is_scale, to_model
 from .rankfile import CHUNK_BYTES, HeaderTensor, RankFile, byte_shape, read_rows, row_chunks, scratch
-from .report import Problem, Report
-from .structure import check_manifest_rules, is_replicated, manifest_files, open_files, read_manifest, usable
+from .report import REPAIR, Problem, Report
+from .structure import check_manifest_rules, check_strays, is_replicated, manifest_files, open_files, read_manifest, usable
 
 logger = logging.getLogger("lucifer_shard.verify")  # -v: a line per rank file, -vv: per tensor
 
@@ -64,9 +63,9 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
         report.add(Problem("manifest", f"{e}; cannot check the manifest against the rule table", file="config.json"))
     if cfg is not None:
         check_manifest_rules(report, manifest, cfg)
-    for name, problem in copy_problems(out, manifest):
+    for name, problem in copy_problems(out, manifest, None if report.repair == REPAIR else report.repair):
         report.add(Problem("file", problem, file=name))
-    _stray_files(report, out, manifest)
+    check_strays(report, out, manifest)
     files = open_files(report, out, manifest)
     total = sum(t.end - t.start for rf in files.values() for t in rf.tensors.values())
     bar = byte_bar(total, "verify", progress)
@@ -217,15 +216,6 @@ def _check_replicas(report: Report, manifest: dict, digests: dict) -> None:
                 report.add(Problem("replica", f"replicated tensor differs between ranks: rank(s) "
                                    f"{', '.join(map(str, bad))} differ from rank 0", role, bad[0], name,
                                    ranks[bad[0]]["tensors"][name].get("file")))
-
-
-def _stray_files(report: Report, out: Path, manifest: dict) -> None:
-    """Entries of the role and rank folders the manifest does not list (`outnames`: the rule convert
-    --resume applies too)."""
-    listed = [f.get("path") for _, _, f in manifest_files(manifest)]
-    for s in strays(Tree(out), [p for p in listed if isinstance(p, str)], manifest.get("roles") or {},
-                    manifest.get("tp_size") or 0):
-        report.add(Problem("file", s.line, s.role if s.rank is not None else None, s.rank, file=s.rel))
 
 
 def verify_lines(report: Report) -> list[str]:

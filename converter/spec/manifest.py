@@ -315,21 +315,22 @@ def complete_problem(out: Path, cid: str) -> str | None:
             f"conversions are mixed; re-run convert --force")
 
 
-def copy_problems(out: Path, doc: dict) -> list[tuple[str, str]]:
+def copy_problems(out: Path, doc: dict, fix: str | None = None) -> list[tuple[str, str]]:
     """(name, what is wrong) for each config/tokenizer copy in OUT that is not the one convert made
-    (vLLM reads OUT/config.json and the tokenizer, so an edit there changes the served model)."""
+    (vLLM reads OUT/config.json and the tokenizer, so an edit there changes the served model). `fix`:
+    the repair named instead of convert's (a node's share is staged again)."""
     problems = []
     copies = doc["copies"]
     for name in sorted(set(doc["source"]["side_files"]) - set(copies)):
         problems.append((name, f"{name}: listed as copied from the source but its digest is not recorded; "
-                               f"re-run convert --force"))
+                               f"{fix or 're-run convert --force'}"))
     for name, rec in sorted(copies.items()):
         path = Path(out) / name
+        back = fix or f"copy the source's {name} back or re-run convert --force"
         try:
             data = read_regular(path, JSON_LIMIT)
         except FileNotFoundError:
-            problems.append((name, f"{name}: copied from the source by convert, now missing; copy the source's "
-                                   f"{name} back or re-run convert --force"))
+            problems.append((name, f"{name}: copied from the source by convert, now missing; {back}"))
             continue
         except (Refused, OSError) as e:
             problems.append((name, f"{e}" if isinstance(e, Refused) else f"{path}: unreadable ({e.strerror})"))
@@ -338,7 +339,7 @@ def copy_problems(out: Path, doc: dict) -> list[tuple[str, str]]:
         if len(data) != rec["bytes"] or got != rec["digest"]:
             problems.append((name, f"{name}: {len(data)} bytes, digest {got[7:23]}..., not the copy convert made "
                                    f"({rec['bytes']} bytes, {rec['digest'][7:23]}...): it was edited, and vLLM "
-                                   f"reads it from OUT; copy the source's {name} back or re-run convert --force"))
+                                   f"reads it from OUT; {back}"))
     return problems
 
 

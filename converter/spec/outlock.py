@@ -17,6 +17,8 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import EnvironmentRefused, Locked, OutputError
@@ -44,6 +46,15 @@ def _read_record(fd: int) -> dict | None:
     except (ValueError, RecursionError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def _shared(fd: int) -> bool:
+    """Whether the lock `fd` could not take exclusively is held only shared (by readers)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True  # the caller closes fd, which drops this shared lock
 
 
 def describe(record: dict | None) -> str:
@@ -92,10 +103,14 @@ class OutLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 record = _read_record(fd)
+                read_only = _shared(fd)  # held shared past a probe's grace: a stage copying OUT
                 os.close(fd)
                 if time.monotonic() < deadline:
                     time.sleep(0.01)
                     continue
+                if read_only:
+                    raise Locked(f"{self.out} is being read by lucifer-shard stage; wait for it to finish, then "
+                                 f"run again") from None
                 raise Locked(f"{self.out} is locked by another writer ({describe(record)}); wait for it to "
                                   f"finish or stop it, then run again") from None
             if self._same_file(fd):
@@ -148,6 +163,27 @@ def writer_of(out: Path) -> str | None:
     finally:
         os.close(fd)  # also drops the probe's shared lock
     return None
+
+
+@contextmanager
+def reading(out: Path, command: str) -> Iterator[None]:
+    """OUT's writer lock held shared while `command` reads OUT (stage: for the whole of its copy), so
+    that no convert starts rewriting it meanwhile; Locked when a convert holds it now. Creates
+    nothing: an OUT without a state folder (copied without `.lucifer/`) has no writer to wait for."""
+    try:
+        fd = Tree(out).open_read(LOCK_REL)
+    except (FileNotFoundError, NotADirectoryError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Locked(f"{out} is being written by lucifer-shard convert ({describe(_read_record(fd))}); run "
+                         f"{command} when it has finished") from None
+        yield
+    finally:
+        os.close(fd)  # drops the shared lock
 
 
 def refuse_if_written(out: Path, command: str) -> None:

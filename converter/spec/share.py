@@ -32,6 +32,12 @@ def node_ranks(tp: int, nnodes: int, node_rank: int) -> list[int]:
     return list(range(node_rank * per, (node_rank + 1) * per))
 
 
+# The fix of a share that is damaged, edited or mixed: stage it again from the whole output (stage
+# re-checks every file against the manifest and replaces only those that fail); never convert into it.
+SHARE_REPAIR = ("stage the share again from the whole output (lucifer-shard stage OUT DEST with the same --ranks or "
+                "--nnodes/--node-rank: it replaces only the files that fail); never convert into a share")
+
+
 def parse_ranks(text: str, tp: int) -> list[int]:
     """`--ranks 0,2` as a sorted list of distinct TP ranks below `tp`."""
     try:
@@ -53,23 +59,50 @@ def share_text(doc: dict) -> str:
     return json.dumps(doc, indent=1, sort_keys=True) + "\n"
 
 
-def read_share(out: Path | str, conversion_id: str | None = None) -> dict | None:
-    """OUT's share record (None: OUT is a whole output). OutputError when it is not one, or is
-    another conversion's."""
+def read_share(out: Path | str, conversion_id: str | None = None, tp: int | None = None) -> dict | None:
+    """OUT's share record (None: OUT is a whole output). OutputError when it is not a valid one
+    (`record_problem`), or is another conversion's (or another TP size's, given `tp`)."""
     tree = Tree(out)
     if tree.lstat(SHARE_NAME) is None:
         return None
     try:
         doc = json.loads(tree.read(SHARE_NAME))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         doc = None
-    if not isinstance(doc, dict) or doc.get("format") != SHARE_FORMAT or not isinstance(doc.get("ranks"), list):
-        raise OutputError(f"{tree.path(SHARE_NAME)}: not a lucifer-shard share record; stage the node's share again "
-                          f"(lucifer-shard stage OUT DEST ...)")
+    problem = record_problem(doc, tp)
+    if problem:
+        raise OutputError(f"{tree.path(SHARE_NAME)}: {problem}; {SHARE_REPAIR}")
     if conversion_id is not None and doc.get("conversion_id") != conversion_id:
         raise OutputError(f"{tree.path(SHARE_NAME)}: a share of conversion {str(doc.get('conversion_id'))[:12]}, the "
-                          f"manifest's is {conversion_id[:12]}: files of two conversions; stage it again")
+                          f"manifest's is {conversion_id[:12]}: files of two conversions; {SHARE_REPAIR}")
     return doc
+
+
+def record_problem(doc: object, tp: int | None = None) -> str | None:
+    """Why `doc` is not a share record stage writes (the rules of `share_doc`, `parse_ranks` and
+    `node_ranks`), or None. `tp`: the manifest's TP size, which the record must repeat."""
+    if not isinstance(doc, dict) or doc.get("format") != SHARE_FORMAT:
+        return "not a lucifer-shard share record"
+    if doc.get("format_version") != SHARE_VERSION:
+        return f"share record format_version {str(doc.get('format_version'))[:20]}, this tool writes {SHARE_VERSION}"
+    size, ranks = doc.get("tp_size"), doc.get("ranks")
+    if not _is_int(size) or size < 1 or (tp is not None and size != tp):
+        return f"tp_size {str(size)[:20]} is not the output's TP size ({tp})"
+    if (not isinstance(ranks, list) or not ranks or not all(_is_int(r) and 0 <= r < size for r in ranks)
+            or ranks != sorted(set(ranks))):
+        return f"ranks {str(ranks)[:40]} are not distinct TP ranks 0..{size - 1} in order (a share holds at least one)"
+    nnodes, node = doc.get("nnodes"), doc.get("node_rank")
+    if (nnodes is None) != (node is None):
+        return "nnodes and node_rank go together"
+    if nnodes is not None:
+        fits = _is_int(nnodes) and _is_int(node) and nnodes >= 1 and size % nnodes == 0 and 0 <= node < nnodes
+        if not fits or node_ranks(size, nnodes, node) != ranks:
+            return f"node {str(node)[:10]} of {str(nnodes)[:10]} does not run ranks {ranks} (vLLM's rule)"
+    return None
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def describe(doc: dict) -> str:
