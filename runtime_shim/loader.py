@@ -129,7 +129,7 @@ class LuciferTP3Loader(BaseModelLoader):
         tp, rank = self._tp_rank()
         if tp != manifest.tp_size:
             raise _tp_mismatch(manifest, tp)
-        missing = share_problem(manifest.out, manifest.conversion_id, rank)  # a node's share without this rank
+        missing = share_problem(manifest.out, manifest.conversion_id, rank, manifest.tp_size)  # a node's share without this rank
         if missing:
             raise ShimError(missing)
         role = self._role(model)

@@ -16,7 +16,7 @@ from .manifest import Manifest
 
 def _share(m: Manifest) -> dict | None:
     try:
-        return read_share(m.out, m.conversion_id)
+        return read_share(m.out, m.conversion_id, m.tp_size)
     except LuciferError:  # share_checks says why
         return None
 
@@ -25,7 +25,7 @@ def share_checks(m: Manifest, node_ranks: list[int] | None) -> list[Check]:
     """A node's share (lucifer-shard stage): which ranks it holds and lacks; with `node_ranks` (serve:
     the ranks this node runs), whether it holds them."""
     try:
-        share = read_share(m.out, m.conversion_id)
+        share = read_share(m.out, m.conversion_id, m.tp_size)
     except LuciferError as e:
         return [out_check("output share", FAIL, str(e), "stage the node's share again")]
     if share is None:
@@ -41,7 +41,7 @@ def share_checks(m: Manifest, node_ranks: list[int] | None) -> list[Check]:
                if share.get("nnodes") else "serve it as one node of several (--nnodes N --node-rank R --master-addr "
                "H), staged for that node (lucifer-shard stage OUT DEST --nnodes N --node-rank R)")
         return checks + [out_check("output node ranks", FAIL, f"this share holds rank(s) {held} only: {how}")]
-    problem = node_problem(m.out, m.conversion_id, node_ranks)
+    problem = node_problem(m.out, m.conversion_id, node_ranks, m.tp_size)
     return checks + [out_check("output node ranks", FAIL if problem else OK,
                                problem or f"holds this node's TP rank(s) {', '.join(map(str, node_ranks))}",
                                "stage this node's share (lucifer-shard stage) or pass its --node-rank" if problem

@@ -123,20 +123,20 @@ def missing_rank(doc: dict, rank: int, where: Path | str) -> str:
             + f": start this node with the --node-rank its share was staged for, or stage its rank here ({stage})")
 
 
-def share_problem(out: Path | str, conversion_id: str, rank: int) -> str | None:
+def share_problem(out: Path | str, conversion_id: str, rank: int, tp: int | None = None) -> str | None:
     """Why a worker of TP rank `rank` cannot load from OUT (a share without that rank, or a share
-    record that is not this output's), None when it can (a whole output, or a share holding it)."""
+    record that is not this output's, of TP size `tp`), None when it can (a whole output, or a share holding it)."""
     try:
-        doc = read_share(out, conversion_id)
+        doc = read_share(out, conversion_id, tp)
     except OutputError as e:
         return str(e)
     return missing_rank(doc, rank, out) if doc is not None and rank not in doc["ranks"] else None
 
 
-def node_problem(out: Path | str, conversion_id: str, ranks: list[int]) -> str | None:
-    """Why OUT cannot serve a node that runs `ranks` (a share lacking some), None when it can."""
+def node_problem(out: Path | str, conversion_id: str, ranks: list[int], tp: int | None = None) -> str | None:
+    """Why OUT (of TP size `tp`) cannot serve a node that runs `ranks` (a share lacking some), None when it can."""
     try:
-        doc = read_share(out, conversion_id)
+        doc = read_share(out, conversion_id, tp)
     except OutputError as e:
         return str(e)
     lacking = [r for r in ranks if doc is not None and r not in doc["ranks"]]
