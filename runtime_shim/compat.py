@@ -36,6 +36,8 @@ from pathlib import Path
 # the draft kinds of lucifer_shard.spec.drafts.DRAFT_KINDS, by name: this table imports nothing of the
 # package (it runs as the offline hash tool too); tests/shim/test_compat.py ties the names to that table
 MTP, DSPARK = "mtp", "dspark"
+# Where each draft kind's DeepSeek-V4 model class lives in a vLLM wheel (the NVIDIA classes the drafts load into)
+DRAFT_CLASS_FILES = {MTP: "vllm/models/deepseek_v4/nvidia/mtp.py", DSPARK: "vllm/models/deepseek_v4/nvidia/dspark.py"}
 
 
 @dataclass(frozen=True)
@@ -150,8 +152,9 @@ class Build:
     wrappers: tuple[str, ...] = FORK_WRAPPERS  # what the shim installs on this build
     install: str = ""  # how a user gets it
     image: dict | None = None  # a known image of the build (AUDIT_IMAGE), not necessarily one a user can pull
-    # the draft kinds (spec/drafts.DRAFT_KINDS) the build has a model class for (DRAFT_CLASS_FILES); the CPU
-    # build has none
+    # the draft kinds (spec/drafts.DRAFT_KINDS) the build has a model class for (DRAFT_CLASS_FILES: vet lists a
+    # kind whose class file is in the release's wheel, and its stock proofs then load that draft); the CPU build
+    # has none
     draft_kinds: tuple[str, ...] = (MTP,)
 
     @property

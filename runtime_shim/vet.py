@@ -38,7 +38,8 @@ DIST = "vllm"
 ROOT = Path(__file__).resolve().parent.parent  # the checkout, for an editable install
 # What "the stock proofs" are: vLLM's own DeepSeek-V4 classes loaded from rank files at TP3 (target and
 # draft, SM120 and SM90 classes) and TP 1/2/4, and doctor/serve, all against the release in its venv.
-STOCK_PROOFS = ("tests/shim/test_stock_tp3.py", "tests/shim/test_real_model.py", "tests/shim/test_doctor.py")
+STOCK_PROOFS = ("tests/shim/test_stock_tp3.py", "tests/shim/test_real_model.py", "tests/shim/test_doctor.py",
+                "tests/shim/test_dspark_model.py", "tests/shim/test_b12x.py")
 CANDIDATE_ENV = "LUCIFER_VET_CANDIDATE"  # the candidate row, JSON, for the test harness only
 
 
@@ -121,8 +122,10 @@ def wheel_pin(wheel: Path, name: str) -> str:
 
 def candidate_row(version: str, wheel: Path, against: compat.Build) -> compat.Build:
     """The row a release gets: the wrappers of the release it is compared with, the hashes of their
-    symbols in this wheel, its FlashInfer pin. Raises VetError when a symbol they rely on is gone."""
-    sources = compat.symbol_sources(compat.wheel_text_of(str(wheel)))
+    symbols in this wheel, its FlashInfer pin, the draft kinds whose class is in the wheel (the stock proofs
+    then load each). Raises VetError when a symbol they rely on is gone."""
+    text_of = compat.wheel_text_of(str(wheel))
+    sources = compat.symbol_sources(text_of)
     needed = [k for w in against.wrappers for k in compat.WRAPPERS[w].symbols]
     missing = [compat.SYMBOLS[k].dotted for k in needed if k not in sources]
     moved = [compat.SYMBOLS[k].dotted for k in needed
@@ -133,7 +136,8 @@ def candidate_row(version: str, wheel: Path, against: compat.Build) -> compat.Bu
                        f"installed on it as they are; port them first", exit_code=1)
     return dataclasses.replace(against, commit=version, label=against.label.replace(against.commit, version),
                                hashes={k: compat.source_hash(sources[k]) for k in needed}, flashinfer=wheel_pin(wheel, "flashinfer-python"),
-                               install=f"pip install {DIST}=={version}")
+                               install=f"pip install {DIST}=={version}",
+                               draft_kinds=tuple(k for k, path in compat.DRAFT_CLASS_FILES.items() if text_of(path)))
 
 
 def changes(version: str, wheel: Path, against: compat.Build, against_wheel: Path) -> list[str]:
@@ -166,7 +170,8 @@ def row_text(b: compat.Build) -> str:
     hashes = "".join(f"\n            {k!r}: {v!r}," for k, v in b.hashes.items())
     return (f"    Build(\n        commit={b.commit!r},\n        label={b.label!r},\n        hashes={{{hashes}\n        }},\n"
             f"        draft_virtual_tp={b.draft_virtual_tp!r},\n        flashinfer={b.flashinfer!r},\n"
-            f"        branches={b.branches!r},\n        wrappers={b.wrappers!r},\n        install={b.install!r},\n    ),")
+            f"        branches={b.branches!r},\n        wrappers={b.wrappers!r},\n        install={b.install!r},\n"
+            f"        draft_kinds={b.draft_kinds!r},\n    ),")
 
 
 def candidate_json(b: compat.Build) -> str:
@@ -175,7 +180,7 @@ def candidate_json(b: compat.Build) -> str:
 
 def candidate_from_json(text: str) -> compat.Build:
     d = json.loads(text)
-    return compat.Build(**{**d, "branches": tuple(d["branches"]), "wrappers": tuple(d["wrappers"])})
+    return compat.Build(**{**d, **{k: tuple(d[k]) for k in ("branches", "wrappers", "draft_kinds")}})
 
 
 def run_proofs(version: str, candidate: compat.Build, venv: Path) -> int:
