@@ -22,6 +22,7 @@ import math
 from typing import Any
 
 from lucifer_shard.spec.manifest import RUNTIME, STOCK_BACKENDS, stock_backends  # noqa: F401 - one table, re-exported
+from lucifer_shard.spec.plan import MOE_ROUTES
 
 from . import compat
 from .configview import backend_name, model_problems, text_config
@@ -127,7 +128,7 @@ def stock_problems(vllm_config, manifest: Manifest) -> list[str]:
         if diff:
             problems.append(f"{role}: {diff} (this vLLM did not apply the plugin's hf_overrides to it)")
     moe = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)
-    if manifest.moe_backend is not None and moe != manifest.moe_backend:
+    if manifest.moe_backend is not None and moe not in MOE_ROUTES[manifest.moe_backend].backends:
         routed = manifest.plan["axes"]["routed"]["kernel_local"]
         problems.append(f"the routed experts are {routed} wide per rank for vLLM's {manifest.moe_backend} MoE, which "
                         f"MoE backend {moe!r} would round to another width (pass --moe-backend {manifest.moe_backend}, "

@@ -131,7 +131,7 @@ def draft_line(cfg: ModelConfig, specs: dict[str, list[list[TensorSpec]]]) -> st
 def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Options,
                fp: fpm.Footprint, cfg: ModelConfig) -> list[str]:
     if options.moe_backend is not None:
-        arch = (f"vLLM's {options.moe_backend} MoE ({'/'.join(MOE_ROUTES[options.moe_route].arches)}; it lays the "
+        arch = (f"vLLM's {options.moe_backend} MoE ({'/'.join(MOE_ROUTES[options.moe_backend].arches)}; it lays the "
                 f"experts out at load)")
     elif options.arch is None:
         arch = "any arch (model layout: vLLM lays the experts out at load for the GPU it runs on)"

