@@ -101,8 +101,7 @@ def options_from(tp: int, arch: str | None, expert_layout: str | None, flashinfe
     from ..spec.plan import local_gpu
     from ..units import parse_size, size
 
-    moe_backend = moe_backend.lower() if moe_backend else None
-    if moe_backend is not None:
+    if moe_backend is not None:  # click's Choice gives the table's spelling, whatever case was typed
         route = MOE_ROUTES[moe_backend]
         if arch is not None and arch not in route.arches:
             raise UsageRefused(f"--moe-backend {moe_backend} runs on {'/'.join(route.arches)} GPUs only (vLLM's "

@@ -23,12 +23,13 @@ import pytest
 
 import shim_fixtures as sf
 from lucifer_shard.spec.drafts import owned_by_runtime
+from vllm_cpu_model import NVIDIA_ENGINE
 
 TP = 3
 EXPERTS = 6
 NVIDIA_CLASS = "vllm.models.deepseek_v4.nvidia.model.DeepseekV4ForCausalLM"
 DRAFT_CLASS = "vllm.models.deepseek_v4.nvidia.mtp.DeepSeekV4MTP"
-B12X_ENGINE = {"attention_backend": "FLASHINFER_MLA_SPARSE_DSV4", "moe_backend": "b12x", "kv_cache_dtype": "fp8"}
+B12X_ENGINE = {**NVIDIA_ENGINE, "moe_backend": "b12x"}  # the SM120 family's attention and KV cache, b12x's MoE
 CAPABILITIES = {"sm120": [12, 0], "sm121": [12, 1]}
 EXPERTS_PREFIX = "model.layers.1.ffn.experts.routed_experts"
 SHARED_PREFIX = "model.layers.1.ffn.shared_experts"
