@@ -50,6 +50,19 @@ def test_nothing_is_compared_after_the_tokens_part():
     assert c.steps == 1 and c.first_difference == 0 and math.isclose(c.max_abs_diff, 0.5)
 
 
+def test_lists_parted_where_the_tokens_part_count_by_a_lower_bound():
+    # step 1 of a near-flat distribution: the tokens part and the top-3 lists share no token
+    flat = out([5, 7], [REF["logprobs"][0], [[7, -1.0], [8, -1.01], [5, -1.02]]])
+    near = out([5, 9], [REF["logprobs"][0], [[9, -1.005], [4, -1.03], [3, -1.04]]])
+    c = compare.compare_output(flat, near)
+    assert c.first_difference == 1 and math.isclose(c.diffs[1], 0.04)  # 7 at -1.0 here, <= -1.04 there
+    assert compare.violations([flat], [near], tau=0.05) == []
+    # a confident other token there is far from the reference's floor: a violation, not a pass
+    sure = out([5, 9], [REF["logprobs"][0], [[9, -0.1], [4, -3.0], [3, -3.5]]])
+    assert math.isclose(compare.compare_output(flat, sure).diffs[1], 2.5)  # 7: -1.0 here, <= -3.5 there
+    assert any("logprobs differ by 2.5000" in p for p in compare.violations([flat], [sure], tau=0.3))
+
+
 def test_no_common_token_is_an_error():
     other = out([5, 7], [[[1, -1.0], [2, -1.5], [3, -2.0]], [[7, -1.0], [8, -1.01], [5, -3.0]]])
     with pytest.raises(AssertionError, match="no token in both"):

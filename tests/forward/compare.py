@@ -36,6 +36,11 @@ the bound is re-checked on every run:
 Two runs' logprobs of a token at the same step (same context) may differ by at most tau, so greedy
 tokens may differ only at a step where the reference's top two are less than 2 * tau apart; from the
 first differing token on, the contexts differ and nothing further is compared.
+
+At the step where the tokens part, the two top-k lists may share no token: a near-flat distribution (a
+random-fill model's, on the GPU) has hundreds of near-ties, and its top k are any k of them. A token
+outside a list has at most that list's lowest logprob there, so the step's difference is at least
+max(top_a - floor_b, top_b - floor_a, 0): that lower bound is what the step contributes.
 """
 from __future__ import annotations
 
@@ -82,7 +87,7 @@ class PromptComparison:
     steps: int  # steps compared (up to and including the first differing token)
     first_difference: int | None  # step of the first differing token, None if all agree
     margin_there: float | None  # the reference's top-2 margin at that step (nats)
-    max_abs_diff: float  # over tokens in both top-k lists, steps compared
+    max_abs_diff: float  # over tokens in both top-k lists, steps compared (a lower bound where none is)
     diffs: list[float] = field(default_factory=list)  # per step, the largest |dlp| there
 
 
@@ -99,9 +104,12 @@ def compare_output(ref: dict, other: dict) -> PromptComparison:
     for i in range(last + 1):
         a, b = dict(map(tuple, ref["logprobs"][i])), dict(map(tuple, other["logprobs"][i]))
         common = set(a) & set(b)
-        if not common:
+        if common:
+            diffs.append(max(abs(a[t] - b[t]) for t in common))
+        elif i == first:  # each list's own token is its top: at least that far from the other's floor
+            diffs.append(max(max(a.values()) - min(b.values()), max(b.values()) - min(a.values()), 0.0))
+        else:  # the same token chosen, yet in one list only: not a greedy output
             raise AssertionError(f"step {i}: no token in both top-{len(a)} lists")
-        diffs.append(max(abs(a[t] - b[t]) for t in common))
     return PromptComparison(steps=last + 1, first_difference=first,
                             margin_there=None if first is None else margin(ref["logprobs"][first]),
                             max_abs_diff=max(diffs), diffs=diffs)

@@ -46,7 +46,35 @@ def test_against_reports_identity_differences_and_the_tolerance():
     # a token differing where the reference's top-2 margin (1.5 nats) is wide: a violation, and where it stopped
     parted = T.against(a, _gen([[1, 3, 3]]), tau=0.1)
     assert parted["first_differences"] == [1, None] and any("tokens differ at step 1" in v for v in parted["violations"])
-    assert "violations" not in T.against(a, a)  # drafts: no tolerance, tokens must be equal
+    assert "violations" not in T.against(a, a)  # no tolerance given: none judged
+    assert parted["identical_prompts"] == {"short": [False], "long": [True]}
+
+
+def _runs(names, gens):
+    return {n: {"started": True, "generates": g, "speculative": {"acceptance_rate": 0.0}} for n, g in zip(names, gens)}
+
+
+def test_judge_recomputes_both_phases_from_the_recorded_generations(tmp_path):
+    a, near = _gen([[1, 2, 3]]), _gen([[1, 2, 3]], lp=-0.55)
+    tp_names = ("ref_tp1", "ref_tp2", "files_tp2", "tp3_model", "tp3_kernel")
+    draft_names = [n for pair in T.DRAFT_PAIRS for n in pair]
+    path = tmp_path / "results.json"
+    path.write_text(T.json.dumps({"tp": {"runs": _runs(tp_names, [a, near, near, near, near]), "tau": 0.1, "gain": 12.0},
+                                  "draft": {"runs": _runs(draft_names, [a] * len(draft_names))}}))
+    T.judge(path)
+    got = T.json.loads(path.read_text())
+    assert set(got["tp"]["compare"]) == {f"{x} vs {y}" for x, y in T.TP_PAIRS}
+    assert got["tp"]["compare"]["ref_tp2 vs files_tp2"]["identical"]
+    assert got["tp"]["own_noise"]["gain"] == pytest.approx(0.05 / (0.1 / 12.0)) and got["tp"]["own_noise"]["within_tau"]
+    assert got["draft"]["tau"] == 0.1 and all(c["identical"] and c["violations"] == [] for c in got["draft"]["compare"].values())
+
+
+def test_the_committed_one_gpu_results_are_what_this_code_judges(tmp_path):
+    committed = Path(__file__).resolve().parent / "results" / "tp-one-gpu-2026-12-04" / "results.json"
+    copy = tmp_path / "results.json"
+    copy.write_bytes(committed.read_bytes())
+    T.judge(copy)
+    assert T.json.loads(copy.read_text()) == T.json.loads(committed.read_text())
 
 
 def test_acceptance_sums_vllms_counters_over_labels():

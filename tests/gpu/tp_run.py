@@ -113,11 +113,14 @@ def as_compare(gens: list[dict]) -> list[dict]:
 
 
 def against(ref: dict, other: dict, tau: float | None = None) -> dict:
-    """Two servers' short and long generations: bit-identical or not, the largest logprob difference before
-    the contexts part, the first differing token per prompt, and (given the TP tolerance TAU) what breaks it."""
+    """Two servers' short and long generations: bit-identical or not (in all, and per prompt), the largest
+    logprob difference before the contexts part, the first differing token per prompt, and (given the TP
+    tolerance TAU) what breaks it."""
     a, b = as_compare(ref["short"] + ref["long"]), as_compare(other["short"] + other["long"])
     per = [compare.compare_output(x, y) for x, y in zip(a, b, strict=True)]
-    res = {"identical": S.same(ref, other)["identical"], "tokens_equal": all(c.first_difference is None for c in per),
+    res = {"identical": S.same(ref, other)["identical"],
+           "identical_prompts": {k: [x == y for x, y in zip(ref[k], other[k], strict=True)] for k in ("short", "long")},
+           "tokens_equal": all(c.first_difference is None for c in per),
            "max_abs_logprob_diff": max(c.max_abs_diff for c in per),
            "first_differences": [c.first_difference for c in per]}
     return res if tau is None else {**res, "violations": compare.violations(a, b, tau)}
@@ -204,6 +207,10 @@ def phase_prepare(work: Path) -> dict:
     return res
 
 
+TP_PAIRS = (("ref_tp1", "ref_tp2"), ("ref_tp2", "files_tp2"), ("ref_tp1", "tp3_model"), ("ref_tp1", "tp3_kernel"),
+            ("tp3_model", "tp3_kernel"))
+
+
 def phase_tp(work: Path, logs: Path, plan: Plan, deadline: float) -> dict:
     specs = {"ref_tp1": vllm_serve(work / "model", 1, plan),
              "ref_tp2": vllm_serve(work / "model", 2, plan),
@@ -211,28 +218,30 @@ def phase_tp(work: Path, logs: Path, plan: Plan, deadline: float) -> dict:
              "tp3_model": lucifer_serve(work / "out-tp3-model", 3, plan, moe=S.FI),
              "tp3_kernel": lucifer_serve(work / "out-tp3-kernel", 3, plan),
              "flip3_full": lucifer_serve(work / "flipped-tp3", 3, plan, verify="full")}
-    runs = run(specs, logs, deadline)
-    tau = compare.tolerance(work / "model")
-    res: dict = {"runs": runs, "tau": tau, "gain": compare.GAIN, "compare": {}}
+    res: dict = {"runs": run(specs, logs, deadline), "tau": compare.tolerance(work / "model"), "gain": compare.GAIN}
+    text = (logs / "flip3_full.log").read_text(errors="replace") if (logs / "flip3_full.log").exists() else ""
+    refusal = [ln for ln in text.splitlines() if "lucifer_tp3: verify=full" in ln]
+    res["flip_full_refusal"] = {"started": res["runs"]["flip3_full"]["started"], "lines": refusal[:3],
+                                "names_the_tensor": any(FLIP_TENSOR in ln for ln in refusal),
+                                "names_the_rank": any(f"rank {FLIP_RANK}" in ln or f"rank-{FLIP_RANK}" in ln
+                                                      for ln in refusal)}
+    return judge_tp(res)
+
+
+def judge_tp(res: dict) -> dict:
+    """The tp phase's comparisons, from its recorded generations and tau (`--judge` re-runs this on a result)."""
+    runs, tau = res["runs"], res["tau"]
     started = {k for k, v in runs.items() if v["started"]}
-    for a, b in (("ref_tp1", "ref_tp2"), ("ref_tp2", "files_tp2"), ("ref_tp1", "tp3_model"),
-                 ("ref_tp1", "tp3_kernel"), ("tp3_model", "tp3_kernel")):
-        if {a, b} <= started:
-            res["compare"][f"{a} vs {b}"] = against(runs[a]["generates"], runs[b]["generates"], tau)
+    res["compare"] = {f"{a} vs {b}": against(runs[a]["generates"], runs[b]["generates"], tau)
+                      for a, b in TP_PAIRS if {a, b} <= started}
     own = res["compare"].get("ref_tp1 vs ref_tp2")
     if own:  # vLLM's own TP noise in this run, against the first-order bound tau / GAIN
-        first_order = tau / compare.GAIN
+        first_order = tau / res["gain"]
         res["own_noise"] = {"max_abs_logprob_diff": own["max_abs_logprob_diff"],
                             "gain": own["max_abs_logprob_diff"] / first_order, "within_tau": not own["violations"]}
         for k in ("ref_tp1 vs tp3_model", "ref_tp1 vs tp3_kernel"):
             if k in res["compare"]:
                 res["compare"][k]["gain"] = res["compare"][k]["max_abs_logprob_diff"] / first_order
-    text = (logs / "flip3_full.log").read_text(errors="replace") if (logs / "flip3_full.log").exists() else ""
-    refusal = [ln for ln in text.splitlines() if "lucifer_tp3: verify=full" in ln]
-    res["flip_full_refusal"] = {"started": runs["flip3_full"]["started"], "lines": refusal[:3],
-                                "names_the_tensor": any(FLIP_TENSOR in ln for ln in refusal),
-                                "names_the_rank": any(f"rank {FLIP_RANK}" in ln or f"rank-{FLIP_RANK}" in ln
-                                                      for ln in refusal)}
     return res
 
 
@@ -247,25 +256,46 @@ def phase_draft(work: Path, logs: Path, plan: Plan, deadline: float) -> dict:
         out = work / ({1: "out-tp1", 3: "out-tp3-kernel"}[tp] if plain.startswith("tp") else f"dspark-tp{tp}")
         specs[plain] = lucifer_serve(out, tp, plan)
         specs[drafted] = lucifer_serve(out, tp, plan, draft=True)
-    runs = run(specs, logs, deadline, metrics=True)
-    res: dict = {"runs": runs, "compare": {}}
-    for plain, drafted in DRAFT_PAIRS:
-        if runs[plain]["started"] and runs[drafted]["started"]:
-            res["compare"][f"{plain} vs {drafted}"] = {**against(runs[plain]["generates"], runs[drafted]["generates"]),
-                                                       "speculative": runs[drafted]["speculative"]}
+    return judge_draft({"runs": run(specs, logs, deadline, metrics=True), "tau": compare.tolerance(work / "model")})
+
+
+def judge_draft(res: dict) -> dict:
+    """Greedy tokens with a draft against those without, within tau (a draft changes the target's batch
+    shapes, so only a TP1 server may be bit-identical), with vLLM's acceptance counters."""
+    runs = res["runs"]
+    res["compare"] = {f"{plain} vs {drafted}": {**against(runs[plain]["generates"], runs[drafted]["generates"],
+                                                          res["tau"]),
+                                                "speculative": runs[drafted]["speculative"]}
+                      for plain, drafted in DRAFT_PAIRS if runs[plain]["started"] and runs[drafted]["started"]}
     return res
+
+
+def judge(path: Path) -> None:
+    """Re-run the comparisons of a recorded results.json in place (its generations and tau, no GPU)."""
+    results = json.loads(path.read_text())
+    for phase, fn in (("tp", judge_tp), ("draft", judge_draft)):
+        if "runs" in results.get(phase, {}):
+            results[phase].setdefault("tau", results.get("tp", {}).get("tau"))
+            results[phase] = fn(results[phase])
+    path.write_text(json.dumps(results, indent=1))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/tp-run"))
-    ap.add_argument("--out", type=Path, required=True, help="where results.json and the server logs are copied")
+    ap.add_argument("--out", type=Path, help="where results.json and the server logs are copied")
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--gpus", type=int, default=None,
                     help="GPUs to spread ranks over (default: those visible); below a server's TP size the "
                          "harness's one-GPU replacements apply to it")
     ap.add_argument("--seconds", type=float, default=560, help="end every phase within this many seconds")
+    ap.add_argument("--judge", type=Path, help="only re-run the comparisons of this recorded results.json")
     args = ap.parse_args()
+    if args.judge:
+        judge(args.judge)
+        return 0
+    if args.out is None:
+        ap.error("--out is required (where results.json and the server logs are copied)")
     import torch
 
     plan = Plan(args.gpus or torch.cuda.device_count())
