@@ -207,8 +207,8 @@ def load_fastsafetensors(files: list[Path], device: torch.device) -> dict[str, t
 def load_instanttensor(files: list[Path], device: torch.device) -> dict[str, torch.Tensor]:
     import instanttensor
 
-    with instanttensor.safe_open([str(f) for f in files], framework="pt", device=str(device)) as g:
-        return {k: g.get_tensor(k) for k in g.keys()}
+    with instanttensor.safe_open([str(f) for f in files], framework="pt", device=device) as g:
+        return dict(g.tensors())  # 0.2.2 streams every tensor once, in file order (no get_tensor)
 
 
 def load_runai(files: list[Path], device: torch.device) -> dict[str, torch.Tensor]:
@@ -260,6 +260,21 @@ def reference(files: list[Path], device: torch.device) -> dict[str, torch.Tensor
     return out
 
 
+def by_rank(files: list[Path]) -> dict[str, list[Path]]:
+    """The files grouped by their rank folder: names are unique within a rank, not across ranks."""
+    groups: dict[str, list[Path]] = {}
+    for f in files:
+        groups.setdefault(f.parent.name, []).append(f)
+    return groups
+
+
+def per_rank(load: Callable) -> Callable:
+    """LOAD run once per rank, as each rank's process would, its names kept apart by the rank folder."""
+    def run(groups: dict[str, list[Path]], device: torch.device) -> dict[str, torch.Tensor]:
+        return {f"{rank}/{k}": t for rank, fs in groups.items() for k, t in load(fs, device).items()}
+    return run
+
+
 def check(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
     if got.keys() != ref.keys():
         raise RuntimeError(f"tensor names differ: {sorted(got.keys() ^ ref.keys())[:5]}")
@@ -273,10 +288,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def one_run(load: Callable, files: list[Path], device: torch.device, ref: dict, nbytes: int) -> float:
+def one_run(load: Callable, groups: dict[str, list[Path]], device: torch.device, ref: dict, nbytes: int) -> float:
     sync(device)
     t0 = time.perf_counter()
-    got = load(files, device)
+    got = per_rank(load)(groups, device)
     sync(device)
     gbps = nbytes / 1e9 / (time.perf_counter() - t0)
     check(got, ref)
@@ -290,7 +305,8 @@ def loader_phase(args: argparse.Namespace, files: list[Path], device: torch.devi
     found, skipped = loaders(args)
     for name, why in skipped.items():
         print(f"  {name}: skipped ({why})", flush=True)
-    ref = reference(files, device)
+    groups = by_rank(files)
+    ref = per_rank(reference)(groups, device)
     nbytes = sum(t.numel() for t in ref.values())
     res.update(tensor_bytes=nbytes, skipped=skipped, loaders={n: {"cold": [], "warm": []} for n in found})
     names = list(found)
@@ -309,7 +325,7 @@ def loader_phase(args: argparse.Namespace, files: list[Path], device: torch.devi
                 if mode == "cold":
                     res["cold_method"] = drop_cache(files, args.fadvise_only)
                 try:
-                    rec[mode].append(one_run(load, files, device, ref, nbytes))
+                    rec[mode].append(one_run(load, groups, device, ref, nbytes))
                 except Exception as e:  # noqa: BLE001 - a peer's failure is a result, not the bench's end
                     rec["error"] = f"{type(e).__name__}: {e}"
                     print(f"  {name}: failed ({rec['error']})", flush=True)

@@ -24,9 +24,11 @@ def gpu_load():
 def test_one_invocation_measures_and_checks_every_loader(gpu_load, tmp_path, capsys):
     work, out = tmp_path / "work", tmp_path / "r.json"
     gpu_load.main(["--device", "cpu", "--preset", "tiny", "--reps", "2", "--work", str(work), "--json", str(out),
-                   "--slots", "2", "--chunk-mib", "1"])
+                   "--slots", "2", "--chunk-mib", "1", "--rank", "all"])
     res = json.loads(out.read_text())
     assert not work.exists()
+    # every rank's tensors counted and checked: the ranks share names (a first run on the H200 kept one rank's)
+    assert len(res["prepare"]["files"]) == 3 and res["tensor_bytes"] > 0.9 * res["prepare"]["file_bytes"]
     assert res["prepare"]["file_bytes"] > 0 and res["cold_method"] in ("drop_caches", "fadvise")
     ours = ("safetensors", "lucifer digests=off", "lucifer digests=on")
     assert set(ours) <= res["loaders"].keys()
