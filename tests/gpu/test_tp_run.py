@@ -130,3 +130,31 @@ def test_report_renders_the_one_gpu_section_from_its_committed_text():
     section = f"## 9. {report.ONE_GPU_TP_TITLE}\n\n{text.strip()}\n"
     assert section in report.render([], MACHINE, one_gpu_tp=text)
     assert section in (root / "docs" / "gpu-validation.md").read_text()
+
+
+def _gloo_sums(rank: int, world: int, init: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(rank)
+    rows = torch.randn(2, 4096, generator=g).to(torch.bfloat16)  # a rank's partial sums for two tokens
+    alone = rows[:1].clone()
+    dist.all_reduce(alone)
+    dist.all_reduce(rows)
+    if rank == 0:
+        torch.save({"alone": alone[0], "batched": rows[0]}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, order_free", [(2, True), (3, False)])
+def test_gloos_bf16_sum_of_a_token_depends_on_the_batch_only_beyond_two_ranks(tmp_path, world, order_free):
+    """Why a draft changes TP3's logprobs but not TP1's or TP2's (docs/gpu-validation.md §9): gloo's all-reduce
+    sums a token's row in an order that depends on the message size at 3 ranks; with 2 the sum is a + b."""
+    import torch
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "sums.pt"
+    mp.spawn(_gloo_sums, args=(world, f"file://{tmp_path / 'init'}", str(out)), nprocs=world)
+    got = torch.load(out)
+    assert torch.equal(got["alone"], got["batched"]) is order_free
