@@ -47,7 +47,7 @@ VERIFY = ("none", "headers", "full")
 CONTENDERS = ("floor", "default", "sharded_state", *(f"lucifer verify={v}" for v in VERIFY))
 SAVE_RUN = "default + save_model"  # the world's first run: saves the sharded state, warms the code up
 WORLD_TIMEOUT_S = 3600
-# DeepSeek-V4-Flash as published (dsv4-flash-tp3.md §1): the extrapolation's default-loader input.
+# DeepSeek-V4-Flash as published (docs/design/tensor-plan.md §1): the extrapolation's default-loader input.
 FLASH_TP = 3
 
 

@@ -131,7 +131,7 @@ RELAYOUT_PATCH_MODULE = "vllm.model_executor.layers.quantization.mxfp4"
 RELAYOUT_PATCH_ATTR = "convert_weight_to_mxfp4_moe_kernel_format"
 
 
-REPOSITORY = "https://github.com/mlow/vllm"  # the vLLM fork with virtual TP (vllm-runtime.md)
+REPOSITORY = "https://github.com/mlow/vllm"  # the vLLM fork with virtual TP (docs/design/vllm-extension-points.md §3.4)
 # The audit's serving image of 45c1582e9, known by its tag and ID only: private to its owner, so no
 # one else can pull it (the fork builds from source instead).
 AUDIT_IMAGE = {"tag": "ai01/vllm-v9-b12x-tp3:20260710-v4-init",
@@ -192,7 +192,7 @@ _STOCK_RELAYOUT_0330 = {
     "convert_weight_to_mxfp4_moe_kernel_format": "sha256:171d153b1ce8445d970d97a3ced3238cbb6dd76300dc9990ae3fee3d50b1391e",
     "Mxfp4MoEMethod._setup_kernel": "sha256:447956c52e78fb61ca47c8664b2e0efb5fc03c06694a8120c34ff403c2aa5127",
 }
-# 0.34.0 changed both only in their Humming and Triton branches (serving-field.md §2)
+# 0.34.0 changed both only in their Humming and Triton branches (docs/vllm-releases.md, Record)
 _STOCK_RELAYOUT_0340 = {
     "convert_weight_to_mxfp4_moe_kernel_format": "sha256:2a7916b08841b51c9d770588ee56fd36569d2c5b389f7a02f384c7f6fbb96c99",
     "Mxfp4MoEMethod._setup_kernel": "sha256:64874c8a1b11399cfa3ac93aefbd3572269354f05727e08f50b8bcfecf8c9826",

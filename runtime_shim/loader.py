@@ -1,6 +1,6 @@
 """`--load-format lucifer_tp3`: copy each rank file tensor verbatim into the parameter of the same name.
 
-Design: vllm-runtime.md §3.5. Imported by `register()` (so after vLLM is importable); never imported
+Design: docs/design/vllm-extension-points.md §2. Imported by `register()` (so after vLLM is importable); never imported
 by the converter.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ logger = logging.getLogger("lucifer_shard.runtime_shim")
 EXTRA_CONFIG_KEYS = settings.LOADER_OPTIONS
 TARGET_CLASSES = (ARCHITECTURE,)
 DRAFT_CLASSES = {k.vllm_class: k.name for k in DRAFT_KINDS.values()}  # vLLM's draft class -> draft kind
-# Post-load hooks `model.load_weights` runs after copying (vllm-runtime.md §3.2.4); replayed in order.
+# Post-load hooks `model.load_weights` runs after copying (docs/design/vllm-extension-points.md §2.3); replayed in order.
 TARGET_LAYER_HOOK = "refresh_b12x_mhc_bf16_weights"
 TARGET_MODEL_HOOKS = ("finalize_mega_moe_weights", "finalize_mhc_broadcast_weights", "setup_b12x_wo_projection")
 DRAFT_HOOKS = ("finalize_mega_moe_weights",)

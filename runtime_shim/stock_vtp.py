@@ -1,4 +1,4 @@
-"""Virtual TP on stock vLLM, supplied by the plugin (DESIGN §6a; facts in stock-vllm.md §2).
+"""Virtual TP on stock vLLM, supplied by the plugin (docs/design/vllm-extension-points.md §3.2-3.3).
 
 The rank files are already padded and `lucifer_tp3` is their only loader, so stock vLLM needs only
 its *shapes* padded, and only when the manifest's plan pads (TP3; TP 1/2/4 need nothing):

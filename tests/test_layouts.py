@@ -1,4 +1,4 @@
-"""Expert layouts: round trips, padding behaviour, and the kernel-layouts.md formulas checked literally."""
+"""Expert layouts: round trips, padding behaviour, and the docs/design/kernel-layouts.md formulas checked literally."""
 from __future__ import annotations
 
 import itertools
@@ -70,9 +70,9 @@ def test_kernel_shapes():
         assert shape("sm120", "folded", t) == REAL[t] == shape("sm100", "legacy", t)
         assert expert_layout("sm90", "model", "folded", t).kernel_shape(REAL[t]) == REAL[t]
     assert shape("sm90", "folded", "w13_weight") == (1536, 2048)
-    assert shape("sm90", "folded", "w13_weight_scale") == (24, 32, 16, 16)  # kernel-layouts.md §2.4
+    assert shape("sm90", "folded", "w13_weight_scale") == (24, 32, 16, 16)  # docs/design/kernel-layouts.md §2.4
     assert shape("sm90", "folded", "w2_weight_scale") == (64, 6, 16, 16)
-    assert shape("sm90", "legacy", "w13_weight_scale") == (32, 6144)  # dsv4-flash-tp3.md §4.5
+    assert shape("sm90", "legacy", "w13_weight_scale") == (32, 6144)  # docs/design/kernel-layouts.md §2.5
     assert shape("sm90", "legacy", "w2_weight_scale") == (6, 16384)
 
 
@@ -160,7 +160,7 @@ def test_zero_padding(layout, real):
     assert not back[:, zero].any() and np.array_equal(back, x)
     assert np.count_nonzero(y == 0) == np.count_nonzero(x == 0) == 2 * zero.sum()
     if "interleave" in layout.name:
-        # kernel-layouts.md §2.7: pad rows are whole 16-row blocks and W2's pad bytes whole 32-byte
+        # docs/design/kernel-layouts.md §2.7: pad rows are whole 16-row blocks and W2's pad bytes whole 32-byte
         # partitions, so they stay in place (the w13 half swap moves equal pads onto each other).
         assert np.array_equal(y == 0, np.broadcast_to(zero, y.shape))
 
@@ -169,7 +169,7 @@ def test_sm90_scale_pads_land_where_the_spec_says():
     for real, groups in ((704, [2, 3]), (640, [0, 1, 2, 3])):
         x, _ = padded("w2_weight_scale", real)
         f = expert_layout("sm90", "kernel", "folded", "w2_weight_scale").forward(x)  # [2, 64, 6, 16, 16]
-        cols = [4 * ms + g for ms in range(4) for g in groups]  # §2.7: B = 5, bytes 4*ms + 2..3 (rank 2: all)
+        cols = [4 * ms + g for ms in range(4) for g in groups]  # docs/design/kernel-layouts.md §2.7: B = 5, bytes 4*ms + 2..3 (rank 2: all)
         assert not f[:, :, 5][..., cols].any() and np.count_nonzero(f == 0) == f[:, :, 5][..., cols].size
         lg = expert_layout("sm90", "kernel", "legacy", "w2_weight_scale").forward(x)  # [2, 6, 16384]
         lcols = [4 * r + g for r in range(4096) for g in groups]
@@ -183,7 +183,7 @@ def test_sm90_scale_pads_land_where_the_spec_says():
 
 
 def swizzle_offset(m, k, c):
-    """kernel-layouts.md §2.6 / dsv4-flash-tp3.md §4.4."""
+    """docs/design/kernel-layouts.md §2.6."""
     return (m // 128) * 128 * c + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
 
 
@@ -210,7 +210,7 @@ def test_swizzle_formula_everywhere(n, c):
 
 
 def bitperm(raw: int) -> int:
-    """kernel-layouts.md §2.3: OR of (raw & mask) shifted by s over the 18 pairs."""
+    """docs/design/kernel-layouts.md §2.3: OR of (raw & mask) shifted by s over the 18 pairs."""
     out = 0
     for mask, s in L.SM90_BITPERM:
         v = raw & mask
@@ -219,7 +219,7 @@ def bitperm(raw: int) -> int:
 
 
 def emulate_interleave(w: np.ndarray) -> np.ndarray:
-    """kernel-layouts.md §2.3 pseudo-code, scalar, per expert."""
+    """docs/design/kernel-layouts.md §2.3 pseudo-code, scalar, per expert."""
     out = np.zeros_like(w)
     for e in range(w.shape[0]):
         W, Wp = w[e].tolist(), out[e]
@@ -240,7 +240,7 @@ def emulate_interleave(w: np.ndarray) -> np.ndarray:
 
 
 def emulate_interleave_legacy(w: np.ndarray) -> np.ndarray:
-    """kernel-layouts.md §2.5 pseudo-code, scalar, per expert."""
+    """docs/design/kernel-layouts.md §2.5 pseudo-code, scalar, per expert."""
     out = np.zeros_like(w)
     for e in range(w.shape[0]):
         W, Wp = w[e].tolist(), out[e]
@@ -320,7 +320,7 @@ def test_fold_scales_legacy_formula():
     (L.deinterleave_sm90, (1, 24, 32)),
     (L.interleave_sm90_legacy, (1, 16, 16)),
     (L.deinterleave_sm90_legacy, (3, 40, 64)),
-    (L.fold_scales_sm90, (2, 4096, 22)),  # kernel-layouts.md §2.4: 22 % 4 raises
+    (L.fold_scales_sm90, (2, 4096, 22)),  # docs/design/kernel-layouts.md §2.4: 22 % 4 raises
     (L.fold_scales_sm90, (1, 96, 4)),
     (L.fold_scales_sm90_legacy, (2, 4096, 22)),
     (L.unfold_scales_sm90_legacy, (1, 4, 10)),

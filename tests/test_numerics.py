@@ -185,7 +185,7 @@ def test_rank_sums_equal_unsharded(layer_weights, tiny_cfg, layout, tokens):
     for r in results.values():
         assert r.ok, r
         assert np.isfinite([r.max_abs, r.rel_fro]).all()
-    assert results[ROUTED].rel_fro <= 5e-3  # kernel-layouts.md §5.4: TP3 sum vs TP1
+    assert results[ROUTED].rel_fro <= 5e-3  # docs/design/kernel-layouts.md §5.4: TP3 sum vs TP1
     assert results[SHARED].rel_fro <= 1e-5 and results[ATTN].rel_fro <= 1e-5  # exact up to summation order
     assert results[VIRTUAL].max_abs == 0.0
 

@@ -101,7 +101,7 @@ def test_replicated_and_fused(flash_cfg):
 
 
 def test_tensor_counts_and_byte_budget(flash_cfg):
-    """dsv4-flash-tp3.md §2 and §3.5: 69,187 source tensors; 1,502 + 39 per rank; exact bytes."""
+    """docs/design/tensor-plan.md §2 and §3.5: 69,187 source tensors; 1,502 + 39 per rank; exact bytes."""
     assert len(expected_sources(flash_cfg)) == 69187
     target = build_specs(flash_cfg, make_plan(flash_cfg, 3), "target")
     draft = build_specs(flash_cfg, make_plan(flash_cfg, 3), "draft")

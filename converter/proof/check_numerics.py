@@ -8,7 +8,7 @@ For each chosen layer the same random activations and routing go through
 the rank partials are summed in fp32, as the all-reduce would, and compared with (a).
 
 Components and tolerances (relative Frobenius error ||sum - ref|| / ||ref||):
-  routed MoE          5e-3  kernel-layouts.md §5.4 (TP3 sum vs TP1): each rank rounds its GEMM2
+  routed MoE          5e-3  docs/design/kernel-layouts.md §5.4 (TP3 sum vs TP1): each rank rounds its GEMM2
                              rows and its finalize output to BF16, the unsharded run rounds once.
   shared expert       1e-4  } exact in fp32 up to summation order: the column-parallel halves
   output projection   1e-4  } compute the same dot products, the row-parallel down/wo_b sums

@@ -1,4 +1,4 @@
-"""A pure-torch numerical reference for the sharded layers (kernel-layouts.md §5).
+"""A pure-torch numerical reference for the sharded layers (docs/design/kernel-layouts.md §5).
 
 Library code: `check-numerics` uses it on the CPU, and the GPU tests compare FlashInfer's
 CUTLASS fused MoE against `moe_reference`. Every function runs on the device of its inputs
@@ -119,7 +119,7 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float | None) ->
 def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                   swiglu_limit: float) -> torch.Tensor:
-    """Routed MXFP4 MoE in the W4A16 kernel's order of operations (kernel-layouts.md §5.2).
+    """Routed MXFP4 MoE in the W4A16 kernel's order of operations (docs/design/kernel-layouts.md §5.2).
 
     x bf16 [M, H]; topk_ids int [M, k] (expert ids into w13's first dim; ids < 0 or >= E are
     skipped, as non-local experts are in the kernel); topk_weights fp32 [M, k].
@@ -206,7 +206,7 @@ def shared_expert_reference(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scal
 
 def attn_output_reference(o: torch.Tensor, wo_a: torch.Tensor, wo_a_scale: torch.Tensor,
                           wo_b: torch.Tensor, wo_b_scale: torch.Tensor) -> torch.Tensor:
-    """Attention output projection: grouped `wo_a` then `wo_b` (dsv4-flash-tp3.md §3.4).
+    """Attention output projection: grouped `wo_a` then `wo_b` (docs/design/tensor-plan.md §3.4).
 
     o [M, local_heads, head_dim] (rounded to BF16). wo_a FP8 [G*R, hpg*head_dim] holds R =
     o_lora_rank rows per local output group; heads are grouped consecutively, hpg = heads per

@@ -2,8 +2,8 @@
 
 Every primitive takes a batch of experts as a uint8 array [B, N, C] (N rows, C bytes per row: packed
 E2M1 weights or E8M0 scales) in model layout and returns a new C-contiguous uint8 array; its inverse
-maps that back. The index formulas are those of docs `kernel-layouts.md` §2.2-2.7 and
-`dsv4-flash-tp3.md` §4.3-4.6. All of them are bijections, so the padding checks of diff/verify
+maps that back. The index formulas are those of docs/design/kernel-layouts.md §2.2-2.7, the steps per arch
+§2.1. All of them are bijections, so the padding checks of diff/verify
 invert the layout first instead of looking for zeros in kernel layout.
 
 `expert_layout` picks the composition for (arch, --expert-layout, --flashinfer-layout, tensor) from
@@ -137,7 +137,7 @@ def unfold_scales_sm90_legacy(y: np.ndarray) -> np.ndarray:
 # Everything runs on L2-sized slabs of 16-row tiles (tiles are independent, slabs may cross
 # experts) with reused work buffers: ~25 array passes then stay in cache and never page-fault.
 
-# kernel-layouts.md §2.3, `moe_gemm_mixed_utils.cu`: (mask, shift) pairs of the 32-bit permutation.
+# docs/design/kernel-layouts.md §2.3, `moe_gemm_mixed_utils.cu`: (mask, shift) pairs of the 32-bit permutation.
 SM90_BITPERM = (
     (0x00000080, 24), (0x00000070, 18), (0x00000008, 12), (0x00000007, 6),
     (0x00008000, 13), (0x00007000, 7), (0x00000800, 1), (0x00000700, -5),
@@ -318,7 +318,7 @@ STEPS: dict[str, _Step] = {
     "fold_scales_sm90_legacy": _Step(fold_scales_sm90_legacy, unfold_scales_sm90_legacy, _legacy_folded_shape),
 }
 
-# What FlashInfer-CUTLASS's post-load processing does per tensor (dsv4-flash-tp3.md §4.6); sm100 and
+# What FlashInfer-CUTLASS's post-load processing does per tensor (docs/design/kernel-layouts.md §2.1); sm100 and
 # sm120 share the MXFP4 x MXFP8 path, which has no FlashInfer generation split.
 _SM100_STEPS = {
     "w13_weight": ("swap_halves",),

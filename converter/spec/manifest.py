@@ -33,7 +33,7 @@ STATE_DIR = ".lucifer"
 FORMAT = "lucifer-shard/manifest"
 FORMAT_VERSION = 2  # 2: rank files stamped with their source content, digests of the copied side files
 MAX_ALIGN = 2 << 20  # --align: a 2 MiB huge page is the largest alignment any loader asks for
-# The Lucifer tuple (vllm-runtime.md): the load format, and the backends the mlow/vllm builds' policy accepts.
+# The Lucifer tuple (docs/design/vllm-extension-points.md §3.4): the load format, and the backends the mlow/vllm builds' policy accepts.
 RUNTIME = {
     "load_format": "lucifer_tp3",
     "moe_backend": "flashinfer_cutlass",
@@ -66,7 +66,7 @@ def stock_backends(arch: str | None, expert_layout: str = "model", moe_backend: 
     if pair is None or expert_layout == "model":
         return pair
     return pair[0], RUNTIME["moe_backend"]
-# The one table of FlashInfer layout generations (kernel-layouts.md §1): --flashinfer-layout's help,
+# The one table of FlashInfer layout generations (docs/design/kernel-layouts.md §1): --flashinfer-layout's help,
 # the manifest's runtime.flashinfer and the README's layout table all say this.
 FLASHINFER_VERSIONS = {"folded": "0.6.16, >=0.6.18, 0.7.x", "legacy": "0.6.10-0.6.15, 0.6.17"}
 # runtime.flashinfer of an output whose files do not depend on the FlashInfer version.

@@ -13,7 +13,7 @@ What it provides:
   * the unsharded source experts assembled as [w1 ; w3] with I = 2048, unpadded (`source_unsharded`);
   * rank tensors rebuilt from the source with numpy at the correct or the stock unit-blind
     offsets (`build_rank_model`, `lay_out`);
-  * routing inputs, the kernel call, the reference, the metrics of kernel-layouts.md §5.4;
+  * routing inputs, the kernel call, the reference, the metrics of docs/design/kernel-layouts.md §5.4;
   * the load side: a rank's experts from its rank file vs prepared from the source as a runtime
     would (`runtime_prepare`), page-cache dropping and I/O counters;
   * the results JSON every GPU test appends to (`record`).
@@ -57,7 +57,7 @@ PREFIX = "model.layers.0.ffn.experts.routed_experts."
 NAMES = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 SRC = "layers.0.ffn.experts.{e}.{w}.{kind}"  # source key: w in w1/w2/w3, kind in weight/scale
 
-# kernel-layouts.md §5.4
+# docs/design/kernel-layouts.md §5.4
 TOL_RANK_REL = 2e-3          # kernel vs moe_reference on the same tensors, relative Frobenius
 TOL_SUM_REL = 5e-3           # TP3 sum vs TP1 reference
 ELEM_FRAC = 0.999            # share of elements that must meet the elementwise rule
@@ -273,7 +273,7 @@ def build_rank_model(srcx: dict[str, np.ndarray], rank: int, inter: int, tp: int
     [real | 0] padded to the kernel width 768. W2 along K: correct = element offsets converted
     to bytes (352 r) and to 32-groups (22 r); stock = the unit-blind offsets of vLLM's generic
     loader, r * (destination width): bytes 384 r and groups 24 r, copying min(width, left) and
-    leaving the rest of the zeroed destination at 0 (dsv4-flash-tp3.md §3.3)."""
+    leaving the rest of the zeroed destination at 0 (docs/design/tensor-plan.md §3.3)."""
     logical, kernel, real = rank_geometry(inter, tp, rank)
     e, _, hb = srcx["w1"].shape
     r0 = logical * rank

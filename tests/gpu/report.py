@@ -250,7 +250,7 @@ def render(recs: list[dict], machine_text: str, log_text: str = "", build: dict 
     L += [f"**{verdict}.** Audit criterion: \"{CRITERION}\". "
           + ("Every check below holds: the real CUTLASS MoE (SM90 MXFP4 x BF16), run on each of the three rank "
              "files exactly as `lucifer-shard convert --tp 3 --arch sm90` wrote them, summed over the ranks, "
-             "matches the unsharded reference within the kernel-layouts.md §5.4 tolerances."
+             "matches the unsharded reference within the [kernel-layouts.md §5.4](design/kernel-layouts.md#54-tolerances) tolerances."
              if go else "At least one check below fails or has no result, so the criterion is NOT shown."), ""]
     L += _table(["check", "result", "detail"], [[c, "pass" if ok else "**FAIL**", d] for c, ok, d in checks])
     L += [""]

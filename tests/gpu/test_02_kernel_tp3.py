@@ -7,7 +7,7 @@ M = 1, 8, 64, 256, where the largest M routes every expert at least once.
 Per M, with random BF16 activations and distinct top-6 routing:
   * each rank's partial vs `moe_reference` on that rank's model-layout tensors (Output.model_tensor):
     relative Frobenius <= 2e-3, elementwise max|d| <= 2 ulp_bf16(|ref|) + 1e-3 max|ref| for >= 99.9 %
-    of the elements, all finite (kernel-layouts.md §5.4);
+    of the elements, all finite (docs/design/kernel-layouts.md §5.4);
   * the three partials summed in fp32 vs `moe_reference` on the UNSHARDED source experts
     ([w1 ; w3], I = 2048, no padding): relative Frobenius <= 5e-3, all finite.
 """

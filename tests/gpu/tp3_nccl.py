@@ -15,9 +15,9 @@ Modes (--mode auto picks the first that applies):
          inverse layout applied) stands in for the kernel. Not a hardware result.
 
 Tolerances: vs the single-GPU emulation, relative Frobenius <= 4e-3 and the elementwise rule of
-kernel-layouts.md §5.4 for >= 99.9 % of the elements (the only difference is where the BF16 sum is
+docs/design/kernel-layouts.md §5.4 for >= 99.9 % of the elements (the only difference is where the BF16 sum is
 rounded: emulated on CPU, a chained BF16 sum differs from the rounded fp32 sum by ~2.4e-3); vs the
-unsharded reference, <= 6e-3 (§5.4 allows 5e-3 for the fp32 sum, measured ~3.3e-3; the BF16
+unsharded reference, <= 6e-3 (its §5.4 allows 5e-3 for the fp32 sum, measured ~3.3e-3; the BF16
 all-reduce rounds one more partial sum, ~4.1e-3 emulated). All outputs finite.
 
 Usage (from the checkout root):

@@ -211,7 +211,7 @@ def build_model(man: dict, role: str, rank: int = 0, sink_len: int = SINK_PARAM_
 
 def fork_plan(cfg: dict, tp: int, moe_align: int = 32) -> dict:
     """The DeepSeek-V4 plan dict the fork stores in hf_text_config.vllm_virtual_tp_plan, written from
-    its documented arithmetic (dsv4-flash-tp3.md §3.1), independent of the converter."""
+    its documented arithmetic (docs/design/tensor-plan.md §3.1), independent of the converter."""
     def axis(orig, a=1):
         local = math.ceil(math.ceil(orig / tp) / a) * a
         return {"original_size": orig, "padded_size": local * tp, "tp_size": tp, "local_size": local}

@@ -7,7 +7,7 @@ import re
 import pytest
 
 
-# The git commit each wheel was built from (its vllm/_version.py; serving-field.md §2)
+# The git commit each wheel was built from (its vllm/_version.py)
 WHEEL_COMMITS = {"0.33.0": "4ba787ec9", "0.34.0": "62d4bc3c7"}
 
 
