@@ -494,7 +494,8 @@ def test_master_addr_takes_hosts_and_addresses(converted, addr):
 
 def test_each_gpu_row_of_the_proof_table_names_its_machine_model_and_vllm():
     """Issue 43 finding 13: a GPU row says on which machine, with which model (a synth preset: no Flash
-    checkpoint ran on a GPU) and which vLLM (or none) it ran; what has not run is listed as not proven."""
+    checkpoint ran on a GPU) and which vLLM (or none) it ran; what has not run is listed as not proven (a real
+    drafter's acceptance: the drafts that ran on the H200 were random-fill)."""
     from lucifer_shard.engine.presets import PRESETS
 
     readme = (REPO / "README.md").read_text()
@@ -507,4 +508,4 @@ def test_each_gpu_row_of_the_proof_table_names_its_machine_model_and_vllm():
         assert any(f"`{p}`" in claim + status or f"synth {p}" in claim + status for p in PRESETS), claim
         assert re.search(r"vLLM 0\.\d+\.\d+|no vLLM", status), status
     unproven = [claim for claim, status, _ in rows if status.startswith("**not")]
-    assert any("0.34.0 on a GPU" in c for c in unproven) and any("a draft token" in c for c in unproven), unproven
+    assert any("0.34.0 on a GPU" in c for c in unproven) and any("acceptance rate" in c for c in unproven), unproven
