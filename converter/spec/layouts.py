@@ -17,11 +17,12 @@ from typing import Callable
 
 import numpy as np
 
+from .arches import ARCHES, ARCH_TABLE
+
 # Bump when any primitive's byte layout changes: files written with another version must be refused.
 LAYOUT_VERSION: int = 1
 EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 FLASHINFER_LAYOUTS = ("folded", "legacy")
-ARCHS = ("sm120", "sm121", "sm100", "sm90")
 EXPERT_LAYOUTS = ("kernel", "model")
 MODEL = "model"  # name of the identity layout
 
@@ -318,39 +319,9 @@ STEPS: dict[str, _Step] = {
     "fold_scales_sm90_legacy": _Step(fold_scales_sm90_legacy, unfold_scales_sm90_legacy, _legacy_folded_shape),
 }
 
-# What FlashInfer-CUTLASS's post-load processing does per tensor (dsv4-flash-tp3.md §4.6); sm100 and
-# sm120 share the MXFP4 x MXFP8 path, which has no FlashInfer generation split.
-_SM100_STEPS = {
-    "w13_weight": ("swap_halves",),
-    "w13_weight_scale": ("swap_halves", "swizzle_128x4"),
-    "w2_weight": (),
-    "w2_weight_scale": ("swizzle_128x4",),
-}
+# What FlashInfer-CUTLASS's post-load processing does per tensor, per (arch, --flashinfer-layout): spec/arches.py.
 KERNEL_STEPS: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
-    ("sm120", "folded"): _SM100_STEPS,
-    ("sm120", "legacy"): _SM100_STEPS,
-    ("sm121", "folded"): _SM100_STEPS,  # GB10: the SM120 family's kernel (spec/plan.py ARCH_CAPABILITY)
-    ("sm121", "legacy"): _SM100_STEPS,
-    ("sm100", "folded"): _SM100_STEPS,
-    ("sm100", "legacy"): _SM100_STEPS,
-    ("sm90", "folded"): {
-        "w13_weight": ("swap_halves", "interleave_sm90"),
-        "w13_weight_scale": ("swap_halves", "fold_scales_sm90"),
-        "w2_weight": ("interleave_sm90",),
-        "w2_weight_scale": ("fold_scales_sm90",),
-    },
-    ("sm90", "legacy"): {
-        "w13_weight": ("swap_halves", "interleave_sm90_legacy"),
-        "w13_weight_scale": ("swap_halves", "fold_scales_sm90_legacy"),
-        "w2_weight": ("interleave_sm90_legacy",),
-        "w2_weight_scale": ("fold_scales_sm90_legacy",),
-    },
-}
-
-
-def same_kernel_layout(a: str, b: str) -> bool:
-    """Whether files laid out for --arch `a` are those of `b` (sm121 and sm120: one kernel family)."""
-    return all(KERNEL_STEPS.get((a, g)) == KERNEL_STEPS.get((b, g)) for g in FLASHINFER_LAYOUTS)
+    (a.name, g): steps for a in ARCH_TABLE for g, steps in a.kernel_steps.items()}
 
 
 @dataclass(frozen=True)
@@ -398,7 +369,7 @@ def layout_by_name(name: str) -> Layout:
 def expert_layout(arch: str | None, expert_layout: str, flashinfer_layout: str, tensor: str) -> Layout:
     """The layout of one routed-expert tensor for --arch, --expert-layout and --flashinfer-layout
     (arch None: model layout for any arch, which is the same for every arch)."""
-    archs = ARCHS + (None,) if expert_layout == MODEL else ARCHS
+    archs = ARCHES + (None,) if expert_layout == MODEL else ARCHES
     for what, value, allowed in (("arch", arch, archs), ("expert layout", expert_layout, EXPERT_LAYOUTS),
                                  ("flashinfer layout", flashinfer_layout, FLASHINFER_LAYOUTS),
                                  ("expert tensor", tensor, EXPERT_TENSORS)):
