@@ -26,7 +26,7 @@ FLASHINFER_LAYOUTS = ("folded", "legacy")
 EXPERT_LAYOUTS = ("kernel", "model")
 MODEL = "model"  # name of the identity layout
 
-Shape = tuple[int, ...]
+MatrixShape = tuple[int, ...]
 
 
 def _check(x: np.ndarray, step: str, ndim: int = 3) -> None:
@@ -35,7 +35,7 @@ def _check(x: np.ndarray, step: str, ndim: int = 3) -> None:
         raise ValueError(f"{step}: expected a uint8 array of {ndim} dims, got {what}")
 
 
-def _require(step: str, shape: Shape, rows: int, cols: int) -> None:
+def _require(step: str, shape: MatrixShape, rows: int, cols: int) -> None:
     """Per-expert [N, C] shape preconditions of a step; the message names the offending shape."""
     n, c = shape[-2:]
     if n % rows or c % cols:
@@ -289,22 +289,22 @@ def deinterleave_sm90_legacy(y: np.ndarray) -> np.ndarray:
 class _Step:
     forward: Callable[[np.ndarray], np.ndarray]
     inverse: Callable[[np.ndarray], np.ndarray]
-    shape: Callable[[Shape], Shape]  # per-expert [N, C] -> shape after forward; raises on bad shapes
+    shape: Callable[[MatrixShape], MatrixShape]  # per-expert [N, C] -> shape after forward; raises on bad shapes
 
 
-def _same_shape(step: str, rows: int, cols: int) -> Callable[[Shape], Shape]:
-    def shape(s: Shape) -> Shape:
+def _same_shape(step: str, rows: int, cols: int) -> Callable[[MatrixShape], MatrixShape]:
+    def shape(s: MatrixShape) -> MatrixShape:
         _require(step, s, rows, cols)
         return s
     return shape
 
 
-def _folded_shape(s: Shape) -> Shape:
+def _folded_shape(s: MatrixShape) -> MatrixShape:
     _require("fold_scales_sm90", s, 64, 4)
     return (s[0] // 64, s[1] // 4, 16, 16)
 
 
-def _legacy_folded_shape(s: Shape) -> Shape:
+def _legacy_folded_shape(s: MatrixShape) -> MatrixShape:
     _require("fold_scales_sm90_legacy", s, 1, 4)
     return (s[1] // 4, s[0] * 4)
 
@@ -346,7 +346,7 @@ class Layout:
         _check(y, self.name)
         return np.ascontiguousarray(y)
 
-    def kernel_shape(self, model_matrix_shape: tuple[int, int]) -> Shape:
+    def kernel_shape(self, model_matrix_shape: tuple[int, int]) -> MatrixShape:
         """Per-expert shape after forward; ValueError when the shape breaks a step's preconditions."""
         shape = tuple(model_matrix_shape)
         if len(shape) != 2:
