@@ -498,7 +498,7 @@ def routes() -> list[tuple[str, str]]:
          f"{image['tag']}, image ID {image['id']}; private to its owner: it cannot be pulled"),
         ("a fork build",
          f"from source only: git clone {compat.REPOSITORY} && git -C vllm checkout <commit> && pip install -e vllm "
-         f"(the CUDA toolchain of vLLM's build-from-source guide); sm120/sm100 kernel layout and model layout"),
+         f"(the CUDA toolchain of vLLM's build-from-source guide); {compat.FORK_TUPLE_KERNEL} layout and model layout"),
     ]
 
 

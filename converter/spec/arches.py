@@ -68,7 +68,8 @@ class Arch:
     @property
     def layout_generations(self) -> bool:
         """Whether its kernel layout differs between FlashInfer's layout generations (--flashinfer-layout)."""
-        return len({repr(s) for s in self.kernel_steps.values()}) > 1
+        first, *rest = self.kernel_steps.values()
+        return any(steps != first for steps in rest)
 
 
 # SM90 has no FlashInfer DSv4 sparse MLA (`_resolve_dsv4_sparse_mla_backend`: SM100/103/107/120/121), so FlashMLA
@@ -96,7 +97,7 @@ def family(arch: str) -> str:
     return next(f.name for f in ARCH_TABLE if f.capability[0] == a.capability[0] and f.kernel_steps == a.kernel_steps)
 
 
-FAMILIES = tuple(dict.fromkeys(map(family, ARCHES)))  # one --arch per set of identical files
+FAMILIES = tuple(dict.fromkeys(map(family, ARCHES)))  # one --arch per family (a CUDA major and its kernel layout)
 # The families whose kernel-layout files the forks' policy serves (their stock tuple is the Lucifer tuple).
 FORK_KERNEL_ARCHES = tuple(a.name for a in ARCH_TABLE if a.backends("kernel") == FORK_TUPLE)
 # The families whose kernel layout follows FlashInfer's layout generation (--flashinfer-layout).
