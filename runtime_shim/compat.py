@@ -36,6 +36,9 @@ from pathlib import Path
 # the draft kinds of lucifer_shard.spec.drafts.DRAFT_KINDS, by name: this table imports nothing of the
 # package (it runs as the offline hash tool too); tests/shim/test_compat.py ties the names to that table
 MTP, DSPARK = "mtp", "dspark"
+# The kernel-layout columns of `Build.serves`, by GPU family of lucifer_shard.spec.arches (tests/test_arch_table.py
+# ties them to it): the families whose stock tuple is the forks' (whose policy accepts only that tuple), and the rest
+FORK_TUPLE_KERNEL, OTHER_KERNEL = "sm120/sm100 kernel", "sm90 kernel"
 # Where each draft kind's DeepSeek-V4 model class lives in a vLLM wheel (the NVIDIA classes the drafts load into)
 DRAFT_CLASS_FILES = {MTP: "vllm/models/deepseek_v4/nvidia/mtp.py", DSPARK: "vllm/models/deepseek_v4/nvidia/dspark.py"}
 
@@ -165,11 +168,9 @@ class Build:
         """What lucifer_tp3 can load on this build, per kind of output (the README's table)."""
         kernel = RELAYOUT in self.wrappers  # the identity re-layout is the kernel-layout path
         return {"TP3 (virtual TP)": True,
-                "sm120/sm100 kernel": kernel,
+                FORK_TUPLE_KERNEL: kernel,
                 "model layout": True,
-                # SM90's W4A16 CUTLASS MoE runs in the stock tuple (FlashMLA + flashinfer_cutlass); a fork's
-                # policy accepts only its SM12x tuple
-                "sm90 kernel": kernel and self.stock,
+                OTHER_KERNEL: kernel and self.stock,
                 "MTP draft (--mtp)": self.draft_virtual_tp and MTP in self.draft_kinds,
                 "DSpark draft (--draft)": self.draft_virtual_tp and DSPARK in self.draft_kinds}
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from lucifer_shard import __version__
 from lucifer_shard.guarded_io import read_regular
 
+from lucifer_shard.spec.arches import arch_of_capability, family, gpu_families
 from lucifer_shard.spec.config import DSPARK
 from lucifer_shard.spec.drafts import DRAFT_KINDS
 
@@ -294,7 +295,7 @@ def _gpu_check() -> Check:
 
 
 # The GPU families by product name (the README's serving checklist says the same).
-GPU_FAMILIES = "sm90 (H100, H200), sm100 (B200, GB200), sm120 (RTX PRO 6000, RTX 5090), sm121 (DGX Spark GB10)"
+GPU_FAMILIES = gpu_families()
 
 
 def _entry_point_checks() -> list[Check]:
@@ -460,11 +461,7 @@ def _arch_checks(m, arch: str, cap: str, fork: bool) -> list[Check]:
             "no backends are known for this GPU family"
         return [_out("output arch", INFO, f"any GPU family (converted without --arch); this GPU is {cap} ({arch}): "
                      f"{picks}")]
-    from lucifer_shard.spec.layouts import same_kernel_layout
-    from lucifer_shard.spec.plan import ARCH_CAPABILITY
-
-    family = ARCH_CAPABILITY[arch][0] == ARCH_CAPABILITY.get(m.arch, (None,))[0]
-    if arch == m.arch or (family and same_kernel_layout(arch, m.arch)):
+    if family(arch) == family(m.arch):
         return []  # one CUDA major, the same files (GB10, 12.1, runs the SM120 family's kernels)
     if m.expert_layout != "model":
         return [_out("output arch", FAIL, f"files laid out for {m.arch}, this GPU is {cap} ({arch})",
@@ -501,7 +498,7 @@ def routes() -> list[tuple[str, str]]:
          f"{image['tag']}, image ID {image['id']}; private to its owner: it cannot be pulled"),
         ("a fork build",
          f"from source only: git clone {compat.REPOSITORY} && git -C vllm checkout <commit> && pip install -e vllm "
-         f"(the CUDA toolchain of vLLM's build-from-source guide); sm120/sm100 kernel layout and model layout"),
+         f"(the CUDA toolchain of vLLM's build-from-source guide); {compat.FORK_TUPLE_KERNEL} layout and model layout"),
     ]
 
 
@@ -542,7 +539,7 @@ def serve_backends(arch: str | None, expert_layout: str = "model", moe_backend: 
 
 def local_arch() -> str | None:
     """The --arch of this machine's first GPU (nvidia-smi: no torch, no CUDA context); None without one."""
-    from lucifer_shard.spec.plan import arch_of_capability, gpu_capability
+    from lucifer_shard.spec.plan import gpu_capability
 
     found = gpu_capability()
     return arch_of_capability(*map(int, found[1].split(".")[:2])) if found else None

@@ -52,7 +52,7 @@ NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
-class RankFile:
+class CheckedRankFile:
     path: Path
     declared: dict  # the manifest's entry: path, bytes, digest, content
     header: Header  # validated: tensors in data order, offsets count from header.data_start
@@ -250,7 +250,8 @@ class LuciferTP3Loader(BaseModelLoader):
                             f"({kind.vllm_class}); start with --speculative-config '{{\"method\":\"{kind.method}\"}}' "
                             f"(lucifer-shard serve --draft sets it)")
 
-    def _check_files(self, manifest: Manifest, role: str, rank: int, entry: dict, identity: bool) -> list[RankFile]:
+    def _check_files(self, manifest: Manifest, role: str, rank: int, entry: dict,
+                     identity: bool) -> list[CheckedRankFile]:
         """Every file of the rank: present, its header's tensors exactly the manifest's (names, dtypes,
         shapes); with `identity`, also its size and identity stamp."""
         out = []
@@ -292,7 +293,7 @@ class LuciferTP3Loader(BaseModelLoader):
                 if h.dtype != t["dtype"] or list(h.shape) != list(t["shape"]):
                     raise ShimError(f"{path}: tensor {name} is {h.dtype}{_shape(h.shape)} but the manifest says "
                                     f"{t['dtype']}{_shape(t['shape'])}; re-run lucifer-shard convert --force")
-            out.append(RankFile(path, f, header, (st.st_dev, st.st_ino)))
+            out.append(CheckedRankFile(path, f, header, (st.st_dev, st.st_ino)))
         return out
 
     @staticmethod
@@ -413,8 +414,8 @@ class LuciferTP3Loader(BaseModelLoader):
                     raise ShimError(f"{prefix}: MoE parallel (tp_rank, tp_size, ep_size)={got}, files need "
                                     f"({rank}, {tp}, 1); disable DP/PCP/expert parallel")
 
-    def _copy_file(self, manifest: Manifest, role: str, rank: int, f: RankFile, tensors: dict, targets: dict,
-                   digests: bool) -> dict[str, str]:
+    def _copy_file(self, manifest: Manifest, role: str, rank: int, f: CheckedRankFile, tensors: dict,
+                   targets: dict, digests: bool) -> dict[str, str]:
         """Read every tensor of `f` straight into its parameter (`attn_sink`: into the prefix, whose
         backend-padded rest must be -inf), from the very file whose header was checked; the tensors'
         BLAKE3 digests when `digests`."""
@@ -456,7 +457,7 @@ class LuciferTP3Loader(BaseModelLoader):
             self.tags[prefix] = tag
 
     @staticmethod
-    def _check_digests(f: RankFile, entry: dict, digests: dict[str, str]) -> None:
+    def _check_digests(f: CheckedRankFile, entry: dict, digests: dict[str, str]) -> None:
         """verify=full: each tensor's BLAKE3 (computed while reading) and the file's digest over its header
         and those (`lucifer_shard.spec.manifest.file_digest`, as lucifer-shard writes them) against the manifest."""
         for name, got in digests.items():

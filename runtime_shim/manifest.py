@@ -18,7 +18,8 @@ from lucifer_shard.spec.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, c
 from lucifer_shard.spec.manifest import load_manifest as _load_manifest_doc
 from lucifer_shard.spec.outlock import writer_of
 from lucifer_shard.spec.outwatch import ReadWatch
-from lucifer_shard.spec.plan import MOE_VARIANT, make_plan, stock_padded
+from lucifer_shard.spec.arches import MOE_VARIANT
+from lucifer_shard.spec.plan import make_plan, stock_padded
 from lucifer_shard.spec.rules import ROLES
 from lucifer_shard.spec.stheader import Header, HeaderError
 from lucifer_shard.spec.stheader import read_header as _read_header

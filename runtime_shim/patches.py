@@ -27,7 +27,7 @@ from lucifer_shard.errors import SourceError
 from lucifer_shard.spec.config import ModelConfig, parse_config
 from lucifer_shard.spec.layouts import EXPERT_TENSORS
 from lucifer_shard.spec.manifest import RUNTIME
-from lucifer_shard.spec.plan import arch_of_capability
+from lucifer_shard.spec.arches import arch_of_capability
 
 from . import compat, settings, stock_vtp
 from .configview import backend_name, model_problems, text_config

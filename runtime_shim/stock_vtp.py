@@ -22,6 +22,7 @@ import math
 from typing import Any
 
 from lucifer_shard.spec.manifest import RUNTIME, STOCK_BACKENDS, stock_backends  # noqa: F401 - one table, re-exported
+from lucifer_shard.spec.arches import ARCH_TABLE, FLASHINFER_MLA
 from lucifer_shard.spec.plan import MOE_ROUTES
 
 from . import compat
@@ -36,8 +37,9 @@ CONFIG_KEYS = {"heads": "num_attention_heads", "groups": "o_groups", "routed": "
 # the loader (a fork config has `vllm_virtual_tp_plan` instead)
 MARKER = "lucifer_tp3_padding"
 LOAD_FORMAT = RUNTIME["load_format"]
-# attention backends a GPU family cannot run, with what to pass instead
-UNRUNNABLE_ATTENTION = {"sm90": {"FLASHINFER_MLA_SPARSE_DSV4": "FLASHMLA_SPARSE_DSV4"}}
+# attention backends a GPU family cannot run, with what to pass instead: FlashInfer's DSv4 sparse MLA runs where
+# stock vLLM picks it (spec/arches.py)
+UNRUNNABLE_ATTENTION = {a.name: {FLASHINFER_MLA: a.attention} for a in ARCH_TABLE if a.attention != FLASHINFER_MLA}
 
 
 def block_shared_local(moe_intermediate: int, tp: int, block: int = FP8_BLOCK) -> int:

@@ -285,7 +285,7 @@ def test_non_finite_numbers_are_null(converted, monkeypatch):
     from lucifer_shard.proof import check_numerics as cn
 
     def nan_report(out, model, **kw):
-        return cn.Report(str(out), str(model), 3, 4, 0, [0], [cn.Result(0, "routed MoE", float("nan"),
+        return cn.NumericsReport(str(out), str(model), 3, 4, 0, [0], [cn.Result(0, "routed MoE", float("nan"),
                                                                           float("inf"), float("-inf"), 5e-3, False)])
 
     monkeypatch.setattr(cn, "check_numerics", nan_report)

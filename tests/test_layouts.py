@@ -28,7 +28,7 @@ PRIMITIVES = [
     (L.fold_scales_sm90_legacy, L.unfold_scales_sm90_legacy),
 ]
 ALL_LAYOUTS = sorted({expert_layout(a, e, f, t) for a, e, f, t in itertools.product(
-    L.ARCHS, L.EXPERT_LAYOUTS, FLASHINFER_LAYOUTS, EXPERT_TENSORS)}, key=lambda lay: lay.name)
+    L.ARCHES, L.EXPERT_LAYOUTS, FLASHINFER_LAYOUTS, EXPERT_TENSORS)}, key=lambda lay: lay.name)
 
 
 def rand(*shape: int) -> np.ndarray:
@@ -37,7 +37,7 @@ def rand(*shape: int) -> np.ndarray:
 
 def tensor_of(layout: Layout) -> str:
     """One tensor a layout is used for, to get a real shape it accepts."""
-    return next(t for a, e, f, t in itertools.product(L.ARCHS, L.EXPERT_LAYOUTS, FLASHINFER_LAYOUTS, EXPERT_TENSORS)
+    return next(t for a, e, f, t in itertools.product(L.ARCHES, L.EXPERT_LAYOUTS, FLASHINFER_LAYOUTS, EXPERT_TENSORS)
                 if expert_layout(a, e, f, t) == layout)
 
 
@@ -46,7 +46,7 @@ def tensor_of(layout: Layout) -> str:
 
 def test_table():
     names = {(a, f): {t: expert_layout(a, "kernel", f, t).name for t in EXPERT_TENSORS}
-             for a in L.ARCHS for f in FLASHINFER_LAYOUTS}
+             for a in L.ARCHES for f in FLASHINFER_LAYOUTS}
     sm100 = {"w13_weight": "swap_halves", "w13_weight_scale": "swap_halves+swizzle_128x4",
              "w2_weight": "model", "w2_weight_scale": "swizzle_128x4"}
     for f in FLASHINFER_LAYOUTS:
@@ -57,7 +57,7 @@ def test_table():
     assert names[("sm90", "legacy")] == {
         "w13_weight": "swap_halves+interleave_sm90_legacy", "w13_weight_scale": "swap_halves+fold_scales_sm90_legacy",
         "w2_weight": "interleave_sm90_legacy", "w2_weight_scale": "fold_scales_sm90_legacy"}
-    for a, f, t in itertools.product(L.ARCHS, FLASHINFER_LAYOUTS, EXPERT_TENSORS):
+    for a, f, t in itertools.product(L.ARCHES, FLASHINFER_LAYOUTS, EXPERT_TENSORS):
         assert expert_layout(a, "model", f, t) == Layout("model", (), LAYOUT_VERSION)
     for lay in ALL_LAYOUTS:
         assert layout_by_name(lay.name) == lay and lay.version == LAYOUT_VERSION
@@ -81,7 +81,7 @@ def test_kernel_shapes():
     ("sm90", "kernel", "newest", "w13_weight"), ("sm90", "kernel", "folded", "w13_bias")])
 def test_unknown_options_raise(args):
     with pytest.raises(ValueError, match=repr(next(a for a in args if a not in (
-            *L.ARCHS, *L.EXPERT_LAYOUTS, *FLASHINFER_LAYOUTS, *EXPERT_TENSORS)))):
+            *L.ARCHES, *L.EXPERT_LAYOUTS, *FLASHINFER_LAYOUTS, *EXPERT_TENSORS)))):
         expert_layout(*args)
 
 

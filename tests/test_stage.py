@@ -204,7 +204,7 @@ def test_plan_shows_the_bytes_per_node(tiny_pattern, converted):
 def test_sm121_is_the_sm120_familys_layout(converted, tmp_path):
     """GB10 (12.1): vLLM 0.33.0 and FlashInfer choose the SM120 family's kernels, so sm121 files are sm120's
     byte for byte (the manifest names the arch it was converted for)."""
-    from lucifer_shard.spec.plan import arch_of_capability
+    from lucifer_shard.spec.arches import arch_of_capability
 
     assert [arch_of_capability(*c) for c in ((12, 0), (12, 1), (10, 0), (10, 3), (9, 0), (8, 0), (12, 2))] == [
         "sm120", "sm121", "sm100", "sm100", "sm90", None, None]

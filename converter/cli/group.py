@@ -10,7 +10,9 @@ from .. import __version__
 from ..engine.fills import DEFAULT_FILL, FILLS
 from ..errors import NoRoom, UsageRefused
 from ..spec.manifest import FLASHINFER_VERSIONS, MAX_ALIGN, Options
-from ..spec.plan import ARCHES, DEFAULT_ROUTE, MOE_ROUTES
+from ..spec.arches import (ARCH, ARCHES, B12X, FAMILIES, FORK_KERNEL_ARCHES, GENERATION_ARCHES, MOE_VARIANT,
+                           family)
+from ..spec.plan import DEFAULT_ROUTE, MOE_ROUTES
 from ..units import SIZE_SYNTAX
 from .argorder import is_checkpoint, refuse_swapped
 from .console import Console, Group, conventions, exit_code_lines
@@ -29,14 +31,15 @@ REVISION = click.option("--revision", default=None,
 
 def _flashinfer_help() -> str:
     gens = ", ".join(f"{g} = FlashInfer {v}" for g, v in FLASHINFER_VERSIONS.items())
-    return f"Only with --arch sm90 and kernel layout: FlashInfer's layout generation, {gens}  [default: folded]"
+    return (f"Only with --arch {'|'.join(GENERATION_ARCHES)} and kernel layout: FlashInfer's layout generation, "
+            f"{gens}  [default: folded]")
 
 
 _ROUTES = [r for r in MOE_ROUTES if r != DEFAULT_ROUTE]
 
 
 def _route_help() -> str:
-    b12x = MOE_ROUTES["b12x"]
+    b12x = MOE_ROUTES[B12X]
     return (f"b12x: the routed experts at their exact per-rank width (704 at TP3, a multiple of "
             f"{b12x.kernel_align}) for stock vLLM's b12x MoE (vllm[b12x], {'/'.join(b12x.arches)} GPUs: RTX PRO 6000 "
             f"class, DGX Spark), model layout; serve passes --moe-backend b12x. Default: the width the CUTLASS, "
@@ -44,13 +47,24 @@ def _route_help() -> str:
             f"every GPU family serves")
 
 
+def _arch_help() -> str:
+    """Each MoE variant's --arch values and kernel-layout steps, and which --arch takes another's files."""
+    variants = {v: [a for a in ARCHES if MOE_VARIANT[a] == v] for v in MOE_VARIANT.values()}
+    kinds = " or ".join(f"{'/'.join(names)} ({v}: {' + '.join(_steps(names[0]))})" for v, names in variants.items())
+    members = "".join(f"; {a} is {ARCH[a].gpus}, the {family(a)} family's layout" for a in ARCHES if family(a) != a)
+    return kinds + members
+
+
+def _steps(arch: str) -> list[str]:
+    """The kernel-layout steps of `arch` (of FlashInfer's folded generation), each once."""
+    return list(dict.fromkeys(s for steps in ARCH[arch].kernel_steps["folded"].values() for s in steps))
+
+
 def conversion_options(f):
     """The options that decide what a conversion writes (shared by plan and convert)."""
     for option in reversed((
         click.option("--arch", type=click.Choice(ARCHES, case_sensitive=False), default=None,
-                     help="The serving GPU family: sm120/sm121/sm100 (MXFP4 x MXFP8 CUTLASS: swap + 128x4 scale "
-                          "swizzle; sm121 is DGX Spark GB10, the SM120 family's layout) "
-                          "or sm90 (MXFP4 x BF16: swap + nibble and scale interleave). Required by convert with "
+                     help=f"The serving GPU family: {_arch_help()}. Required by convert with "
                           "--expert-layout kernel: the experts' kernel layout follows it and the loader refuses "
                           "other GPUs. Optional with --expert-layout model, whose files are the same for every "
                           "arch: without it the output serves on any GPU family (the manifest's arch is null)."),
@@ -112,10 +126,11 @@ def options_from(tp: int, arch: str | None, expert_layout: str | None, flashinfe
                                f"out itself); drop --expert-layout {expert_layout}")
         expert_layout = route.layouts[0]
     expert_layout = expert_layout or ("kernel" if arch else "model")
-    kernel90 = arch == "sm90" and expert_layout == "kernel"
-    if flashinfer_layout is not None and not kernel90:
-        raise UsageRefused("--flashinfer-layout applies only to --arch sm90 with --expert-layout kernel (sm120 and "
-                           "sm100 have one layout generation); drop it")
+    generations = arch in GENERATION_ARCHES and expert_layout == "kernel"
+    if flashinfer_layout is not None and not generations:
+        one = " and ".join(f for f in FAMILIES if f not in GENERATION_ARCHES)
+        raise UsageRefused(f"--flashinfer-layout applies only to --arch {'|'.join(GENERATION_ARCHES)} with "
+                           f"--expert-layout kernel ({one} have one layout generation); drop it")
     if align < 8 or align > MAX_ALIGN or align & (align - 1):
         raise UsageRefused(f"--align {align} is not a power of two from 8 to {MAX_ALIGN} (2 MiB, a huge page)")
     try:
@@ -136,12 +151,13 @@ def options_from(tp: int, arch: str | None, expert_layout: str | None, flashinfe
         raise UsageRefused(f"--arch is required with --expert-layout kernel: the routed experts are laid out for one "
                            f"GPU family and the loader refuses other GPUs; pass the serving GPU's, --arch "
                            f"{'|'.join(ARCHES)}{here}, or --expert-layout model (any GPU family)")
-    if kernel90 and flashinfer_layout == "legacy":
-        Console.of().warn("no vetted vLLM build serves sm90 kernel layout of FlashInfer's legacy generation (vLLM "
-                          "0.33.0 pins FlashInfer 0.7.2.post1, the folded one; the mlow/vllm builds serve only "
-                          "sm120/sm100); these files serve FlashInfer-level tests. Drop --flashinfer-layout to serve")
-    elif kernel90:
-        Console.of().note("sm90 kernel layout serves with FlashInfer's SM90 CUTLASS MoE module, which FlashInfer "
+    if generations and flashinfer_layout == "legacy":
+        forks = "/".join(f for f in FAMILIES if f in FORK_KERNEL_ARCHES)
+        Console.of().warn(f"no vetted vLLM build serves {arch} kernel layout of FlashInfer's legacy generation (vLLM "
+                          f"0.33.0 pins FlashInfer 0.7.2.post1, the folded one; the mlow/vllm builds serve only "
+                          f"{forks}); these files serve FlashInfer-level tests. Drop --flashinfer-layout to serve")
+    elif generations:
+        Console.of().note(f"{arch} kernel layout serves with FlashInfer's SM90 CUTLASS MoE module, which FlashInfer "
                           "0.7.2.post1 builds on the serving host at first use (an hour or more; cached after) "
                           "unless a prebuilt one is installed; --expert-layout model serves with Marlin, no build")
     return Options(tp=tp, arch=arch, expert_layout=expert_layout,

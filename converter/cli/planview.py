@@ -12,10 +12,11 @@ from ..engine.owned import plan_clearing
 from ..engine.job import layout_name, plan_footprint, plan_parts, stored_shape, tensor_layouts
 from ..guarded_io import Tree
 from ..spec import footprint as fpm
+from ..spec.arches import MOE_VARIANT
 from ..spec.config import DSPARK, ModelConfig
 from ..spec.drafts import DRAFT_KINDS
 from ..spec.manifest import Options, part_path
-from ..spec.plan import MOE_ROUTES, MOE_VARIANT, Plan, make_plan, padding_only
+from ..spec.plan import MOE_ROUTES, Plan, make_plan, padding_only
 from ..spec import v41
 from ..spec.rules import DTYPE_SIZE, TensorSpec, build_specs, expected_sources
 from ..units import duration, rate, size

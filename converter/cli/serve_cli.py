@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from ..errors import CheckFailed, MismatchError, OutputError, PreflightFailed, UsageRefused
+from ..spec.arches import backends_help
 from ..spec.config import MTP
 from ..spec.drafts import DRAFT_KINDS
 from .console import Console, conventions
@@ -171,7 +172,14 @@ def doctor(out: Path | None, draft: bool, mtp: bool) -> None:
         raise _refusal(failed, f"doctor: {len(failed)} check(s) failed; first: {failed[0]}", CheckFailed)
 
 
+def _with_backends(f):
+    """Writes spec/arches.py's backends per --arch into serve's help, in place of its docstring's BACKENDS line."""
+    f.__doc__ = f.__doc__.replace("BACKENDS\n", "\n      ".join(backends_help()) + "\n", 1)
+    return f
+
+
 @click.command("serve", cls=ServeCommand)
+@_with_backends
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--dry-run", is_flag=True,
               help="Print the preflight report and the exact vllm command, run nothing. Exit 0 when the "
@@ -205,8 +213,7 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
           for an MTP layer, "dspark" for DeepSeek-V4-Flash-0731's DSpark drafter]
         [VLLM_ARGS: everything after `--`]
     with A, M for the output's --arch on stock vLLM (virtual TP supplied by the plugin):
-      sm120, sm121, sm100: FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass  (sm121, GB10: not yet run)
-      sm90:         FLASHMLA_SPARSE_DSV4, marlin (model layout) or flashinfer_cutlass (kernel layout)
+      BACKENDS
     (a model-layout output may take another --moe-backend among VLLM_ARGS: vLLM lays its experts out);
     for an output converted without --arch, those of the serving host's GPU (left out where no GPU
     is visible); FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass on a vetted mlow/vllm build.

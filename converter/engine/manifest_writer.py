@@ -9,12 +9,12 @@ from blake3 import blake3
 
 from .. import __version__
 from ..guarded_io import Tree
+from ..spec.arches import GENERATION_ARCHES, MOE_VARIANT
 from ..spec.drafts import draft_record
 from ..spec.content import ALGORITHM, BLOCK, checkpoint_digest, shard_digests
 from ..spec.layouts import LAYOUT_VERSION
 from ..guarded_io import JSON_LIMIT, read_regular
 from ..spec.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, manifest_text, part_content, part_path, runtime_record
-from ..spec.plan import MOE_VARIANT
 from ..spec.rules import TensorSpec
 from ..spec.source import side_files
 from .job import Job, layout_name, stored_shape
@@ -69,7 +69,8 @@ def build_manifest(job: Job, files: dict[str, dict], out: Path | None = None) ->
         # null without arch, or on the b12x route: vLLM picks the variant for the GPU it runs on
         "moe_variant": None if o.moe_backend else MOE_VARIANT.get(o.arch),
         "expert_layout": o.expert_layout,
-        "flashinfer_layout": o.flashinfer_layout if o.arch == "sm90" and o.expert_layout == "kernel" else None,
+        "flashinfer_layout": (o.flashinfer_layout if o.arch in GENERATION_ARCHES and o.expert_layout == "kernel"
+                              else None),
         "layouts": {t: {"name": lay.name, "steps": list(lay.steps), "version": lay.version}
                     for t, lay in job.layouts.items()},
         "layout_version": LAYOUT_VERSION,

@@ -64,7 +64,7 @@ class Result:
 
 
 @dataclass
-class Report:
+class NumericsReport:
     out: str
     model: str
     tp: int
@@ -422,9 +422,9 @@ def parse_layers(text: str | None, cfg) -> list[int]:
 
 
 def check_numerics(out: Path, model: str | None = None, layers: str | list[int] | None = None, tokens: int = 16,
-                   seed: int = 0, progress: bool = True) -> Report:
+                   seed: int = 0, progress: bool = True) -> NumericsReport:
     """Run the check (MODEL default: the source the manifest records); never raises for a numerical
-    failure (inspect `Report.ok`)."""
+    failure (inspect `NumericsReport.ok`)."""
     if not 1 <= tokens <= MAX_TOKENS:
         raise LuciferError(f"--tokens {tokens}: choose 1..{MAX_TOKENS} (the activations of every token are held "
                            f"in memory; a few dozen already exercise every rank's slices)")
@@ -441,7 +441,7 @@ def check_numerics(out: Path, model: str | None = None, layers: str | list[int] 
     cfg = ckpt.config
     ids = layers if isinstance(layers, list) else parse_layers(layers, cfg)
     heads = output.manifest["plan"]["axes"]["heads"]["padded"]
-    report = Report(str(out), str(model), output.tp, tokens, seed, ids)
+    report = NumericsReport(str(out), str(model), output.tp, tokens, seed, ids)
     from tqdm import tqdm
 
     try:

@@ -17,15 +17,16 @@ from typing import Callable
 
 import numpy as np
 
+from .arches import ARCHES, ARCH_TABLE
+
 # Bump when any primitive's byte layout changes: files written with another version must be refused.
 LAYOUT_VERSION: int = 1
 EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 FLASHINFER_LAYOUTS = ("folded", "legacy")
-ARCHS = ("sm120", "sm121", "sm100", "sm90")
 EXPERT_LAYOUTS = ("kernel", "model")
 MODEL = "model"  # name of the identity layout
 
-Shape = tuple[int, ...]
+MatrixShape = tuple[int, ...]
 
 
 def _check(x: np.ndarray, step: str, ndim: int = 3) -> None:
@@ -34,7 +35,7 @@ def _check(x: np.ndarray, step: str, ndim: int = 3) -> None:
         raise ValueError(f"{step}: expected a uint8 array of {ndim} dims, got {what}")
 
 
-def _require(step: str, shape: Shape, rows: int, cols: int) -> None:
+def _require(step: str, shape: MatrixShape, rows: int, cols: int) -> None:
     """Per-expert [N, C] shape preconditions of a step; the message names the offending shape."""
     n, c = shape[-2:]
     if n % rows or c % cols:
@@ -288,22 +289,22 @@ def deinterleave_sm90_legacy(y: np.ndarray) -> np.ndarray:
 class _Step:
     forward: Callable[[np.ndarray], np.ndarray]
     inverse: Callable[[np.ndarray], np.ndarray]
-    shape: Callable[[Shape], Shape]  # per-expert [N, C] -> shape after forward; raises on bad shapes
+    shape: Callable[[MatrixShape], MatrixShape]  # per-expert [N, C] -> shape after forward; raises on bad shapes
 
 
-def _same_shape(step: str, rows: int, cols: int) -> Callable[[Shape], Shape]:
-    def shape(s: Shape) -> Shape:
+def _same_shape(step: str, rows: int, cols: int) -> Callable[[MatrixShape], MatrixShape]:
+    def shape(s: MatrixShape) -> MatrixShape:
         _require(step, s, rows, cols)
         return s
     return shape
 
 
-def _folded_shape(s: Shape) -> Shape:
+def _folded_shape(s: MatrixShape) -> MatrixShape:
     _require("fold_scales_sm90", s, 64, 4)
     return (s[0] // 64, s[1] // 4, 16, 16)
 
 
-def _legacy_folded_shape(s: Shape) -> Shape:
+def _legacy_folded_shape(s: MatrixShape) -> MatrixShape:
     _require("fold_scales_sm90_legacy", s, 1, 4)
     return (s[1] // 4, s[0] * 4)
 
@@ -318,39 +319,10 @@ STEPS: dict[str, _Step] = {
     "fold_scales_sm90_legacy": _Step(fold_scales_sm90_legacy, unfold_scales_sm90_legacy, _legacy_folded_shape),
 }
 
-# What FlashInfer-CUTLASS's post-load processing does per tensor (docs/design/kernel-layouts.md §2.1); sm100 and
-# sm120 share the MXFP4 x MXFP8 path, which has no FlashInfer generation split.
-_SM100_STEPS = {
-    "w13_weight": ("swap_halves",),
-    "w13_weight_scale": ("swap_halves", "swizzle_128x4"),
-    "w2_weight": (),
-    "w2_weight_scale": ("swizzle_128x4",),
-}
+# What FlashInfer-CUTLASS's post-load processing does per tensor, per (arch, --flashinfer-layout): spec/arches.py
+# (docs/design/kernel-layouts.md §2.1).
 KERNEL_STEPS: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
-    ("sm120", "folded"): _SM100_STEPS,
-    ("sm120", "legacy"): _SM100_STEPS,
-    ("sm121", "folded"): _SM100_STEPS,  # GB10: the SM120 family's kernel (spec/plan.py ARCH_CAPABILITY)
-    ("sm121", "legacy"): _SM100_STEPS,
-    ("sm100", "folded"): _SM100_STEPS,
-    ("sm100", "legacy"): _SM100_STEPS,
-    ("sm90", "folded"): {
-        "w13_weight": ("swap_halves", "interleave_sm90"),
-        "w13_weight_scale": ("swap_halves", "fold_scales_sm90"),
-        "w2_weight": ("interleave_sm90",),
-        "w2_weight_scale": ("fold_scales_sm90",),
-    },
-    ("sm90", "legacy"): {
-        "w13_weight": ("swap_halves", "interleave_sm90_legacy"),
-        "w13_weight_scale": ("swap_halves", "fold_scales_sm90_legacy"),
-        "w2_weight": ("interleave_sm90_legacy",),
-        "w2_weight_scale": ("fold_scales_sm90_legacy",),
-    },
-}
-
-
-def same_kernel_layout(a: str, b: str) -> bool:
-    """Whether files laid out for --arch `a` are those of `b` (sm121 and sm120: one kernel family)."""
-    return all(KERNEL_STEPS.get((a, g)) == KERNEL_STEPS.get((b, g)) for g in FLASHINFER_LAYOUTS)
+    (a.name, g): steps for a in ARCH_TABLE for g, steps in a.kernel_steps.items()}
 
 
 @dataclass(frozen=True)
@@ -375,7 +347,7 @@ class Layout:
         _check(y, self.name)
         return np.ascontiguousarray(y)
 
-    def kernel_shape(self, model_matrix_shape: tuple[int, int]) -> Shape:
+    def kernel_shape(self, model_matrix_shape: tuple[int, int]) -> MatrixShape:
         """Per-expert shape after forward; ValueError when the shape breaks a step's preconditions."""
         shape = tuple(model_matrix_shape)
         if len(shape) != 2:
@@ -398,7 +370,7 @@ def layout_by_name(name: str) -> Layout:
 def expert_layout(arch: str | None, expert_layout: str, flashinfer_layout: str, tensor: str) -> Layout:
     """The layout of one routed-expert tensor for --arch, --expert-layout and --flashinfer-layout
     (arch None: model layout for any arch, which is the same for every arch)."""
-    archs = ARCHS + (None,) if expert_layout == MODEL else ARCHS
+    archs = ARCHES + (None,) if expert_layout == MODEL else ARCHES
     for what, value, allowed in (("arch", arch, archs), ("expert layout", expert_layout, EXPERT_LAYOUTS),
                                  ("flashinfer layout", flashinfer_layout, FLASHINFER_LAYOUTS),
                                  ("expert tensor", tensor, EXPERT_TENSORS)):

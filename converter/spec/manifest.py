@@ -21,8 +21,9 @@ from blake3 import blake3
 from .. import __version__
 from ..errors import OutputError, SourceError
 from ..guarded_io import JSON_LIMIT, Refused, read_regular
+from .arches import ARCH, ARCHES, FORK_KERNEL_ARCHES, FORK_TUPLE, GENERATION_ARCHES
 from .drafts import DRAFT_KINDS
-from .plan import ARCHES, DEFAULT_ROUTE, MAX_TP, MOE_ROUTES
+from .plan import DEFAULT_ROUTE, MAX_TP, MOE_ROUTES
 from .rules import DTYPE_SIZE, ROLES
 from .source import SIDE_FILES
 from .schema import Bool, Int, ListOf, MapOf, Null, Obj, OneOf, SchemaError, Str, Where, check, loads
@@ -36,22 +37,13 @@ MAX_ALIGN = 2 << 20  # --align: a 2 MiB huge page is the largest alignment any l
 # The Lucifer tuple (docs/design/vllm-extension-points.md §3.4): the load format, and the backends the mlow/vllm builds' policy accepts.
 RUNTIME = {
     "load_format": "lucifer_tp3",
-    "moe_backend": "flashinfer_cutlass",
-    "attention_backend": "FLASHINFER_MLA_SPARSE_DSV4",
+    "moe_backend": FORK_TUPLE[1],
+    "attention_backend": FORK_TUPLE[0],
 }
-FORK_BUILDS = "mlow/vllm (45c1582e9, cece381c4, 81564374e)"
-# What stock vLLM (0.33.0 with the plugin) runs per GPU family for a model-layout output: (attention, MoE backend).
-# SM90 has no FlashInfer DSv4 sparse MLA (`_resolve_dsv4_sparse_mla_backend`: SM100/103/107/120/121), so FlashMLA
-# sparse (24 local heads padded to 64); its MoE is Marlin, compiled into the wheel (FlashInfer's SM90 CUTLASS MoE
-# is a JIT build of an hour or more unless a prebuilt module is installed). Kernel-layout experts are in FlashInfer
-# CUTLASS's layout, so they take its MoE on every family (SM90: the MXFP4 x BF16 variant). serve, doctor and the
-# manifest's runtime record all read this one table.
-STOCK_BACKENDS = {
-    "sm120": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),
-    "sm121": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),  # GB10: the SM120 family's (not run here)
-    "sm100": ("FLASHINFER_MLA_SPARSE_DSV4", "flashinfer_cutlass"),
-    "sm90": ("FLASHMLA_SPARSE_DSV4", "marlin"),
-}
+FORK_BUILDS = "mlow/vllm (45c1582e9, cece381c4, 81564374e)"  # runtime_shim/compat's fork builds (a test ties them)
+# What stock vLLM (0.33.0 with the plugin) runs per GPU family for a model-layout output: (attention, MoE backend),
+# from spec/arches.py. serve, doctor and the manifest's runtime record all read this one table.
+STOCK_BACKENDS = {a: ARCH[a].backends("model") for a in ARCHES}
 ANY_GPU = "the serving GPU's (serve picks them)"
 
 
@@ -60,12 +52,9 @@ def stock_backends(arch: str | None, expert_layout: str = "model", moe_backend: 
     """(attention, MoE backend) stock vLLM serves an output of `arch`, `expert_layout` and MoE route
     (`Options.moe_backend`) with; None for a GPU family it has none for (or arch None: the serving GPU decides,
     except on the b12x route, whose MoE backend and GPU families are fixed)."""
-    pair = STOCK_BACKENDS.get(arch or "")
     if moe_backend is not None:  # its GPU families share one attention backend (MOE_ROUTES)
-        return STOCK_BACKENDS[arch or MOE_ROUTES[moe_backend].arches[0]][0], moe_backend
-    if pair is None or expert_layout == "model":
-        return pair
-    return pair[0], RUNTIME["moe_backend"]
+        return ARCH[arch or MOE_ROUTES[moe_backend].arches[0]].attention, moe_backend
+    return ARCH[arch].backends(expert_layout) if arch in ARCH else None
 # The one table of FlashInfer layout generations (docs/design/kernel-layouts.md §1): --flashinfer-layout's help,
 # the manifest's runtime.flashinfer and the README's layout table all say this.
 FLASHINFER_VERSIONS = {"folded": "0.6.16, >=0.6.18, 0.7.x", "legacy": "0.6.10-0.6.15, 0.6.17"}
@@ -79,7 +68,7 @@ class Options:
     """Everything that decides the bytes of a conversion (and so its identity)."""
 
     tp: int
-    arch: str | None = "sm120"  # None: model layout for any GPU family (the files do not depend on it)
+    arch: str | None = ARCHES[0]  # None: model layout for any GPU family (the files do not depend on it)
     expert_layout: str = "kernel"
     flashinfer_layout: str = "folded"
     mtp: bool = True
@@ -101,7 +90,7 @@ def flashinfer_requirement(options: Options) -> str:
     layout), FLASHINFER_ANY (sm120/sm100 kernel layout) or FLASHINFER_NOT_REQUIRED (model layout)."""
     if options.expert_layout == "model":
         return FLASHINFER_NOT_REQUIRED
-    return FLASHINFER_VERSIONS[options.flashinfer_layout] if options.arch == "sm90" else FLASHINFER_ANY
+    return FLASHINFER_VERSIONS[options.flashinfer_layout] if options.arch in GENERATION_ARCHES else FLASHINFER_ANY
 
 
 def runtime_record(options: Options) -> dict:
@@ -109,8 +98,7 @@ def runtime_record(options: Options) -> dict:
     versions its experts need. The forks' policy serves only their SM12x tuple (sm120/sm100 kernel layout
     and model layout); a vetted stock release with the plugin serves every arch and layout (which releases
     are vetted is the shim's table, `lucifer-shard doctor`, not the manifest's to freeze)."""
-    forks = options.moe_backend is None and (options.expert_layout == "model" or options.arch in ("sm120", "sm121",
-                                                                                                     "sm100"))
+    forks = options.moe_backend is None and (options.expert_layout == "model" or options.arch in FORK_KERNEL_ARCHES)
     route = options.moe_backend
     stock = "stock vLLM (a vetted release: lucifer-shard doctor) with the plugin's virtual TP" + (
         f" and vLLM's {route} MoE (vllm[{route}], {'/'.join(MOE_ROUTES[route].arches)} GPUs)" if route else

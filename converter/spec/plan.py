@@ -14,6 +14,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 
 from ..errors import PlanError
+from .arches import B12X, FLASHINFER_CUTLASS, MARLIN, arch_of_capability, arches_running
 from .config import ModelConfig
 
 HEADS_ALIGN = 8
@@ -23,31 +24,20 @@ VOCAB_ALIGN = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: every vocabulary is padde
 KERNEL_ALIGN = 128
 MAX_TP = 8
 
-ARCHES = ("sm120", "sm121", "sm100", "sm90")
-# The CUDA capability (major, minor) of each --arch; minor None: every minor of that major. sm121 is
-# GB10 (DGX Spark), 12.1: vLLM 0.33.0 and FlashInfer 0.7.2.post1 treat it as the SM120 family (the
-# MXFP4 x MXFP8 CUTLASS MoE, FlashInfer's "sparse" DSv4 MLA for SM120/SM121), so its files are sm120's.
-ARCH_CAPABILITY = {"sm120": (12, 0), "sm121": (12, 1), "sm100": (10, None), "sm90": (9, None)}
-# The FlashInfer-CUTLASS MXFP4 variant vLLM resolves per arch (`--moe-backend flashinfer_cutlass`).
-MOE_VARIANT = {
-    "sm120": "FLASHINFER_CUTLASS_MXFP4_MXFP8",
-    "sm121": "FLASHINFER_CUTLASS_MXFP4_MXFP8",
-    "sm100": "FLASHINFER_CUTLASS_MXFP4_MXFP8",
-    "sm90": "FLASHINFER_CUTLASS_MXFP4_BF16",
-}
-
-
 @dataclass(frozen=True)
 class MoeRoute:
     """A way stock vLLM takes the routed MXFP4 experts: the per-rank width its backends round to
     (vllm/model_executor/layers/fused_moe/oracle/mxfp4.py, `mxfp4_round_up_hidden_size_and_intermediate_size`),
-    the vLLM `--moe-backend` values that take that width, the GPU families they run on, and the expert
-    layouts the files may be in."""
+    the vLLM `--moe-backend` values that take that width, and the expert layouts the files may be in; the
+    GPU families it runs on are those of spec/arches.py that run all its backends."""
 
     kernel_align: int
     backends: tuple[str, ...]
-    arches: tuple[str, ...]
     layouts: tuple[str, ...]
+
+    @property
+    def arches(self) -> tuple[str, ...]:
+        return arches_running(self.backends)
 
 
 DEFAULT_ROUTE = "cutlass"
@@ -56,8 +46,8 @@ DEFAULT_ROUTE = "cutlass"
 # only has to divide into MXFP4 blocks of 32 (`B12xExperts.is_supported_config`); its load path re-lays the
 # model-layout experts itself (`B12xExperts.process_weights_after_loading`), so it has no kernel layout here.
 MOE_ROUTES = {
-    DEFAULT_ROUTE: MoeRoute(KERNEL_ALIGN, ("flashinfer_cutlass", "marlin"), ARCHES, ("kernel", "model")),
-    "b12x": MoeRoute(ROUTED_ALIGN, ("b12x",), ("sm120", "sm121"), ("model",)),
+    DEFAULT_ROUTE: MoeRoute(KERNEL_ALIGN, (FLASHINFER_CUTLASS, MARLIN), ("kernel", "model")),
+    B12X: MoeRoute(ROUTED_ALIGN, (B12X,), ("model",)),
 }
 
 
@@ -171,11 +161,6 @@ def stock_padded(axis: str, original: int) -> int:
     up to a multiple of 64 at every TP size; no other axis is padded. Padding beyond this is
     virtual TP and needs vLLM's virtual-TP plan at run time."""
     return align_up(original, VOCAB_ALIGN) if axis == "vocab" else original
-
-
-def arch_of_capability(major: int, minor: int = 0) -> str | None:
-    """The --arch of a GPU of CUDA compute capability `major`.`minor` (None: no layout for it)."""
-    return next((arch for arch, (ma, mi) in ARCH_CAPABILITY.items() if ma == major and mi in (minor, None)), None)
 
 
 def gpu_capability() -> tuple[str, str] | None:

@@ -41,14 +41,14 @@ DSPARK_FIRST, DSPARK_LAST, DSPARK_STACK = "dspark-first", "dspark-last", "dspark
 DRAFT_BLOCK = {MTP: "model.layers.{i}.mtp_block.", DSPARK: "model.layers.{j}."}
 DRAFT_SCOPES = {MTP: (MTP_ONLY,), DSPARK: (DSPARK_FIRST, DSPARK_LAST, DSPARK_STACK)}
 
-Shape = Callable[[ModelConfig, int], tuple[int, ...]]
+ShapeOf = Callable[[ModelConfig, int], tuple[int, ...]]
 
 
 @dataclass(frozen=True)
 class Rule:
     key: str  # checkpoint key relative to the scope prefix; `{e}` is the expert index
     target: str  # vLLM parameter name relative to the scope prefix
-    shape: Shape  # source shape from (config, compress ratio)
+    shape: ShapeOf  # source shape from (config, compress ratio)
     dtype: str  # source safetensors dtype
     scope: str = LAYER
     when: str = ALL
@@ -64,7 +64,7 @@ class Rule:
     alias: bool = False  # reads a key another rule owns (a second parameter made of the same bytes)
 
 
-def _fp8(key: str, target: str, shape: Shape, **kw) -> list[Rule]:
+def _fp8(key: str, target: str, shape: ShapeOf, **kw) -> list[Rule]:
     """An FP8 block-quantized linear: E4M3 weight and E8M0 block scale, partitioned alike."""
     def scale_shape(c: ModelConfig, r: int) -> tuple[int, ...]:
         rows, cols = shape(c, r)

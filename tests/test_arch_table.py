@@ -1,0 +1,69 @@
+"""The GPU-arch facts live in one table, converter/spec/arches.py: no other module of the converter or the shim
+spells an --arch, a CUDA capability, a MoE variant or a backend name as a value (checked from the source with
+`ast`; prose in messages and docstrings is not a value). The build table, runtime_shim/compat.py, imports nothing
+of the package, so its copies are tied to their sources here."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from lucifer_shard.runtime_shim import compat
+from lucifer_shard.spec import arches
+from lucifer_shard.spec.manifest import FORK_BUILDS
+
+REPO = Path(__file__).resolve().parent.parent
+TABLE = REPO / "converter" / "spec" / "arches.py"
+FACTS = {*arches.ARCHES, *arches.MOE_VARIANT.values(), *(a.attention for a in arches.ARCH_TABLE),
+         *(m for a in arches.ARCH_TABLE for m in a.moe_backends)}
+CAPABILITIES = {a.capability for a in arches.ARCH_TABLE}
+
+
+def copies(path: Path) -> list[str]:
+    """'file:line value' for each arch fact `path` spells as a value: a string constant that is one, or a
+    tuple of constants that is a capability."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in FACTS:
+            found.append(f"{path.name}:{node.lineno} {node.value!r}")
+        elif isinstance(node, ast.Tuple) and all(isinstance(e, ast.Constant) for e in node.elts):
+            value = tuple(e.value for e in node.elts)
+            if value in CAPABILITIES:
+                found.append(f"{path.name}:{node.lineno} {value!r}")
+    return found
+
+
+def test_the_arch_facts_live_only_in_the_arch_table():
+    sources = sorted({*(REPO / "converter").rglob("*.py"), *(REPO / "runtime_shim").rglob("*.py")} - {TABLE})
+    assert len(sources) > 50
+    assert [c for path in sources for c in copies(path)] == []
+
+
+def test_the_check_finds_a_copy(tmp_path):
+    path = tmp_path / "copy.py"
+    path.write_text('"""sm90 in prose is fine."""\nARCH = "sm90"\nCAP = {"x": (12, 1)}\nBACKEND = ("marlin",)\n')
+    assert copies(path) == ["copy.py:2 'sm90'", "copy.py:3 (12, 1)", "copy.py:4 'marlin'"]
+    assert len(copies(TABLE)) > len(arches.ARCH_TABLE)
+
+
+def test_fork_builds_names_the_fork_builds_of_supported_builds():
+    forks = [b.commit for b in compat.SUPPORTED_BUILDS if not b.stock]
+    assert forks and FORK_BUILDS == f"mlow/vllm ({', '.join(forks)})"
+    assert compat.REPOSITORY.endswith("/mlow/vllm")
+
+
+def test_the_build_tables_kernel_columns_are_the_arch_tables_families():
+    def column(fork: bool) -> str:
+        return "/".join(f for f in arches.FAMILIES if (f in arches.FORK_KERNEL_ARCHES) == fork) + " kernel"
+
+    assert (compat.FORK_TUPLE_KERNEL, compat.OTHER_KERNEL) == (column(True), column(False))
+
+
+def test_the_table_is_consistent():
+    """Every step a row names is a layouts step; capabilities are distinct; a MoE route runs on some family."""
+    from lucifer_shard.spec.layouts import STEPS
+    from lucifer_shard.spec.plan import MOE_ROUTES
+
+    assert {s for a in arches.ARCH_TABLE for g in a.kernel_steps.values() for ss in g.values() for s in ss} <= set(STEPS)
+    assert len(CAPABILITIES) == len(arches.ARCH_TABLE)
+    assert all(route.arches for route in MOE_ROUTES.values())
+    assert [arches.family(a) for a in arches.ARCHES] == ["sm120", "sm120", "sm100", "sm90"]
