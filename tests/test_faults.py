@@ -36,7 +36,7 @@ from click.testing import CliRunner
 
 from lucifer_shard.cli.group import cli
 from lucifer_shard.engine import assemble
-from lucifer_shard.engine import convert as engine
+from lucifer_shard.engine import writeloop
 from lucifer_shard.errors import ERROR_KINDS, SourceError, fault
 from lucifer_shard.spec.stheader import read_header
 from test_reliability import (_journal_lines, _start, _wait_for, everything, record, small_fs,  # noqa: F401
@@ -345,11 +345,11 @@ def test_no_thread_for_the_writer(tiny_pattern, killed, monkeypatch):
     """`can't start new thread` (a process or address-space limit) is the environment's, not a bug."""
     scene = Scene(tiny_pattern, killed)
 
-    class NoThreads(engine.ThreadPoolExecutor):
+    class NoThreads(writeloop.ThreadPoolExecutor):
         def submit(self, *a, **k):
             raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(engine, "ThreadPoolExecutor", NoThreads)
+    monkeypatch.setattr(writeloop, "ThreadPoolExecutor", NoThreads)
     r = Ran.of(invoke(*CONVERT, "--json", "--resume", tiny_pattern, killed))
     scene.holds(r, "environment", "cannot start a thread", "ulimit -u", "ulimit -v",
                 case="no thread can be started (--resume; RuntimeError injected at the writer's pool)", outcome="exit 2 naming the limits; earlier files kept")
@@ -363,7 +363,7 @@ def test_no_thread_for_the_writer(tiny_pattern, killed, monkeypatch):
 def test_a_torn_journal_line_is_cut_before_the_next_append(tiny_pattern, tmp_path, monkeypatch):
     out = tmp_path / "out"
     scene = Scene(tiny_pattern, out)
-    real, appends = engine.write_all, []
+    real, appends = writeloop.write_all, []
 
     def disk_fills(fd, data):  # the third part's journal append: half written, then ENOSPC
         appends.append(1)
@@ -372,7 +372,7 @@ def test_a_torn_journal_line_is_cut_before_the_next_append(tiny_pattern, tmp_pat
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(fd, data)
 
-    monkeypatch.setattr(engine, "write_all", disk_fills)
+    monkeypatch.setattr(writeloop, "write_all", disk_fills)
     r = Ran.of(invoke(*CONVERT, "--json", tiny_pattern, out))
     monkeypatch.undo()
     assert not (out / JOURNAL).read_bytes().endswith(b"\n")  # torn

@@ -488,18 +488,18 @@ def test_sigterm_is_clean_and_resumable(clean, tiny_pattern, tmp_path):
 def test_a_stop_while_a_writer_is_made_leaves_no_temporary_file(tiny_pattern, tmp_path, monkeypatch):
     """The window the SIGTERM test above hit about one run in two: the stop lands after a rank file's
     temporary file is created but before its writer is kept (here: rank 1's sink of part 1)."""
-    from lucifer_shard.engine import convert as engine
+    from lucifer_shard.engine import writeloop
 
     made = []
 
-    class Sink(engine._RankSink):
+    class Sink(writeloop._RankSink):
         def __init__(self, writer, *args, **kwargs):
             made.append(writer.rel)
             if writer.rel == "target/rank-1/part-00001.safetensors":
                 raise KeyboardInterrupt
             super().__init__(writer, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "_RankSink", Sink)
+    monkeypatch.setattr(writeloop, "_RankSink", Sink)
     out = tmp_path / "out"
     r = run(*CONVERT, "--max-file-size", "1MiB", tiny_pattern, out)
     assert r.exit_code == 130 and "target/rank-1/part-00001.safetensors" in made
@@ -512,11 +512,11 @@ def test_a_stop_while_a_writer_is_made_leaves_no_temporary_file(tiny_pattern, tm
 def test_a_source_that_changes_while_converting_is_noticed(tiny_pattern, tmp_path, monkeypatch, what):
     """A shard, config.json or a tokenizer file rewritten (here: touched) while convert runs: refused
     before COMPLETE, exit 2, naming the file."""
-    from lucifer_shard.engine import convert as engine
+    from lucifer_shard.engine import writeloop
 
     model = tmp_path / "model"
     shutil.copytree(tiny_pattern, model)
-    real = engine._write_part
+    real = writeloop._write_part
     calls = [0]
 
     def write_part(*a, **kw):
@@ -526,7 +526,7 @@ def test_a_source_that_changes_while_converting_is_noticed(tiny_pattern, tmp_pat
             os.utime(model / what, ns=(st_.st_atime_ns, st_.st_mtime_ns + 1_000_000_000))
         return real(*a, **kw)
 
-    monkeypatch.setattr(engine, "_write_part", write_part)
+    monkeypatch.setattr(writeloop, "_write_part", write_part)
     line = one_line_error(run(*CONVERT, model, tmp_path / "out"))
     assert what in line and "changed while" in line, line
     assert not (tmp_path / "out" / "COMPLETE").exists()

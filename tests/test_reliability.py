@@ -275,7 +275,7 @@ def internal_error(proc: subprocess.CompletedProcess, function: str) -> tuple[st
 
 def test_internal_error_in_convert(tiny_pattern, clean_out, tmp_path):
     out = tmp_path / "out"
-    proc = cli_with_fault("lucifer_shard.engine.convert._write_part", 3, *CONVERT, tiny_pattern, out)
+    proc = cli_with_fault("lucifer_shard.engine.writeloop._write_part", 3, *CONVERT, tiny_pattern, out)
     msg, log = internal_error(proc, "_write_part")
     assert log.parent == out / ".lucifer"
     assert not list(out.rglob("*.partial")) and not (out / COMPLETE).exists()

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from lucifer_shard.cli.group import cli
 from lucifer_shard.engine import convert as engine
+from lucifer_shard.engine import writeloop
 from lucifer_shard.spec.manifest import Options
 from lucifer_shard.spec.stheader import read_header
 
@@ -132,7 +133,7 @@ def test_resume_refuses_other_options_naming_them(finished, tiny_pattern, extra,
 def test_a_repair_stopped_part_way_is_finished_by_the_next_resume(finished, tiny_pattern, monkeypatch):
     flip(finished / DAMAGED)
     (finished / GONE).unlink()
-    write_part = engine._write_part
+    write_part = writeloop._write_part
     calls = []
 
     def stopped(*a, **kw):  # Ctrl-C while the second part is written
@@ -141,7 +142,7 @@ def test_a_repair_stopped_part_way_is_finished_by_the_next_resume(finished, tiny
             raise KeyboardInterrupt
         return write_part(*a, **kw)
 
-    monkeypatch.setattr(engine, "_write_part", stopped)
+    monkeypatch.setattr(writeloop, "_write_part", stopped)
     with pytest.raises(KeyboardInterrupt):
         engine.convert(str(tiny_pattern), finished, Options(tp=3), resume=True, progress=False)
     assert not (finished / "COMPLETE").exists() and not list(finished.rglob("*.partial"))

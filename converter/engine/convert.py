@@ -9,182 +9,31 @@ after the space still needed, known exactly from the plan, was checked against t
 free space (`diskspace`); a write that runs out of room all the same says how much is left to do.
 
 What is decided before the first byte is `job`; OUT's state between runs (refusals, journal,
-resume, room still needed) is `outstate`; the manifest is `manifest_writer`.
+resume, room still needed) is `outstate`; the write loop, which a repair (`repair`) shares, is
+`writeloop`; the manifest is `manifest_writer`.
 """
 from __future__ import annotations
 
-import logging
-import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
-
-import numpy as np
-from tqdm import tqdm
 
 from ..errors import OutputError, SourceError, fault
-from ..guarded_io import Tree, naming, partial_name, write_all
-from ..spec.content import ContentDigests
-from ..spec.layouts import Layout
-from ..spec.manifest import (COMPLETE_NAME, CONTENT_PLACEHOLDER, Options, complete_problem, file_metadata,
-                             part_content, part_path, rank_dir)
+from ..guarded_io import Tree
+from ..spec.manifest import COMPLETE_NAME, Options, complete_problem, part_path, rank_dir
 from ..spec.outlock import OutLock, describe
 from ..spec.plan import padding_only
 from ..spec.source import side_files
-from ..units import byte_bar, duration, rate, size
-from .assemble import chunks
+from ..units import size
 from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, write_failed
-from .job import Job, Part, part_headers, part_keys, prepare
+from .job import Job, part_keys, prepare
 from .manifest_writer import build_manifest, write_manifest
-from .outstate import (check_out, conversion_record, journal_line, open_journal, part_valid, partial_bytes,
-                       planned_files, record_text, refuse_target, remove_partials, sizes_to_write, source_changed,
-                       truncate_journal)
-from .owned import JOURNAL_REL, RECORD_REL, clear, plan_clearing, read_json
+from .outstate import (check_out, conversion_record, journal_line, part_valid, partial_bytes, planned_files,
+                       record_text, refuse_target, remove_partials, sizes_to_write, source_changed, truncate_journal)
+from .owned import RECORD_REL, clear, plan_clearing, read_json
 from .repair import check_content, reference, survey
 from .resumed import resumed_sources
-from .stwriter import StreamWriter, WrittenFile
-
-logger = logging.getLogger("lucifer_shard.convert")  # named for the command: -v prints "lucifer_shard.convert: ..."
-
-
-@dataclass
-class Summary:
-    out: Path
-    conversion_id: str
-    bytes_read: int = 0
-    bytes_written: int = 0
-    files_written: int = 0
-    files_resumed: int = 0
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "out": str(self.out)}
-
-    def lines(self) -> list[str]:
-        moved = (self.bytes_read + self.bytes_written) / self.seconds if self.seconds else 0.0
-        return [
-            f"output     {self.out}",
-            f"files      {self.files_written} written, {self.files_resumed} kept from an earlier run",
-            f"read       {size(self.bytes_read)}",
-            f"written    {size(self.bytes_written)}",
-            f"time       {duration(self.seconds)} ({rate(moved)} read + written)",
-            *(f"note       {n}" for n in self.notes),
-        ]
-
-
-# ---------------------------------------------------------------- streaming
-
-
-class _RankSink:
-    """One rank's writer. Layout + hash + write run on a worker thread in submission order (the
-    rank's own thread with --workers > 1, otherwise one thread shared by all ranks), so reading and
-    assembling the next chunk overlaps writing this one; at most two chunks per rank are in
-    flight. Written chunk buffers go back to `buffers`."""
-
-    def __init__(self, writer: StreamWriter, pool: ThreadPoolExecutor | None, buffers=None):
-        self.writer = writer
-        self.pool = pool
-        self.buffers = buffers
-        self.pending: list[Future] = []
-
-    def put(self, name: str, buf: np.ndarray, layout: Layout | None) -> None:
-        def work():
-            data = layout.forward(buf) if layout is not None else buf
-            self.writer.write(name, np.ascontiguousarray(data))
-            if self.buffers is not None:
-                self.buffers.give(buf)
-        if self.pool is None:
-            work()
-            return
-        while len(self.pending) >= 2:  # bound memory: at most two chunks in flight per rank
-            self.pending.pop(0).result()
-        self.pending.append(self.pool.submit(work))
-
-    def drain(self) -> None:
-        for f in self.pending:
-            f.result()
-        self.pending.clear()
-
-
-def _write_part(job: Job, out: Path, part: Part, bar: tqdm, pools: list[ThreadPoolExecutor | None],
-                digests: ContentDigests, ranks: list[int] | None = None,
-                check: Callable[[str, dict[str, str]], None] | None = None) -> tuple[list[WrittenFile], dict[str, str]]:
-    """Write one part's file on every rank (or on `ranks`: a repair); its files and its source tensors'
-    digests. The files are stamped with those digests (`part_content`), which `check(content,
-    sources)` may refuse, before they are published."""
-    from .assemble import Assembler, EngineBufferPool, swap_folded
-
-    tree = Tree(out)
-    specs_by_name = [{s.name: s for s in rank_specs} for rank_specs in job.specs[part.role]]
-    shared = ThreadPoolExecutor(1, thread_name_prefix="lucifer-write") if all(p is None for p in pools) else None
-    buffers = EngineBufferPool()
-    asm = Assembler(job.ckpt, buffers, digests=digests)
-    sinks: dict[int, _RankSink] = {}
-    stream = None
-    ranks = list(range(job.plan.tp)) if ranks is None else ranks
-    try:
-        for rank in ranks:
-            headers = part_headers(specs_by_name[rank], part, job.layouts)
-            rel = part_path(part.role, rank, part.index)
-            meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp, CONTENT_PLACEHOLDER)
-            writer = StreamWriter(tree, rel, headers, meta, align=job.options.align)
-            sinks[rank] = _RankSink(writer, pools[rank] or shared, buffers)
-        work = []
-        for name in part.names:
-            specs = [specs_by_name[r][name] for r in range(job.plan.tp)]
-            layout = job.layouts[specs[0].expert_tensor] if specs[0].expert_tensor else None
-            if layout is not None and layout.steps[:1] == ("swap_halves",):
-                swapped = [swap_folded(s) for s in specs]
-                if all(swapped):  # place the halves swapped while assembling: one copy less
-                    specs = swapped
-                    layout = Layout(layout.name, layout.steps[1:], layout.version)
-            if layout is not None and not layout.steps:
-                layout = None
-            logger.debug("%s part %d: %s %s%s per rank, layout %s", part.role, part.index, name, specs[0].dtype,
-                         list(specs[0].shape), job.layouts[specs[0].expert_tensor].name if layout else "model")
-            work.extend(((name, layout), specs, a, b) for a, b in chunks(specs[0]))
-        # The reader threads run ahead of assembly; the writers run behind it.
-        stream = asm.stream(work)
-        for (name, layout), bufs in stream:
-            for rank, buf in enumerate(bufs):
-                if rank in sinks:
-                    sinks[rank].put(name, buf, layout)
-                else:  # a repair: this rank's file is sound
-                    buffers.give(buf)
-            bar.update(sum(bufs[r].nbytes for r in sinks))
-        for sink in sinks.values():
-            sink.drain()
-        keys = part_keys(specs_by_name[0], part)
-        sources = digests.finished(keys)
-        if len(sources) != len(keys):
-            raise RuntimeError(f"{part.role} part {part.index}: {len(keys) - len(sources)} source tensor(s) "
-                               f"not read completely")
-        content = part_content(sources)
-        if check is not None:
-            check(content, sources)
-        return [sink.writer.close(content) for sink in sinks.values()], sources
-    except BaseException:
-        for sink in sinks.values():
-            try:
-                sink.drain()
-            except BaseException:
-                pass
-            sink.writer.abort()
-        # A stop (Ctrl-C, SIGTERM) that lands while a writer is being made leaves its temporary file
-        # outside `sinks`: remove this part's by name (the lock makes them ours).
-        for rank in ranks:
-            tree.remove(partial_name(part_path(part.role, rank, part.index)))
-        raise
-    finally:
-        if stream is not None:
-            stream.close()  # an early exit: let its queued reads finish before the reader stops
-        asm.close()
-        if shared is not None:
-            shared.shutdown(wait=True)
+from .writeloop import Summary, WriteLoop, logger, source_digests
 
 
 def convert(model: str, out: Path, options: Options, resume: bool = False, force: bool = False,
@@ -235,24 +84,6 @@ def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) 
     return kept
 
 
-def _journal_part(journal: int, out: Path, part: Part, files: list[WrittenFile], sources: dict[str, str],
-                  summary: Summary) -> dict[str, dict]:
-    """Append the journal entries of a part's files just published (rank 0's carries the part's
-    source digests) and fsync; the entries by path."""
-    entries = {}
-    for f in files:
-        rel = str(f.path.relative_to(out))
-        entries[rel] = {"path": rel, "bytes": f.bytes, "digest": f.digest, "tensors": f.tensor_digests}
-        if rel == part_path(part.role, 0, part.index):
-            entries[rel]["sources"] = sources
-        summary.bytes_written += f.bytes
-        summary.files_written += 1
-    with naming(out / JOURNAL_REL):
-        write_all(journal, "".join(journal_line(e) for e in entries.values()).encode())
-        os.fsync(journal)
-    return entries
-
-
 def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dict], workers: int,
                    progress: bool) -> Summary:
     """--resume on an output whose manifest is this job's: re-check every file against it and write
@@ -293,12 +124,7 @@ def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dic
                 tree.remove(COMPLETE_NAME)
                 if not record_ok:  # what --force may delete, listed again
                     tree.write_bytes(RECORD_REL, record_text(conversion_record(job)).encode())
-        by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
-        sizes = job.source_sizes
-        pools = [ThreadPoolExecutor(1) if workers > 1 else None for _ in range(job.plan.tp)]
-        bar = byte_bar(sum(p.bytes_per_rank * len(r) for p, r in todo), f"repair tp{job.plan.tp}", progress)
-        journal, _ = open_journal(tree)
-        try:
+        with WriteLoop(job, out, todo, "repair", workers, progress, summary) as loop:
             for part, ranks in todo:
                 for rank in ranks:
                     tree.make_dirs(rank_dir(part.role, rank))
@@ -309,18 +135,8 @@ def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dic
                     check_content(rel, rep.content[rel], content, sources, first, job.ckpt.root)
                     begin()
 
-                keys = part_keys(by_name[part.role], part)
-                digests = ContentDigests({k: sizes[k] for k in keys})
-                files, sources = _write_part(job, out, part, bar, pools, digests, ranks, check)
-                summary.bytes_read += sum(sizes[k] for k in sources)
-                _journal_part(journal, out, part, files, sources, summary)
+                loop.write(part, ranks, source_digests(job, [part]), check)
                 logger.info("%s part %d: rewrote rank(s) %s", part.role, part.index, ", ".join(map(str, ranks)))
-        finally:
-            os.close(journal)
-            bar.close()
-            for pool in pools:
-                if pool is not None:
-                    pool.shutdown(wait=True)
         begin()  # only copies or the record to rewrite: no part's check ran
         for name in rep.copies:
             tree.copy_in(job.ckpt.root / name, name)
@@ -330,16 +146,17 @@ def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dic
                              f"every other file matched the manifest and was kept")
         return summary
     except OSError as e:
-        raise _os_fault(e, out, left, max(planned.values(), key=lambda f: f["bytes"])["bytes"]) from None
+        raise _os_fault(e, out, left, planned) from None
     finally:
         job.ckpt.close()
 
 
-def _os_fault(e: OSError, out: Path, left: list[int], largest: int) -> BaseException:
-    """A write that ran out of room or hit the file-size limit (`write_failed`: what is still to write),
-    or another fault of the machine (`errors.fault`), each ending with --resume; else `e` (a bug)."""
+def _os_fault(e: OSError, out: Path, left: list[int], planned: dict[str, dict]) -> BaseException:
+    """A write that ran out of room or hit the file-size limit (`write_failed`: what is still to write,
+    the largest of the `planned` files), or another fault of the machine (`errors.fault`), each ending
+    with --resume; else `e` (a bug)."""
     if e.errno in WRITE_LIMITS:
-        return write_failed(e, out, left, largest)
+        return write_failed(e, out, left, max(f["bytes"] for f in planned.values()))
     return fault(e, "convert", "run the same command with --resume (finished files are kept)") or e
 
 
@@ -372,11 +189,8 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     remove_partials(out, job)
     logger.info("%d part(s) of %d files to write, %d file(s) kept from an earlier run", len(todo), job.plan.tp,
                 summary.files_resumed)
-    sizes = job.source_sizes
-    digests = ContentDigests({k: sizes[k] for part in todo for k in part_keys(by_name[part.role], part)})
-    total = sum(p.bytes_per_rank for p in todo) * job.plan.tp
-    pools = [ThreadPoolExecutor(1) if workers > 1 else None for _ in range(job.plan.tp)]
-    bar = byte_bar(total, f"convert tp{job.plan.tp}", progress)
+    digests = source_digests(job, todo)
+    ranks = list(range(job.plan.tp))
     unwritten: dict | None = record  # the record, until it is written
     earlier = 0  # the journal's length before this run: what an earlier run recorded
     written: list[str] = []  # rank files this run published
@@ -384,20 +198,17 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
         tree.write_bytes(RECORD_REL, record_text(record).encode())
         unwritten = None
         for role in job.roles:
-            for rank in range(job.plan.tp):
+            for rank in ranks:
                 tree.make_dirs(rank_dir(role, rank))
-        journal, earlier = open_journal(tree)
-        try:
+        with WriteLoop(job, out, [(part, ranks) for part in todo], "convert", workers, progress, summary) as loop:
+            earlier = loop.earlier
             for part in todo:
                 t_part = time.perf_counter()
-                files, sources = _write_part(job, out, part, bar, pools, digests)
-                written += [str(f.path.relative_to(out)) for f in files]
-                summary.bytes_read += sum(sizes[k] for k in sources)
-                results.update(_journal_part(journal, out, part, files, sources, summary))  # only now kept
-                logger.info("%s part %d: %d file(s), %s, %.1f s", part.role, part.index, len(files),
-                            size(sum(f.bytes for f in files)), time.perf_counter() - t_part)
-        finally:
-            os.close(journal)
+                entries = loop.write(part, ranks, digests)
+                written += list(entries)
+                results.update(entries)  # only now kept
+                logger.info("%s part %d: %d file(s), %s, %.1f s", part.role, part.index, len(entries),
+                            size(sum(e["bytes"] for e in entries.values())), time.perf_counter() - t_part)
         for name in side_files(job.ckpt.root):
             tree.copy_in(job.ckpt.root / name, name)
         changed = source_changed(job, record)
@@ -418,12 +229,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
             clear(tree, plan_clearing(tree))
         raise
     except OSError as e:
-        largest = max(entry["bytes"] for entry in planned.values())
-        raise _os_fault(e, out, sizes_to_write(job, planned, set(results), unwritten), largest) from None
+        raise _os_fault(e, out, sizes_to_write(job, planned, set(results), unwritten), planned) from None
     finally:
-        bar.close()
-        for pool in pools:
-            if pool is not None:
-                pool.shutdown(wait=True)
         job.ckpt.close()
     return summary
