@@ -76,7 +76,7 @@ def _kernel_shape(t: dict, p: torch.Tensor) -> tuple[int, ...] | None:
     """The shape the file's kernel layout gives parameter `p` ([experts, rows, cols] in model layout), or None
     for model layout or a shape the layout cannot take. SM90's scale fold makes the 3-D parameter 5-D at the
     same byte count; the bytes then fill the parameter viewed in that shape, and the re-layout wrapper hands
-    the kernel that view (`patches.make_relayout_wrapper`): a reinterpretation, no narrowing."""
+    the kernel that view (wrappers/relayout.py): a reinterpretation, no narrowing."""
     layout = t.get("layout", MODEL)
     if layout == MODEL or p.dim() != 3 or not p.is_contiguous():
         return None
