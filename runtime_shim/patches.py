@@ -16,7 +16,7 @@ from lucifer_shard.spec.plan import arch_of_capability
 
 from . import compat, settings, stock_vtp
 from .configview import backend_name, model_problems, text_config
-from .manifest import compare_plan, virtual_tp_needed
+from .manifest import Manifest, compare_plan, virtual_tp_needed
 
 logger = logging.getLogger("lucifer_shard.runtime_shim")
 
@@ -95,14 +95,19 @@ def _model_problems(vllm_config) -> list[str]:
 
 def parallel_problems(vllm_config, manifest=None) -> list[str]:
     """Each way the parallel layout and features differ from what per-TP-rank files need (empty: fine)."""
-    pc = vllm_config.parallel_config
     problems = settings.config_problems(vllm_config)
-    if manifest is not None:
-        tp = int(pc.tensor_parallel_size)
-        if tp != manifest.tp_size:
-            problems.append(f"tensor_parallel_size {tp} (files were built for {manifest.tp_size}: start with "
-                            f"-tp {manifest.tp_size} or rebuild with lucifer-shard convert --tp {tp})")
+    if manifest is not None and (mismatch := tp_mismatch(manifest, vllm_config.parallel_config.tensor_parallel_size)):
+        problems.append(mismatch)
     return problems
+
+
+def tp_mismatch(manifest: Manifest, tp: int) -> str | None:
+    """How a TP size differs from the one the rank files were built for (None: it is that one)."""
+    tp = int(tp)
+    if tp == manifest.tp_size:
+        return None
+    return (f"tensor_parallel_size {tp}, but the files were built for {manifest.tp_size}: start with "
+            f"-tp {manifest.tp_size} or rebuild with lucifer-shard convert --tp {tp}")
 
 
 def tuple_problems(vllm_config, manifest=None) -> list[str]:

@@ -13,7 +13,7 @@ import functools
 from .. import compat
 from ..errors import ShimError
 from ..manifest import load_manifest
-from ..patches import LOAD_FORMAT, replace
+from ..patches import LOAD_FORMAT, replace, tp_mismatch
 from ..stock_vtp import pad_config, padding, stock_problems
 
 CREATE_ENGINE_CONFIG = compat.Symbol("EngineArgs.create_engine_config", "vllm.engine.arg_utils",
@@ -27,10 +27,9 @@ def make_engine_config_wrapper(original):
         if str(getattr(self, "load_format", "")).lower() != LOAD_FORMAT:
             return original(self, usage_context, headless)
         manifest = load_manifest(self.model)
-        tp = int(self.tensor_parallel_size)
-        if tp != manifest.tp_size:
-            raise ShimError(f"tensor_parallel_size {tp}, but the files were built for {manifest.tp_size}: start with "
-                            f"-tp {manifest.tp_size} or rebuild with lucifer-shard convert --tp {tp}")
+        mismatch = tp_mismatch(manifest, self.tensor_parallel_size)
+        if mismatch:
+            raise ShimError(mismatch)
         if manifest.needs_virtual_tp():
             want = functools.partial(pad_config, padding=padding(manifest))
             current = self.hf_overrides

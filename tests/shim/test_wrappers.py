@@ -74,7 +74,7 @@ def test_policy_refuses_plan_mismatch(out_kernel, sm120):
 @pytest.mark.parametrize("kw,needle", [
     ({"moe": "b12x"}, "MoE backend 'b12x' (pass --moe-backend flashinfer_cutlass"),
     ({"attn": "FLASHMLA_SPARSE"}, "attention backend FLASHMLA_SPARSE (pass --attention-backend FLASHINFER_MLA_SPARSE_DSV4)"),
-    ({"tp": 4}, "tensor_parallel_size 4 (files were built for 3"),
+    ({"tp": 4}, "tensor_parallel_size 4, but the files were built for 3: start with -tp 3"),
     ({"data_parallel_size": 2}, "data_parallel_size=2"),
     ({"enable_expert_parallel": True}, "expert parallel on"),
 ])
@@ -290,7 +290,7 @@ def test_load_model_refuses_kernel_layout_on_vllm_without_relayout_wrapper(out_k
     vcfg.parallel_config.tensor_parallel_size = 2
     with pytest.raises(ValueError) as e:
         loader.load_model(vcfg, vcfg.model_config)
-    _refusal(e, "built for tensor_parallel_size=3, vLLM was started with 2")
+    _refusal(e, "tensor_parallel_size 2, but the files were built for 3: start with -tp 3")
 
 
 def test_stock_padding_comes_from_the_manifest_and_refuses_another_config(out_model, shim):
