@@ -29,10 +29,10 @@ def register() -> None:
     try:
         from vllm.model_executor.model_loader import register_model_loader
 
-        from . import patches
+        from . import patches, wrappers
         from .loader import LuciferTP3Loader
 
-        patches.install()
+        wrappers.install()
         why = patches.virtual_tp_missing()
         if why:
             newest = next(b.commit for b in patches.compat.SUPPORTED_BUILDS if b.stock)  # stock releases newest first

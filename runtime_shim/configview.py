@@ -1,4 +1,4 @@
-"""Reading vLLM's config objects, for the fork's policy (patches.py) and stock virtual TP (stock_vtp.py)
+"""Reading vLLM's config objects, for the fork's policy (wrappers/policy.py) and stock virtual TP (stock_vtp.py)
 alike. Imports nothing from vLLM: it reads attributes of the objects vLLM passes in."""
 from __future__ import annotations
 

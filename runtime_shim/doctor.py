@@ -177,6 +177,8 @@ def vllm_command() -> str | None:
 
 def _vllm_checks(out_dir) -> tuple[list[Check], dict | None]:
     """The checks that import vLLM, and the wrapper verdicts (None when vLLM does not import)."""
+    from . import wrappers
+
     checks: list[Check] = []
     try:
         importlib.import_module("vllm")
@@ -193,9 +195,9 @@ def _vllm_checks(out_dir) -> tuple[list[Check], dict | None]:
     checks.append(_registration_check())
     verdicts = _wrapper_verdicts()
     any_installed = any(v.ok for v in verdicts.values())
-    for key, sym in compat.SYMBOLS.items():
+    for key, sym in wrappers.SYMBOLS.items():
         st = compat.inspect_symbol(sym)
-        good = [b.commit for b in compat.SUPPORTED_BUILDS if st.hash and b.hashes.get(key) == st.hash]
+        good = [b.commit for b in compat.SUPPORTED_BUILDS if st.hash and wrappers.vetted_hash(b.commit, key) == st.hash]
         if not st.present:
             checks.append(Check(f"source {sym.dotted}", INFO, st.detail, verbose=True))
         elif good:
@@ -274,7 +276,7 @@ def unvetted_fix() -> str:
     """What to do on a vLLM whose wrapped functions no vetted build has: the newest vetted release, or vet this one."""
     version = vllm_identity()[0] or "VERSION"
     return (f"pip install vllm=={STOCK.commit} (the newest vetted release), or vet vLLM {version} from a lucifer-shard "
-            f"checkout: python -m lucifer_shard.runtime_shim.vet {version} (docs/vllm-releases.md)")
+            f"checkout: python tools/vet.py {version} (docs/vllm-releases.md)")
 
 
 def _torch_check() -> Check:
@@ -331,10 +333,10 @@ def _registration_check() -> Check:
 
 
 def _wrapper_verdicts() -> dict[str, compat.WrapperVerdict]:
-    from . import patches
+    from . import patches, wrappers
 
     if not patches.VERDICTS:
-        patches.install()
+        wrappers.install()
     return dict(patches.VERDICTS)
 
 

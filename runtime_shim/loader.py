@@ -67,16 +67,11 @@ def _shape(s) -> str:
     return "(" + ",".join(str(int(x)) for x in s) + ")"
 
 
-def _tp_mismatch(manifest: Manifest, tp) -> ShimError:
-    return ShimError(f"rank files were built for tensor_parallel_size={manifest.tp_size}, vLLM was started with "
-                     f"{tp}; rebuild with lucifer-shard convert --tp {tp} or start with -tp {manifest.tp_size}")
-
-
 def _kernel_shape(t: dict, p: torch.Tensor) -> tuple[int, ...] | None:
     """The shape the file's kernel layout gives parameter `p` ([experts, rows, cols] in model layout), or None
     for model layout or a shape the layout cannot take. SM90's scale fold makes the 3-D parameter 5-D at the
     same byte count; the bytes then fill the parameter viewed in that shape, and the re-layout wrapper hands
-    the kernel that view (`patches.make_relayout_wrapper`): a reinterpretation, no narrowing."""
+    the kernel that view (wrappers/relayout.py): a reinterpretation, no narrowing."""
     layout = t.get("layout", MODEL)
     if layout == MODEL or p.dim() != 3 or not p.is_contiguous():
         return None
@@ -127,8 +122,9 @@ class LuciferTP3Loader(BaseModelLoader):
         seen = watch(self._dir(model_config))
         manifest = load_manifest(self._dir(model_config), check_digest=verify != "none")
         tp, rank = self._tp_rank()
-        if tp != manifest.tp_size:
-            raise _tp_mismatch(manifest, tp)
+        mismatch = patches.tp_mismatch(manifest, tp)
+        if mismatch:
+            raise ShimError(mismatch)
         missing = share_problem(manifest.out, manifest.conversion_id, rank, manifest.tp_size)  # a node's share without this rank
         if missing:
             raise ShimError(missing)
@@ -212,9 +208,9 @@ class LuciferTP3Loader(BaseModelLoader):
         problems = settings.config_problems(vllm_config)
         if problems:
             raise ShimError("cannot load per-TP-rank files with " + "; ".join(problems))
-        pc = vllm_config.parallel_config
-        if int(pc.tensor_parallel_size) != manifest.tp_size:
-            raise _tp_mismatch(manifest, pc.tensor_parallel_size)
+        mismatch = patches.tp_mismatch(manifest, vllm_config.parallel_config.tensor_parallel_size)
+        if mismatch:
+            raise ShimError(mismatch)
 
     @staticmethod
     def _role_from_config(vllm_config, model_config) -> str:

@@ -1,38 +1,22 @@
-"""The narrow wrappers around vLLM, installed only on the builds `compat.SUPPORTED_BUILDS` vets each for.
-
-The fork builds get (a) and (b); stock releases get the two of `stock_vtp` (virtual TP supplied by
-the plugin). `compat.WRAPPERS` says what each replaces, why, in which process, and when it can go.
-
-(a) virtual-TP policy: wraps `vllm.config.virtual_tp.maybe_apply_b12x_virtual_tp_padding`. With
-    `--load-format lucifer_tp3` it accepts exactly the Lucifer tuple, builds the plan with the
-    fork's own `apply_b12x_virtual_tp_padding_to_model_config` (no B12X backend gate) and checks
-    the plan equals the manifest's. With any other load format the Lucifer tuple is refused (the
-    stock MXFP4 loader mis-slices W2); everything else goes to the original unchanged.
-(b) expert re-layout: wraps the name `convert_weight_to_mxfp4_moe_kernel_format` that
-    `Mxfp4MoEMethod._setup_kernel` looks up at call time (the forks and stock 0.33.0). For layers the
-    loader tagged (experts already in kernel layout) it is the identity: the same storage comes back,
-    viewed in the kernel's shape (SM90's folded scales are 5-D, held in the 3-D parameter whose shape
-    `_setup_kernel` checks); it refuses a tagged layer whose resolved backend is not the manifest's
-    variant. Untagged layers go to the original.
+"""What the shim's wrappers (runtime_shim/wrappers/) and its loader share: the Lucifer tuple and how a
+vLLM config differs from it, the tag the loader leaves on experts it filled in kernel layout, and the
+verdicts of the last `wrappers.install()` in this process (which wrappers are in place, and why not).
 """
 from __future__ import annotations
 
 import importlib
-import inspect
 import logging
 import os
 from dataclasses import dataclass, field
 
 from lucifer_shard.errors import SourceError
 from lucifer_shard.spec.config import ModelConfig, parse_config
-from lucifer_shard.spec.layouts import EXPERT_TENSORS
 from lucifer_shard.spec.manifest import RUNTIME
 from lucifer_shard.spec.arches import arch_of_capability
 
 from . import compat, settings, stock_vtp
 from .configview import backend_name, model_problems, text_config
-from .errors import ShimError, ShimRuntimeError
-from .manifest import compare_plan, load_manifest, virtual_tp_needed
+from .manifest import Manifest, compare_plan, virtual_tp_needed
 
 logger = logging.getLogger("lucifer_shard.runtime_shim")
 
@@ -111,14 +95,19 @@ def _model_problems(vllm_config) -> list[str]:
 
 def parallel_problems(vllm_config, manifest=None) -> list[str]:
     """Each way the parallel layout and features differ from what per-TP-rank files need (empty: fine)."""
-    pc = vllm_config.parallel_config
     problems = settings.config_problems(vllm_config)
-    if manifest is not None:
-        tp = int(pc.tensor_parallel_size)
-        if tp != manifest.tp_size:
-            problems.append(f"tensor_parallel_size {tp} (files were built for {manifest.tp_size}: start with "
-                            f"-tp {manifest.tp_size} or rebuild with lucifer-shard convert --tp {tp})")
+    if manifest is not None and (mismatch := tp_mismatch(manifest, vllm_config.parallel_config.tensor_parallel_size)):
+        problems.append(mismatch)
     return problems
+
+
+def tp_mismatch(manifest: Manifest, tp: int) -> str | None:
+    """How a TP size differs from the one the rank files were built for (None: it is that one)."""
+    tp = int(tp)
+    if tp == manifest.tp_size:
+        return None
+    return (f"tensor_parallel_size {tp}, but the files were built for {manifest.tp_size}: start with "
+            f"-tp {manifest.tp_size} or rebuild with lucifer-shard convert --tp {tp}")
 
 
 def tuple_problems(vllm_config, manifest=None) -> list[str]:
@@ -156,138 +145,21 @@ def is_lucifer_request(vllm_config) -> bool:
     return cfg is not None and virtual_tp_needed(cfg, int(vllm_config.parallel_config.tensor_parallel_size))
 
 
-def _load_format(vllm_config) -> str:
+def load_format(vllm_config) -> str:
     lc = getattr(vllm_config, "load_config", None)
     return str(getattr(lc, "load_format", "auto") or "auto").lower()
 
 
-# ------------------------------------------------------------------------ (a) policy wrapper
-
-
-def make_policy_wrapper(original, apply_to_model_config):
-    def maybe_apply_b12x_virtual_tp_padding(vllm_config):
-        mc = getattr(vllm_config, "model_config", None)
-        if mc is None:
-            return original(vllm_config)
-        lf = _load_format(vllm_config)
-        if lf != LOAD_FORMAT:
-            if is_lucifer_request(vllm_config):
-                raise ShimError(
-                    f"DeepSeek-V4 at tensor_parallel_size {vllm_config.parallel_config.tensor_parallel_size} with "
-                    f"{ATTENTION_BACKEND} + {MOE_BACKEND} needs virtual TP, which is only supported with "
-                    f"--load-format {LOAD_FORMAT} (found --load-format {lf}; the stock MXFP4 loader mis-slices W2); "
-                    f"convert with lucifer-shard convert and start with lucifer-shard serve OUT")
-            return original(vllm_config)
-        manifest = load_manifest(model_dir(mc))
-        problems = tuple_problems(vllm_config, manifest)
-        if problems:
-            raise ShimError(f"--load-format {LOAD_FORMAT} serves only the Lucifer tuple; found " + "; ".join(problems))
-        apply_to_model_config(mc, vllm_config.parallel_config)
-        diff = compare_plan(runtime_plan(mc), manifest.plan)
-        if diff:
-            raise ShimError(f"{diff}; check B12X_MOE_FORCE_A8 / NVFP4 env and that {manifest.out} was converted for "
-                            f"this model with --tp {manifest.tp_size}")
-        logger.info("lucifer_tp3: virtual-TP plan applied and equal to %s", manifest.path)
-
-    maybe_apply_b12x_virtual_tp_padding.__lucifer_wrapped__ = original
-    maybe_apply_b12x_virtual_tp_padding.__wrapped__ = original
-    return maybe_apply_b12x_virtual_tp_padding
-
-
-# ---------------------------------------------------------------------- (b) relayout wrapper
-
-
-def make_relayout_wrapper(original):
-    sig = inspect.signature(original)
-
-    def convert_weight_to_mxfp4_moe_kernel_format(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)
-        layer = bound.arguments.get("layer")
-        tag: ExpertTag | None = getattr(layer, TAG_ATTR, None)
-        if tag is None:
-            return original(*args, **kwargs)
-        backend = backend_name(bound.arguments.get("mxfp4_backend"))
-        if backend != tag.moe_variant:
-            raise ShimError(f"MoE backend resolved to {backend} on layer {tag.prefix}; files require "
-                            f"{tag.moe_variant} (--moe-backend {MOE_BACKEND}, unset VLLM_USE_B12X_MOE)")
-        a = bound.arguments
-        for name in EXPERT_TENSORS:
-            t = a.get(name)
-            want = tag.data_ptrs.get(name)
-            if want is not None and (t is None or t.data_ptr() != want):
-                raise ShimRuntimeError(f"expert tensor {tag.prefix}.{name} reached the re-layout step with other "
-                                       f"storage than the loader filled; vLLM's post-load path changed, this build "
-                                       f"is not supported")
-        tag.relayout_calls += 1
-        kernel = {name: a[name].data.view(tag.shapes.get(name, a[name].shape)) for name in EXPERT_TENSORS}
-        logger.debug("lucifer_tp3: %s: experts loaded in kernel layout, re-layout skipped", tag.prefix)
-        return (kernel["w13_weight"], kernel["w2_weight"], kernel["w13_weight_scale"], kernel["w2_weight_scale"],
-                a.get("w13_bias"), a.get("w2_bias"))
-
-    convert_weight_to_mxfp4_moe_kernel_format.__lucifer_wrapped__ = original
-    convert_weight_to_mxfp4_moe_kernel_format.__wrapped__ = original
-    return convert_weight_to_mxfp4_moe_kernel_format
-
-
-# ---------------------------------------------------------------------------------- install
-
-
-def install(builds=None) -> dict[str, compat.WrapperVerdict]:
-    """Install each wrapper of `compat.WRAPPERS` whose symbols match a build vetted for it; idempotent;
-    never raises."""
-    builds = compat.SUPPORTED_BUILDS if builds is None else builds
-    for wrapper in compat.WRAPPERS:
-        try:
-            verdict = compat.judge_wrapper(wrapper, builds)
-            if verdict.ok:
-                INSTALLERS[wrapper]()
-            VERDICTS[wrapper] = verdict
-        except Exception as e:  # noqa: BLE001 - register() must never raise
-            VERDICTS[wrapper] = compat.WrapperVerdict(wrapper, False, None, (), f"install failed: {e!r}")
-        v = VERDICTS[wrapper]
-        if v.ok:
-            logger.debug("lucifer_tp3: %s wrapper installed (build %s)", wrapper, v.build.commit)
-        else:
-            logger.debug("lucifer_tp3: %s wrapper not installed: %s", wrapper, v.reason)
-    return dict(VERDICTS)
-
-
-def _replace(symbol_key: str, make) -> None:
+def replace(symbol: compat.Symbol, make) -> None:
     """Put `make(original)` where the symbol lives (a module function or a class attribute), once."""
-    sym = compat.SYMBOLS[symbol_key]
-    owner = importlib.import_module(sym.module)
-    *path, name = sym.qualname.split(".")
+    owner = importlib.import_module(symbol.module)
+    *path, name = symbol.qualname.split(".")
     for part in path:
         owner = getattr(owner, part)
     current = getattr(owner, name)
     if getattr(current, "__lucifer_wrapped__", None) is not None:
         return
     setattr(owner, name, make(current))
-
-
-def _install_policy() -> None:
-    mod = importlib.import_module("vllm.config.virtual_tp")
-    _replace("maybe_apply_b12x_virtual_tp_padding",
-             lambda current: make_policy_wrapper(current, mod.apply_b12x_virtual_tp_padding_to_model_config))
-
-
-def _install_relayout() -> None:
-    mod = importlib.import_module(compat.RELAYOUT_PATCH_MODULE)
-    current = getattr(mod, compat.RELAYOUT_PATCH_ATTR)
-    if getattr(current, "__lucifer_wrapped__", None) is not None:
-        return
-    oracle = compat.unwrap(compat.resolve(compat.SYMBOLS["convert_weight_to_mxfp4_moe_kernel_format"]))
-    if compat.unwrap(current) is not oracle:
-        raise RuntimeError(f"{compat.RELAYOUT_PATCH_MODULE}.{compat.RELAYOUT_PATCH_ATTR} is not the oracle function")
-    setattr(mod, compat.RELAYOUT_PATCH_ATTR, make_relayout_wrapper(current))
-
-
-INSTALLERS = {
-    compat.POLICY: _install_policy,
-    compat.RELAYOUT: _install_relayout,
-    compat.STOCK_CONFIG: lambda: _replace("EngineArgs.create_engine_config", stock_vtp.make_engine_config_wrapper),
-    compat.STOCK_VOCAB: lambda: _replace("VocabParallelEmbedding.__init__", stock_vtp.make_vocab_wrapper),
-}
 
 
 def plan_difference(model_config, manifest) -> str | None:

@@ -1,34 +1,26 @@
-"""Virtual TP on stock vLLM, supplied by the plugin (docs/design/vllm-extension-points.md §3.2-3.3).
+"""Virtual TP on stock vLLM, supplied by the plugin (docs/design/vllm-extension-points.md §3.2-3.3): the
+padding its two wrappers apply and the checks of the result.
 
 The rank files are already padded and `lucifer_tp3` is their only loader, so stock vLLM needs only
-its *shapes* padded, and only when the manifest's plan pads (TP3; TP 1/2/4 need nothing):
-
-* engine process (`STOCK_CONFIG`, around `EngineArgs.create_engine_config`): the target's hf config
-  gets the manifest's padded heads, output groups and expert width through a callable
-  `hf_overrides` (`pad_config`, bound with `functools.partial` so that it pickles into the engine
-  core); vLLM composes a callable override into the draft's config itself
-  (`SpeculativeConfig.compose_draft_hf_overrides`), so the MTP draft is padded by the same call.
-  `config.json` on disk is never touched. The resulting config is then checked (`stock_problems`);
-* worker processes (`STOCK_VOCAB`, around `VocabParallelEmbedding.__init__`): the vocabulary layers
-  of that model pad to `lcm(64, tp)`, which must give the manifest's padded vocabulary.
+its *shapes* padded, and only when the manifest's plan pads (TP3; TP 1/2/4 need nothing): the
+engine process (wrappers/stock_config.py) pads the hf configs through a callable `hf_overrides`
+(`pad_config`; `config.json` on disk is never touched) and checks the result (`stock_problems`); the
+worker processes (wrappers/stock_vocab.py) pad the vocabulary layers to what `applied` says.
 
 Imports vLLM only inside the functions that run under it.
 """
 from __future__ import annotations
 
-import functools
-import inspect
-import math
 from typing import Any
 
-from lucifer_shard.spec.manifest import RUNTIME, STOCK_BACKENDS, stock_backends  # noqa: F401 - one table, re-exported
 from lucifer_shard.spec.arches import ARCH_TABLE, FLASHINFER_MLA
+from lucifer_shard.spec.manifest import STOCK_BACKENDS, stock_backends  # noqa: F401 - one table, re-exported
 from lucifer_shard.spec.plan import MOE_ROUTES
 
 from . import compat
 from .configview import backend_name, model_problems, text_config
 from .errors import ShimError
-from .manifest import Manifest, load_manifest
+from .manifest import Manifest
 
 FP8_BLOCK = 128  # the block-FP8 weights' block (quantization_config.weight_block_size)
 # manifest plan axis -> the hf config key vLLM sizes it from
@@ -36,7 +28,6 @@ CONFIG_KEYS = {"heads": "num_attention_heads", "groups": "o_groups", "routed": "
 # hf config attribute `pad_config` leaves behind: what it applied, read by the vocabulary wrapper and
 # the loader (a fork config has `vllm_virtual_tp_plan` instead)
 MARKER = "lucifer_tp3_padding"
-LOAD_FORMAT = RUNTIME["load_format"]
 # attention backends a GPU family cannot run, with what to pass instead: FlashInfer's DSv4 sparse MLA runs where
 # stock vLLM picks it (spec/arches.py)
 UNRUNNABLE_ATTENTION = {a.name: {FLASHINFER_MLA: a.attention} for a in ARCH_TABLE if a.attention != FLASHINFER_MLA}
@@ -149,85 +140,3 @@ def stock_problems(vllm_config, manifest: Manifest) -> list[str]:
         problems.append(f"attention backend {attn} does not run on capability {cap} (pass --attention-backend "
                         f"{instead})")
     return problems
-
-
-def make_engine_config_wrapper(original):
-    """`EngineArgs.create_engine_config` with the manifest's padding for lucifer_tp3 outputs."""
-
-    def create_engine_config(self, usage_context=None, headless=False):
-        if str(getattr(self, "load_format", "")).lower() != LOAD_FORMAT:
-            return original(self, usage_context, headless)
-        manifest = load_manifest(self.model)
-        tp = int(self.tensor_parallel_size)
-        if tp != manifest.tp_size:
-            raise ShimError(f"tensor_parallel_size {tp}, but the files were built for {manifest.tp_size}: start with "
-                            f"-tp {manifest.tp_size} or rebuild with lucifer-shard convert --tp {tp}")
-        if manifest.needs_virtual_tp():
-            want = functools.partial(pad_config, padding=padding(manifest))
-            current = self.hf_overrides
-            if current and not _is_ours(current, want):
-                raise ShimError(f"--hf-overrides {current!r} with --load-format {LOAD_FORMAT}: the model must be the "
-                                f"config the rank files were converted from (the padding comes from "
-                                f"{manifest.path}); drop --hf-overrides")
-            self.hf_overrides = want
-        vllm_config = original(self, usage_context, headless)
-        problems = stock_problems(vllm_config, manifest)
-        if problems:
-            raise ShimError(f"--load-format {LOAD_FORMAT} on this vLLM cannot serve {manifest.out}: "
-                            + "; ".join(problems))
-        return vllm_config
-
-    create_engine_config.__lucifer_wrapped__ = original
-    create_engine_config.__wrapped__ = original
-    return create_engine_config
-
-
-def _is_ours(current, want: functools.partial) -> bool:
-    return (isinstance(current, functools.partial) and current.func is want.func
-            and current.keywords == want.keywords)
-
-
-# ---------------------------------------------------------------------------- worker processes
-
-
-def _vocab_padded(num_embeddings: int) -> int | None:
-    """The manifest's padded vocabulary when the layer being built is the vocabulary of a lucifer_tp3
-    model that `pad_config` padded; None for every other layer and model."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    cfg = get_current_vllm_config_or_none()
-    load = getattr(getattr(cfg, "load_config", None), "load_format", None)
-    if cfg is None or str(load).lower() != LOAD_FORMAT or cfg.model_config is None:
-        return None
-    pad = applied(cfg.model_config)
-    if pad is None or int(num_embeddings) != pad["vocab"][0]:
-        return None
-    return pad["vocab"][1]
-
-
-def make_vocab_wrapper(original):
-    """`VocabParallelEmbedding.__init__` (ParallelLMHead's too) padding to lcm(padding_size, tp)."""
-    sig = inspect.signature(original)
-
-    def __init__(self, *args, **kwargs):
-        bound = sig.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        want = _vocab_padded(a["num_embeddings"])
-        if want is not None and not a["disable_tp"]:
-            from vllm.distributed import get_tensor_model_parallel_world_size
-            from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size
-
-            group = a["parallel_group"]
-            tp = group.world_size if group is not None else get_tensor_model_parallel_world_size()
-            size = a["org_num_embeddings"] or a["num_embeddings"]
-            step = math.lcm(int(a["padding_size"]), tp)
-            if pad_vocab_size(size, step) != want:
-                raise ShimError(f"vocabulary {size} padded to a multiple of {step} is {pad_vocab_size(size, step)}, "
-                                f"the rank files hold {want} rows; re-run lucifer-shard convert for this TP size")
-            a["padding_size"] = step
-        return original(*bound.args, **bound.kwargs)
-
-    __init__.__lucifer_wrapped__ = original
-    __init__.__wrapped__ = original
-    return __init__

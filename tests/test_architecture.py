@@ -186,8 +186,6 @@ IO_EXEMPT = {
     ("lucifer_shard.engine.presets", "read_text"): "a preset config shipped inside the package",
     ("lucifer_shard.engine.job", "footprint.read_bytes"): "arithmetic: the bytes a plan reads",
     ("lucifer_shard.cli.console", "os.open"): "os.devnull, in place of a stdout that was closed",
-    ("lucifer_shard.runtime_shim.compat", "f.read_text"): "vLLM's own sources in an unpacked wheel (the build table "
-                                                          "imports nothing, not even the guarded helpers)",
     ("lucifer_shard.proof.outdir", "safe_open"): "/proc/self/fd/N of a rank file opened by Tree.open_read",
 }
 

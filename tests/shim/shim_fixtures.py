@@ -5,6 +5,8 @@ but pytest still imports the modules while collecting.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import math
 import os
@@ -23,15 +25,30 @@ from lucifer_shard.spec.dtypes import TORCH_DTYPE as TORCH_DTYPES
 SINK_PARAM_LEN = 32  # DeepseekV4FlashInferSM120Attention pads 24 local heads to 32
 
 
-def allow_vet_candidate() -> None:
-    """Add `vet`'s candidate row (LUCIFER_VET_CANDIDATE, set by runtime_shim/vet.py) to the vetted
-    builds, in this process only: the stock proofs run on a release before its row is committed. Tests only;
-    the product reads nothing of it."""
-    from lucifer_shard.runtime_shim import compat, vet
+TOOLS = Path(__file__).resolve().parents[2] / "tools"  # the maintainer tools (vet.py, vllm_hashes.py): not in the wheel
 
+
+def tool(name: str):
+    """A module of tools/ (the tools import each other by name, as run from there)."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    return importlib.import_module(name)
+
+
+def allow_vet_candidate() -> None:
+    """Add `vet`'s candidate (LUCIFER_VET_CANDIDATE, set by tools/vet.py) to the vetted builds and its
+    hashes to its wrappers' records, in this process only: the stock proofs run on a release before its row
+    is committed. Tests only; the product reads nothing of it."""
+    from lucifer_shard.runtime_shim import compat, wrappers
+
+    vet = tool("vet")
     text = os.environ.get(vet.CANDIDATE_ENV)
     if text:
-        compat.SUPPORTED_BUILDS = (*compat.SUPPORTED_BUILDS, vet.candidate_from_json(text))
+        found = vet.candidate_from_json(text)
+        compat.SUPPORTED_BUILDS = (*compat.SUPPORTED_BUILDS, found.build)
+        for name, hashes in found.hashes.items():
+            w = wrappers.WRAPPERS[name]
+            wrappers.WRAPPERS[name] = dataclasses.replace(w, hashes={**w.hashes, found.build.commit: hashes})
 
 
 def vllm_version() -> str:

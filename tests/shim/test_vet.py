@@ -1,5 +1,6 @@
-"""`vet`, the one command that vets a stock vLLM release: on the real wheels of the vetted releases
-it reproduces their committed rows of `compat.SUPPORTED_BUILDS` and shows what changed between them.
+"""`vet` (tools/vet.py), the one command that vets a stock vLLM release: on the real wheels of the vetted
+releases it reproduces their committed rows of `compat.SUPPORTED_BUILDS` and their wrappers' hashes, and
+shows what changed between them.
 
 The wheels come from `pip download --no-deps`, which pip answers from its cache once the test venvs were
 built (make test-shim); without that cache and without network these tests skip, saying why."""
@@ -10,13 +11,14 @@ import sys
 
 import pytest
 
+from shim_fixtures import TOOLS, tool
+
 RELEASES = ("0.33.0", "0.34.0")
 
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory) -> dict:
-    from lucifer_shard.runtime_shim import vet
-
+    vet = tool("vet")
     where = tmp_path_factory.mktemp("wheels")
     try:
         return {v: vet.fetch_wheel(v, where) for v in RELEASES}
@@ -33,24 +35,31 @@ def _committed(version: str):
 @pytest.mark.network
 @pytest.mark.parametrize("version", RELEASES)
 def test_vet_reproduces_the_committed_row(wheels, version):
-    from lucifer_shard.runtime_shim import compat, vet
+    from lucifer_shard.runtime_shim import compat, wrappers
 
+    vet = tool("vet")
     against = vet.last_vetted(version)
     assert against.commit == next(v for v in RELEASES if v != version)
-    row = vet.candidate_row(version, wheels[version], against)
-    assert row == _committed(version)
-    text = vet.row_text(row)
+    found = vet.candidate(version, wheels[version], against)
+    assert found.build == _committed(version)
+    assert found.hashes == {w: wrappers.WRAPPERS[w].hashes[version] for w in against.wrappers}
+    text = vet.row_text(found.build)
     assert eval(text.strip().removesuffix(","), {"Build": compat.Build}) == _committed(version)  # noqa: S307
+    for line, (w, hashes) in zip(vet.hashes_text(found), found.hashes.items(), strict=True):
+        assert line == f"{vet.wrapper_file(w)}: {version!r}: {hashes!r},"
+        assert (TOOLS.parent / vet.wrapper_file(w)).is_file()
 
 
 @pytest.mark.network
 def test_vet_shows_the_diff_of_each_changed_symbol(wheels):
-    from lucifer_shard.runtime_shim import vet
-
+    vet = tool("vet")
     lines = vet.changes("0.34.0", wheels["0.34.0"], _committed("0.33.0"), wheels["0.33.0"])
     headers = [ln for ln in lines if ln.startswith("=== ")]
     engine = [h for h in headers if ".EngineArgs.create_engine_config " in h]
     assert len(engine) == 1 and "(used by stock_virtual_tp_config)" in engine[0], headers
+    from lucifer_shard.runtime_shim.wrappers import stock_config
+
+    assert lines[lines.index(engine[0]) + 1] == f"read: {stock_config.WRAPPER.read_in_diff}"
     assert "sha256:1f9166220749 -> sha256:6df2ef3ae3e1, parameters unchanged" in engine[0]
     assert not [h for h in headers if "VocabParallelEmbedding" in h]  # byte-identical: no diff to read
     assert "+++ vllm==0.34.0:vllm/engine/arg_utils.py" in lines
@@ -65,41 +74,45 @@ def test_vet_command_prints_the_committed_row(wheels):
     """The command itself, without the venv and the proofs (--hashes-only): vetting 0.33.0 again prints its row."""
     from lucifer_shard.runtime_shim import compat
 
-    r = subprocess.run([sys.executable, "-m", "lucifer_shard.runtime_shim.vet", "0.33.0", "--hashes-only",
+    r = subprocess.run([sys.executable, str(TOOLS / "vet.py"), "0.33.0", "--hashes-only",
                         "--wheels", str(wheels["0.33.0"].parent)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "compared with the last vetted release vllm-0.34.0-" in r.stdout
     row = r.stdout[r.stdout.index("    Build(\n"):].strip().removesuffix(",")
-    assert eval(row, {"Build": compat.Build}) == _committed("0.33.0")  # noqa: S307
+    assert eval(row[:row.index("\nhashes for each wrapper's file:")].strip().removesuffix(","),  # noqa: S307
+                {"Build": compat.Build}) == _committed("0.33.0")
 
 
 def test_the_stock_proofs_are_the_makefiles():
     """`vet` runs the stock proofs `make test` runs on the previous release: one list, said twice."""
     from pathlib import Path
 
-    from lucifer_shard.runtime_shim import vet
-
+    vet = tool("vet")
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     line = next(ln for ln in makefile.splitlines() if ln.startswith("STOCK_PROOFS = "))
     assert tuple(line.split(" = ", 1)[1].split()) == vet.STOCK_PROOFS
 
 
 def test_the_candidate_row_reaches_the_harness_intact(monkeypatch):
-    """vet hands the candidate row to the proofs through LUCIFER_VET_CANDIDATE; the harness adds it to the
+    """vet hands the candidate to the proofs through LUCIFER_VET_CANDIDATE; the harness adds its row to the
     vetted builds of its own process, equal to what vet computed, after the committed ones (the newest
-    vetted release stays the one doctor names)."""
+    vetted release stays the one doctor names), and its hashes to its wrappers' records."""
     import dataclasses
 
     import shim_fixtures as sf
-    from lucifer_shard.runtime_shim import compat, vet
+    from lucifer_shard.runtime_shim import compat, wrappers
 
+    vet = tool("vet")
     row = dataclasses.replace(_committed("0.34.0"), commit="9.9.9", label="vLLM 9.9.9 (PyPI, CUDA 13 wheel)",
                               install="pip install vllm==9.9.9")
+    found = vet.Candidate(row, {w: wrappers.WRAPPERS[w].hashes["0.34.0"] for w in row.wrappers})
     committed = compat.SUPPORTED_BUILDS
     monkeypatch.setattr(compat, "SUPPORTED_BUILDS", committed)
-    monkeypatch.setenv(vet.CANDIDATE_ENV, vet.candidate_json(row))
+    monkeypatch.setattr(wrappers, "WRAPPERS", dict(wrappers.WRAPPERS))
+    monkeypatch.setenv(vet.CANDIDATE_ENV, vet.candidate_json(found))
     sf.allow_vet_candidate()
     assert compat.SUPPORTED_BUILDS == (*committed, row)
+    assert all(wrappers.WRAPPERS[w].hashes["9.9.9"] == found.hashes[w] for w in row.wrappers)
     assert vet.stock_releases()[0] == row and vet.last_vetted("9.9.9").commit == "0.34.0"
 
 
@@ -112,7 +125,7 @@ def _vet(*args: str, env: dict | None = None, cwd=None) -> subprocess.CompletedP
     offline = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": empty, "PIP_CONFIG_FILE": os.devnull,
                **(env or {})}
     try:
-        return subprocess.run([sys.executable, "-m", "lucifer_shard.runtime_shim.vet", *args], capture_output=True,
+        return subprocess.run([sys.executable, str(TOOLS / "vet.py"), *args], capture_output=True,
                               text=True, env=offline, cwd=cwd)
     finally:
         os.rmdir(empty)
@@ -145,9 +158,7 @@ def test_vet_never_takes_over_another_checkouts_venv(tmp_path):
     needle = f"the venv {theirs} is installed for the checkout /elsewhere/lucifer-shard"
     _one_line_error(_vet("9.9.9", "--venv", str(theirs)), needle)
     _one_line_error(_vet("9.9.9", env={"LUCIFER_VLLM_VENV": str(theirs)}), needle)
-    from lucifer_shard.runtime_shim import vet
-
-    _one_line_error(_vet("9.9.9", "--venv", str(vet.ROOT / "venv")), "is inside the checkout")
+    _one_line_error(_vet("9.9.9", "--venv", str(TOOLS.parent / "venv")), "is inside the checkout")
 
 
 def test_a_venv_that_vllm_env_refuses_is_not_a_failed_proof(tmp_path):
@@ -155,13 +166,12 @@ def test_a_venv_that_vllm_env_refuses_is_not_a_failed_proof(tmp_path):
     vllm-env's reason, not as "the stock proofs failed"."""
     import pytest as _pytest
 
-    from lucifer_shard.runtime_shim import vet
-
+    vet = tool("vet")
     venv = tmp_path / "venv"
     venv.mkdir()
     (venv / ".lucifer-base-ok").write_text("vllm==0.1.0\n")
     with _pytest.raises(vet.VetError) as e:
-        vet.run_proofs("9.9.9", _committed("0.34.0"), venv)
+        vet.run_proofs("9.9.9", vet.Candidate(_committed("0.34.0"), {}), venv)
     assert e.value.exit_code == 2 and f"the venv {venv} could not be made or used" in str(e.value)
     assert "holds vllm==0.1.0, not vllm==9.9.9" in str(e.value), str(e.value)
     assert sorted(p.name for p in venv.iterdir()) == [".lucifer-base-ok"]  # nothing built, nothing removed

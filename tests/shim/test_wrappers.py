@@ -28,7 +28,7 @@ def _vllm_config(out, load_format="lucifer_tp3", tp=3, attn="FLASHINFER_MLA_SPAR
 
 
 def _policy(calls, moe_align=32):
-    from lucifer_shard.runtime_shim import patches
+    from lucifer_shard.runtime_shim.wrappers import policy
 
     def original(vllm_config):
         calls.append("original")
@@ -40,7 +40,7 @@ def _policy(calls, moe_align=32):
         model_config.hf_text_config.vllm_virtual_tp_plan = sf.fork_plan(cfg, parallel_config.tensor_parallel_size,
                                                                          moe_align)
 
-    return patches.make_policy_wrapper(original, apply)
+    return policy.make_policy_wrapper(original, apply)
 
 
 def _refusal(e, *needles):
@@ -74,7 +74,7 @@ def test_policy_refuses_plan_mismatch(out_kernel, sm120):
 @pytest.mark.parametrize("kw,needle", [
     ({"moe": "b12x"}, "MoE backend 'b12x' (pass --moe-backend flashinfer_cutlass"),
     ({"attn": "FLASHMLA_SPARSE"}, "attention backend FLASHMLA_SPARSE (pass --attention-backend FLASHINFER_MLA_SPARSE_DSV4)"),
-    ({"tp": 4}, "tensor_parallel_size 4 (files were built for 3"),
+    ({"tp": 4}, "tensor_parallel_size 4, but the files were built for 3: start with -tp 3"),
     ({"data_parallel_size": 2}, "data_parallel_size=2"),
     ({"enable_expert_parallel": True}, "expert parallel on"),
 ])
@@ -137,8 +137,9 @@ def test_relayout_is_identity_for_tagged_layers_and_refuses_wrong_backend(shim):
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
 
     from lucifer_shard.runtime_shim import patches
+    from lucifer_shard.runtime_shim.wrappers import relayout
 
-    wrapper = patches.make_relayout_wrapper(_fake_convert)
+    wrapper = relayout.make_relayout_wrapper(_fake_convert)
     layer, tag = _tagged_layer()
     got = _call(wrapper, layer, Mxfp4MoeBackend.FLASHINFER_CUTLASS_MXFP4_MXFP8)
     assert got[0].data_ptr() == layer.w13_weight.data_ptr() and got[1].data_ptr() == layer.w2_weight.data_ptr()
@@ -158,8 +159,9 @@ def test_relayout_hands_sm90_scales_over_in_the_files_shape_on_the_same_storage(
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
 
     from lucifer_shard.runtime_shim import patches
+    from lucifer_shard.runtime_shim.wrappers import relayout
 
-    wrapper = patches.make_relayout_wrapper(_fake_convert)
+    wrapper = relayout.make_relayout_wrapper(_fake_convert)
     layer, tag = _tagged_layer("FLASHINFER_CUTLASS_MXFP4_BF16")
     layer.w13_weight_scale = torch.nn.Parameter(torch.arange(2 * 128 * 8, dtype=torch.uint8).reshape(2, 128, 8),
                                                 requires_grad=False)
@@ -197,27 +199,31 @@ def _fake_fork(tmp_path, monkeypatch):
 
 
 def test_policy_wrapper_installed_only_when_signature_and_hash_match(tmp_path, monkeypatch, shim):
-    from lucifer_shard.runtime_shim import compat, patches
+    import dataclasses
+
+    from lucifer_shard.runtime_shim import compat, patches, wrappers
 
     mod = _fake_fork(tmp_path, monkeypatch)
     text = (tmp_path / "fake_virtual_tp.py").read_text()
-    hashes = {k: compat.source_hash(compat.source_from_module_text(text, compat.SYMBOLS[k].qualname))
-              for k in compat.WRAPPER_SYMBOLS[compat.POLICY]}
-    good = compat.Build("fake0001", "fake fork", hashes, True, "0.6.14", ())
-    bad = compat.Build("fake0002", "other fork", {k: "sha256:" + "0" * 64 for k in hashes}, True, "0.6.14", ())
+    policy = wrappers.WRAPPERS[compat.POLICY]
+    hashes = {s.key: compat.source_hash(compat.source_from_module_text(text, s.qualname)) for s in policy.symbols}
+    monkeypatch.setitem(wrappers.WRAPPERS, compat.POLICY, dataclasses.replace(
+        policy, hashes={"fake0001": hashes, "fake0002": {k: "sha256:" + "0" * 64 for k in hashes}}))
+    good = compat.Build("fake0001", "fake fork", True, "0.6.14", ())
+    bad = compat.Build("fake0002", "other fork", True, "0.6.14", ())
     original = mod.maybe_apply_b12x_virtual_tp_padding
 
-    patches.install(builds=(bad,))
+    wrappers.install(builds=(bad,))
     assert not patches.installed(compat.POLICY)
     assert "maybe_apply_b12x_virtual_tp_padding sha256:" in patches.why_not_installed(compat.POLICY)
     assert "matches no build vetted for it (fake0002)" in patches.why_not_installed(compat.POLICY)
     assert mod.maybe_apply_b12x_virtual_tp_padding is original
 
-    patches.install(builds=(good,))
+    wrappers.install(builds=(good,))
     assert patches.installed(compat.POLICY) and patches.VERDICTS[compat.POLICY].build.commit == "fake0001"
     wrapped = mod.maybe_apply_b12x_virtual_tp_padding
     assert wrapped is not original and wrapped.__lucifer_wrapped__ is original
-    patches.install(builds=(good,))  # idempotent: hashes the original behind the wrapper, wraps once
+    wrappers.install(builds=(good,))  # idempotent: hashes the original behind the wrapper, wraps once
     assert mod.maybe_apply_b12x_virtual_tp_padding is wrapped
     assert not patches.installed(compat.RELAYOUT)  # this venv's re-layout is vetted by no build given
     assert "matches no build vetted for it (fake0001)" in patches.why_not_installed(compat.RELAYOUT)
@@ -229,7 +235,7 @@ def test_policy_wrapper_installed_only_when_signature_and_hash_match(tmp_path, m
 
 
 def test_policy_wrapper_refuses_changed_signature(tmp_path, monkeypatch, shim):
-    from lucifer_shard.runtime_shim import compat, patches
+    from lucifer_shard.runtime_shim import compat, patches, wrappers
 
     mod = _fake_fork(tmp_path, monkeypatch)
 
@@ -237,7 +243,7 @@ def test_policy_wrapper_refuses_changed_signature(tmp_path, monkeypatch, shim):
         pass
 
     monkeypatch.setattr(mod, "maybe_apply_b12x_virtual_tp_padding", maybe_apply_b12x_virtual_tp_padding)
-    patches.install(builds=compat.SUPPORTED_BUILDS)
+    wrappers.install(builds=compat.SUPPORTED_BUILDS)
     assert not patches.installed(compat.POLICY)
     assert "signature (vllm_config, strict) != expected (vllm_config)" in patches.why_not_installed(compat.POLICY)
 
@@ -249,7 +255,7 @@ def test_relayout_wrapper_installed_only_where_its_hash_is_vetted(monkeypatch, s
 
     import vllm.model_executor.layers.quantization.mxfp4 as q
 
-    from lucifer_shard.runtime_shim import compat, patches
+    from lucifer_shard.runtime_shim import compat, patches, wrappers
 
     release = sf.vllm_version()
     assert patches.installed(compat.RELAYOUT) and patches.VERDICTS[compat.RELAYOUT].build.commit == release
@@ -259,7 +265,7 @@ def test_relayout_wrapper_installed_only_where_its_hash_is_vetted(monkeypatch, s
     monkeypatch.setattr(patches, "VERDICTS", {})
     unvetted = tuple(dataclasses.replace(b, wrappers=tuple(w for w in b.wrappers if w != compat.RELAYOUT))
                      if b.commit == release else b for b in compat.SUPPORTED_BUILDS)
-    patches.install(builds=unvetted)
+    wrappers.install(builds=unvetted)
     assert not patches.installed(compat.RELAYOUT)
     why = patches.why_not_installed(compat.RELAYOUT)
     assert "convert_weight_to_mxfp4_moe_kernel_format sha256:" in why and "matches no build vetted for it" in why
@@ -284,7 +290,7 @@ def test_load_model_refuses_kernel_layout_on_vllm_without_relayout_wrapper(out_k
     vcfg.parallel_config.tensor_parallel_size = 2
     with pytest.raises(ValueError) as e:
         loader.load_model(vcfg, vcfg.model_config)
-    _refusal(e, "built for tensor_parallel_size=3, vLLM was started with 2")
+    _refusal(e, "tensor_parallel_size 2, but the files were built for 3: start with -tp 3")
 
 
 def test_stock_padding_comes_from_the_manifest_and_refuses_another_config(out_model, shim):
@@ -311,7 +317,7 @@ def test_vocab_wrapper_pads_only_lucifer_models_and_checks_the_manifest(out_mode
     import vllm.config as vc
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    from lucifer_shard.runtime_shim import stock_vtp
+    from lucifer_shard.runtime_shim.wrappers import stock_vocab
 
     pad = {"sizes": {}, "vocab": (1000, 1152), "tp": 3}
     text = SimpleNamespace(lucifer_tp3_padding=pad)
@@ -336,4 +342,4 @@ def test_vocab_wrapper_pads_only_lucifer_models_and_checks_the_manifest(out_mode
     cfg.load_config.load_format = "auto"  # another loader: untouched, and vLLM's own assert fires
     with pytest.raises(AssertionError):
         VocabParallelEmbedding(1000, 8)
-    assert stock_vtp._vocab_padded(1000) is None
+    assert stock_vocab.vocab_padded(1000) is None

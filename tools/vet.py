@@ -1,19 +1,21 @@
 """Vet a stock vLLM release for the shim's wrappers, in one command (docs/vllm-releases.md):
 
-    python -m lucifer_shard.runtime_shim.vet VERSION [--against VETTED] [--hashes-only] [--wheels DIR]
+    python tools/vet.py VERSION [--against VETTED] [--hashes-only] [--wheels DIR]
 
 1. fetches the release's wheel and the last vetted release's (`pip download --no-deps`: pip's cache
    when a test venv was built from it);
-2. hashes, from the wheels' text without importing them, every symbol of `compat.SYMBOLS`;
+2. hashes, from the wheels' text without importing them, every symbol of `wrappers.SYMBOLS`;
 3. prints, for each symbol whose source differs from the last vetted release, the unified diff of the
    two sources and whether its parameters still are the ones the wrapper expects: what the
    maintainer reads before accepting a hash;
 4. builds the release's CPU test venv (tools/vllm-env.sh: --venv, else $LUCIFER_VLLM_VENV, else
    ~/.cache/lucifer-shard/vllm-VERSION) and runs the stock proofs on it, the candidate row allowed in
    the test harness only (LUCIFER_VET_CANDIDATE, read by tests/shim);
-5. on success prints the `compat.Build` row to add to `compat.SUPPORTED_BUILDS`.
+5. on success prints the `compat.Build` row to add to `compat.SUPPORTED_BUILDS` and, for each wrapper's
+   file (runtime_shim/wrappers/), the hashes to add to its `hashes`.
 
-Steps 4 and 5 need a checkout of lucifer-shard (tools/ and tests/). Imports nothing from vLLM.
+A maintainer tool: it runs from a checkout of lucifer-shard installed editable (it needs tools/ and
+tests/, and is not in the wheel). Imports nothing from vLLM.
 Exit 0: the row is printed; 1: the release failed vetting (a wrapped function gone or changed, or the
 stock proofs failed); 2: it could not be vetted (no such release, no wheel, a venv it may not use).
 """
@@ -28,19 +30,29 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from lucifer_shard.guarded_io import read_regular
+import vllm_hashes  # tools/vllm_hashes.py, beside this file
 
-from . import compat
+from lucifer_shard.guarded_io import read_regular
+from lucifer_shard.runtime_shim import compat, wrappers
 
 DIST = "vllm"
-ROOT = Path(__file__).resolve().parent.parent  # the checkout, for an editable install
+ROOT = Path(__file__).resolve().parent.parent  # the checkout
 # What "the stock proofs" are: vLLM's own DeepSeek-V4 classes loaded from rank files at TP3 (target and
 # draft, SM120 and SM90 classes) and TP 1/2/4, and doctor/serve, all against the release in its venv.
 STOCK_PROOFS = ("tests/shim/test_stock_tp3.py", "tests/shim/test_real_model.py", "tests/shim/test_doctor.py",
                 "tests/shim/test_dspark_model.py", "tests/shim/test_b12x.py")
-CANDIDATE_ENV = "LUCIFER_VET_CANDIDATE"  # the candidate row, JSON, for the test harness only
+CANDIDATE_ENV = "LUCIFER_VET_CANDIDATE"  # the candidate, JSON, for the test harness only
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What vetting a release adds to the tables: its build row, and the hashes its wrappers' files get."""
+
+    build: compat.Build
+    hashes: dict[str, dict[str, str]]  # wrapper name -> symbol key -> source hash in the release
 
 
 class VetError(Exception):
@@ -120,45 +132,47 @@ def wheel_pin(wheel: Path, name: str) -> str:
     return m.group(1) if m else "none"
 
 
-def candidate_row(version: str, wheel: Path, against: compat.Build) -> compat.Build:
-    """The row a release gets: the wrappers of the release it is compared with, the hashes of their
-    symbols in this wheel, its FlashInfer pin, the draft kinds whose class is in the wheel (the stock proofs
+def candidate(version: str, wheel: Path, against: compat.Build) -> Candidate:
+    """What a release gets: the wrappers of the release it is compared with and the hashes of their
+    symbols in this wheel; its FlashInfer pin, the draft kinds whose class is in the wheel (the stock proofs
     then load each). Raises VetError when a symbol they rely on is gone."""
-    text_of = compat.wheel_text_of(str(wheel))
-    sources = compat.symbol_sources(text_of)
-    needed = [k for w in against.wrappers for k in compat.WRAPPERS[w].symbols]
-    missing = [compat.SYMBOLS[k].dotted for k in needed if k not in sources]
-    moved = [compat.SYMBOLS[k].dotted for k in needed
-             if k in sources and not compat.SYMBOLS[k].signature_ok(compat.source_params(sources[k]))]
+    text_of = vllm_hashes.wheel_text_of(str(wheel))
+    sources = vllm_hashes.symbol_sources(text_of)
+    needed = [s for w in against.wrappers for s in wrappers.WRAPPERS[w].symbols]
+    missing = [s.dotted for s in needed if s.key not in sources]
+    moved = [s.dotted for s in needed
+             if s.key in sources and not s.signature_ok(vllm_hashes.source_params(sources[s.key]))]
     if missing or moved:
         raise VetError(f"{DIST} {version} lacks {', '.join(missing) or 'nothing'} and changed the parameters of "
                        f"{', '.join(moved) or 'nothing'}: the wrappers {', '.join(against.wrappers)} cannot be "
                        f"installed on it as they are; port them first", exit_code=1)
-    return dataclasses.replace(against, commit=version, label=against.label.replace(against.commit, version),
-                               hashes={k: compat.source_hash(sources[k]) for k in needed}, flashinfer=wheel_pin(wheel, "flashinfer-python"),
-                               install=f"pip install {DIST}=={version}",
-                               draft_kinds=tuple(k for k, path in compat.DRAFT_CLASS_FILES.items() if text_of(path)))
+    build = dataclasses.replace(against, commit=version, label=against.label.replace(against.commit, version),
+                                flashinfer=wheel_pin(wheel, "flashinfer-python"), install=f"pip install {DIST}=={version}",
+                                draft_kinds=tuple(k for k, path in compat.DRAFT_CLASS_FILES.items() if text_of(path)))
+    return Candidate(build, {w: {s.key: compat.source_hash(sources[s.key]) for s in wrappers.WRAPPERS[w].symbols}
+                             for w in against.wrappers})
 
 
 def changes(version: str, wheel: Path, against: compat.Build, against_wheel: Path) -> list[str]:
-    """For each symbol of compat.SYMBOLS whose source differs between the two wheels: a header line,
-    the parameter check and the unified diff of the two sources."""
-    new_text, old_text = compat.wheel_text_of(str(wheel)), compat.wheel_text_of(str(against_wheel))
-    new, old = compat.symbol_sources(new_text), compat.symbol_sources(old_text)
+    """For each symbol of wrappers.SYMBOLS whose source differs between the two wheels: a header line,
+    the parameter check, what its wrapper's file says to read, and the unified diff of the two sources."""
+    new_text, old_text = vllm_hashes.wheel_text_of(str(wheel)), vllm_hashes.wheel_text_of(str(against_wheel))
+    new, old = vllm_hashes.symbol_sources(new_text), vllm_hashes.symbol_sources(old_text)
     out = []
-    for key, sym in compat.SYMBOLS.items():
+    for key, sym in wrappers.SYMBOLS.items():
         if new.get(key) == old.get(key):
             continue
-        users = [w for w in against.wrappers if key in compat.WRAPPERS[w].symbols]
+        users = [w for w in against.wrappers if sym in wrappers.WRAPPERS[w].symbols]
         use = f"used by {', '.join(users)}" if users else f"not used on {DIST} releases"
         if key not in new:
             out.append(f"=== {sym.dotted}: gone in {version} ({use})")
             continue
-        params = compat.source_params(new[key])
+        params = vllm_hashes.source_params(new[key])
         sig = "parameters unchanged" if sym.signature_ok(params) else \
             f"PARAMETERS CHANGED: ({', '.join(params)}) != expected ({', '.join(sym.params)})"
         out.append(f"=== {sym.dotted} ({use}): {compat.source_hash(old[key])[:19] if key in old else 'absent'} -> "
                    f"{compat.source_hash(new[key])[:19]}, {sig}")
+        out.extend(f"read: {wrappers.WRAPPERS[w].read_in_diff}" for w in users)
         out.extend(difflib.unified_diff(old.get(key, "").splitlines(), new[key].splitlines(),
                                         f"{DIST}=={against.commit}:{sym.path}", f"{DIST}=={version}:{sym.path}",
                                         lineterm=""))
@@ -167,24 +181,35 @@ def changes(version: str, wheel: Path, against: compat.Build, against_wheel: Pat
 
 def row_text(b: compat.Build) -> str:
     """The Python text of a row of compat.SUPPORTED_BUILDS (evaluates to an equal Build)."""
-    hashes = "".join(f"\n            {k!r}: {v!r}," for k, v in b.hashes.items())
-    return (f"    Build(\n        commit={b.commit!r},\n        label={b.label!r},\n        hashes={{{hashes}\n        }},\n"
+    return (f"    Build(\n        commit={b.commit!r},\n        label={b.label!r},\n"
             f"        draft_virtual_tp={b.draft_virtual_tp!r},\n        flashinfer={b.flashinfer!r},\n"
             f"        branches={b.branches!r},\n        wrappers={b.wrappers!r},\n        install={b.install!r},\n"
             f"        draft_kinds={b.draft_kinds!r},\n    ),")
 
 
-def candidate_json(b: compat.Build) -> str:
-    return json.dumps(dataclasses.asdict(b))
+def hashes_text(c: Candidate) -> list[str]:
+    """For each wrapper's file, the entry its `hashes` gets (the value evaluates to an equal dict)."""
+    return [f"{wrapper_file(w)}: {c.build.commit!r}: {h!r}," for w, h in c.hashes.items()]
 
 
-def candidate_from_json(text: str) -> compat.Build:
+def wrapper_file(name: str) -> str:
+    """The file of a wrapper, relative to the checkout (runtime_shim/wrappers/<module>.py)."""
+    return f"runtime_shim/wrappers/{wrappers.WRAPPERS[name].install.__module__.rsplit('.', 1)[1]}.py"
+
+
+def candidate_json(c: Candidate) -> str:
+    return json.dumps({"build": dataclasses.asdict(c.build), "hashes": c.hashes})
+
+
+def candidate_from_json(text: str) -> Candidate:
     d = json.loads(text)
-    return compat.Build(**{**d, **{k: tuple(d[k]) for k in ("branches", "wrappers", "draft_kinds")}})
+    b = d["build"]
+    return Candidate(compat.Build(**{**b, **{k: tuple(b[k]) for k in ("branches", "wrappers", "draft_kinds")}}),
+                     d["hashes"])
 
 
-def run_proofs(version: str, candidate: compat.Build, venv: Path) -> int:
-    """The stock proofs on the release's CPU test venv `venv` (built on first use), the candidate row
+def run_proofs(version: str, found: Candidate, venv: Path) -> int:
+    """The stock proofs on the release's CPU test venv `venv` (built on first use), the candidate
     allowed: pytest's exit code. VetError when the venv cannot be made or used (not a failed proof)."""
     script = ROOT / "tools" / "vllm-env.sh"
     if not script.is_file():
@@ -199,7 +224,7 @@ def run_proofs(version: str, candidate: compat.Build, venv: Path) -> int:
         raise VetError(f"the venv {venv} could not be made or used ({' '.join(said) or f'exit {made.returncode}'})")
     cmd = ["bash", str(script), "python", "-m", "pytest", "-q", "-m", "vllm", *STOCK_PROOFS]
     print(f"$ {' '.join(cmd[1:])}", flush=True)
-    return subprocess.run(cmd, cwd=ROOT, env={**env, CANDIDATE_ENV: candidate_json(candidate)}).returncode
+    return subprocess.run(cmd, cwd=ROOT, env={**env, CANDIDATE_ENV: candidate_json(found)}).returncode
 
 
 def vet(version: str, against_version: str | None, hashes_only: bool, work: Path, venv: Path) -> int:
@@ -213,25 +238,27 @@ def vet(version: str, against_version: str | None, hashes_only: bool, work: Path
         raise VetError(problem)
     wheel, against_wheel = fetch_wheel(version, work), fetch_wheel(against.commit, work)
     print(f"{wheel.name}, compared with the last vetted release {against_wheel.name}")
-    hashes = compat.hashes_in_wheel(str(wheel))
-    for key, sym in compat.SYMBOLS.items():
+    hashes = vllm_hashes.hashes_in_wheel(str(wheel))
+    for key, sym in wrappers.SYMBOLS.items():
         print(f"  {sym.dotted}: {hashes.get(key, 'absent')}")
     diff = changes(version, wheel, against, against_wheel)
     print("\n".join(diff) if diff else f"no symbol's source differs from {against.commit}")
-    row = candidate_row(version, wheel, against)
+    found = candidate(version, wheel, against)
     if not hashes_only:
-        rc = run_proofs(version, row, venv)
+        rc = run_proofs(version, found, venv)
         if rc:
             print(f"vet {version}: the stock proofs failed (pytest exit {rc}); do not add the row", file=sys.stderr)
             return 1
     print(f"row for compat.SUPPORTED_BUILDS{' (hashes only: the stock proofs did not run)' if hashes_only else ''} "
           f"(stock releases newest first):")
-    print(row_text(row))
+    print(row_text(found.build))
+    print("hashes for each wrapper's file:")
+    print("\n".join(hashes_text(found)))
     return 0
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m lucifer_shard.runtime_shim.vet",
+    p = argparse.ArgumentParser(prog="python tools/vet.py",
                                 description="Vet a stock vLLM release for the shim's wrappers (docs/vllm-releases.md).",
                                 epilog="Exit 0: the row is printed; 1: the release failed vetting; 2: it could not "
                                        "be vetted (no such release, a folder or venv it may not use).")

@@ -1,0 +1,77 @@
+"""Stock virtual TP, engine process (stock releases): wraps `EngineArgs.create_engine_config`.
+
+For lucifer_tp3 outputs on a padded plan the target's hf config gets the manifest's padded heads,
+output groups and expert width through a callable `hf_overrides` (`stock_vtp.pad_config`, bound with
+`functools.partial` so that it pickles into the engine core); vLLM composes a callable override into
+the draft's config itself (`SpeculativeConfig.compose_draft_hf_overrides`), so the MTP draft is padded
+by the same call. The resulting config is then checked (`stock_vtp.stock_problems`).
+"""
+from __future__ import annotations
+
+import functools
+
+from .. import compat
+from ..errors import ShimError
+from ..manifest import load_manifest
+from ..patches import LOAD_FORMAT, replace, tp_mismatch
+from ..stock_vtp import pad_config, padding, stock_problems
+
+CREATE_ENGINE_CONFIG = compat.Symbol("EngineArgs.create_engine_config", "vllm.engine.arg_utils",
+                                     "EngineArgs.create_engine_config", ("self", "usage_context", "headless"))
+
+
+def make_engine_config_wrapper(original):
+    """`EngineArgs.create_engine_config` with the manifest's padding for lucifer_tp3 outputs."""
+
+    def create_engine_config(self, usage_context=None, headless=False):
+        if str(getattr(self, "load_format", "")).lower() != LOAD_FORMAT:
+            return original(self, usage_context, headless)
+        manifest = load_manifest(self.model)
+        mismatch = tp_mismatch(manifest, self.tensor_parallel_size)
+        if mismatch:
+            raise ShimError(mismatch)
+        if manifest.needs_virtual_tp():
+            want = functools.partial(pad_config, padding=padding(manifest))
+            current = self.hf_overrides
+            if current and not _is_ours(current, want):
+                raise ShimError(f"--hf-overrides {current!r} with --load-format {LOAD_FORMAT}: the model must be the "
+                                f"config the rank files were converted from (the padding comes from "
+                                f"{manifest.path}); drop --hf-overrides")
+            self.hf_overrides = want
+        vllm_config = original(self, usage_context, headless)
+        problems = stock_problems(vllm_config, manifest)
+        if problems:
+            raise ShimError(f"--load-format {LOAD_FORMAT} on this vLLM cannot serve {manifest.out}: "
+                            + "; ".join(problems))
+        return vllm_config
+
+    create_engine_config.__lucifer_wrapped__ = original
+    create_engine_config.__wrapped__ = original
+    return create_engine_config
+
+
+def _is_ours(current, want: functools.partial) -> bool:
+    return (isinstance(current, functools.partial) and current.func is want.func
+            and current.keywords == want.keywords)
+
+
+WRAPPER = compat.Wrapper(
+    name=compat.STOCK_CONFIG,
+    symbols=(CREATE_ENGINE_CONFIG,),
+    process="engine",
+    does="with lucifer_tp3 on a padded plan, gives the target's and the draft's hf configs the manifest's padded "
+         "heads, output groups and expert width (a callable hf_overrides, which vLLM composes into the draft's) "
+         "and checks the result: the stock tuple for the output's arch, the padding on both configs",
+    why="stock vLLM has no virtual TP: 64 heads and a 2048-wide expert do not divide by 3",
+    remove_when="upstream vLLM pads DeepSeek-V4's heads, groups and experts for uneven TP (vllm-project/vllm#52435)",
+    upstream="https://github.com/vllm-project/vllm/blob/v0.34.0/vllm/engine/arg_utils.py",
+    read_in_diff="`hf_overrides` must still reach `ModelConfig` before its checks (DeepSeek-V4's \"heads must "
+                 "divide by TP\" check in `config/model.py`); the MTP draft's config must still be derived through "
+                 "`SpeculativeConfig.compose_draft_hf_overrides` (so the draft gets the padding too); no new check "
+                 "on TP, heads or the load format may be added there; the parameters must be unchanged. New keyword "
+                 "arguments passed to unrelated configs (cache, scheduler) are harmless",
+    hashes={"0.34.0": {CREATE_ENGINE_CONFIG.key: "sha256:6df2ef3ae3e19b0c6904e9aac2f2e7a4dfbed80bd9e649810c45382bfbee7173"},
+            "0.33.0": {CREATE_ENGINE_CONFIG.key: "sha256:1f916622074963ee1d18464914782146a7f5ea52cd3a959a2c74acefd3db8e63"},
+            "0.32.0": {CREATE_ENGINE_CONFIG.key: "sha256:b9b94288f46d2f679c3f30825ddd2eb3b1f6a9958115c80505c4c948b972150f"}},
+    install=lambda: replace(CREATE_ENGINE_CONFIG, make_engine_config_wrapper),
+)
