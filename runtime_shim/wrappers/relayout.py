@@ -42,7 +42,7 @@ HASHES = {
                   SETUP_KERNEL.key: _FORK_SETUP_KERNEL},
     "cece381c4": _FORK_FF,
     "81564374e": _FORK_FF,
-    # 0.34.0 changed both only in their Humming and Triton branches (serving-field.md §2)
+    # 0.34.0 changed both only in their Humming and Triton branches (docs/vllm-releases.md, Record)
     "0.34.0": {CONVERT.key: "sha256:2a7916b08841b51c9d770588ee56fd36569d2c5b389f7a02f384c7f6fbb96c99",
                SETUP_KERNEL.key: "sha256:64874c8a1b11399cfa3ac93aefbd3572269354f05727e08f50b8bcfecf8c9826"},
     # 0.33.0's re-layout: its FlashInfer-CUTLASS branch is the forks' (swap, then the 128x4 swizzle or the SM90
