@@ -106,13 +106,6 @@ def clean(converted) -> Path:
 
 
 @pytest.fixture
-def tmp_path(tmp_path):
-    """pytest's, removed after the test: a case holds a whole output (the disk is shared)."""
-    yield tmp_path
-    shutil.rmtree(tmp_path, ignore_errors=True)
-
-
-@pytest.fixture
 def work(tmp_path_factory):
     """work() -> a fresh folder for one case (hypothesis runs many cases in one test); the previous
     case's folder is removed then, the last one after the test."""
