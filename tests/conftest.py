@@ -14,6 +14,7 @@ from lucifer_shard.spec.config import parse_config
 from lucifer_shard.spec.manifest import Options
 
 from helpers import CONFIGS, scratch
+from skiplog import pytest_runtest_logreport  # noqa: F401  (the hook: make test's list of what it did not prove)
 
 
 @pytest.fixture(scope="session")
