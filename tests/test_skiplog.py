@@ -37,7 +37,8 @@ def test_passes():
 def run_suite(tmp_path: Path, log: Path | None, suite: str = "test-demo") -> subprocess.CompletedProcess:
     (tmp_path / "test_demo.py").write_text(SUITE)
     env = {**os.environ, "PYTHONPATH": str(SKIPLOG.parent), "PYTHONDONTWRITEBYTECODE": "1", "LUCIFER_SKIP_SUITE": suite}
-    env.pop("LUCIFER_SKIP_LOG", None)
+    for outer in ("LUCIFER_SKIP_LOG", "PYTEST_ADDOPTS"):  # the outer run's, not this suite's
+        env.pop(outer, None)
     if log is not None:
         env["LUCIFER_SKIP_LOG"] = str(log)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "skiplog", "-p", "no:cacheprovider",
