@@ -31,23 +31,35 @@ installed:
 	@$(PY) -c "import sys, lucifer_shard, pytest, hypothesis; sys.exit(not lucifer_shard.__file__.startswith('$(CURDIR)/'))" \
 		2>/dev/null || $(MAKE) --no-print-directory install PY=$(PY) TORCH_INDEX=$(TORCH_INDEX)
 
-test: test-cpu test-shim test-shim-previous test-forward
+# The four suites, then one line per proof they skipped and why (tests/skiplog.py), printed also when a
+# suite failed; the exit status stays the suites'. Not under build/, which `make wheel` (a test) removes.
+SKIPPED = $(CURDIR)/.make-test/skipped.tsv
+test:
+	@mkdir -p $(dir $(SKIPPED)) && : > $(SKIPPED)
+	@rc=0; $(MAKE) --no-print-directory test-cpu test-shim test-shim-previous test-forward SKIP_LOG=$(SKIPPED) \
+		|| rc=$$?; $(PY) tests/skiplog.py $(SKIPPED); exit $$rc
 
-# pytest exits 5 when it collects nothing: here that is a failure, not a pass.
+# Each suite appends its skipped tests to SKIP_LOG (set by make test; empty: no log) and prints their
+# reasons (-rs). pytest exits 5 when it collects nothing: here that is a failure, not a pass.
+SKIP_LOG ?=
+SUITE_ENV = LUCIFER_SKIP_LOG=$(SKIP_LOG) LUCIFER_SKIP_SUITE=$@
+COLLECTED = rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+
+# --durations: the slowest tests, to keep this suite light (README, make test).
 test-cpu: installed
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+	$(SUITE_ENV) $(PY) -m pytest -q -rs --durations=15; $(COLLECTED)
 
 test-shim:
-	LUCIFER_VLLM_VERSION=$(VLLM_VERSION) $(VLLM_ENV) python -m pytest -q tests/shim -m vllm; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+	$(SUITE_ENV) LUCIFER_VLLM_VERSION=$(VLLM_VERSION) $(VLLM_ENV) python -m pytest -q -rs tests/shim -m vllm; $(COLLECTED)
 
 # Its own venv, never LUCIFER_VLLM_VENV (which names VLLM_VERSION's).
 test-shim-previous:
-	LUCIFER_VLLM_VENV= LUCIFER_VLLM_VERSION=$(VLLM_PREVIOUS) $(VLLM_ENV) python -m pytest -q -m vllm $(STOCK_PROOFS) $(PREVIOUS_TESTS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+	$(SUITE_ENV) LUCIFER_VLLM_VENV= LUCIFER_VLLM_VERSION=$(VLLM_PREVIOUS) $(VLLM_ENV) python -m pytest -q -rs -m vllm $(STOCK_PROOFS) $(PREVIOUS_TESTS); $(COLLECTED)
 
 # vLLM's own DeepSeek-V4 CPU forward from the checkpoint and from rank files, TP 1, 2 and 3 (about 10 minutes
 # on 2 cores; skips, saying why, on a CPU without avx512_bf16). -rsx prints skip and xfail reasons.
 test-forward:
-	$(VLLM_CPU_ENV) python -m pytest -q -rsx tests/forward -m forward; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+	$(SUITE_ENV) $(VLLM_CPU_ENV) python -m pytest -q -rsx tests/forward -m forward; $(COLLECTED)
 
 # Header fuzzing at full size: thousands of seeded hypothesis cases against every reader, a few
 # minutes (make test runs a sample of each). LUCIFER_FUZZ_LOG=path logs every case for the docs.
@@ -86,4 +98,4 @@ wheel:
 	@ls $(DIST)/*.whl
 
 clean:
-	rm -rf $(DEMO) .pytest_cache build dist *.egg-info
+	rm -rf $(DEMO) .pytest_cache .make-test build dist *.egg-info

@@ -1,8 +1,10 @@
-"""Shared fixtures: synthetic checkpoints and their conversions, built once per test session."""
+"""Shared fixtures: synthetic checkpoints and their conversions, built once per test session, removed at its end."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -11,7 +13,8 @@ from lucifer_shard.engine.synth import preset_config, synth
 from lucifer_shard.spec.config import parse_config
 from lucifer_shard.spec.manifest import Options
 
-from helpers import CONFIGS
+from helpers import CONFIGS, scratch
+from skiplog import pytest_runtest_logreport  # noqa: F401  (the hook: make test's list of what it did not prove)
 
 
 @pytest.fixture(scope="session")
@@ -25,13 +28,15 @@ def tiny_cfg():
 
 
 @pytest.fixture(scope="session")
-def tiny_pattern(tmp_path_factory) -> Path:
-    return synth("tiny", tmp_path_factory.mktemp("tiny-pattern") / "model", fill="pattern", progress=False)
+def tiny_pattern(tmp_path_factory) -> Iterator[Path]:
+    with scratch(tmp_path_factory, "tiny-pattern") as root:
+        yield synth("tiny", root / "model", fill="pattern", progress=False)
 
 
 @pytest.fixture(scope="session")
-def tiny_random(tmp_path_factory) -> Path:
-    return synth("tiny", tmp_path_factory.mktemp("tiny-random") / "model", fill="random", seed=7, progress=False)
+def tiny_random(tmp_path_factory) -> Iterator[Path]:
+    with scratch(tmp_path_factory, "tiny-random") as root:
+        yield synth("tiny", root / "model", fill="random", seed=7, progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -49,4 +54,6 @@ def converted(tmp_path_factory, tiny_pattern):
             cache[key] = out
         return cache[key]
 
-    return get
+    yield get
+    for out in cache.values():
+        shutil.rmtree(out.parent, ignore_errors=True)

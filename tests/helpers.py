@@ -1,9 +1,13 @@
-"""Test helpers: read tensors as raw bytes with the safetensors library itself."""
+"""Test helpers: read tensors as raw bytes with the safetensors library itself; scratch folders for fixtures."""
 from __future__ import annotations
 
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -38,3 +42,14 @@ def rank_tensors(out: Path, role: str, rank: int) -> dict[str, np.ndarray]:
             for k in f.keys():
                 tensors[k] = raw(f.get_tensor(k))
     return tensors
+
+
+@contextmanager
+def scratch(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """A tmp_path_factory folder for a module- or session-scoped fixture, removed at its teardown: pytest's
+    retention policy removes only tmp_path's folders as tests pass, the rest only with its own base temp."""
+    path = tmp_path_factory.mktemp(name)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

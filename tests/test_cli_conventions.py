@@ -16,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from click.testing import CliRunner
@@ -23,6 +24,8 @@ from click.testing import CliRunner
 from lucifer_shard.cli import cli
 from lucifer_shard.cli.console import QUIET, SCHEMA_VERSION, exit_code_lines
 from lucifer_shard.errors import BROKEN_PIPE, ERROR_KINDS, exit_codes
+
+from helpers import scratch
 
 REPO = Path(__file__).resolve().parent.parent
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -92,23 +95,30 @@ USAGE_CASES = ("bad_value", "unknown_option", "missing_argument")
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory, tiny_random, converted) -> dict[str, Path]:
+def shared_paths(tmp_path_factory, tiny_random, converted) -> Iterator[dict[str, Path]]:
     """The fixtures the table names; {out} is of the random fill, whose numbers are finite."""
-    root = tmp_path_factory.mktemp("conventions")
-    (root / "afile").write_text("not an output\n")
-    out = converted(source=tiny_random)
-    damaged = root / "damaged"
-    shutil.copytree(out, damaged)
-    manifest = damaged / "lucifer-manifest.json"
-    doc = json.loads(manifest.read_text())
-    doc["tool_version"] = "0.0.0-edited"  # still a well-formed manifest, but not the one convert wrote
-    manifest.write_text(json.dumps(doc, indent=1))
-    (root / "empty").mkdir()
-    unfinished = root / "unfinished"  # a convert stopped after its manifest, before COMPLETE
-    shutil.copytree(out, unfinished)
-    (unfinished / "COMPLETE").unlink()
-    return {"model": tiny_random, "out": out, "file": root / "afile", "missing": root / "missing",
-            "damaged": damaged, "root": root, "empty": root / "empty", "unfinished": unfinished}
+    with scratch(tmp_path_factory, "conventions") as root:
+        (root / "afile").write_text("not an output\n")
+        out = converted(source=tiny_random)
+        damaged = root / "damaged"
+        shutil.copytree(out, damaged)
+        manifest = damaged / "lucifer-manifest.json"
+        doc = json.loads(manifest.read_text())
+        doc["tool_version"] = "0.0.0-edited"  # still a well-formed manifest, but not the one convert wrote
+        manifest.write_text(json.dumps(doc, indent=1))
+        (root / "empty").mkdir()
+        unfinished = root / "unfinished"  # a convert stopped after its manifest, before COMPLETE
+        shutil.copytree(out, unfinished)
+        (unfinished / "COMPLETE").unlink()
+        yield {"model": tiny_random, "out": out, "file": root / "afile", "missing": root / "missing",
+               "damaged": damaged, "empty": root / "empty", "unfinished": unfinished}
+
+
+@pytest.fixture
+def paths(shared_paths, tmp_path) -> dict[str, Path]:
+    """shared_paths, and the root of the {new} outputs a test writes: its own tmp_path, gone when it passes
+    (dozens of converts there would otherwise stay until the module ends)."""
+    return {**shared_paths, "root": tmp_path}
 
 
 _fresh = itertools.count()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from helpers import CONFIGS, rank_tensors, raw
+from helpers import CONFIGS, rank_tensors, raw, scratch
 from lucifer_shard.cli import cli
 from lucifer_shard.errors import SourceError
 from lucifer_shard.spec.config import DSPARK, parse_config
@@ -149,8 +150,12 @@ def _tensor(dtype: str, shape: tuple[int, ...], rng: np.random.Generator) -> tor
 
 
 @pytest.fixture(scope="module")
-def ckpt_0731(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("shaped-0731")
+def ckpt_0731(tmp_path_factory) -> Iterator[Path]:
+    with scratch(tmp_path_factory, "shaped-0731") as root:
+        yield write_0731(root)
+
+
+def write_0731(root: Path) -> Path:
     cfg = {**cfg_0731(), "vocab_size": V, "hidden_size": H, "num_hidden_layers": LAYERS, "q_lora_rank": QL,
            "o_lora_rank": OL, "head_dim": HD, "index_head_dim": 128, "n_routed_experts": E, "num_experts_per_tok": 2,
            "num_hash_layers": 1, "compress_ratios": [0] * (LAYERS + STAGES), "dspark_target_layer_ids": [0, 1, 1],
@@ -191,11 +196,11 @@ def draft_names_vllm() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def out_0731(ckpt_0731, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("shaped-0731-out") / "out"
-    r = run("convert", "--tp", "3", str(ckpt_0731), str(out), "--quiet")
-    assert r.exit_code == 0, r.output
-    return out
+def out_0731(ckpt_0731, tmp_path_factory) -> Iterator[Path]:
+    with scratch(tmp_path_factory, "shaped-0731-out") as root:
+        r = run("convert", "--tp", "3", str(ckpt_0731), str(root / "out"), "--quiet")
+        assert r.exit_code == 0, r.output
+        yield root / "out"
 
 
 def test_the_shaped_checkpoint_converts_and_proves(out_0731):

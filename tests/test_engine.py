@@ -17,28 +17,16 @@ def _tree(root: Path) -> dict[str, bytes]:
             if p.is_file() and ".lucifer" not in p.parts}
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_pattern, tmp_path_factory):
-    """One conversion per arch with the default engine settings."""
-    outs = {}
-
-    def get(arch: str) -> Path:
-        if arch not in outs:
-            out = tmp_path_factory.mktemp("ref") / "out"
-            convert(str(tiny_pattern), out, Options(tp=3, arch=arch), progress=False)
-            outs[arch] = out
-        return outs[arch]
-    return get
-
-
 @pytest.mark.parametrize("arch,workers,direct,prefetch", [("sm120", 1, True, 2), ("sm120", 3, False, 0),
                                                           ("sm90", 2, True, 1)])
-def test_tiny_chunks_poisoned_buffers_and_write_paths(tiny_pattern, tmp_path, monkeypatch, reference, arch, workers,
+def test_tiny_chunks_poisoned_buffers_and_write_paths(tiny_pattern, tmp_path, monkeypatch, converted, arch, workers,
                                                       direct, prefetch):
     """Many chunks per tensor, pool buffers that start full of garbage and are reused, a direct-I/O
     stage of two pages or a write-behind window of one page, direct or buffered reads with or without
-    prefetching: the output is still byte-identical.
+    prefetching: the output is still byte-identical to the session's conversion with the default engine
+    settings (made, if not yet, before the patches below).
     Garbage left anywhere (a byte no piece or pad tail covers) would show up here."""
+    reference = converted(arch=arch)
     take = assemble.EngineBufferPool.take
 
     def poisoned(self, shape):
@@ -57,7 +45,7 @@ def test_tiny_chunks_poisoned_buffers_and_write_paths(tiny_pattern, tmp_path, mo
     monkeypatch.setattr(assemble, "READ_BLOCK", 2 * assemble.ALIGN)
     out = tmp_path / "out"
     convert(str(tiny_pattern), out, Options(tp=3, arch=arch), workers=workers, progress=False)
-    assert _tree(out) == _tree(reference(arch))
+    assert _tree(out) == _tree(reference)
 
 
 def test_pool_reuses_and_bounds_buffers():
@@ -134,9 +122,10 @@ def test_direct_writer_matches_buffered_and_falls_back(tmp_path, monkeypatch, fa
     assert all(np.array_equal(back[k], v) for k, v in arrays.items())
 
 
-def test_reads_fall_back_when_direct_io_is_refused(tiny_pattern, tmp_path, monkeypatch, reference):
+def test_reads_fall_back_when_direct_io_is_refused(tiny_pattern, tmp_path, monkeypatch, converted):
     """A filesystem that opens with O_DIRECT but refuses the reads (EINVAL): every shard is then read
     buffered and the output does not change."""
+    reference = converted(arch="sm120")
     import errno
     import fcntl
     import os
@@ -155,4 +144,4 @@ def test_reads_fall_back_when_direct_io_is_refused(tiny_pattern, tmp_path, monke
     out = tmp_path / "out"
     convert(str(tiny_pattern), out, Options(tp=3, arch="sm120"), progress=False)
     assert refused, "the test did not exercise direct reads"
-    assert _tree(out) == _tree(reference("sm120"))
+    assert _tree(out) == _tree(reference)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -17,10 +18,13 @@ from lucifer_shard.spec.manifest import MANIFEST_NAME, Options
 from lucifer_shard.spec.rules import expected_sources
 from lucifer_shard.spec.source import open_checkpoint
 
+from helpers import scratch
+
 
 @pytest.fixture(scope="module")
-def forward_model(tmp_path_factory) -> Path:
-    return synth("forward", tmp_path_factory.mktemp("forward") / "model", fill="pattern", progress=False)
+def forward_model(tmp_path_factory) -> Iterator[Path]:
+    with scratch(tmp_path_factory, "forward") as root:
+        yield synth("forward", root / "model", fill="pattern", progress=False)
 
 
 def test_forward_differs_from_tiny_only_where_the_cpu_kernels_need_it():

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tracemalloc
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -53,6 +54,7 @@ from lucifer_shard.spec.source import INDEX_NAME, open_checkpoint
 from lucifer_shard.spec.stheader import HeaderError, read_header
 
 from corruptions import INDEX_KINDS, KINDS, corrupted, corrupted_index
+from helpers import scratch
 
 LOG = os.environ.get("LUCIFER_FUZZ_LOG")
 MEMORY_CAP = 64 << 20  # bytes a reader may allocate (tracemalloc peak): the headers are kilobytes
@@ -184,11 +186,11 @@ def test_header_reader(tmp_path, fuzz):
 
 
 @pytest.fixture(scope="module")
-def model(tiny_pattern, tmp_path_factory) -> Path:
+def model(tiny_pattern, tmp_path_factory) -> Iterator[Path]:
     """A hard-linked copy of `synth tiny`: a case replaces one file, then puts the original back."""
-    root = tmp_path_factory.mktemp("fuzz") / "model"
-    shutil.copytree(tiny_pattern, root, copy_function=os.link)
-    return root
+    with scratch(tmp_path_factory, "fuzz") as root:
+        shutil.copytree(tiny_pattern, root / "model", copy_function=os.link)
+        yield root / "model"
 
 
 def digests(root: Path) -> dict[str, str]:
@@ -241,13 +243,13 @@ def test_checkpoint_reader(model, fuzz):
 
 
 @pytest.fixture(scope="module")
-def out_copy(tiny_pattern, tmp_path_factory) -> Path:
+def out_copy(tiny_pattern, tmp_path_factory) -> Iterator[Path]:
     from lucifer_shard.engine.convert import convert
     from lucifer_shard.spec.manifest import Options
 
-    out = tmp_path_factory.mktemp("fuzz-out") / "out"
-    convert(str(tiny_pattern), out, Options(tp=3, max_file_bytes=1 << 20), progress=False)
-    return out
+    with scratch(tmp_path_factory, "fuzz-out") as root:
+        convert(str(tiny_pattern), root / "out", Options(tp=3, max_file_bytes=1 << 20), progress=False)
+        yield root / "out"
 
 
 def rank_files(out: Path) -> list[str]:

@@ -105,11 +105,10 @@ def clean(converted) -> Path:
     return converted()
 
 
-@pytest.fixture
-def tmp_path(tmp_path):
-    """pytest's, removed after the test: a case holds a whole output (the disk is shared)."""
-    yield tmp_path
-    shutil.rmtree(tmp_path, ignore_errors=True)
+@pytest.fixture(scope="module")
+def clean_contents(clean) -> dict[str, bytes]:
+    """contents(clean), read once for the property tests that compare each case's output with it."""
+    return contents(clean)
 
 
 @pytest.fixture
@@ -352,7 +351,7 @@ def _journal(out: Path) -> list[dict]:
 
 @PROPERTY
 @given(data=st.data())
-def test_resume_does_not_copy_an_edited_journal_digest(clean, tiny_pattern, work, data):
+def test_resume_does_not_copy_an_edited_journal_digest(clean, clean_contents, tiny_pattern, work, data):
     """One changed hex digit anywhere in a journal line (file, tensor or source digest): --resume
     still finishes byte-identical to a clean run (the edited part is checked and redone)."""
     out = unfinished_copy(clean, work())
@@ -370,7 +369,7 @@ def test_resume_does_not_copy_an_edited_journal_digest(clean, tiny_pattern, work
     r = run(*CONVERT, "--resume", tiny_pattern, out)
     assert r.exit_code == 0, r.output
     assert {k: v for k, v in contents(out).items() if k != ".lucifer/journal.jsonl"} == \
-        {k: v for k, v in contents(clean).items() if k != ".lucifer/journal.jsonl"}
+        {k: v for k, v in clean_contents.items() if k != ".lucifer/journal.jsonl"}
     assert run("verify", out).exit_code == 0
 
 
@@ -429,8 +428,8 @@ def test_a_write_that_fails_for_room_never_says_there_is_room_now(tmp_path):
 @PROPERTY
 @given(stop_after=st.integers(0, 16), how=st.sampled_from(["EPERM", "killed"]))
 @example(stop_after=5, how="killed")
-def test_a_force_stopped_while_clearing_is_finished_by_force(clean, tiny_pattern, work, monkeypatch, stop_after,
-                                                              how):
+def test_a_force_stopped_while_clearing_is_finished_by_force(clean, clean_contents, tiny_pattern, work, monkeypatch,
+                                                              stop_after, how):
     """EPERM on an immutable file or SIGKILL after `stop_after` deletions: OUT is left for the same
     --force to finish (the record, deleted last, still lists what is left)."""
     out = finished_copy(clean, work())
@@ -460,7 +459,7 @@ def test_a_force_stopped_while_clearing_is_finished_by_force(clean, tiny_pattern
                 run(*CONVERT, "--force", tiny_pattern, out)
     r = run(*CONVERT, "--force", tiny_pattern, out)
     assert r.exit_code == 0, r.output
-    assert contents(out) == contents(clean)
+    assert contents(out) == clean_contents
 
 
 # ---------------------------------------------------------------- class 11: SIGTERM, a changing source, links
@@ -569,7 +568,7 @@ def test_a_lock_record_of_any_shape_is_not_a_crash(clean, tiny_pattern, work, te
 @PROPERTY
 @given(line=_shapes(["path", "bytes", "digest", "tensors", "sources"]), at=st.integers(0, 60))
 @example(line=DEEP, at=0)
-def test_journal_lines_of_any_shape_are_redone_not_a_crash(clean, tiny_pattern, work, line, at):
+def test_journal_lines_of_any_shape_are_redone_not_a_crash(clean, clean_contents, tiny_pattern, work, line, at):
     out = unfinished_copy(clean, work())
     journal = out / ".lucifer" / "journal.jsonl"
     lines = journal.read_text().splitlines(True)
@@ -577,7 +576,7 @@ def test_journal_lines_of_any_shape_are_redone_not_a_crash(clean, tiny_pattern, 
     journal.write_bytes("".join(lines).encode("utf-8", "surrogateescape"))
     r = run(*CONVERT, "--resume", tiny_pattern, out)
     assert r.exit_code == 0, r.output
-    assert contents(out)["lucifer-manifest.json"] == contents(clean)["lucifer-manifest.json"]
+    assert contents(out)["lucifer-manifest.json"] == clean_contents["lucifer-manifest.json"]
 
 
 @PROPERTY

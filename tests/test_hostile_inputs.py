@@ -22,6 +22,8 @@ from lucifer_shard.cli import cli
 from lucifer_shard.spec.manifest import COMPLETE_NAME, MANIFEST_NAME, Options, manifest_text
 from lucifer_shard.spec.stheader import read_header
 
+from helpers import scratch
+
 PART0 = "target/rank-0/part-00000.safetensors"
 
 
@@ -277,12 +279,13 @@ def _set(doc, path, value):
 
 @pytest.fixture(scope="module")
 def mutable_out(converted, tmp_path_factory):
-    out = copy_out(converted(), tmp_path_factory.mktemp("mutated") / "out")
-    text = (out / MANIFEST_NAME).read_text()
-    nodes = list(_nodes(json.loads(text)))
-    shallow = [p for p in nodes if len(p) <= 3 or (len(p) <= 7 and p[-1] in (0, "rank", "path", "bytes", "files",
-                                                                          "content", "tensors", "ranks"))]
-    return out, text, nodes, shallow
+    with scratch(tmp_path_factory, "mutated") as root:
+        out = copy_out(converted(), root / "out")
+        text = (out / MANIFEST_NAME).read_text()
+        nodes = list(_nodes(json.loads(text)))
+        shallow = [p for p in nodes if len(p) <= 3 or (len(p) <= 7 and p[-1] in (0, "rank", "path", "bytes", "files",
+                                                                              "content", "tensors", "ranks"))]
+        yield out, text, nodes, shallow
 
 
 @settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

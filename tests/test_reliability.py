@@ -81,11 +81,9 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def clean_out(tiny_pattern, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("clean") / "out"
-    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", tiny_pattern, out)
-    assert proc.returncode == 0, proc.stderr
-    return out
+def clean_out(converted) -> Path:
+    """A clean run with CONVERT's options: the session's conversion (in process, the same bytes as the CLI's)."""
+    return converted(arch="sm120", max_file_bytes=1 << 20)
 
 
 # ---------------------------------------------------------------- crashes
