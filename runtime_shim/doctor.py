@@ -421,7 +421,7 @@ def _route_checks(m, arch: str | None, cap: str) -> list[Check]:
     from lucifer_shard.spec.plan import MOE_ROUTES
 
     route = MOE_ROUTES[m.moe_backend]
-    width = m.plan["axes"]["routed"]["kernel_local"]
+    width = m.plan.axes["routed"].kernel_local
     what = f"routed experts {width} wide per rank for vLLM's {m.moe_backend} MoE"
     checks = []
     if arch is not None and arch not in route.arches:

@@ -17,8 +17,9 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from lucifer_shard.spec.config import ARCHITECTURE
 from lucifer_shard.spec.drafts import DRAFT_KINDS, owned_by_runtime
 from lucifer_shard.spec.dtypes import TORCH_DTYPE as TORCH_DTYPES
-from lucifer_shard.spec.layouts import EXPERT_TENSORS, MODEL, layout_by_name
+from lucifer_shard.spec.layouts import EXPERT_TENSORS, layout_by_name
 from lucifer_shard.spec.manifest import file_digest, file_metadata
+from lucifer_shard.spec.manifest_types import FileRecord, RankRecord, TensorRecord
 from lucifer_shard.spec.share import share_problem
 from lucifer_shard.spec.stheader import Header
 
@@ -54,7 +55,7 @@ NEG_INF = float("-inf")
 @dataclass(frozen=True)
 class CheckedRankFile:
     path: Path
-    declared: dict  # the manifest's entry: path, bytes, digest, content
+    declared: FileRecord  # the manifest's entry
     header: Header  # validated: tensors in data order, offsets count from header.data_start
     identity: tuple[int, int]  # (st_dev, st_ino) of the file the header was read from: the data must be its
 
@@ -67,16 +68,15 @@ def _shape(s) -> str:
     return "(" + ",".join(str(int(x)) for x in s) + ")"
 
 
-def _kernel_shape(t: dict, p: torch.Tensor) -> tuple[int, ...] | None:
+def _kernel_shape(t: TensorRecord, p: torch.Tensor) -> tuple[int, ...] | None:
     """The shape the file's kernel layout gives parameter `p` ([experts, rows, cols] in model layout), or None
     for model layout or a shape the layout cannot take. SM90's scale fold makes the 3-D parameter 5-D at the
     same byte count; the bytes then fill the parameter viewed in that shape, and the re-layout wrapper hands
     the kernel that view (wrappers/relayout.py): a reinterpretation, no narrowing."""
-    layout = t.get("layout", MODEL)
-    if layout == MODEL or p.dim() != 3 or not p.is_contiguous():
+    if not t.kernel or p.dim() != 3 or not p.is_contiguous():
         return None
     try:
-        return (int(p.shape[0]), *layout_by_name(layout).kernel_shape((int(p.shape[1]), int(p.shape[2]))))
+        return (int(p.shape[0]), *layout_by_name(t.layout).kernel_shape((int(p.shape[1]), int(p.shape[2]))))
     except ValueError:
         return None
 
@@ -143,14 +143,14 @@ class LuciferTP3Loader(BaseModelLoader):
         targets = {**buffers, **params}
         with torch.no_grad():
             for f in files:
-                digests = self._copy_file(manifest, role, rank, f, entry["tensors"], targets,
+                digests = self._copy_file(manifest, role, rank, f, entry.tensors, targets,
                                           digests=verify == "full")
                 if verify == "full":
                     self._check_digests(f, entry, digests)
         check_watch(seen)  # a convert that ran meanwhile: the bytes may be two outputs' mix
         if verify == "full":
             self._check_zero_regions(entry, targets)
-        self._tag(model, manifest, entry["tensors"], expert_modules)
+        self._tag(model, manifest, entry.tensors, expert_modules)
         self._replay_hooks(model, role)
         logger.info("lucifer_tp3: loaded %d tensors of %s rank %d from %d file(s) (verify=%s)", len(self.loaded),
                     role, rank, len(files), verify)
@@ -246,31 +246,31 @@ class LuciferTP3Loader(BaseModelLoader):
                             f"({kind.vllm_class}); start with --speculative-config '{{\"method\":\"{kind.method}\"}}' "
                             f"(lucifer-shard serve --draft sets it)")
 
-    def _check_files(self, manifest: Manifest, role: str, rank: int, entry: dict,
+    def _check_files(self, manifest: Manifest, role: str, rank: int, entry: RankRecord,
                      identity: bool) -> list[CheckedRankFile]:
         """Every file of the rank: present, its header's tensors exactly the manifest's (names, dtypes,
         shapes); with `identity`, also its size and identity stamp."""
         out = []
-        declared = entry.get("files", [])
+        declared = entry.files
         if not declared:
             raise ShimError(f"rank files missing: {manifest.path} lists no files for {role} rank {rank}; re-run "
                             f"lucifer-shard convert")
         by_file: dict[str, list[str]] = {}
-        for name, t in entry["tensors"].items():
-            by_file.setdefault(t["file"], []).append(name)
+        for name, t in entry.tensors.items():
+            by_file.setdefault(t.file, []).append(name)
         for f in declared:
-            path = manifest.out / f["path"]
-            fd = open_rank_file(manifest.out, f["path"], role, rank)
+            path = manifest.out / f.path
+            fd = open_rank_file(manifest.out, f.path, role, rank)
             try:
                 st = os.fstat(fd)
-                if identity and st.st_size != f["bytes"]:
-                    raise ShimError(f"{path} is {st.st_size} bytes, the manifest says {f['bytes']}; the copy is "
+                if identity and st.st_size != f.bytes:
+                    raise ShimError(f"{path} is {st.st_size} bytes, the manifest says {f.bytes}; the copy is "
                                     f"truncated or from another conversion, re-copy it")
                 header = read_header(path, fd=fd)
             finally:
                 os.close(fd)
             meta = header.metadata
-            want_meta = (file_metadata(manifest.conversion_id, role, rank, 0, manifest.tp_size, f["content"])
+            want_meta = (file_metadata(manifest.conversion_id, role, rank, 0, manifest.tp_size, f.content)
                          if identity else {})
             for k, v in want_meta.items():
                 if k != "lucifer.part" and meta.get(k) != v:  # the part index is the file's name
@@ -279,16 +279,16 @@ class LuciferTP3Loader(BaseModelLoader):
                             }.get(k, "misplaced")
                     raise ShimError(f"{path} metadata {k}={meta.get(k)!r}, manifest expects {v!r}: the file is {what}; "
                                     f"do not mix outputs, re-run lucifer-shard convert into a fresh directory")
-            names = by_file.get(f["path"], [])
+            names = by_file.get(f.path, [])
             if set(header.tensors) != set(names):
                 extra, miss = set(header.tensors) - set(names), set(names) - set(header.tensors)
                 raise ShimError(f"{path} holds tensors the manifest does not list ({_few(extra) or 'none'}) or lacks "
                                 f"listed ones ({_few(miss) or 'none'}); re-run lucifer-shard convert --force")
             for name in names:
-                t, h = entry["tensors"][name], header.tensors[name]
-                if h.dtype != t["dtype"] or list(h.shape) != list(t["shape"]):
+                t, h = entry.tensors[name], header.tensors[name]
+                if h.dtype != t.dtype or tuple(h.shape) != t.shape:
                     raise ShimError(f"{path}: tensor {name} is {h.dtype}{_shape(h.shape)} but the manifest says "
-                                    f"{t['dtype']}{_shape(t['shape'])}; re-run lucifer-shard convert --force")
+                                    f"{t.dtype}{_shape(t.shape)}; re-run lucifer-shard convert --force")
             out.append(CheckedRankFile(path, f, header, (st.st_dev, st.st_ino)))
         return out
 
@@ -304,13 +304,13 @@ class LuciferTP3Loader(BaseModelLoader):
 
     @staticmethod
     def _runtime_owned(manifest: Manifest, role: str, params) -> set[str]:
-        owned = set(manifest.doc.get("runtime_owned", []))
+        owned = set(manifest.doc.runtime_owned or ())
         if role == "draft":
             owned |= owned_by_runtime(manifest.draft_kind, params)
         return owned
 
     def _check_keys(self, manifest, role, rank, entry, params, buffers) -> None:
-        files = set(entry["tensors"])
+        files = set(entry.tensors)
         owned = self._runtime_owned(manifest, role, params)
         want = set(params) - owned
         missing = want - files
@@ -325,28 +325,27 @@ class LuciferTP3Loader(BaseModelLoader):
                             f"model/vLLM build, re-run lucifer-shard convert")
         targets = {**buffers, **params}
         for name in sorted(files):
-            self._check_tensor(name, entry["tensors"][name], targets[name])
+            self._check_tensor(name, entry.tensors[name], targets[name])
 
     @staticmethod
-    def _is_sink(name: str, t: dict) -> bool:
-        return name.endswith("attn_sink") and t.get("pad") == "-inf" and len(t["shape"]) == 1
+    def _is_sink(name: str, t: TensorRecord) -> bool:
+        return name.endswith("attn_sink") and t.pad == "-inf" and len(t.shape) == 1
 
-    def _destination(self, name: str, t: dict, p: torch.Tensor) -> torch.Tensor:
+    def _destination(self, name: str, t: TensorRecord, p: torch.Tensor) -> torch.Tensor:
         """Where the file tensor's bytes go: the parameter; `attn_sink`'s prefix; a kernel-layout tensor whose
         layout reshapes it (SM90's folded scales), the parameter's storage viewed in the file's shape."""
         if self._is_sink(name, t):
-            return p[: int(t["shape"][0])]
-        shape = tuple(int(x) for x in t["shape"])
-        return p if tuple(p.shape) == shape else p.view(shape)
+            return p[: t.shape[0]]
+        return p if tuple(p.shape) == t.shape else p.view(t.shape)
 
-    def _check_tensor(self, name: str, t: dict, p: torch.Tensor) -> None:
-        fdt = TORCH_DTYPES.get(t["dtype"])
-        shape = tuple(int(x) for x in t["shape"])
-        view = t.get("view_as")
+    def _check_tensor(self, name: str, t: TensorRecord, p: torch.Tensor) -> None:
+        fdt = TORCH_DTYPES.get(t.dtype)
+        shape = t.shape
+        view = t.view_as
         if fdt != p.dtype:
             declared = view is not None and TORCH_DTYPES.get(view) == p.dtype
             if not (declared and frozenset((fdt, p.dtype)) in VIEW_PAIRS):
-                raise ShimError(f"dtype mismatch: tensor {name} is {t['dtype']} in the files, param is "
+                raise ShimError(f"dtype mismatch: tensor {name} is {t.dtype} in the files, param is "
                                 f"{dtype_name(p.dtype)}; no casting is performed, re-convert for this vLLM build")
         if self._is_sink(name, t):
             if p.dim() != 1 or p.shape[0] < shape[0]:
@@ -357,25 +356,25 @@ class LuciferTP3Loader(BaseModelLoader):
             raise ShimError(f"shape mismatch: tensor {name} shape {_shape(shape)} != param {_shape(p.shape)}; no "
                             f"narrowing is performed, re-convert for this vLLM build and attention backend")
 
-    def _expert_modules(self, manifest: Manifest, entry: dict, model: nn.Module) -> dict[str, list[str]]:
+    def _expert_modules(self, manifest: Manifest, entry: RankRecord, model: nn.Module) -> dict[str, list[str]]:
         """Prefixes of the MoE modules whose routed experts arrive in kernel layout (expert_layout=kernel).
 
         Only the four routed-expert tensors may carry a kernel layout (w2_weight keeps the model
         layout on sm120/sm100, its bytes are unchanged by the kernel's re-layout); all four must be
         in the files for a tagged module."""
         groups: dict[str, list[str]] = {}
-        for name, t in entry["tensors"].items():
+        for name, t in entry.tensors.items():
             prefix, _, leaf = name.rpartition(".")
             if leaf in EXPERT_TENSORS and ".experts." in f".{name}":
                 groups.setdefault(prefix, []).append(leaf)
-            elif t.get("layout", "model") != "model":
-                raise ShimError(f"{manifest.path}: tensor {name} has layout {t.get('layout')!r}; only the four "
+            elif t.kernel:
+                raise ShimError(f"{manifest.path}: tensor {name} has layout {t.layout!r}; only the four "
                                 f"routed-expert tensors may be in kernel layout, re-run lucifer-shard convert --force")
         if manifest.expert_layout == "model":
             bad = sorted(manifest.kernel_tensors(entry))
             if bad:
                 raise ShimError(f"{manifest.path}: expert_layout is 'model' but {bad[0]} has layout "
-                                f"{entry['tensors'][bad[0]].get('layout')!r}; re-run lucifer-shard convert --force")
+                                f"{entry.tensors[bad[0]].layout!r}; re-run lucifer-shard convert --force")
             return {}
         for prefix, leaves in groups.items():
             if sorted(leaves) != sorted(EXPERT_TENSORS):
@@ -410,7 +409,7 @@ class LuciferTP3Loader(BaseModelLoader):
                     raise ShimError(f"{prefix}: MoE parallel (tp_rank, tp_size, ep_size)={got}, files need "
                                     f"({rank}, {tp}, 1); disable DP/PCP/expert parallel")
 
-    def _copy_file(self, manifest: Manifest, role: str, rank: int, f: CheckedRankFile, tensors: dict,
+    def _copy_file(self, manifest: Manifest, role: str, rank: int, f: CheckedRankFile, tensors: dict[str, TensorRecord],
                    targets: dict, digests: bool) -> dict[str, str]:
         """Read every tensor of `f` straight into its parameter (`attn_sink`: into the prefix, whose
         backend-padded rest must be -inf), from the very file whose header was checked; the tensors'
@@ -420,7 +419,7 @@ class LuciferTP3Loader(BaseModelLoader):
             dst = self._destination(name, tensors[name], targets[name].data)
             # the span is dtype x shape (stheader), = the manifest's (_check_files), = the parameter's
             reads.append(reader.TensorRead(name, f.header.data_start + h.start, dst))
-        fd = open_rank_file(manifest.out, f.declared["path"], role, rank)
+        fd = open_rank_file(manifest.out, f.declared.path, role, rank)
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != f.identity:
@@ -432,7 +431,7 @@ class LuciferTP3Loader(BaseModelLoader):
         for name in f.header.tensors:
             t, p = tensors[name], targets[name].data
             if self._is_sink(name, t):
-                n = int(t["shape"][0])
+                n = t.shape[0]
                 tail = p[n:]
                 if tail.numel() and not bool(torch.all(tail == NEG_INF)):
                     raise ShimError(f"{name}: param entries [{n}:{p.shape[0]}) are not -inf after loading the "
@@ -441,45 +440,44 @@ class LuciferTP3Loader(BaseModelLoader):
             self.loaded[name] = str(f.path)
         return got
 
-    def _tag(self, model: nn.Module, manifest: Manifest, entry_tensors: dict, groups: dict[str, list[str]]) -> None:
-        layouts = {k: v.get("name", k) if isinstance(v, dict) else str(v)
-                   for k, v in (manifest.doc.get("layouts") or {}).items()}
+    def _tag(self, model: nn.Module, manifest: Manifest, entry_tensors: dict[str, TensorRecord],
+             groups: dict[str, list[str]]) -> None:
+        layouts = {k: v.name for k, v in manifest.doc.layouts.items()}
         for prefix in groups:
             module = model.get_submodule(prefix)
             tag = patches.ExpertTag(prefix=prefix, moe_variant=manifest.moe_variant, layout=layouts)
             tag.data_ptrs = {n: getattr(module, n).data_ptr() for n in EXPERT_TENSORS}
-            tag.shapes = {n: tuple(int(x) for x in entry_tensors[f"{prefix}.{n}"]["shape"]) for n in EXPERT_TENSORS}
+            tag.shapes = {n: entry_tensors[f"{prefix}.{n}"].shape for n in EXPERT_TENSORS}
             setattr(module, patches.TAG_ATTR, tag)
             self.tags[prefix] = tag
 
     @staticmethod
-    def _check_digests(f: CheckedRankFile, entry: dict, digests: dict[str, str]) -> None:
+    def _check_digests(f: CheckedRankFile, entry: RankRecord, digests: dict[str, str]) -> None:
         """verify=full: each tensor's BLAKE3 (computed while reading) and the file's digest over its header
         and those (`lucifer_shard.spec.manifest.file_digest`, as lucifer-shard writes them) against the manifest."""
         for name, got in digests.items():
-            want = str(entry["tensors"][name].get("digest", "")).removeprefix("blake3:")
-            if want and got != want:
+            want = entry.tensors[name].digest.removeprefix("blake3:")
+            if got != want:
                 raise ShimError(f"verify=full: loaded {name} digest {got[:16]}... != manifest {want[:16]}...; "
                                 f"the rank file {f.path} is corrupt or tampered with, re-run lucifer-shard convert")
         got_file = file_digest(f.header.block, [digests[name] for name in f.header.tensors])  # data order
-        want_file = str(f.declared.get("digest", "")).removeprefix("blake3:")
-        if want_file and got_file != want_file:
+        want_file = f.declared.digest.removeprefix("blake3:")
+        if got_file != want_file:
             raise ShimError(f"verify=full: {f.path} digest {got_file[:16]}... != manifest {want_file[:16]}...; "
                             f"the file header differs from the conversion, re-copy it or re-run lucifer-shard convert")
 
-    def _check_zero_regions(self, entry: dict, targets: dict) -> None:
+    def _check_zero_regions(self, entry: RankRecord, targets: dict) -> None:
         """verify=full: every pad region of a model-layout tensor is zero (-inf for `attn_sink`)."""
-        for name, t in entry["tensors"].items():
-            regions = t.get("zero_regions") or []
-            if not regions or t.get("layout", "model") != "model":
+        for name, t in entry.tensors.items():
+            if not t.zero_regions or t.kernel:
                 continue  # kernel-layout tensors: covered by their digests
             p = targets[name].data
             if self._is_sink(name, t):
-                p = p[: int(t["shape"][0])]
-            offset = 1 if t.get("experts") else 0
-            want_inf = t.get("pad") == "-inf"
-            for dim, start, end in regions:
-                region = p.narrow(int(dim) + offset, int(start), int(end) - int(start))
+                p = p[: t.shape[0]]
+            offset = 1 if t.stacked else 0
+            want_inf = t.pad == "-inf"
+            for dim, start, end in t.zero_regions:
+                region = p.narrow(dim + offset, start, end - start)
                 ok = bool(torch.all(region == NEG_INF)) if want_inf else not bool(torch.any(self._u8(region)))
                 if not ok:
                     raise ShimError(f"verify=full: {name} pad region dim {dim} [{start}:{end}) is not "

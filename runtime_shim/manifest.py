@@ -2,24 +2,24 @@
 
 The output contract (manifest format and self-digest, file identity metadata, safetensors
 headers, roles, the virtual-TP plan) is the converter's: this module reads it through
-`lucifer_shard.spec.manifest`, `.stheader`, `.plan` and `.rules` and only turns their errors into the
-shim's one-line `ShimError`. Imports neither vLLM nor torch.
+`lucifer_shard.spec.manifest_types` (the typed manifest), `.stheader`, `.plan` and `.rules` and only turns
+their errors into the shim's one-line `ShimError`. Imports neither vLLM nor torch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from lucifer_shard.errors import OutputError, PlanError
 from lucifer_shard.guarded_io import Refused, Tree
 from lucifer_shard.spec.config import MTP, ModelConfig
 from lucifer_shard.spec.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, complete_problem
-from lucifer_shard.spec.manifest import load_manifest as _load_manifest_doc
+from lucifer_shard.spec.manifest_types import Manifest as Recorded
+from lucifer_shard.spec.manifest_types import PlanRecord, RankRecord, TensorRecord
 from lucifer_shard.spec.outlock import writer_of
 from lucifer_shard.spec.outwatch import ReadWatch
 from lucifer_shard.spec.arches import MOE_VARIANT
-from lucifer_shard.spec.plan import make_plan, stock_padded
+from lucifer_shard.spec.plan import Axis, Plan, make_plan, stock_padded
 from lucifer_shard.spec.rules import ROLES
 from lucifer_shard.spec.stheader import Header, HeaderError
 from lucifer_shard.spec.stheader import read_header as _read_header
@@ -39,8 +39,11 @@ PLAN_AXES = {
 
 @dataclass
 class Manifest:
+    """An output directory and its manifest (`lucifer_shard.spec.manifest_types.Manifest`), as the
+    loader, doctor and serve ask it."""
+
     out: Path
-    doc: dict[str, Any]
+    doc: Recorded
 
     @property
     def path(self) -> Path:
@@ -48,73 +51,71 @@ class Manifest:
 
     @property
     def conversion_id(self) -> str:
-        return str(self.doc["conversion_id"])
+        return self.doc.conversion_id
 
     @property
     def tp_size(self) -> int:
-        return int(self.doc["tp_size"])
+        return self.doc.tp_size
 
     @property
-    def plan(self) -> dict:
-        return self.doc["plan"]
+    def plan(self) -> PlanRecord:
+        return self.doc.plan
 
     @property
     def arch(self) -> str | None:
         """The GPU family the files are laid out for; None (converted without --arch, experts in model
         layout): any family, whose backends serve picks on the serving host."""
-        arch = self.doc.get("arch")
-        return None if arch is None else str(arch)
+        return self.doc.arch
 
     @property
     def moe_variant(self) -> str | None:
         """The MoE kernel the experts are laid out for; None for model layout without an arch."""
-        variant = self.doc.get("moe_variant")
-        return None if variant is None else str(variant)
+        return self.doc.moe_variant
 
     @property
     def expert_layout(self) -> str:
-        return str(self.doc.get("expert_layout", "model"))
+        return self.doc.expert_layout
 
     @property
     def moe_backend(self) -> str | None:
         """The MoE route the routed width was planned for (`Options.moe_backend`, spec/plan.MOE_ROUTES): "b12x",
         or None for the default (the width every backend that rounds to 128 takes)."""
-        backend = (self.doc.get("options") or {}).get("moe_backend")
-        return None if backend is None else str(backend)
+        return self.doc.options.moe_backend
 
     @property
     def draft_kind(self) -> str | None:
         """What OUT/draft holds (spec/drafts.DRAFT_KINDS), None without a draft; MTP for a manifest
         written before the record existed."""
-        if "draft" not in self.doc.get("roles", {}):
+        if "draft" not in self.doc.roles:
             return None
-        return str((self.doc.get("draft") or {}).get("kind", MTP))
+        return self.doc.draft.kind if self.doc.draft is not None else MTP
 
     @property
     def draft_tokens(self) -> int:
-        return int((self.doc.get("draft") or {}).get("tokens", 1))
+        return self.doc.draft.tokens if self.doc.draft is not None else 1
 
     @property
     def roles(self) -> tuple[str, ...]:
-        return tuple(r for r in ROLES if r in self.doc.get("roles", {}))
+        return tuple(r for r in ROLES if r in self.doc.roles)
 
     def needs_virtual_tp(self) -> bool:
         return pads_virtually(self.plan)
 
-    def rank_entry(self, role: str, rank: int) -> dict:
-        roles = self.doc.get("roles", {})
+    def rank_entry(self, role: str, rank: int) -> RankRecord:
+        roles = self.doc.roles
         if role not in roles:
             have = ", ".join(roles) or "none"
             hint = " (converted with --no-mtp: start vLLM without a speculative config)" if role == "draft" else ""
             raise ShimError(f"{self.path} has no {role!r} role (roles: {have}){hint}")
-        for entry in roles[role].get("ranks", []):
-            if int(entry["rank"]) == rank:
-                return entry
-        raise ShimError(f"rank files missing: {self.path} lists no {role} files for rank {rank} of tp_size "
-                        f"{self.tp_size}; re-run lucifer-shard convert (or verify) on {self.out}")
+        entry = self.doc.rank(role, rank)
+        if entry is None:
+            raise ShimError(f"rank files missing: {self.path} lists no {role} files for rank {rank} of tp_size "
+                            f"{self.tp_size}; re-run lucifer-shard convert (or verify) on {self.out}")
+        return entry
 
-    def kernel_tensors(self, entry: dict) -> dict[str, dict]:
-        return {n: t for n, t in entry["tensors"].items() if t.get("layout", "model") != "model"}
+    @staticmethod
+    def kernel_tensors(entry: RankRecord) -> dict[str, TensorRecord]:
+        return {n: t for n, t in entry.tensors.items() if t.kernel}
 
 
 def load_manifest(out: str | Path, require_complete: bool = True, check_digest: bool = True) -> Manifest:
@@ -129,7 +130,7 @@ def load_manifest(out: str | Path, require_complete: bool = True, check_digest: 
     if writer is not None:
         raise ShimError(f"{out} is being written by lucifer-shard convert ({writer}); start vLLM when it has finished")
     try:
-        doc = _load_manifest_doc(out, check_digest=check_digest)
+        doc = Recorded.load(out, check_digest=check_digest)
     except OutputError as e:
         if not path.exists():
             raise ShimError(f"{path} not found: {out} is not a lucifer-shard output; run lucifer-shard convert, or "
@@ -137,7 +138,7 @@ def load_manifest(out: str | Path, require_complete: bool = True, check_digest: 
         hint = ("; use the lucifer-shard version that wrote it"
                 if f"expected {FORMAT!r} v{FORMAT_VERSION}" in str(e) else "")
         raise ShimError(f"{e}{hint}") from None
-    problem = complete_problem(out, doc["conversion_id"]) if require_complete else None
+    problem = complete_problem(out, doc.conversion_id) if require_complete else None
     if problem:
         raise ShimError(f"{out}: {problem}")
     m = Manifest(out, doc)
@@ -186,18 +187,18 @@ def check_watch(w: ReadWatch) -> None:
 # ---------------------------------------------------------------------------- virtual-TP plan
 
 
-def compare_plan(runtime_plan: dict | None, manifest_plan: dict) -> str | None:
+def compare_plan(runtime_plan: dict | None, manifest_plan: PlanRecord | Plan) -> str | None:
     """None when vLLM's live plan equals the manifest's; otherwise a one-line difference."""
-    axes = manifest_plan["axes"]
-    tp = int(manifest_plan["tp"])
+    axes = manifest_plan.axes
+    tp = manifest_plan.tp
     if runtime_plan is None:
-        padded = [n for n in PLAN_AXES if n in axes and axis_pads(n, axes[n])]
+        padded = [n for n in PLAN_AXES if n in axes and axis_pads(axes[n])]
         if padded:
             name, a = padded[0], axes[padded[0]]
-            stock = stock_padded(name, int(a["original"]))
-            alone = f" (vLLM alone pads it to {stock})" if stock != int(a["original"]) else ""
+            stock = stock_padded(a.name, a.original)
+            alone = f" (vLLM alone pads it to {stock})" if stock != a.original else ""
             return (f"virtual-TP plan missing at runtime, but the files pad axis {PLAN_AXES[name]} "
-                    f"{a['original']} -> {a['padded']}{alone}")
+                    f"{a.original} -> {a.padded}{alone}")
         return None
     for name, key in PLAN_AXES.items():
         if name not in axes:
@@ -205,28 +206,29 @@ def compare_plan(runtime_plan: dict | None, manifest_plan: dict) -> str | None:
         want = axes[name]
         got = runtime_plan.get(key)
         if got is None:
-            if name in ("groups", "shared") and not axis_pads(name, want):
+            if name in ("groups", "shared") and not axis_pads(want):
                 continue
-            return f"virtual-TP plan mismatch: runtime plan has no axis {key} (manifest {want['original']} -> {want['padded']})"
+            return f"virtual-TP plan mismatch: runtime plan has no axis {key} (manifest {want.original} -> {want.padded})"
         for mk, rk in (("original", "original_size"), ("padded", "padded_size"), ("local", "local_size")):
-            if int(got.get(rk, -1)) != int(want[mk]):
-                return (f"virtual-TP plan mismatch on axis {key} (runtime {rk} {got.get(rk)}, manifest {want[mk]})")
+            if int(got.get(rk, -1)) != getattr(want, mk):
+                return (f"virtual-TP plan mismatch on axis {key} (runtime {rk} {got.get(rk)}, manifest "
+                        f"{getattr(want, mk)})")
         if "tp_size" in got and int(got["tp_size"]) != tp:
             return f"virtual-TP plan mismatch on axis {key} (runtime tp_size {got['tp_size']}, manifest {tp})"
     return None
 
 
-def axis_pads(name: str, axis: dict) -> bool:
-    """Whether axis `name` of a plan dict is padded by virtual TP: beyond what vLLM pads it to by
-    itself (`lucifer_shard.spec.plan.stock_padded`: the vocabulary to a multiple of 64)."""
-    return int(axis["padded"]) != stock_padded(name, int(axis["original"]))
+def axis_pads(axis: Axis) -> bool:
+    """Whether an axis is padded by virtual TP: beyond what vLLM pads it to by itself
+    (`lucifer_shard.spec.plan.stock_padded`: the vocabulary to a multiple of 64)."""
+    return axis.padded != stock_padded(axis.name, axis.original)
 
 
-def pads_virtually(plan: dict) -> bool:
-    """Whether a plan dict (`Plan.to_dict()`, the manifest's `plan`) pads any axis the way only vLLM's
-    virtual TP does. Not `Plan.pads`: that also counts the FlashInfer kernel's rounding of the
-    routed width (`kernel_local`) and vLLM's own vocabulary padding, neither of which is virtual TP."""
-    return any(axis_pads(n, a) for n, a in plan["axes"].items())
+def pads_virtually(plan: PlanRecord | Plan) -> bool:
+    """Whether a plan (the manifest's, or `make_plan`'s) pads any axis the way only vLLM's virtual TP
+    does. Not `Plan.pads`: that also counts the FlashInfer kernel's rounding of the routed width
+    (`kernel_local`) and vLLM's own vocabulary padding, neither of which is virtual TP."""
+    return any(axis_pads(a) for a in plan.axes.values())
 
 
 def virtual_tp_needed(cfg: ModelConfig, tp: int) -> bool:
@@ -237,4 +239,4 @@ def virtual_tp_needed(cfg: ModelConfig, tp: int) -> bool:
         # a TP size the virtual-TP plan cannot serve (outside 1..8, or heads that do not fill whole
         # output groups) is not a plain split either
         return tp > 0
-    return pads_virtually(plan.to_dict())
+    return pads_virtually(plan)

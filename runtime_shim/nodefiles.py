@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from lucifer_shard.errors import LuciferError
 from lucifer_shard.proof.report import REPAIR, Report
-from lucifer_shard.proof.structure import SHARE_KEY, open_files
+from lucifer_shard.proof.structure import open_files
 from lucifer_shard.spec.share import describe, node_problem, read_share
 
 from .checks import FAIL, INFO, OK, Check, out_check
@@ -56,7 +56,7 @@ def rank_files_check(m: Manifest, node_ranks: list[int] | None) -> Check:
     ranks = [r for r in (range(m.tp_size) if node_ranks is None else node_ranks)
              if share is None or r in share["ranks"]]
     report = Report("doctor")
-    files = open_files(report, m.out, {**m.doc, SHARE_KEY: ranks})
+    files = open_files(report, m.out, m.doc, ranks)
     for rf in files.values():
         rf.close()
     where = f"rank(s) {', '.join(map(str, ranks))}"

@@ -47,17 +47,17 @@ def padding(manifest: Manifest) -> dict[str, Any]:
     builds the shared expert from the same field: 768 per rank at TP3 either way on the NVIDIA class
     (`block_shared_local`); the CPU class splits it unpadded, which only the default route matches (the b12x
     route is refused there by its MoE backend, `stock_problems`)."""
-    axes, tp = manifest.plan["axes"], manifest.tp_size
+    axes, tp = manifest.plan.axes, manifest.tp_size
     routed, shared = axes["routed"], axes.get("shared")
-    width = int(routed["kernel_local"]) * tp
-    if shared is not None and int(shared["local"]) not in (int(routed["kernel_local"]), block_shared_local(width, tp)):
-        raise ShimError(f"{manifest.path}: routed experts are {routed['kernel_local']} and shared experts "
-                        f"{shared['local']} wide per rank; stock vLLM sizes both from moe_intermediate_size "
+    width = routed.kernel_local * tp
+    if shared is not None and shared.local not in (routed.kernel_local, block_shared_local(width, tp)):
+        raise ShimError(f"{manifest.path}: routed experts are {routed.kernel_local} and shared experts "
+                        f"{shared.local} wide per rank; stock vLLM sizes both from moe_intermediate_size "
                         f"({width} gives shared experts {block_shared_local(width, tp)} per rank); serve this "
                         f"output on a vetted mlow/vllm build")
-    padded = {"heads": int(axes["heads"]["padded"]), "groups": int(axes["groups"]["padded"]), "routed": width}
-    return {"sizes": {CONFIG_KEYS[a]: (int(axes[a]["original"]), padded[a]) for a in CONFIG_KEYS},
-            "vocab": (int(axes["vocab"]["original"]), int(axes["vocab"]["padded"])), "tp": tp}
+    padded = {"heads": axes["heads"].padded, "groups": axes["groups"].padded, "routed": width}
+    return {"sizes": {CONFIG_KEYS[a]: (axes[a].original, padded[a]) for a in CONFIG_KEYS},
+            "vocab": (axes["vocab"].original, axes["vocab"].padded), "tp": tp}
 
 
 def pad_config(hf_config, padding: dict[str, Any]):
@@ -122,7 +122,7 @@ def stock_problems(vllm_config, manifest: Manifest) -> list[str]:
             problems.append(f"{role}: {diff} (this vLLM did not apply the plugin's hf_overrides to it)")
     moe = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)
     if manifest.moe_backend is not None and moe not in MOE_ROUTES[manifest.moe_backend].backends:
-        routed = manifest.plan["axes"]["routed"]["kernel_local"]
+        routed = manifest.plan.axes["routed"].kernel_local
         problems.append(f"the routed experts are {routed} wide per rank for vLLM's {manifest.moe_backend} MoE, which "
                         f"MoE backend {moe!r} would round to another width (pass --moe-backend {manifest.moe_backend}, "
                         f"as lucifer-shard serve does, or re-convert without --moe-backend {manifest.moe_backend})")

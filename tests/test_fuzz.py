@@ -49,7 +49,7 @@ from lucifer_shard.proof.structure import open_files
 from lucifer_shard.proof.verify import verify
 from lucifer_shard.runtime_shim.errors import ShimError
 from lucifer_shard.runtime_shim.manifest import read_header as shim_read_header
-from lucifer_shard.spec.manifest import load_manifest
+from lucifer_shard.spec.manifest_types import Manifest
 from lucifer_shard.spec.source import INDEX_NAME, open_checkpoint
 from lucifer_shard.spec.stheader import HeaderError, read_header
 
@@ -258,9 +258,9 @@ def rank_files(out: Path) -> list[str]:
     return [str(p.relative_to(out)) for p in files[:6]]
 
 
-def check_rank_file(out: Path, manifest: dict, rel: str, kind: str) -> None:
+def check_rank_file(out: Path, manifest: Manifest, rel: str, kind: str) -> None:
     report = Report("verify", 100)
-    files = bounded(open_files, report, out, manifest)
+    files = bounded(open_files, report, out, manifest, None)
     for rf in files.values():
         rf.close()
     if report.ok:  # accepted: the library reads it exactly as the reader does
@@ -275,7 +275,7 @@ def check_rank_file(out: Path, manifest: dict, rel: str, kind: str) -> None:
 def _rank_case(out_copy, tmp_path, fuzz, full: bool):
     out = tmp_path / "out"
     shutil.copytree(out_copy, out, copy_function=os.link)
-    manifest = load_manifest(out)
+    manifest = Manifest.load(out)
     names = rank_files(out)
     originals = {n: (out / n).read_bytes() for n in names}
 
@@ -312,7 +312,7 @@ def check_whole(out: Path, rel: str, kind: str, changed: bool) -> None:
 
 
 def out_source(out: Path) -> Path:
-    return Path(load_manifest(out)["source"]["path"])
+    return Path(Manifest.load(out).source.path)
 
 
 @SIZE

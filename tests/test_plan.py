@@ -147,18 +147,14 @@ def test_every_logical_element_has_exactly_one_home(flash_cfg, tp):
 
 # ------------------------------------------- vLLM's own vocabulary padding is not virtual TP
 
-def _plan_dict(cfg, tp):
-    return make_plan(cfg, tp).to_dict()
-
-
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_vocab_pad_to_64_is_vllms_own_not_virtual_tp(tiny_cfg, tp):
     """tiny's vocabulary 1000 -> 1024 at these sizes is what vLLM's VocabParallelEmbedding pads
     to by itself (a multiple of 64); a vLLM without a virtual-TP plan loads it (issue 13)."""
     from lucifer_shard.runtime_shim.manifest import compare_plan, pads_virtually
 
-    plan = _plan_dict(tiny_cfg, tp)
-    assert plan["axes"]["vocab"]["padded"] == 1024 == stock_padded("vocab", 1000)
+    plan = make_plan(tiny_cfg, tp)
+    assert plan.vocab.padded == 1024 == stock_padded("vocab", 1000)
     assert not pads_virtually(plan) and compare_plan(None, plan) is None
 
 
@@ -171,8 +167,8 @@ def test_virtual_vocab_pad_still_needs_the_plan(tiny_cfg):
     from lucifer_shard.runtime_shim.manifest import compare_plan, pads_virtually
 
     cfg = replace(tiny_cfg, num_heads=48, o_groups=6, moe_intermediate=2304)
-    plan = _plan_dict(cfg, 3)
-    assert [n for n, a in plan["axes"].items() if a["padded"] != a["original"]] == ["vocab"]
+    plan = make_plan(cfg, 3)
+    assert [n for n, a in plan.axes.items() if a.padded != a.original] == ["vocab"]
     assert pads_virtually(plan)
     assert compare_plan(None, plan) == ("virtual-TP plan missing at runtime, but the files pad axis vocab_size "
                                         "1000 -> 1152 (vLLM alone pads it to 1024)")
@@ -182,5 +178,5 @@ def test_flash_vocab_is_a_multiple_of_64(flash_cfg):
     from lucifer_shard.runtime_shim.manifest import compare_plan
 
     assert stock_padded("vocab", flash_cfg.vocab_size) == 129280
-    assert compare_plan(None, _plan_dict(flash_cfg, 3)).endswith("attention_heads 64 -> 72")
-    assert all(compare_plan(None, _plan_dict(flash_cfg, tp)) is None for tp in (1, 2, 4, 8))
+    assert compare_plan(None, make_plan(flash_cfg, 3)).endswith("attention_heads 64 -> 72")
+    assert all(compare_plan(None, make_plan(flash_cfg, tp)) is None for tp in (1, 2, 4, 8))

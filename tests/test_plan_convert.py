@@ -18,7 +18,8 @@ from click.testing import CliRunner
 from helpers import CONFIGS, rank_tensors
 from lucifer_shard.cli import cli
 from lucifer_shard.errors import OutputError
-from lucifer_shard.spec.manifest import FLASHINFER_VERSIONS, MANIFEST_NAME, load_manifest, manifest_text, parse_manifest
+from lucifer_shard.spec.manifest import FLASHINFER_VERSIONS, MANIFEST_NAME, manifest_text, parse_manifest
+from lucifer_shard.spec.manifest_types import Manifest
 from lucifer_shard.units import parse_size
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,9 +95,9 @@ def test_revision_is_recorded_and_diff_finds_it_again(tiny_pattern, tmp_path):
     r = cli_subprocess("convert", "-q", "--tp", "3", "--expert-layout", "model", "--revision", "main", "org/tiny",
                        str(out), env={"HF_HUB_CACHE": str(tmp_path / "hub")})
     assert r.returncode == 0, r.stderr
-    source = load_manifest(out)["source"]
-    assert source["repo"] == "org/tiny" and source["revision"] == SHA
-    assert source["path"] == str(tmp_path / "hub" / "models--org--tiny" / "snapshots" / SHA)
+    source = Manifest.load(out).source
+    assert source.repo == "org/tiny" and source.revision == SHA
+    assert source.path == str(tmp_path / "hub" / "models--org--tiny" / "snapshots" / SHA)
     (tmp_path / "hub").rename(tmp_path / "moved")
     r = cli_subprocess("diff", "-q", str(out), env={"HF_HUB_CACHE": str(tmp_path / "moved")})
     assert r.returncode == 0, r.stdout + r.stderr
@@ -106,8 +107,8 @@ def test_revision_is_recorded_and_diff_finds_it_again(tiny_pattern, tmp_path):
 
 
 def test_local_conversions_record_no_repo(converted):
-    source = load_manifest(converted())["source"]
-    assert source["repo"] is None and source["revision"] is None
+    source = Manifest.load(converted()).source
+    assert source.repo is None and source.revision is None
 
 
 @pytest.mark.parametrize("spelling", ["-tp", "--tensor-parallel-size"])
@@ -208,9 +209,9 @@ def test_model_layout_needs_no_arch(tiny_pattern, tmp_path):
     out = tmp_path / "out"
     r = run("convert", "--tp", 3, "--expert-layout", "model", tiny_pattern, out)
     assert r.exit_code == 0, r.output
-    m = load_manifest(out)
-    assert m["arch"] is None and m["options"]["arch"] is None and m["moe_variant"] is None
-    assert m["runtime"]["flashinfer"] == "not required"
+    m = Manifest.load(out)
+    assert m.arch is None and m.options.arch is None and m.moe_variant is None
+    assert m.runtime["flashinfer"] == "not required"
     assert run("verify", out).exit_code == 0 and run("diff", out).exit_code == 0
     assert "any arch (model layout" in run("plan", "--tp", 3, "--expert-layout", "model", tiny_pattern).output
 
@@ -236,7 +237,7 @@ def test_model_layout_files_are_the_same_for_every_arch(converted):
     ({"arch": "sm90", "expert_layout": "model"}, "not required"),
 ])
 def test_runtime_flashinfer_follows_the_layout(kw, flashinfer, converted):
-    assert load_manifest(converted(**kw))["runtime"]["flashinfer"] == flashinfer
+    assert Manifest.load(converted(**kw)).runtime["flashinfer"] == flashinfer
 
 
 @pytest.mark.parametrize("kw,backends,forks", [
@@ -249,7 +250,7 @@ def test_runtime_names_the_builds_and_backends_that_serve_the_output(kw, backend
     """The manifest's runtime record says what really serves each output: a vetted stock vLLM with the plugin
     for every arch and layout (sm90 kernel layout with FlashInfer's MoE), the mlow/vllm builds only where
     their SM12x policy reaches."""
-    rt = load_manifest(converted(**kw))["runtime"]
+    rt = Manifest.load(converted(**kw)).runtime
     assert (rt["attention_backend"], rt["moe_backend"]) == backends
     assert rt["vllm_line"].startswith("stock vLLM (a vetted release: lucifer-shard doctor) with the plugin's virtual TP") and ("mlow/vllm" in rt["vllm_line"]) == forks
 
@@ -264,7 +265,7 @@ def test_flashinfer_generations_are_one_statement():
 
 
 def test_a_manifest_with_no_arch_but_kernel_layout_is_refused(converted):
-    doc = load_manifest(converted(expert_layout="model", arch=None))
+    doc = Manifest.load(converted(expert_layout="model", arch=None)).to_dict()
     edited = {**doc, "expert_layout": "kernel"}
     with pytest.raises(OutputError, match="arch is null .* but the experts are in kernel layout"):
         parse_manifest(manifest_text({k: v for k, v in edited.items() if k != "manifest_digest"}).encode(), "m")

@@ -17,9 +17,9 @@ from ..errors import MismatchError, OutputError
 from ..proof.report import Report
 from ..proof.structure import open_files, read_manifest
 from ..spec.share import describe, read_share
-from ..spec.manifest import MANIFEST_NAME, complete_problem, digest_ok, parse_manifest, read_manifest_bytes
+from ..spec.manifest import MANIFEST_NAME, complete_problem, read_manifest_bytes
+from ..spec.manifest_types import Manifest
 from ..spec.outwatch import ReadWatch
-from ..spec.rules import DTYPE_SIZE
 from ..units import size
 from .argorder import refuse_swapped
 from .console import Console, conventions
@@ -58,8 +58,8 @@ def structure(out: Path, command: str) -> Report:
     id, COMPLETE, every listed rank file present with its identity stamp, header and size. Findings are
     the report's (damage: exit 1); OutputError when OUT holds no output at all (exit 2)."""
     report = Report(command)
-    manifest = read_manifest(report, out_dir(out))
-    for rf in open_files(report, out, manifest).values():
+    manifest, held = read_manifest(report, out_dir(out))
+    for rf in open_files(report, out, manifest, held).values():
         rf.close()
     return report
 
@@ -174,65 +174,40 @@ def share_line(share: dict) -> str:
 
 def summarize(out: Path) -> dict:
     out = out_dir(out)
-    m = parse_manifest(read_manifest_bytes(out), out / MANIFEST_NAME)
+    m = Manifest.parse(read_manifest_bytes(out), out / MANIFEST_NAME)
     try:
-        share = read_share(out, m.get("conversion_id"), m.get("tp_size"))
+        share = read_share(out, m.conversion_id, m.tp_size)
         held = share["ranks"] if share is not None else None
     except OutputError:  # structure's finding (exit 1 after the summary): no rank counts as the share's
         share, held = None, []
-    roles = {}
-    for role, rdoc in (m.get("roles") or {}).items():
-        ranks = []
-        for entry in rdoc.get("ranks") or []:
-            if held is not None and entry.get("rank") not in held:
-                continue
-            tensors = entry.get("tensors") or {}
-            data = pad = 0
-            for info in tensors.values():
-                item = DTYPE_SIZE.get(info.get("dtype"), 1)
-                mshape = list(info.get("model_shape") or [])
-                n = item
-                for d in mshape:
-                    n *= d
-                data += n
-                matrix = mshape[1:] if info.get("experts") else mshape
-                per = item * (info.get("experts") or 1)
-                for dim, lo, hi in info.get("zero_regions") or []:
-                    k = per * (hi - lo)
-                    for d, extent in enumerate(matrix):
-                        if d != dim:
-                            k *= extent
-                    pad += k
-            files = entry.get("files") or []
-            ranks.append({"rank": entry.get("rank"), "files": len(files),
-                          "bytes": sum(f.get("bytes", 0) for f in files), "tensors": len(tensors),
-                          "tensor_bytes": data, "padding_bytes": pad,
-                          "paths": [f.get("path") for f in files]})
-        roles[role] = ranks
-    src = m.get("source") or {}
+    roles = {role: [{"rank": e.rank, "files": len(e.files), "bytes": sum(f.bytes for f in e.files),
+                     "tensors": len(e.tensors), "tensor_bytes": sum(t.model_bytes for t in e.tensors.values()),
+                     "padding_bytes": sum(t.padding_bytes for t in e.tensors.values()),
+                     "paths": [f.path for f in e.files]}
+                    for e in ranks if held is None or e.rank in held]
+             for role, ranks in m.roles.items()}
+    src = m.source
     return {
         "out": str(out),
         "share": share,
-        "complete": complete_problem(out, m["conversion_id"]) is None,
-        "manifest_digest_ok": digest_ok(m),
-        "conversion_id": m.get("conversion_id"),
-        "tool_version": m.get("tool_version"),
-        "format_version": m.get("format_version"),
-        "source": {"path": src.get("path"), "fingerprint": src.get("fingerprint"),
-                   "content": (src.get("content") or {}).get("digest"),
-                   "content_tensors": (src.get("content") or {}).get("tensors"),
-                   "files": len(src.get("files") or {}), "bytes": sum((src.get("files") or {}).values())},
-        "tp_size": m.get("tp_size"),
-        "plan": m.get("plan"),
-        "options": m.get("options"),
-        "arch": m.get("arch"),
-        "moe_variant": m.get("moe_variant"),
-        "expert_layout": m.get("expert_layout"),
-        "flashinfer_layout": m.get("flashinfer_layout"),
-        "layouts": {t: v.get("name") for t, v in (m.get("layouts") or {}).items()},
-        "layout_version": m.get("layout_version"),
-        "runtime": m.get("runtime"),
-        "dropped": len(m.get("dropped") or {}),
+        "complete": complete_problem(out, m.conversion_id) is None,
+        "manifest_digest_ok": m.sealed,
+        "conversion_id": m.conversion_id,
+        "tool_version": m.tool_version,
+        "format_version": m.format_version,
+        "source": {"path": src.path, "fingerprint": src.fingerprint, "content": src.content.digest,
+                   "content_tensors": src.content.tensors, "files": len(src.files), "bytes": sum(src.files.values())},
+        "tp_size": m.tp_size,
+        "plan": m.plan.to_dict(),
+        "options": m.options.to_dict(),
+        "arch": m.arch,
+        "moe_variant": m.moe_variant,
+        "expert_layout": m.expert_layout,
+        "flashinfer_layout": m.flashinfer_layout,
+        "layouts": {t: v.name for t, v in m.layouts.items()},
+        "layout_version": m.layout_version,
+        "runtime": m.runtime,
+        "dropped": len(m.dropped),
         "roles": roles,
     }
 

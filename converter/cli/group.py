@@ -403,7 +403,7 @@ def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_ran
       lucifer-shard stage out/ node1/ --nnodes 3 --node-rank 1
     """
     from ..engine.stage import stage as run
-    from ..spec.manifest import load_manifest
+    from ..spec.manifest_types import Manifest
     from ..spec.share import node_ranks, parse_ranks
 
     if (nnodes is None) != (node_rank is None):
@@ -414,7 +414,7 @@ def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_ran
         from ..errors import OutputError
 
         raise OutputError(f"{out}: no such output directory")
-    tp = load_manifest(out)["tp_size"]
+    tp = Manifest.load(out).tp_size
     chosen = parse_ranks(ranks, tp) if ranks is not None else node_ranks(tp, nnodes, node_rank)
     summary = run(out, dest, chosen, nnodes, node_rank)
     serve = (f"lucifer-shard serve {dest} --nnodes {nnodes} --node-rank {node_rank} --master-addr HOST"

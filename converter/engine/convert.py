@@ -21,6 +21,7 @@ from pathlib import Path
 from ..errors import OutputError, SourceError, fault
 from ..guarded_io import Tree
 from ..spec.manifest import COMPLETE_NAME, Options, complete_problem, part_path, rank_dir
+from ..spec.manifest_types import Manifest
 from ..spec.outlock import OutLock, describe
 from ..spec.plan import padding_only
 from ..spec.source import side_files
@@ -84,7 +85,7 @@ def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) 
     return kept
 
 
-def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dict], workers: int,
+def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str, dict], workers: int,
                    progress: bool) -> Summary:
     """--resume on an output whose manifest is this job's: re-check every file against it and write
     again, from the source, only what fails (`repair`). COMPLETE goes first and comes back last, so
@@ -108,7 +109,7 @@ def _repair_locked(job: Job, out: Path, manifest: dict, journaled: dict[str, dic
         todo = rep.parts(job)
         left = [planned[rel]["bytes"] for rel in rep.damaged] + [sum(len(journal_line(planned[rel]))
                                                                    for rel in rep.damaged)]
-        left += [manifest["copies"][name]["bytes"] for name in rep.copies] + [len(job.cid) + 1]
+        left += [manifest.copies[name].bytes for name in rep.copies] + [len(job.cid) + 1]
         if not record_ok:
             left.append(len(record_text(conversion_record(job)).encode()))
         check_room(out, left, partial_bytes(out, job), "run the same command with --resume")

@@ -262,7 +262,7 @@ def sizes_to_write(job: Job, planned: dict[str, dict], done: set[str], record: d
     left = [e for rel, e in planned.items() if rel not in done]
     sizes = [e["bytes"] for e in left] + [sum(len(journal_line(e)) for e in left)]
     sizes += [(job.ckpt.root / n).stat().st_size for n in side_files(job.ckpt.root)]
-    sizes += [len(manifest_text(build_manifest(job, planned)).encode()), len(job.cid) + 1]
+    sizes += [len(manifest_text(build_manifest(job, planned).to_dict()).encode()), len(job.cid) + 1]
     return sizes + ([len(record_text(record).encode())] if record is not None else [])
 
 

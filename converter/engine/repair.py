@@ -17,7 +17,8 @@ from pathlib import Path
 
 from ..errors import LuciferError, SourceError
 from ..guarded_io import Tree
-from ..spec.manifest import MANIFEST_NAME, copy_problems, digest_ok, parse_manifest, part_path
+from ..spec.manifest import MANIFEST_NAME, copy_problems, part_path
+from ..spec.manifest_types import Manifest
 from .job import Job, Part
 from .manifest_writer import copies
 from .outstate import part_valid
@@ -27,7 +28,7 @@ from .outstate import part_valid
 class Repair:
     """The manifest of a finished output and what of it must be written again."""
 
-    manifest: dict
+    manifest: Manifest
     entries: dict[str, dict]  # rel -> the rank file's entry as the journal writes it (digests bare hex)
     content: dict[str, str]  # rel -> the content stamp its manifest entry records
     damaged: list[str]  # rank files to rewrite, in manifest order
@@ -47,33 +48,32 @@ class Repair:
         return todo
 
 
-def reference(tree: Tree, job: Job) -> dict | None:
+def reference(tree: Tree, job: Job) -> Manifest | None:
     """OUT's manifest when it can be the reference of a repair: readable, its self-digest intact and
     its conversion id this job's (same source fingerprint, options and tool version); else None
     (the journal is then the reference, as for any unfinished conversion)."""
     try:
-        doc = parse_manifest(tree.read(MANIFEST_NAME), tree.path(MANIFEST_NAME))
+        m = Manifest.parse(tree.read(MANIFEST_NAME), tree.path(MANIFEST_NAME))
     except (FileNotFoundError, LuciferError):
         return None
-    return doc if digest_ok(doc) and doc["conversion_id"] == job.cid else None
+    return m if m.sealed and m.conversion_id == job.cid else None
 
 
-def manifest_entries(manifest: dict) -> tuple[dict[str, dict], dict[str, str]]:
+def manifest_entries(manifest: Manifest) -> tuple[dict[str, dict], dict[str, str]]:
     """rel -> {path, bytes, digest, tensors} (bare hex digests, as `part_valid` takes them), and rel ->
     recorded content stamp, for every rank file the manifest lists."""
     entries, content = {}, {}
-    for doc in manifest["roles"].values():
-        for rank in doc["ranks"]:
-            for f in rank["files"]:
-                tensors = {n: t["digest"].removeprefix("blake3:") for n, t in rank["tensors"].items()
-                           if t["file"] == f["path"]}
-                entries[f["path"]] = {"path": f["path"], "bytes": f["bytes"],
-                                      "digest": f["digest"].removeprefix("blake3:"), "tensors": tensors}
-                content[f["path"]] = f["content"]
+    for ranks in manifest.roles.values():
+        for rank in ranks:
+            for f in rank.files:
+                tensors = {n: t.digest.removeprefix("blake3:") for n, t in rank.tensors.items() if t.file == f.path}
+                entries[f.path] = {"path": f.path, "bytes": f.bytes, "digest": f.digest.removeprefix("blake3:"),
+                                   "tensors": tensors}
+                content[f.path] = f.content
     return entries, content
 
 
-def survey(out: Path, manifest: dict, source_root: Path) -> Repair:
+def survey(out: Path, manifest: Manifest, source_root: Path) -> Repair:
     """Re-check every file of OUT against `manifest` (one hashing pass over each rank file). A damaged
     copy is refused when the source's own file is not the one converted."""
     entries, content = manifest_entries(manifest)
@@ -82,7 +82,7 @@ def survey(out: Path, manifest: dict, source_root: Path) -> Repair:
     if bad_copies:
         now = copies(source_root, follow=True)
         for name in bad_copies:
-            if now.get(name) != manifest["copies"].get(name):
+            if now.get(name) != manifest.copies.get(name):
                 raise SourceError(f"--resume: {source_root / name} is not the {name} {out} was converted from "
                                   f"(its digest differs from the manifest's copy), so {out / name} cannot be "
                                   f"restored from it; give the converted checkpoint, or rebuild with --force")

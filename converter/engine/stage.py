@@ -29,8 +29,8 @@ from blake3 import blake3
 from ..errors import Locked, MismatchError, OutputError, UsageRefused
 from ..guarded_io import Tree, naming, write_all
 from ..outnames import strays
-from ..spec.manifest import (COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, complete_problem, file_digest, load_manifest,
-                             read_manifest_bytes)
+from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, complete_problem, file_digest, read_manifest_bytes
+from ..spec.manifest_types import Manifest
 from ..spec.outlock import reading
 from ..spec.share import SHARE_NAME, describe, read_share, share_doc, share_text
 from ..spec.stheader import Header, HeaderError, read_header
@@ -72,15 +72,15 @@ class Want:
     rank_file: bool  # the digest is over the header and tensor digests (`file_digest`), else over the bytes
 
 
-def share_files(manifest: dict, ranks: list[int], manifest_bytes: bytes) -> list[Want]:
+def share_files(manifest: Manifest, ranks: list[int], manifest_bytes: bytes) -> list[Want]:
     """Every file a share of `ranks` holds but COMPLETE and the share record: the manifest first (a
     DEST stopped part-way is then known as this output's share), the copies, then each role's rank
     files of those ranks."""
     files = [Want(MANIFEST_NAME, len(manifest_bytes), "blake3:" + blake3(manifest_bytes).hexdigest(), False)]
-    files += [Want(name, rec["bytes"], rec["digest"], False) for name, rec in sorted(manifest["copies"].items())]
-    for doc in manifest["roles"].values():
+    files += [Want(name, rec.bytes, rec.digest, False) for name, rec in sorted(manifest.copies.items())]
+    for role in manifest.roles:
         for rank in ranks:
-            files += [Want(f["path"], f["bytes"], f["digest"], True) for f in doc["ranks"][rank]["files"]]
+            files += [Want(f.path, f.bytes, f.digest, True) for f in manifest.rank(role, rank).files]
     return files
 
 
@@ -93,8 +93,8 @@ def stage(out: Path, dest: Path, ranks: list[int], nnodes: int | None = None, no
         raise UsageRefused(f"{out} is itself a node's share; stage from the whole output convert wrote")
     _refuse_dest_path(out, dest)
     with reading(out, "stage"):  # no convert rewrites OUT while its files are placed
-        manifest = load_manifest(out)
-        problem = complete_problem(out, manifest["conversion_id"])
+        manifest = Manifest.load(out)
+        problem = complete_problem(out, manifest.conversion_id)
         if problem:
             raise OutputError(f"{out}: {problem}")
         wants = share_files(manifest, ranks, read_manifest_bytes(out))
@@ -107,9 +107,9 @@ def stage(out: Path, dest: Path, ranks: list[int], nnodes: int | None = None, no
             return _stage_locked(src, Tree(dest), manifest, ranks, wants, nnodes, node_rank, t0)
 
 
-def _stage_locked(src: Tree, tree: Tree, manifest: dict, ranks: list[int], wants: list[Want], nnodes: int | None,
+def _stage_locked(src: Tree, tree: Tree, manifest: Manifest, ranks: list[int], wants: list[Want], nnodes: int | None,
                   node_rank: int | None, t0: float) -> StageSummary:
-    doc = share_doc(manifest["conversion_id"], manifest["tp_size"], ranks, nnodes, node_rank)
+    doc = share_doc(manifest.conversion_id, manifest.tp_size, ranks, nnodes, node_rank)
     summary = StageSummary(str(src.root), str(tree.root), doc)
     with _named(tree.path(COMPLETE_NAME)):
         tree.remove(COMPLETE_NAME)  # a stage that changes DEST is unfinished until it ends
@@ -146,7 +146,7 @@ def _refuse_dest_path(out: Path, dest: Path) -> None:
         raise OutputError(f"{dest}: a file, not a directory; choose another DEST")
 
 
-def _refuse_dest(dest: Path, manifest: dict, ranks: list[int], wants: list[Want]) -> None:
+def _refuse_dest(dest: Path, manifest: Manifest, ranks: list[int], wants: list[Want]) -> None:
     """DEST must be empty, or an unfinished or finished share of the same conversion, source content
     and ranks, holding nothing in its role and rank folders but that share's files."""
     tree = Tree(dest)
@@ -158,20 +158,20 @@ def _refuse_dest(dest: Path, manifest: dict, ranks: list[int], wants: list[Want]
     there = None
     if MANIFEST_NAME in entries:
         try:
-            there = load_manifest(dest, check_digest=False)
+            there = Manifest.load(dest, check_digest=False)
         except OutputError:
             there = None
-    if there is None or there["conversion_id"] != manifest["conversion_id"]:
+    if there is None or there.conversion_id != manifest.conversion_id:
         raise OutputError(f"{dest}: not empty and not a share of this output; stage into a new or empty directory")
-    theirs, ours = (((m.get("source") or {}).get("content") or {}).get("digest") for m in (there, manifest))
+    theirs, ours = there.source.content.digest, manifest.source.content.digest
     if theirs != ours:  # same headers and options, other weights: a share of another checkpoint
         raise OutputError(f"{dest}: a share of other weights (source content {str(theirs)[:20]}..., OUT's "
                           f"{str(ours)[:20]}...: another checkpoint with the same headers); stage into a new or "
                           f"empty directory")
-    share = read_share(dest, manifest["conversion_id"], manifest["tp_size"])
+    share = read_share(dest, manifest.conversion_id, manifest.tp_size)
     if share is not None and share["ranks"] != sorted(ranks):
         raise OutputError(f"{dest}: already a share of {describe(share)}; stage other ranks into another DEST")
-    foreign = [s for s in strays(tree, [w.rel for w in wants if w.rank_file], manifest["roles"], manifest["tp_size"])
+    foreign = [s for s in strays(tree, [w.rel for w in wants if w.rank_file], manifest.roles, manifest.tp_size)
                if not s.ours]
     if foreign:  # verify would fail on it: another rank's file, or one the tool did not write
         raise OutputError(f"{tree.path(foreign[0].rel)}: {foreign[0].what.split(';')[0]}, not a file of this share "

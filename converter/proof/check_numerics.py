@@ -232,7 +232,7 @@ class RankExperts:
     def __init__(self, output: Output, role: str, rank: int, prefix: str):
         self.output, self.role, self.rank = output, role, rank
         self.names = [f"{prefix}ffn.experts.routed_experts.{n}" for n in self.NAMES]
-        self.n_experts = int(output.info(role, rank, self.names[0])["experts"])
+        self.n_experts = output.info(role, rank, self.names[0]).experts
 
     def __call__(self, e: int) -> tuple[torch.Tensor, ...]:
         return tuple(_u8(self.output.model_tensor(self.role, self.rank, n, index=slice(e, e + 1)))[0]
@@ -434,13 +434,13 @@ def check_numerics(out: Path, model: str | None = None, layers: str | list[int] 
     model, _ = source_model(out, output.manifest, model)
     root = resolve_model(model)
     ckpt = open_checkpoint(root)
-    want = output.manifest.get("source", {}).get("fingerprint")
+    want = output.manifest.source.fingerprint
     if want and want != ckpt.fingerprint:
         raise OutputError(f"{out} was converted from a different checkpoint than {model} "
                           f"(source fingerprint {want[:12]} vs {ckpt.fingerprint[:12]})")
     cfg = ckpt.config
     ids = layers if isinstance(layers, list) else parse_layers(layers, cfg)
-    heads = output.manifest["plan"]["axes"]["heads"]["padded"]
+    heads = output.manifest.plan.axes["heads"].padded
     report = NumericsReport(str(out), str(model), output.tp, tokens, seed, ids)
     from tqdm import tqdm
 

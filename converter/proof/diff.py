@@ -40,6 +40,7 @@ import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,7 @@ from tqdm import tqdm
 from ..errors import MismatchError, OutputError
 from ..guarded_io import JSON_LIMIT, Refused, read_regular
 from ..spec.manifest import source_model
+from ..spec.manifest_types import Manifest, Source, TensorRecord
 from ..spec.rules import DTYPE_SIZE, TensorSpec
 from ..spec.source import Checkpoint, open_checkpoint, resolve_model
 from ..units import byte_bar, duration, rate, size
@@ -61,9 +63,9 @@ from .structure import check_manifest_rules, check_strays, open_files, read_mani
 logger = logging.getLogger("lucifer_shard.diff")  # -v: the source and a line per rank file, -vv: per tensor
 
 
-def _what_differs(src: dict, ckpt: Checkpoint, out: Path) -> str:
+def _what_differs(src: Source, ckpt: Checkpoint, out: Path) -> str:
     """What makes the checkpoint's fingerprint differ from the recorded one, in words."""
-    was, now = src.get("files") or {}, ckpt.files
+    was, now = src.files, ckpt.files
     gone, new = sorted(set(was) - set(now)), sorted(set(now) - set(was))
     if gone or new:
         return f"its shards are others ({len(gone)} missing, {len(new)} not converted; first {(gone or new)[0]})"
@@ -92,29 +94,28 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
     if not out.is_dir():
         raise OutputError(f"{out}: no such output directory")
     report = Report("diff", max_mismatches)
-    manifest = read_manifest(report, out)
-    check_strays(report, out, manifest)
+    manifest, held = read_manifest(report, out)
+    check_strays(report, out, manifest, held)
     model, recorded_model = source_model(out, manifest, model)
     root = resolve_model(model)
-    roles = tuple(manifest.get("roles") or ("target",))
-    ckpt = open_checkpoint(root, roles)
-    src = manifest.get("source") or {}
+    ckpt = open_checkpoint(root, tuple(manifest.roles))
+    src = manifest.source
     report.info.update({"out": str(out), "model": str(root), "model_from_manifest": recorded_model,
-                        "conversion_id": manifest.get("conversion_id"), "fingerprint": ckpt.fingerprint,
-                        "fingerprint_ok": src.get("fingerprint") == ckpt.fingerprint,
-                        "tp_size": manifest.get("tp_size"), "arch": manifest.get("arch"),
-                        "expert_layout": manifest.get("expert_layout")})
+                        "conversion_id": manifest.conversion_id, "fingerprint": ckpt.fingerprint,
+                        "fingerprint_ok": src.fingerprint == ckpt.fingerprint,
+                        "tp_size": manifest.tp_size, "arch": manifest.arch,
+                        "expert_layout": manifest.expert_layout})
     logger.info("source %s (%s): fingerprint %s", root, "recorded in the manifest" if recorded_model else "given",
                 "as recorded" if report.info["fingerprint_ok"] else "differs from the manifest's")
-    stop = "" if keep_going else (f"MODEL is not the checkpoint {out} was converted from ({src.get('path')}); pass "
+    stop = "" if keep_going else (f"MODEL is not the checkpoint {out} was converted from ({src.path}); pass "
                                   f"that one, or --keep-going to compare byte for byte anyway")
     if not report.info["fingerprint_ok"]:
         what = _what_differs(src, ckpt, out)
         if stop:
             raise MismatchError(f"diff: {root}: {what}; {stop}")
         report.add_first(Problem("source", f"{what}: source fingerprint {ckpt.fingerprint[:16]}... vs the manifest's "
-                           f"{str(src.get('fingerprint'))[:16]}..."))
-    for name in src.get("side_files") or []:
+                           f"{src.fingerprint[:16]}..."))
+    for name in src.side_files:
         a = _read(out / name, False)
         if a is None or a != _read(root / name, True):
             report.add(Problem("file", f"{name}: not a byte-identical copy of the source's {name}", file=name))
@@ -125,12 +126,12 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
         _finish(report, stats, t0)
         return report
     specs: dict[str, list[list[TensorSpec]]] = rules["specs"]
-    entries = rules["entries"]["roles"]
-    _check_accounting(report, ckpt, specs, manifest.get("dropped") or {})
+    entries = rules["entries"]
+    _check_accounting(report, ckpt, specs, manifest.dropped)
     _check_coverage(report, ckpt, specs)
-    files = open_files(report, out, manifest, check_size=False)
+    files = open_files(report, out, manifest, held, check_size=False)
     keys = list(dict.fromkeys(k for role in specs for s in specs[role][0] for k in s.sources() if k in ckpt.tensors))
-    content = ContentCheck(report, ckpt, keys, (src.get("content") or {}).get("files"), stop)
+    content = ContentCheck(report, ckpt, keys, src.content.files, stop)
     reader = ProofSourceReader(ckpt, content.digests)
     total = sum(t.end - t.start for rf in files.values() for t in rf.tensors.values()) + sum(
         ckpt.tensors[k].offsets[1] - ckpt.tensors[k].offsets[0] for k in keys)
@@ -152,7 +153,7 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
     stats["source_tensors"] = len(reader.keys_read)
     stats["source_bytes"] = reader.bytes_needed
     stats["source_bytes_read"] = reader.bytes_read
-    stats["dropped"] = len(manifest.get("dropped") or {})
+    stats["dropped"] = len(manifest.dropped)
     stats["source_total"] = len(ckpt.tensors)
     if not stats["rank_tensors"]:  # OK means compared: an output (or share) with no rank file proves nothing
         report.add(Problem("structure", f"no rank tensor was compared: {out} holds no rank file the manifest "
@@ -245,15 +246,14 @@ def _check_coverage(report: Report, ckpt: Checkpoint, specs: dict) -> None:
 # ---------------------------------------------------------------- data
 
 
-Member = tuple  # (TensorSpec, info: dict, RankFile, HeaderTensor): one tensor of one rank
+Member = tuple  # (TensorSpec, TensorRecord, RankFile, HeaderTensor): one tensor of one rank
 
 
-def _plan_groups(manifest: dict, specs: dict, entries: dict, files: dict) -> list[tuple[str, list[list[Member]]]]:
+def _plan_groups(manifest: Manifest, specs: dict, entries: dict, files: dict) -> list[tuple[str, list[list[Member]]]]:
     """Work groups: the four routed-expert tensors of a layer go together (their source tensors lie
     together, expert by expert), every other tensor alone. Per group and rank, the usable members."""
     work = []
     for role, rank_specs in specs.items():
-        recorded = (manifest.get("roles") or {}).get(role, {}).get("ranks") or []
         groups: list[list[int]] = []
         for i, spec in enumerate(rank_specs[0]):
             prev = rank_specs[0][groups[-1][0]] if groups else None
@@ -268,11 +268,12 @@ def _plan_groups(manifest: dict, specs: dict, entries: dict, files: dict) -> lis
                 members = []
                 for i in idx:
                     spec = specs_r[i]
-                    rec = recorded[r]["tensors"].get(spec.name) if r < len(recorded) else None
+                    entry = manifest.rank(role, r)
+                    rec = entry.tensors.get(spec.name) if entry is not None else None
                     if rec is None:
                         continue  # reported by the manifest check
-                    info = {**entries[role][r][spec.name], "file": rec.get("file")}
-                    rf = files.get(rec.get("file"))
+                    info = replace(entries[role][r][spec.name], file=rec.file)
+                    rf = files.get(rec.file)
                     if usable(rf, spec.name, info):  # else reported by the file checks
                         members.append((spec, info, rf, rf.tensors[spec.name]))
                 per_rank.append(members)
@@ -462,11 +463,11 @@ def _diff_rank_chunk(limit: int, sources: ChunkSources, role: str, members: list
         stored = read_rows_direct(rf.direct(), ht.start, ht.shape, ht.item, a, b, "rank")
         read += stored.nbytes
         if spec.experts:
-            mshape = (b - a, *byte_shape(info["model_shape"][1:], item))
-            if info["layout"] == "swap_halves" and stored.shape == mshape:
+            mshape = (b - a, *byte_shape(info.model_shape[1:], item))
+            if info.layout == "swap_halves" and stored.shape == mshape:
                 model = SwappedHalves(stored, 1)  # the inverse as views: no copy of the chunk
             else:
-                model = to_model(stored, info["layout"]).reshape(mshape)
+                model = to_model(stored, info.layout).reshape(mshape)
         else:
             model = stored
         pads += check_pads(sub, model, info, ht, rf, role, spec.rank, spec.name, a, b)
@@ -506,7 +507,7 @@ def _diff_rank_chunk(limit: int, sources: ChunkSources, role: str, members: list
 
 
 def _compare(report: Report, model: np.ndarray, dst_sl: tuple[slice, ...], dst_origin, src: np.ndarray,
-             src_sl: tuple[slice, ...], src_row0: int, key: str, spec: TensorSpec, info: dict, rf: RankFile,
+             src_sl: tuple[slice, ...], src_row0: int, key: str, spec: TensorSpec, info: TensorRecord, rf: RankFile,
              ht: HeaderTensor, role: str) -> None:
     """Compare one piece of a chunk with its source region; record the first mismatches in full.
 

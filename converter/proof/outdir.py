@@ -13,7 +13,8 @@ from ..errors import OutputError
 from ..guarded_io import Refused, Tree, naming
 from ..spec.dtypes import TORCH_DTYPE
 from ..spec.layouts import layout_by_name
-from ..spec.manifest import complete_problem, load_manifest
+from ..spec.manifest import complete_problem
+from ..spec.manifest_types import Manifest, RankRecord, TensorRecord
 from ..spec.rules import DTYPE_SIZE
 from ..spec.share import describe, read_share
 from ..spec.stheader import Header, HeaderError, read_header
@@ -29,11 +30,11 @@ class Output:
         self.root = Path(root)
         if not self.root.is_dir():
             raise OutputError(f"{root}: no such output directory")
-        self.manifest = load_manifest(self.root, check_digest)
-        problem = complete_problem(self.root, self.manifest["conversion_id"]) if require_complete else None
+        self.manifest = Manifest.load(self.root, check_digest)
+        problem = complete_problem(self.root, self.manifest.conversion_id) if require_complete else None
         if problem:
             raise OutputError(f"{root}: {problem}")
-        share = read_share(self.root, self.manifest["conversion_id"], self.manifest["tp_size"])
+        share = read_share(self.root, self.manifest.conversion_id, self.manifest.tp_size)
         if share is not None:  # every rank's output is summed: a node's share cannot be checked alone
             raise OutputError(f"{root} is a node's share ({describe(share)}): check-numerics sums every rank's "
                               f"output, so it needs the whole output; run it where convert wrote OUT (lucifer-shard "
@@ -43,19 +44,19 @@ class Output:
 
     @property
     def tp(self) -> int:
-        return int(self.manifest["tp_size"])
+        return self.manifest.tp_size
 
     @property
     def roles(self) -> list[str]:
-        return list(self.manifest["roles"])
+        return list(self.manifest.roles)
 
-    def rank(self, role: str, rank: int) -> dict:
-        return self.manifest["roles"][role]["ranks"][rank]
+    def rank(self, role: str, rank: int) -> RankRecord:
+        return self.manifest.rank(role, rank)
 
-    def info(self, role: str, rank: int, name: str) -> dict:
-        return self.rank(role, rank)["tensors"][name]
+    def info(self, role: str, rank: int, name: str) -> TensorRecord:
+        return self.rank(role, rank).tensors[name]
 
-    def _open(self, rel: str, name: str, info: dict):
+    def _open(self, rel: str, name: str, info: TensorRecord):
         """The safetensors handle of `rel`, once its header was validated and shows `name` as `info` says."""
         path = self.root / rel
         h = self._handles.get(rel)
@@ -76,34 +77,34 @@ class Output:
             finally:
                 os.close(fd)
         t = self._headers[rel].tensors.get(name)
-        if t is None or t.dtype != info["dtype"] or list(t.shape) != list(info["shape"]):
+        if t is None or t.dtype != info.dtype or tuple(t.shape) != info.shape:
             found = "no such tensor" if t is None else f"{t.dtype}{list(t.shape)}"
-            raise OutputError(f"{path}: tensor {name!r} is {found}, the manifest says {info['dtype']}{info['shape']}; "
+            raise OutputError(f"{path}: tensor {name!r} is {found}, the manifest says {info.dtype}{list(info.shape)}; "
                               f"run verify on {self.root}, then {REPAIR}")
         return h
 
     def stored(self, role: str, rank: int, name: str, index: slice | None = None) -> np.ndarray:
         """Stored bytes (uint8, last dim in bytes) of a tensor, or of `index` of its first dim."""
         info = self.info(role, rank, name)
-        sl = self._open(info["file"], name, info).get_slice(name)
+        sl = self._open(info.file, name, info).get_slice(name)
         t = sl[index] if index is not None else sl[:]
         t = t.contiguous()
-        return t.view(torch.uint8).numpy().reshape(*t.shape[:-1], t.shape[-1] * DTYPE_SIZE[info["dtype"]])
+        return t.view(torch.uint8).numpy().reshape(*t.shape[:-1], t.shape[-1] * DTYPE_SIZE[info.dtype])
 
     def model_bytes(self, role: str, rank: int, name: str, index: slice | None = None) -> np.ndarray:
         """Bytes in model layout: the declared layout's inverse applied (per expert for stacked tensors)."""
         info = self.info(role, rank, name)
         data = self.stored(role, rank, name, index)
-        if info["layout"] == "model":
+        if not info.kernel:
             return data
-        return layout_by_name(info["layout"]).inverse(data)
+        return layout_by_name(info.layout).inverse(data)
 
     def model_tensor(self, role: str, rank: int, name: str, index: slice | None = None) -> torch.Tensor:
         """Model-layout tensor in its file dtype (U8 for MXFP4 weights and scales)."""
         info = self.info(role, rank, name)
         raw = np.ascontiguousarray(self.model_bytes(role, rank, name, index))
-        t = torch.from_numpy(raw).view(TORCH_DTYPE[info["dtype"]])
-        logger.debug("%s rank %d %s: %s %s from %s", role, rank, name, info["dtype"], list(t.shape), info["file"])
+        t = torch.from_numpy(raw).view(TORCH_DTYPE[info.dtype])
+        logger.debug("%s rank %d %s: %s %s from %s", role, rank, name, info.dtype, list(t.shape), info.file)
         return t
 
     def close(self) -> None:

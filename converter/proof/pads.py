@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..spec.layouts import layout_by_name
+from ..spec.manifest_types import Region, TensorRecord
 from ..spec.rules import DTYPE_SIZE, NEG_INF_F32
 from .rankfile import HeaderTensor, RankFile, byte_shape
 from .report import Problem, Report, fmt_index, hexbytes
@@ -20,20 +21,20 @@ def to_model(stored: np.ndarray, layout: str) -> np.ndarray:
     return layout_by_name(layout).inverse(np.ascontiguousarray(stored))
 
 
-def file_offsets(ht: HeaderTensor, info: dict, bcoord: tuple[int, ...]) -> list[int]:
+def file_offsets(ht: HeaderTensor, info: TensorRecord, bcoord: tuple[int, ...]) -> list[int]:
     """Absolute byte offset(s) in the rank file of a model-layout byte (B-coords: last dim in bytes).
 
     Expert kernel layouts are bit permutations within one expert, so the bytes that hold bits of a
     model-layout byte are found exactly by laying out a one-hot probe (0xFF at that byte)."""
-    item = DTYPE_SIZE[info["dtype"]]
-    mshape = byte_shape(info["model_shape"], item)
-    if info.get("layout", "model") == "model":
+    item = DTYPE_SIZE[info.dtype]
+    mshape = byte_shape(info.model_shape, item)
+    if not info.kernel:
         return [ht.start + int(np.ravel_multi_index(bcoord, mshape))]
     e, inner = bcoord[0], bcoord[1:]
     per_expert = int(np.prod(mshape[1:], dtype=np.int64))
     probe = np.zeros((1, *mshape[1:]), np.uint8)
     probe[(0, *inner)] = 0xFF
-    hits = np.flatnonzero(layout_by_name(info["layout"]).forward(probe))
+    hits = np.flatnonzero(layout_by_name(info.layout).forward(probe))
     return [ht.start + e * per_expert + int(h) for h in hits]
 
 
@@ -58,13 +59,13 @@ def pad_violations(view: np.ndarray, pad: bytes) -> np.ndarray:
     return view != pattern
 
 
-def regions_in_chunk(info: dict, a: int, b: int, stacked: bool) -> list[tuple[list[int], tuple[slice, ...], int]]:
+def regions_in_chunk(info: TensorRecord, a: int, b: int,
+                     stacked: bool) -> list[tuple[Region, tuple[slice, ...], int]]:
     """(region, byte slices in the model-layout chunk, dim-0 offset) of each zero region in rows [a, b)."""
-    item = DTYPE_SIZE[info["dtype"]]
-    mshape = info["model_shape"]
-    ndim = len(mshape)
+    item = DTYPE_SIZE[info.dtype]
+    ndim = len(info.model_shape)
     out = []
-    for region in info.get("zero_regions") or []:
+    for region in info.zero_regions:
         dim, lo, hi = region
         if stacked:
             sl = chunk_slices(dim + 1, lo, hi, ndim, item)
@@ -80,12 +81,12 @@ def regions_in_chunk(info: dict, a: int, b: int, stacked: bool) -> list[tuple[li
     return out
 
 
-def check_pads(report: Report, model: np.ndarray, info: dict, ht: HeaderTensor, rf: RankFile, role: str,
+def check_pads(report: Report, model: np.ndarray, info: TensorRecord, ht: HeaderTensor, rf: RankFile, role: str,
                rank: int, name: str, a: int, b: int) -> int:
     """Pad bytes of rows [a, b) (experts when stacked) in model layout; returns how many were checked."""
-    stacked = bool(info.get("experts"))
-    item = DTYPE_SIZE[info["dtype"]]
-    pad_name = info.get("pad", "zero")
+    stacked = info.stacked
+    item = DTYPE_SIZE[info.dtype]
+    pad_name = info.pad
     pad = PAD_BYTES[pad_name]
     checked = 0
     for region, sl, _ in regions_in_chunk(info, a, b, stacked):
@@ -110,7 +111,7 @@ def check_pads(report: Report, model: np.ndarray, info: dict, ht: HeaderTensor, 
                 "pad", f"byte {hexbytes([got])} at {fmt_index(tidx)} in its {pad_name} pad region "
                 f"[dim {region[0]}, {region[1]}:{region[2]}) (first of {total} bad pad byte(s) here)",
                 role, rank, name, rf.rel,
-                {"region": region, "tensor_index": tidx, "file_offset": file_offsets(ht, info, bc),
+                {"region": list(region), "tensor_index": tidx, "file_offset": file_offsets(ht, info, bc),
                  "expected": hexbytes(pad[k:k + 1]), "found": hexbytes([got])}))
         report.add_many(found, total, Problem("pad", "", role, rank, name, rf.rel))
     return checked
@@ -150,14 +151,14 @@ def element_index(bcoord: tuple[int, ...], item: int) -> list[int]:
     return [*bcoord[:-1], bcoord[-1] // item]
 
 
-def check_scales(report: Report, model: np.ndarray, info: dict, ht: HeaderTensor, rf: RankFile, role: str,
+def check_scales(report: Report, model: np.ndarray, info: TensorRecord, ht: HeaderTensor, rf: RankFile, role: str,
                  rank: int, name: str, a: int) -> None:
     """No E8M0 scale byte may be 0xFF (NaN)."""
     bad = model == 0xFF
     if not bad.any():
         return
     total = int(np.count_nonzero(bad))
-    item = DTYPE_SIZE[info["dtype"]]
+    item = DTYPE_SIZE[info.dtype]
     found = []
     for pos in first_positions(bad, report.room):
         bc = tuple(int(x) for x in pos)
@@ -168,5 +169,5 @@ def check_scales(report: Report, model: np.ndarray, info: dict, ht: HeaderTensor
     report.add_many(found, total, Problem("scale", "", role, rank, name, rf.rel))
 
 
-def is_scale(info: dict) -> bool:
-    return info.get("source_dtype") == "F8_E8M0" or info.get("dtype") == "F8_E8M0"
+def is_scale(info: TensorRecord) -> bool:
+    return info.source_dtype == "F8_E8M0" or info.dtype == "F8_E8M0"

@@ -30,11 +30,12 @@ from ..guarded_io import naming
 from ..spec.config import load_config
 from ..spec.layouts import layout_by_name
 from ..spec.manifest import copy_problems, file_digest
+from ..spec.manifest_types import FileRecord, Manifest, TensorRecord
 from ..units import byte_bar, duration, rate, size
 from .pads import check_pads, check_scales, chunk_slices, is_scale, to_model
 from .rankfile import CHUNK_BYTES, HeaderTensor, RankFile, byte_shape, read_rows, row_chunks, scratch
 from .report import REPAIR, Problem, Report
-from .structure import check_manifest_rules, check_strays, is_replicated, manifest_files, open_files, read_manifest, usable
+from .structure import check_manifest_rules, check_strays, is_replicated, open_files, read_manifest, usable
 
 logger = logging.getLogger("lucifer_shard.verify")  # -v: a line per rank file, -vv: per tensor
 
@@ -54,8 +55,8 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
     report = Report("verify", max_problems)
     if not out.is_dir():
         raise OutputError(f"{out}: no such output directory")
-    manifest = read_manifest(report, out)
-    report.info.update({"out": str(out), "conversion_id": manifest.get("conversion_id")})
+    manifest, held = read_manifest(report, out)
+    report.info.update({"out": str(out), "conversion_id": manifest.conversion_id})
     cfg = None
     try:
         cfg = load_config(out / "config.json", follow=False)
@@ -65,21 +66,20 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
         check_manifest_rules(report, manifest, cfg)
     for name, problem in copy_problems(out, manifest, None if report.repair == REPAIR else report.repair):
         report.add(Problem("file", problem, file=name))
-    check_strays(report, out, manifest)
-    files = open_files(report, out, manifest)
+    check_strays(report, out, manifest, held)
+    files = open_files(report, out, manifest, held)
     total = sum(t.end - t.start for rf in files.values() for t in rf.tensors.values())
     bar = byte_bar(total, "verify", progress)
     digests: dict[tuple[str, int, str], str] = {}
     checked_pad = 0
     n_tensors = 0
-    jobs = [(role, rank, f, files[f.get("path", "")]) for role, rank, f in manifest_files(manifest)
-            if f.get("path", "") in files]
+    jobs = [(role, rank, f, files[f.path]) for role, rank, f in manifest.files(held) if f.path in files]
     if workers is None:
         workers = min(os.cpu_count() or 1, len(jobs) or 1, 8)
     try:
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="verify") as pool:
             futs = [pool.submit(_verify_file, max_problems, rf, f, role, rank,
-                                manifest["roles"][role]["ranks"][rank]["tensors"], bar, chunk_bytes)
+                                manifest.rank(role, rank).tensors, bar, chunk_bytes)
                     for role, rank, f, rf in jobs]
             for fut in futs:  # merged in manifest order: the report does not depend on thread timing
                 sub, file_digests, n, pads = fut.result()
@@ -94,7 +94,7 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
     _check_replicas(report, manifest, digests)
     seconds = time.perf_counter() - t0
     report.stats.update({
-        "files": len(manifest_files(manifest)), "tensors": n_tensors, "bytes_hashed": total,
+        "files": len(manifest.files(held)), "tensors": n_tensors, "bytes_hashed": total,
         "pad_bytes_checked": checked_pad, "seconds": round(seconds, 3),
         "bytes_per_s": round(total / seconds) if seconds else 0,
     })
@@ -115,7 +115,8 @@ def _stored_pad_mask(layout: str, matrix: tuple[int, ...],
     return layout_by_name(layout).forward(mask)[0], int(np.count_nonzero(mask))
 
 
-def _verify_file(limit: int, rf: RankFile, entry: dict, role: str, rank: int, tensors: dict, bar: tqdm,
+def _verify_file(limit: int, rf: RankFile, entry: FileRecord, role: str, rank: int, tensors: dict[str, TensorRecord],
+                 bar: tqdm,
                  chunk_bytes: int) -> tuple[Report, dict, int, int]:
     """One streaming pass over a file: tensor digests, file digest, pad regions and scale bytes."""
     try:
@@ -125,7 +126,8 @@ def _verify_file(limit: int, rf: RankFile, entry: dict, role: str, rank: int, te
         rf.close()  # one descriptor per worker at a time, however many files OUT has
 
 
-def _verify_open_file(limit: int, rf: RankFile, entry: dict, role: str, rank: int, tensors: dict, bar: tqdm,
+def _verify_open_file(limit: int, rf: RankFile, entry: FileRecord, role: str, rank: int,
+                      tensors: dict[str, TensorRecord], bar: tqdm,
                       chunk_bytes: int) -> tuple[Report, dict, int, int]:
     report = Report("verify", limit)
     digests: dict[tuple[str, int, str], str] = {}
@@ -138,14 +140,14 @@ def _verify_open_file(limit: int, rf: RankFile, entry: dict, role: str, rank: in
             complete = False
             break
         info = tensors.get(name)
-        check = info is not None and usable(rf, name, info) and info.get("file") == rf.rel
-        regions = check and bool(info.get("zero_regions"))
+        check = info is not None and usable(rf, name, info) and info.file == rf.rel
+        regions = check and bool(info.zero_regions)
         scale = check and is_scale(info)
-        kernel = check and bool(info.get("experts")) and info.get("layout", "model") != "model"
+        kernel = check and info.stacked and info.kernel
         mask, mask_pads = None, 0
-        if kernel and regions and info.get("pad") == "zero":
-            mask, mask_pads = _stored_pad_mask(info["layout"], byte_shape(info["model_shape"][1:], ht.item),
-                                    tuple(tuple(r) for r in info["zero_regions"]))
+        if kernel and regions and info.pad == "zero":
+            mask, mask_pads = _stored_pad_mask(info.layout, byte_shape(info.model_shape[1:], ht.item),
+                                               info.zero_regions)
         h = blake3(max_threads=blake3.AUTO)
         for a, b in tensor_chunks(ht, chunk_bytes):
             stored = read_rows(rf.fd(), ht.start, ht.shape, ht.item, a, b,
@@ -165,7 +167,7 @@ def _verify_open_file(limit: int, rf: RankFile, entry: dict, role: str, rank: in
             if regions and mask is not None:
                 pads += mask_pads * (b - a)
             if bad_pad or bad_scale:
-                model = to_model(stored, info["layout"]).reshape(b - a, *byte_shape(info["model_shape"][1:], ht.item))
+                model = to_model(stored, info.layout).reshape(b - a, *byte_shape(info.model_shape[1:], ht.item))
                 if bad_pad:
                     n = check_pads(report, model, info, ht, rf, role, rank, name, a, b)
                     pads += 0 if mask is not None else n
@@ -175,15 +177,15 @@ def _verify_open_file(limit: int, rf: RankFile, entry: dict, role: str, rank: in
         logger.debug("%s %s: blake3 %s...", rf.rel, name, d[:16])
         tensor_digests.append(d)
         digests[(role, rank, name)] = d
-        if info is not None and info.get("digest") != "blake3:" + d:
+        if info is not None and info.digest != "blake3:" + d:
             report.add(Problem("data", f"digest {d[:16]}... differs from the manifest's "
-                               f"{str(info.get('digest'))[7:23]}...: the bytes changed after conversion",
+                               f"{info.digest[7:23]}...: the bytes changed after conversion",
                                role, rank, name, rf.rel))
     if complete:
         fd = file_digest(rf.header, tensor_digests)
-        if entry.get("digest") != "blake3:" + fd:
+        if entry.digest != "blake3:" + fd:
             report.add(Problem("file", f"{rf.rel}: file digest {fd[:16]}... differs from the manifest's "
-                               f"{str(entry.get('digest'))[7:23]}...", role, rank, file=rf.rel))
+                               f"{entry.digest[7:23]}...", role, rank, file=rf.rel))
     logger.info("%s rank %d %s: %d tensor(s) hashed and checked, %d finding(s)", role, rank, rf.rel, len(ordered),
                 report.count)
     return report, digests, len(ordered), pads
@@ -195,27 +197,26 @@ def _any_and(stored: np.ndarray, mask: np.ndarray) -> bool:
     return bool(out.any())
 
 
-def _check_replicas(report: Report, manifest: dict, digests: dict) -> None:
-    for role, doc in (manifest.get("roles") or {}).items():
-        ranks = doc.get("ranks") or []
+def _check_replicas(report: Report, manifest: Manifest, digests: dict) -> None:
+    for role, ranks in manifest.roles.items():
         if len(ranks) < 2:
             continue
-        for name, info in sorted(ranks[0].get("tensors", {}).items()):
+        for name in sorted(ranks[0].tensors):
             if not is_replicated(manifest, role, name):
                 continue
-            recorded = {r: ranks[r]["tensors"][name].get("digest") for r in range(len(ranks))}
+            recorded = {e.rank: e.tensors[name].digest for e in ranks}
             if len(set(recorded.values())) > 1:
                 report.add(Problem("replica", f"replicated tensor has different manifest digests across ranks "
                                    f"({', '.join(f'rank {r}: {str(d)[7:19]}' for r, d in recorded.items())})",
                                    role, None, name))
-            got = {r: digests.get((role, r, name)) for r in range(len(ranks))}
+            got = {e.rank: digests.get((role, e.rank, name)) for e in ranks}
             seen = {d for d in got.values() if d is not None}
             if len(seen) > 1:
                 ref = got[0] or next(iter(seen))
                 bad = [r for r, d in got.items() if d is not None and d != ref]
                 report.add(Problem("replica", f"replicated tensor differs between ranks: rank(s) "
                                    f"{', '.join(map(str, bad))} differ from rank 0", role, bad[0], name,
-                                   ranks[bad[0]]["tensors"][name].get("file")))
+                                   manifest.rank(role, bad[0]).tensors[name].file))
 
 
 def verify_lines(report: Report) -> list[str]:

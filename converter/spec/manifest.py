@@ -15,6 +15,7 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from blake3 import blake3
 
@@ -27,6 +28,9 @@ from .plan import DEFAULT_ROUTE, MAX_TP, MOE_ROUTES
 from .rules import DTYPE_SIZE, ROLES
 from .source import SIDE_FILES
 from .schema import Bool, Int, ListOf, MapOf, Null, Obj, OneOf, SchemaError, Str, Where, check, loads
+
+if TYPE_CHECKING:
+    from .manifest_types import Manifest
 
 MANIFEST_NAME = "lucifer-manifest.json"
 COMPLETE_NAME = "COMPLETE"
@@ -230,7 +234,8 @@ def _layout_problem(doc: dict) -> str | None:
 
 def parse_manifest(data: bytes, path: Path | str) -> dict:
     """A manifest document from its bytes: format, then every field's type and range, then the file
-    layout; OutputError (one line) otherwise. The self-digest is the caller's (`check_digest`)."""
+    layout; OutputError (one line) otherwise. Its reader is `Manifest.parse` (spec/manifest_types.py),
+    which checks the self-digest (`digest_ok`) too."""
     try:
         doc = loads(data)
     except SchemaError as e:
@@ -268,15 +273,6 @@ def read_manifest_bytes(out: Path) -> bytes:
         raise OutputError(f"{path}: unreadable ({e.strerror}); re-run convert --force") from None
 
 
-def load_manifest(out: Path, check_digest: bool = True) -> dict:
-    path = Path(out) / MANIFEST_NAME
-    doc = parse_manifest(read_manifest_bytes(out), path)
-    if check_digest and not digest_ok(doc):
-        raise OutputError(f"{path}: manifest_digest does not match its content: the manifest was edited "
-                          f"after conversion; re-run convert --force")
-    return doc
-
-
 def complete_problem(out: Path, cid: str) -> str | None:
     """Why OUT/COMPLETE does not mark the conversion `cid` as finished (missing, not a regular file,
     empty, garbage, another conversion's id), or None when it does."""
@@ -299,13 +295,13 @@ def complete_problem(out: Path, cid: str) -> str | None:
             f"conversions are mixed; re-run convert --force")
 
 
-def copy_problems(out: Path, doc: dict, fix: str | None = None) -> list[tuple[str, str]]:
+def copy_problems(out: Path, m: Manifest, fix: str | None = None) -> list[tuple[str, str]]:
     """(name, what is wrong) for each config/tokenizer copy in OUT that is not the one convert made
     (vLLM reads OUT/config.json and the tokenizer, so an edit there changes the served model). `fix`:
     the repair named instead of convert's (a node's share is staged again)."""
     problems = []
-    copies = doc["copies"]
-    for name in sorted(set(doc["source"]["side_files"]) - set(copies)):
+    copies = m.copies
+    for name in sorted(set(m.source.side_files) - set(copies)):
         problems.append((name, f"{name}: listed as copied from the source but its digest is not recorded; "
                                f"{fix or 're-run convert --force'}"))
     for name, rec in sorted(copies.items()):
@@ -320,21 +316,20 @@ def copy_problems(out: Path, doc: dict, fix: str | None = None) -> list[tuple[st
             problems.append((name, f"{e}" if isinstance(e, Refused) else f"{path}: unreadable ({e.strerror})"))
             continue
         got = "blake3:" + blake3(data).hexdigest()
-        if len(data) != rec["bytes"] or got != rec["digest"]:
+        if len(data) != rec.bytes or got != rec.digest:
             problems.append((name, f"{name}: {len(data)} bytes, digest {got[7:23]}..., not the copy convert made "
-                                   f"({rec['bytes']} bytes, {rec['digest'][7:23]}...): it was edited, and vLLM "
+                                   f"({rec.bytes} bytes, {rec.digest[7:23]}...): it was edited, and vLLM "
                                    f"reads it from OUT; {back}"))
     return problems
 
 
-def source_model(out: Path, doc: dict, model: str | None) -> tuple[str, bool]:
+def source_model(out: Path, m: Manifest, model: str | None) -> tuple[str, bool]:
     """MODEL as given, or else the source the manifest recorded (then True): `diff OUT`. That is its
     path, or, where the path is not a directory here, the repo id at the recorded commit through
     the Hugging Face cache (so `diff OUT` checks the revision that was converted)."""
     if model is not None:
         return model, False
-    path = doc["source"]["path"]
-    repo, revision = doc["source"].get("repo"), doc["source"].get("revision")
+    path, repo, revision = m.source.path, m.source.repo, m.source.revision
     if not path:
         raise OutputError(f"{out}'s manifest records no source path; pass MODEL after OUT")
     try:

@@ -169,7 +169,7 @@ def checkpoint_info(src: Path, out: Path, synth_s: float = 0.0, convert_s: float
 def manifest(out: Path) -> dict:
     from lucifer_shard.proof.outdir import Output
 
-    return Output(Path(out)).manifest
+    return Output(Path(out)).manifest.to_dict()
 
 
 def load_rank_stored(out: Path, rank: int, device: str | torch.device = "cpu", man: dict | None = None) -> dict[str, torch.Tensor]:

@@ -37,6 +37,7 @@ from lucifer_shard.runtime_shim.compat import SUPPORTED_BUILDS
 
 FORK_BUILDS = tuple(b for b in SUPPORTED_BUILDS if not b.stock)
 from lucifer_shard.runtime_shim.manifest import compare_plan
+from lucifer_shard.spec.manifest_types import Manifest
 from lucifer_shard.spec.drafts import owned_by_runtime
 from vllm_cpu_model import NVIDIA_ENGINE
 
@@ -149,7 +150,7 @@ def test_the_forks_own_code_builds_and_loads(world):
 
 
 def test_same_virtual_tp_plan_as_the_manifest(world):
-    manifest_plan = sf.manifest(world["out"])["plan"]
+    manifest_plan = Manifest.load(world["out"]).plan
     for rep in world["reports"]:
         fork_plan, shim_plan = rep["runs"]["fork"]["virtual_tp_plan"], rep["runs"]["lucifer"]["virtual_tp_plan"]
         assert fork_plan is not None and fork_plan == shim_plan
