@@ -136,7 +136,6 @@ def _fake_convert(mxfp4_backend, layer, w13_weight, w2_weight, w13_weight_scale,
 def test_relayout_is_identity_for_tagged_layers_and_refuses_wrong_backend(shim):
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
 
-    from lucifer_shard.runtime_shim import patches
     from lucifer_shard.runtime_shim.wrappers import relayout
 
     wrapper = relayout.make_relayout_wrapper(_fake_convert)
@@ -158,7 +157,6 @@ def test_relayout_hands_sm90_scales_over_in_the_files_shape_on_the_same_storage(
     identity returns that storage viewed as the file's shape, which replace_parameter then binds."""
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
 
-    from lucifer_shard.runtime_shim import patches
     from lucifer_shard.runtime_shim.wrappers import relayout
 
     wrapper = relayout.make_relayout_wrapper(_fake_convert)
