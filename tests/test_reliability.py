@@ -104,7 +104,14 @@ CONVERT = ("convert", "--tp", "3", "--arch", "sm120", "--quiet", "--max-file-siz
 
 def _start(src: Path, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "lucifer_shard.cli", *CONVERT, *extra, str(src), str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_as_from_a_terminal)
+
+
+def _as_from_a_terminal() -> None:
+    """SIGINT as a terminal leaves it: a test run started in the background by a shell without job control (CI
+    under nohup, say) inherits SIGINT ignored, Python keeps it so, and Ctrl-C would then never reach the
+    conversion (exit 0 where 130 is due)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _journal_lines(out: Path) -> int:
