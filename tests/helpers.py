@@ -2,12 +2,9 @@
 from __future__ import annotations
 
 import shutil
-import signal
-import subprocess
-import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -56,26 +53,3 @@ def scratch(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Pat
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def stop_when(pred: Callable[[], bool], proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    """Run the conversion in steps of about a millisecond, stopped (SIGSTOP) between them, until `pred` holds;
-    it is left stopped there, still mid-run. A check made while it runs can see the fault point pass and the
-    conversion finish before a signal lands (CI, once, on a quiet machine: exit 0 where 130 was due)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        proc.send_signal(signal.SIGSTOP)
-        until_stopped(proc)
-        if pred():
-            assert proc.poll() is None, "the conversion ended before the fault point was reached"
-            return
-        proc.send_signal(signal.SIGCONT)
-        time.sleep(0.001)
-    raise AssertionError("the conversion ended before the fault point was reached")
-
-
-def until_stopped(proc: subprocess.Popen) -> None:
-    """SIGSTOP lands asynchronously: wait until the kernel reports the process stopped (or gone)."""
-    stat = Path(f"/proc/{proc.pid}/stat")
-    while stat.read_text().rsplit(")", 1)[1].split()[0] not in ("T", "t", "Z", "X"):
-        time.sleep(0.0002)

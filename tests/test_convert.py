@@ -5,13 +5,14 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors import safe_open
 
-from helpers import Source, rank_tensors, stop_when
+from helpers import Source, rank_tensors
 from lucifer_shard.spec.layouts import layout_by_name
 from lucifer_shard.spec.rules import DTYPE_SIZE
 
@@ -169,7 +170,12 @@ def test_sigkill_then_resume_equals_clean_run(tiny_pattern, tmp_path, converted)
     args = ["convert", "--tp", "3", "--arch", "sm120", "--quiet", "--max-file-size", "1M", str(tiny_pattern), str(out)]
     proc = subprocess.Popen(_cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     journal = out / ".lucifer" / "journal.jsonl"
-    stop_when(lambda: journal.exists() and journal.read_text().count("\n") >= 6, proc)
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        if journal.exists() and journal.read_text().count("\n") >= 6:
+            break
+        time.sleep(0.002)
+    assert proc.poll() is None, "conversion finished before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "COMPLETE").exists() and not (out / "lucifer-manifest.json").exists()

@@ -20,6 +20,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lucifer_shard.cli.group import cli
-
-from helpers import stop_when
 
 CONVERT = ("convert", "--tp", "3", "--arch", "sm120", "-q")
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=24,
@@ -471,9 +470,12 @@ def test_sigterm_is_clean_and_resumable(clean, tiny_pattern, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "lucifer_shard.cli", *CONVERT, "--max-file-size", "1MiB",
                              str(tiny_pattern), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     journal = out / ".lucifer" / "journal.jsonl"
-    stop_when(lambda: journal.exists() and journal.read_text().count("\n") >= 3, proc)
-    proc.send_signal(signal.SIGTERM)  # handled as soon as it runs again
-    proc.send_signal(signal.SIGCONT)
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None and not (
+            journal.exists() and journal.read_text().count("\n") >= 3):
+        time.sleep(0.002)
+    assert proc.poll() is None, "the conversion ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
     assert "Traceback" not in err and "--resume" in err, err

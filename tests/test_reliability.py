@@ -26,8 +26,6 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from helpers import stop_when
-
 LOG = os.environ.get("LUCIFER_RELIABILITY_LOG")
 COMPLETE = "COMPLETE"
 SHARD = "model-00003-of-00005.safetensors"  # holds layer 3's attention and experts 0-4 (tiny preset)
@@ -98,7 +96,6 @@ def _wait_for(pred, proc, timeout=60.0) -> None:
     assert proc.poll() is None, "the conversion ended before the fault point was reached"
 
 
-
 CONVERT = ("convert", "--tp", "3", "--arch", "sm120", "--quiet", "--max-file-size", "1MiB")
 
 
@@ -127,9 +124,9 @@ def test_sigkill_then_resume(tiny_pattern, clean_out, tmp_path, point):
     out = tmp_path / "out"
     proc = _start(tiny_pattern, out)
     if point == "first-file":
-        stop_when(lambda: (out / "target/rank-0/.part-00000.safetensors.partial").exists(), proc)
+        _wait_for(lambda: (out / "target/rank-0/.part-00000.safetensors.partial").exists(), proc)
     elif point == "between-files":
-        stop_when(lambda: _journal_lines(out) >= 9, proc)
+        _wait_for(lambda: _journal_lines(out) >= 9, proc)
     else:
         # A write lease on the source's config.json blocks the writer when it opens it to copy it,
         # right before the manifest (a FIFO in the manifest's place, as before, is now refused).
@@ -163,9 +160,8 @@ def test_sigkill_then_resume(tiny_pattern, clean_out, tmp_path, point):
 def test_sigint_is_clean_and_resumable(tiny_pattern, clean_out, tmp_path):
     out = tmp_path / "out"
     proc = _start(tiny_pattern, out)
-    stop_when(lambda: _journal_lines(out) >= 3, proc)
-    proc.send_signal(signal.SIGINT)  # handled as soon as it runs again
-    proc.send_signal(signal.SIGCONT)
+    _wait_for(lambda: _journal_lines(out) >= 3, proc)
+    proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "--resume" in err
@@ -223,12 +219,13 @@ def test_second_writer_is_refused(tiny_pattern, clean_out, tmp_path, first):
         shutil.copytree(clean_out, out)
     elif first == "--resume":
         crashed = _start(tiny_pattern, out)
-        stop_when(lambda: _journal_lines(out) >= 3, crashed)
+        _wait_for(lambda: _journal_lines(out) >= 3, crashed)
         crashed.kill()
         crashed.wait()
     lines = 0 if first == "--force" else _journal_lines(out)
     w1 = _start(tiny_pattern, out, *MODES[first])
-    stop_when(lambda: _holder(out) == w1.pid and not (out / COMPLETE).exists() and _journal_lines(out) > lines, w1)
+    _wait_for(lambda: _holder(out) == w1.pid and not (out / COMPLETE).exists() and _journal_lines(out) > lines, w1)
+    w1.send_signal(signal.SIGSTOP)
     try:
         before = everything(out)
         for second, extra in MODES.items():
@@ -368,7 +365,8 @@ def test_disk_fills_mid_write_then_resume(tiny_pattern, clean_out, small_fs):
     fs = small_fs(_output_bytes(clean_out) + (4 << 20))
     out = fs / "out"
     proc = _start(tiny_pattern, out)
-    stop_when(lambda: _journal_lines(out) >= 3, proc)
+    _wait_for(lambda: _journal_lines(out) >= 3, proc)
+    proc.send_signal(signal.SIGSTOP)
     try:
         with open(fs / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):  # another program
             while True:                                                                    # fills the disk
@@ -562,7 +560,7 @@ def test_tp_the_plan_cannot_serve(tiny_pattern, tmp_path, tp):
 def test_resume_with_other_options_or_source(tiny_pattern, tmp_path):
     out = tmp_path / "out"
     proc = _start(tiny_pattern, out)
-    stop_when(lambda: _journal_lines(out) >= 3, proc)
+    _wait_for(lambda: _journal_lines(out) >= 3, proc)
     proc.kill()
     proc.wait()
     other = cli("convert", "--tp", 3, "--arch", "sm90", "--quiet", "--max-file-size", "1MiB", "--resume",
@@ -579,7 +577,7 @@ def test_resume_with_other_options_or_source(tiny_pattern, tmp_path):
     shutil.copytree(tiny_pattern, same_shapes)
     os.replace(out, tmp_path / "out2")
     proc = _start(same_shapes, out)
-    stop_when(lambda: _journal_lines(out) >= 3, proc)
+    _wait_for(lambda: _journal_lines(out) >= 3, proc)
     proc.kill()
     proc.wait()
     raw = bytearray((same_shapes / SHARD).read_bytes())
