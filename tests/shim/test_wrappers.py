@@ -136,6 +136,7 @@ def _fake_convert(mxfp4_backend, layer, w13_weight, w2_weight, w13_weight_scale,
 def test_relayout_is_identity_for_tagged_layers_and_refuses_wrong_backend(shim):
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
 
+    from lucifer_shard.runtime_shim import patches
     from lucifer_shard.runtime_shim.wrappers import relayout
 
     wrapper = relayout.make_relayout_wrapper(_fake_convert)
