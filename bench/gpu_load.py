@@ -62,7 +62,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=reader.THREADS, help="reader: reads in flight")
     p.add_argument("--slots", type=int, default=reader.SLOTS, help="reader: ring slots")
     p.add_argument("--chunk-mib", type=int, default=reader.CHUNK >> 20, help="reader: MiB per read and per slot")
-    p.add_argument("--lanes", type=int, default=reader.LANES, help="reader: tensors read and hashed at once (digests on)")
     p.add_argument("--loaders", default="", help="comma-separated subset of the loaders (default: all)")
     return p.parse_args(argv)
 
@@ -170,7 +169,7 @@ def load_safetensors(files: list[Path], device: torch.device) -> dict[str, torch
     return out
 
 
-def lucifer_loader(digests: bool, threads: int, slots: int, chunk: int, lanes: int) -> Callable:
+def lucifer_loader(digests: bool, threads: int, slots: int, chunk: int) -> Callable:
     def load(files: list[Path], device: torch.device) -> dict[str, torch.Tensor]:
         out = {}
         for f in files:
@@ -179,7 +178,7 @@ def lucifer_loader(digests: bool, threads: int, slots: int, chunk: int, lanes: i
             for name, h in header.tensors.items():
                 out[name] = torch.empty(h.shape, dtype=header_dtype(h.dtype), device=device)
                 reads.append(reader.TensorRead(name, header.data_start + h.start, out[name]))
-            reader.read_tensors(f, reads, digests=digests, threads=threads, slots=slots, chunk=chunk, lanes=lanes)
+            reader.read_tensors(f, reads, digests=digests, threads=threads, slots=slots, chunk=chunk)
         return out
     return load
 
@@ -226,8 +225,8 @@ def loaders(args: argparse.Namespace) -> tuple[dict[str, Callable], dict[str, st
     chunk = args.chunk_mib << 20
     found: dict[str, Callable] = {
         "safetensors": load_safetensors,
-        "lucifer digests=off": lucifer_loader(False, args.threads, args.slots, chunk, args.lanes),
-        "lucifer digests=on": lucifer_loader(True, args.threads, args.slots, chunk, args.lanes),
+        "lucifer digests=off": lucifer_loader(False, args.threads, args.slots, chunk),
+        "lucifer digests=on": lucifer_loader(True, args.threads, args.slots, chunk),
     }
     skipped = {}
     for name, module, fn in (("fastsafetensors", "fastsafetensors", load_fastsafetensors),
@@ -394,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     device = torch.device(args.device)
     res: dict = {"device": str(device), "machine": machine(device), "reps": args.reps,
-                 "reader": {"threads": args.threads, "slots": args.slots, "chunk_mib": args.chunk_mib, "lanes": args.lanes,
+                 "reader": {"threads": args.threads, "slots": args.slots, "chunk_mib": args.chunk_mib,
                             "pinned_mib": args.slots * args.chunk_mib}}
     t0 = time.perf_counter()
     try:

@@ -15,14 +15,10 @@ bytes, pinned for CUDA: each chunk read into a slot is copied to the device asyn
 into again before its copy finished. Pinned memory is bounded by `PINNED_BOUND_MIB` (8 x 16 MiB =
 128 MiB) per call; `slots`/`chunk` change it (the GPU benchmark does).
 
-With `digests=True` each chunk is hashed (BLAKE3) as it lands; blake3 releases the GIL and, with
+With `digests=True` one hashing thread computes BLAKE3 over every chunk as it lands, in file order
+(so each tensor's chunks reach its hasher in byte order); blake3 releases the GIL and, with
 `max_threads=AUTO`, spreads one 16 MiB update over the cores, so hashing overlaps reading instead of
-following it. One tensor's digest is one sequential stream (blake3's Python API hashes no piece of
-it apart from the rest), so `LANES` (2) tensors are read and hashed at once: their chunks are handed
-out in turn, each lane's on its own hashing thread in byte order. One stream alone ran at 24 GB/s on
-the H200 host while the reads alone ran at 33 (docs/performance.md). A slot is reused only once both
-its copy and its hash are done. A file shorter than its tensors is refused before any read, naming
-the tensor a serial reader would have stopped in.
+following it. A slot is reused only once both its copy and its hash are done.
 
 Reads stay buffered (no O_DIRECT): a restart mostly finds the rank files in the page cache, where
 O_DIRECT would re-read the disk; cold, the disk is the limit for both (issue 41's table: buffered
@@ -36,7 +32,6 @@ import os
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +46,6 @@ SLOTS = 8  # ring slots: chunks read, being copied or being hashed at once
 # reads in flight at once (os.preadv releases the GIL); no more than the cores we may run on: each
 # read is a CPU copy out of the page cache, and more readers than cores only take turns
 THREADS = min(4, len(os.sched_getaffinity(0)))
-LANES = 2  # with digests: tensors read and hashed at once, one hashing thread each
 PINNED_BOUND_MIB = SLOTS * CHUNK >> 20  # host (pinned) memory a device load holds: 128 MiB
 MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20  # x86-64 / arm64 (4 KiB base pages) PMD size: the unit MADV_HUGEPAGE can fault in
@@ -71,7 +65,6 @@ class TensorRead:
 @dataclass(frozen=True)
 class _Chunk:
     name: str
-    lane: int  # whose hashing thread takes it: a tensor's chunks share one, in byte order
     offset: int  # absolute file offset of the chunk's first byte
     dst: torch.Tensor  # the chunk's bytes of the destination (flat uint8)
     host: memoryview | None  # the same bytes when the destination is read in place, else None
@@ -89,12 +82,11 @@ def in_place(t: torch.Tensor, staged: bool | None = None) -> bool:
 
 def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
                  staged: bool | None = None, fd: int | None = None, *, threads: int = THREADS,
-                 slots: int = SLOTS, chunk: int | None = None, lanes: int = LANES) -> dict[str, str]:
+                 slots: int = SLOTS, chunk: int | None = None) -> dict[str, str]:
     """Fill every read's destination from `path` (from `fd` when given, which stays open); with
     `digests`, the BLAKE3 hex digest of each tensor's bytes. `staged` forces (True) or forbids
     (False) the host-buffer path that non-CPU destinations take (tests use it to exercise that path
-    on CPU). `threads` reads in flight, `slots` ring slots of `chunk` bytes (default `CHUNK`),
-    `lanes` tensors at once when hashing (one without digests: file order)."""
+    on CPU). `threads` reads in flight, `slots` ring slots of `chunk` bytes (default `CHUNK`)."""
     reads = sorted(reads, key=lambda r: r.offset)
     for r in reads:
         if not r.dst.is_contiguous():
@@ -105,27 +97,11 @@ def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
     if own:
         fd = open_regular(path)
     try:
-        _refuse_short(fd, path, reads)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        return _Pipeline(fd, path, reads, staged, digests, max(1, threads), max(1, slots), chunk or CHUNK,
-                         max(1, lanes) if digests else 1).run()
+        return _Pipeline(fd, path, reads, staged, digests, max(1, threads), max(1, slots), chunk or CHUNK).run()
     finally:
         if own:
             os.close(fd)
-
-
-def _refuse_short(fd: int, path: Path, reads: list[TensorRead]) -> None:
-    """A file that ends before its last tensor does: the error a serial reader meets first (reads are
-    in file order), raised before any read, since lanes hand out a later tensor's chunks early."""
-    size = os.fstat(fd).st_size
-    for r in reads:
-        if r.offset + r.nbytes > size:
-            _short(path, r.name, max(size, r.offset))
-
-
-def _short(path: Path, name: str, byte: int) -> None:
-    raise ShimError(f"{path} ends inside tensor {name} (byte {byte} of the file); the file is truncated, re-copy "
-                    f"it or re-run lucifer-shard convert --resume")
 
 
 def _advise_huge_pages(reads: list[TensorRead]) -> None:
@@ -150,13 +126,13 @@ def huge_page_interior(address: int, nbytes: int) -> tuple[int, int] | None:
 
 
 class _Pipeline:
-    """One call's chunks through read (thread pool) -> copy (CUDA stream, or CPU) -> hash (a thread per
-    lane), at most `slots` chunks between being handed out and being done."""
+    """One call's chunks through read (thread pool) -> copy (CUDA stream, or CPU) -> hash (one thread),
+    at most `slots` chunks between being handed out and being done."""
 
     def __init__(self, fd: int, path: Path, reads: list[TensorRead], staged: bool | None, digests: bool,
-                 threads: int, slots: int, chunk: int, lanes: int):
+                 threads: int, slots: int, chunk: int):
         self.fd, self.path, self.reads, self.staged = fd, path, reads, staged
-        self.threads, self.slots, self.chunk, self.lanes = threads, slots, chunk, lanes
+        self.threads, self.slots, self.chunk = threads, slots, chunk
         self.hashers = _hashers(reads) if digests else {}
         devices = {r.dst.device for r in reads if not in_place(r.dst, staged)}
         cuda = [d for d in devices if d.type == "cuda"]
@@ -169,10 +145,10 @@ class _Pipeline:
 
     def run(self) -> dict[str, str]:
         free = list(range(self.slots))
-        reading: deque[tuple[_Chunk, int, Future]] = deque()  # handed to a reader, in turn
+        reading: deque[tuple[_Chunk, int, Future]] = deque()  # handed to a reader, in file order
         landed: deque[tuple[int, bool, Future | None]] = deque()  # read; copy or hash may still run
-        with ThreadPoolExecutor(self.threads, "lucifer-read") as pool, ExitStack() as stack:
-            hashing = [stack.enter_context(ThreadPoolExecutor(1, f"lucifer-hash{i}")) for i in range(self.lanes)]
+        with ThreadPoolExecutor(self.threads, "lucifer-read") as pool, \
+                ThreadPoolExecutor(1, "lucifer-hash") as hashing:
             try:
                 for c in self._chunks():
                     while not free:
@@ -197,25 +173,12 @@ class _Pipeline:
         return {name: h.hexdigest() for name, h in self.hashers.items()}
 
     def _chunks(self) -> Iterator[_Chunk]:
-        """Every chunk, `lanes` tensors at a time (taken in file order), a chunk of each lane in turn."""
-        pending = iter(self.reads)
-        lanes: list[Iterator[_Chunk] | None] = [iter(())] * self.lanes
-        while any(lane is not None for lane in lanes):
-            for i, lane in enumerate(lanes):
-                c = next(lane, None) if lane is not None else None
-                while c is None and lanes[i] is not None:  # this lane's tensor is done: the next one left
-                    r = next(pending, None)
-                    lanes[i] = None if r is None else self._tensor_chunks(r, i)
-                    c = next(lanes[i], None) if lanes[i] is not None else None
-                if c is not None:
-                    yield c
-
-    def _tensor_chunks(self, r: TensorRead, lane: int) -> Iterator[_Chunk]:
-        dst = flat_bytes(r.dst)
-        host = memoryview(dst.numpy()) if in_place(r.dst, self.staged) else None
-        for pos in range(0, r.nbytes, self.chunk):
-            end = min(pos + self.chunk, r.nbytes)
-            yield _Chunk(r.name, lane, r.offset + pos, dst[pos:end], host[pos:end] if host is not None else None)
+        for r in self.reads:
+            dst = flat_bytes(r.dst)
+            host = memoryview(dst.numpy()) if in_place(r.dst, self.staged) else None
+            for pos in range(0, r.nbytes, self.chunk):
+                end = min(pos + self.chunk, r.nbytes)
+                yield _Chunk(r.name, r.offset + pos, dst[pos:end], host[pos:end] if host is not None else None)
 
     def _view(self, c: _Chunk, slot: int) -> memoryview:
         """Where chunk `c`'s bytes are read to: the destination itself, or ring slot `slot`."""
@@ -224,11 +187,11 @@ class _Pipeline:
     def _read(self, c: _Chunk, slot: int) -> None:
         _pread_exactly(self.fd, self._view(c, slot), c.offset, self.path, c.name)
 
-    def _land(self, c: _Chunk, slot: int, read: Future, hashing: list[ThreadPoolExecutor]) -> tuple[int, bool, Future | None]:
+    def _land(self, c: _Chunk, slot: int, read: Future, hashing: ThreadPoolExecutor) -> tuple[int, bool, Future | None]:
         """Wait for chunk `c`'s read (raising its error), start its copy and its hash."""
         read.result()
         copying = c.host is None and self._copy(c, slot)
-        h = hashing[c.lane].submit(self.hashers[c.name].update, self._view(c, slot)) if self.hashers else None
+        h = hashing.submit(self.hashers[c.name].update, self._view(c, slot)) if self.hashers else None
         return slot, copying, h
 
     def _copy(self, c: _Chunk, slot: int) -> bool:
@@ -264,6 +227,7 @@ def _pread_exactly(fd: int, view: memoryview, offset: int, path: Path, name: str
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:  # the file shrank after _refuse_short
-            _short(path, name, offset + done)
+        if n == 0:
+            raise ShimError(f"{path} ends inside tensor {name} (byte {offset + done} of the file); the file is "
+                            f"truncated, re-copy it or re-run lucifer-shard convert --resume")
         done += n

@@ -131,14 +131,12 @@ def test_many_reads_in_flight_match_safetensors_own_reading(shard, digests, stag
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(chunk=st.integers(1, 70_000), slots=st.integers(1, 9), threads=st.integers(1, 5), lanes=st.integers(1, 5),
-       staged=st.booleans())
-def test_any_chunk_ring_and_lane_count_reads_the_same_bytes(shard, chunk, slots, threads, lanes, staged):
+@given(chunk=st.integers(1, 70_000), slots=st.integers(1, 9), threads=st.integers(1, 5), staged=st.booleans())
+def test_any_chunk_and_ring_size_reads_the_same_bytes(shard, chunk, slots, threads, staged):
     path, _ = shard
     ref = load_file(str(path))
     params, reads = _reads(path, ref)
-    got = reader.read_tensors(path, reads, digests=True, staged=staged, threads=threads, slots=slots, chunk=chunk,
-                              lanes=lanes)
+    got = reader.read_tensors(path, reads, digests=True, staged=staged, threads=threads, slots=slots, chunk=chunk)
     for name, t in ref.items():
         assert _raw(params[name][: t.shape[0]] if name == "d.sink" else params[name]) == _raw(t), name
     assert got == {n: blake3(_raw(t)).hexdigest() for n, t in ref.items()}
@@ -159,38 +157,3 @@ def test_a_worker_error_reaches_the_caller_and_no_thread_outlives_it(shard, stag
     assert str(e.value) == (f"lucifer_tp3: {path} ends inside tensor a.weight (byte {cut} of the file); the file is "
                             f"truncated, re-copy it or re-run lucifer-shard convert --resume")
     assert not _lucifer_threads()
-
-
-@pytest.mark.parametrize("digests", [False, True], ids=["plain", "hashed"])
-def test_lanes_hand_out_two_tensors_in_turn_when_hashing(shard, monkeypatch, digests):
-    """With digests, two tensors are read at once (a chunk of each in turn, each tensor's in byte order,
-    the next tensor taken when one ends); without, file order."""
-    path, tensors = shard
-    _, reads = _reads(path, tensors)
-    order = []
-    real = reader._pread_exactly
-    monkeypatch.setattr(reader, "_pread_exactly", lambda fd, view, offset, p, name: (order.append((name, offset)),
-                                                                                    real(fd, view, offset, p, name)))
-    reader.read_tensors(path, reads, digests=digests, threads=1, chunk=20_000, lanes=2)
-    names = [n for n, _ in order]
-    for n in tensors:  # each tensor's chunks in byte order
-        offsets = [o for m, o in order if m == n]
-        assert offsets == sorted(offsets)
-    # file order: d.sink, a.weight (3 chunks of 20,000 bytes), b.scale, c.experts (one each)
-    if not digests:
-        assert names == ["d.sink"] + ["a.weight"] * 3 + ["b.scale", "c.experts"]
-    else:  # lane 0 takes d.sink, then b.scale, then c.experts while lane 1 reads a.weight
-        assert names == ["d.sink", "a.weight", "b.scale", "a.weight", "c.experts", "a.weight"]
-
-
-@pytest.mark.parametrize("lanes", [1, 3])
-def test_a_file_cut_anywhere_names_the_first_tensor_it_cuts(shard, lanes):
-    """Checked before any read: the serial reader's message whatever the lanes hand out first."""
-    path, tensors = shard
-    _, reads = _reads(path, tensors)
-    header = read_header(path)
-    c = header.data_start + header.tensors["c.experts"].start
-    path.write_bytes(path.read_bytes()[:c + 5])
-    with pytest.raises(ShimError) as e:
-        reader.read_tensors(path, reads, digests=True, chunk=1000, lanes=lanes)
-    assert f"ends inside tensor c.experts (byte {c + 5} of the file)" in str(e.value)
