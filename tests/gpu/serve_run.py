@@ -27,6 +27,11 @@ time is continued by the next one (while the machine stays warm) with the phases
     startup   process start to first token, vLLM's "Model loading took" and the post-load step per layout,
               REPS times each, one server at a time, the page cache dropped before each start (resumed
               where a cut call left it); the disk's cold-read floor
+    load      reading speed inside the server (issue 41): a multi-GB checkpoint of the real Flash dimensions
+              (`synth flash-layer --layers 2 --no-mtp`) and its TP1 sm90 kernel-layout files; `vllm serve`
+              on the checkpoint against `lucifer-shard serve` on the files, each started cold (page cache
+              dropped) then warm (its weights just read), REPS times, one server at a time; vLLM's "Model
+              loading took" per start, the disk's cold-read floor (resumed where a cut call left it)
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -46,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "forward"))
 from inputs import FLIP_TENSOR, LONG, LONG_STEPS, SHORT, SHORT_STEPS, flip_routed_expert_byte  # noqa: E402
 
-PHASES = ("probe", "prepare", "eager", "graphs", "startup")
+PHASES = ("probe", "prepare", "eager", "graphs", "startup", "load")
 LOGPROBS = 5
 # The same engine flags for every server: the KV cache is sized by bytes, not by a share of free memory,
 # so servers started together on one GPU do not see each other's allocations in their profiling. FlashInfer
@@ -342,6 +348,8 @@ def cold_read_floor(files: list[Path]) -> dict:
 
 
 STARTUP = ("default", "model", "kernel")  # vLLM's loader on the checkpoint; the two layouts through serve
+LOAD_LAYERS = 2  # real Flash layers: both sliding-window and hash-routed, so no compressor kernel is needed
+LOADS = ("default", "lucifer")  # `vllm serve` on the checkpoint; `lucifer-shard serve` on its rank files
 
 
 def phase_startup(work: Path, logs: Path, deadline: float, done: dict, save) -> dict:
@@ -353,33 +361,70 @@ def phase_startup(work: Path, logs: Path, deadline: float, done: dict, save) -> 
                              for d in ("model", "out-model", "out-kernel")})
     argv = {"default": vllm_serve(work / "model", EAGER), "model": lucifer_serve(work / "out-model", EAGER, moe=FI),
             "kernel": lucifer_serve(work / "out-kernel", EAGER)}
-    for rep in range(STARTUP_REPS):
-        for name in STARTUP:
-            if len(res.get(name, [])) > rep:
-                continue
-            if deadline - time.monotonic() < 100:  # another start would not end in time
-                res["stopped_early"] = f"at repetition {rep} of {name}: the call's time was running out"
-                return res
+    starts = [(rep, name, "cold") for rep in range(STARTUP_REPS) for name in STARTUP]
+    return _timed_starts(starts, argv, "startup", logs, deadline, res, save)
+
+
+def phase_load(work: Path, logs: Path, deadline: float, done: dict, save) -> dict:
+    """Issue 41's serving figures: vLLM's "Model loading took" for `vllm serve` on a multi-GB checkpoint and
+    `lucifer-shard serve` on its TP1 sm90 kernel-layout files, cold then warm, STARTUP_REPS times each, one
+    server at a time (continues DONE, saving after every start)."""
+    big, res = work / "big", dict(done)
+    if "sizes_bytes" not in res:
+        t = time.monotonic()
+        shutil.rmtree(big, ignore_errors=True)
+        cli("synth", "flash-layer", str(big / "model"), "--layers", str(LOAD_LAYERS), "--no-mtp", "--quiet")
+        cli("convert", "--tp", "1", "--arch", "sm90", str(big / "model"), str(big / "out"), "--quiet")
+        res["prepare_s"] = round(time.monotonic() - t, 1)
+        res["sizes_bytes"] = {d: sum(f.stat().st_size for f in (big / d).rglob("*.safetensors")) for d in ("model", "out")}
+        save(res)
+    res.setdefault("floor", {d: cold_read_floor(sorted((big / d).rglob("*.safetensors"))) for d in ("model", "out")})
+    # the weights fill more of the GPU than the small model's: one server at a time, so half the GPU is its own
+    mem = ["--gpu-memory-utilization", "0.5"]
+    argv = {"default": vllm_serve(big / "model", EAGER + mem), "lucifer": lucifer_serve(big / "out", EAGER + mem)}
+    starts = [(rep, name, mode) for rep in range(STARTUP_REPS) for name in LOADS for mode in ("cold", "warm")]
+    res = _timed_starts(starts, argv, "load", logs, deadline, res, save)
+    res["median_model_loading_s"] = {
+        key: statistics.median(r["model_loading_s"] for r in rows) for key, rows in res.items()
+        if key.endswith(("_cold", "_warm")) and rows and all("model_loading_s" in r for r in rows)}
+    return res
+
+
+def _timed_starts(starts: list[tuple[int, str, str]], argv: dict[str, list[str]], phase: str, logs: Path,
+                  deadline: float, res: dict, save) -> dict:
+    """Each (repetition, server, cold|warm) start in turn, skipping those RES already holds (as rows of
+    "<server>" for the start-up phase, "<server>_<mode>" otherwise): the page cache dropped before a cold
+    start, the server's weights left cached by the start before for a warm one; per start the ready and
+    first-token seconds and vLLM's load figures, saved at once."""
+    res["complete"] = False  # until every start has a row: the next call on this machine continues it
+    for rep, name, mode in starts:
+        key = name if phase == "startup" else f"{name}_{mode}"
+        if len(res.get(key, [])) > rep:
+            continue
+        if deadline - time.monotonic() < 100:  # another start would not end in time
+            res["stopped_early"] = f"at repetition {rep} of {key}: the call's time was running out"
+            return res
+        if mode == "cold":
             drop_caches()
-            s = Server(f"startup_{name}_{rep}", argv[name], 8200, logs)
+        s = Server(f"{phase}_{key}_{rep}", argv[name], 8200, logs)
+        try:
             try:
-                try:
-                    ready = s.wait_ready(max(deadline - 15, time.monotonic() + 10))
-                except TimeoutError:  # the call's time ran out during this start: keep the rows so far
-                    res["stopped_early"] = f"at repetition {rep} of {name}: the call's time ran out"
-                    return res
-                row = {"ready_s": ready and round(ready, 2)}
-                if ready is not None:
-                    s.complete(SHORT[0], 1)
-                    row["first_token_s"] = round(time.monotonic() - s.t0, 2)
-                    row.update(s.load_figures())
-                    row.pop("verbatim_lines", None)
-                else:
-                    row["log_tail"] = s.tail()
-            finally:
-                s.stop()
-            res.setdefault(name, []).append(row)
-            save(res)
+                ready = s.wait_ready(max(deadline - 15, time.monotonic() + 10))
+            except TimeoutError:  # the call's time ran out during this start: keep the rows so far
+                res["stopped_early"] = f"at repetition {rep} of {key}: the call's time ran out"
+                return res
+            row = {"ready_s": ready and round(ready, 2)}
+            if ready is not None:
+                s.complete(SHORT[0], 1)
+                row["first_token_s"] = round(time.monotonic() - s.t0, 2)
+                row.update(s.load_figures())
+                row.pop("verbatim_lines", None)
+            else:
+                row["log_tail"] = s.tail()
+        finally:
+            s.stop()
+        res.setdefault(key, []).append(row)
+        save(res)
     res.pop("stopped_early", None)
     res["complete"] = True
     return res
@@ -413,8 +458,7 @@ def main() -> int:
 def _run_phases(phases: list[str], results: dict, results_path: Path, work: Path, logs: Path, out: Path,
                 deadline: float, swa_only: bool) -> None:
     for phase in phases:
-        if phase in results and "error" not in results[phase] and results[phase].get("import_ok", True) \
-                and results[phase].get("complete", True):
+        if _done(results.get(phase)):
             continue  # done by an earlier call on this machine
         missing = _missing_prerequisite(phase, results)
         if missing:
@@ -432,17 +476,25 @@ def _run_phases(phases: list[str], results: dict, results_path: Path, work: Path
                 results[phase] = phase_eager(work, logs, min(left, 420))
             elif phase == "graphs":
                 results[phase] = phase_graphs(work, logs, results["eager"], left)
-            elif phase == "startup":
-                def save(partial: dict) -> None:
+            elif phase in ("startup", "load"):
+                def save(partial: dict, phase: str = phase) -> None:
                     results[phase] = partial
                     results_path.write_text(json.dumps(results, indent=1))
-                results[phase] = phase_startup(work, logs, deadline, dict(results.get(phase, {})), save)
+                run = phase_startup if phase == "startup" else phase_load
+                results[phase] = run(work, logs, deadline, dict(results.get(phase, {})), save)
         except Exception as e:  # recorded with the phase; the next phases still run
             results[phase] = {"error": f"{type(e).__name__}: {e}"}
         results[phase]["phase_s"] = round(time.monotonic() - t, 1)
         results_path.write_text(json.dumps(results, indent=1))
         print(json.dumps({phase: _brief(results[phase])})[:3000], flush=True)
         _export(results_path, logs, out)
+
+
+def _done(result: dict | None) -> bool:
+    """Whether a phase's recorded result needs no further call: it ran without an error, vLLM imported
+    (probe), and every start it owes has its row (startup, load: cut short by a call's time, it goes on)."""
+    return result is not None and "error" not in result and result.get("import_ok", True) \
+        and result.get("complete", True) and "stopped_early" not in result
 
 
 def _export(results_path: Path, logs: Path, out: Path) -> None:

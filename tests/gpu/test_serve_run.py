@@ -84,3 +84,59 @@ def test_post_load_figures_sum_the_hooks_records(tmp_path):
     assert got["post_load"] == {"s": 0.25, "allocated_before": 100, "peak": 400, "allocated_after": 120,
                                 "transient_bytes": 280}
     assert S.post_load_figures(tmp_path / "none") == {}
+
+
+class _FakeServer:
+    """Stands in for a vLLM server process (no vLLM here): ready at once; each start takes 100 s of a fake clock."""
+    started: list[str] = []
+    now = [0.0]
+
+    def __init__(self, name, argv, port, logs):
+        self.name, self.t0 = name, self.now[0]
+        self.started.append(name)
+
+    def wait_ready(self, deadline):
+        return 1.0
+
+    def complete(self, prompt, max_tokens):
+        return {}
+
+    def load_figures(self):
+        return {"model_loading_s": 2.0 if "lucifer" in self.name else 5.0, "verbatim_lines": []}
+
+    def stop(self):
+        self.now[0] += 100
+
+
+def test_timed_starts_run_cold_then_warm_and_a_later_call_continues_where_one_stopped(monkeypatch, tmp_path):
+    """The load phase's starts: cold ones after dropping the page cache, warm ones right after; a call whose
+    time runs out saves what ran and is marked unfinished, so the next call on the machine runs only the rest
+    (a partial result once counted as done and the phase was skipped: found on the H200, 2026-12-04)."""
+    dropped = []
+    monkeypatch.setattr(S, "Server", _FakeServer)
+    monkeypatch.setattr(S, "drop_caches", lambda: dropped.append(len(_FakeServer.started)))
+    monkeypatch.setattr(S.time, "monotonic", lambda: _FakeServer.now[0])
+    _FakeServer.started, _FakeServer.now[0] = [], 0.0
+    starts = [(rep, name, mode) for rep in range(2) for name in S.LOADS for mode in ("cold", "warm")]
+    argv = {name: [name] for name in S.LOADS}
+    saved = []
+    # a start needs 100 s left: at 300 s of a 350 s call, the fourth does not begin
+    res = S._timed_starts(starts, argv, "load", tmp_path, 350.0, {}, lambda r: saved.append(dict(r)))
+    assert _FakeServer.started == ["load_default_cold_0", "load_default_warm_0", "load_lucifer_cold_0"]
+    assert dropped == [0, 2]  # before each cold start only
+    assert "lucifer_warm" in res["stopped_early"] and len(saved) == 3 and not S._done(res)
+
+    _FakeServer.started = []
+    res = S._timed_starts(starts, argv, "load", tmp_path, 1e9, res, lambda r: None)
+    assert _FakeServer.started == ["load_lucifer_warm_0", "load_default_cold_1", "load_default_warm_1",
+                                   "load_lucifer_cold_1", "load_lucifer_warm_1"]
+    assert S._done(res) and res["lucifer_warm"][0] == {"ready_s": 1.0, "first_token_s": 0.0, "model_loading_s": 2.0}
+    assert {k: len(v) for k, v in res.items() if k.endswith(("_cold", "_warm"))} == {
+        "default_cold": 2, "default_warm": 2, "lucifer_cold": 2, "lucifer_warm": 2}
+
+
+@pytest.mark.parametrize("result,done", [
+    (None, False), ({"error": "x"}, False), ({"import_ok": False}, False), ({"import_ok": True}, True),
+    ({"complete": False}, False), ({"stopped_early": "at repetition 1"}, False), ({"complete": True}, True)])
+def test_a_phase_is_done_only_when_it_ran_whole(result, done):
+    assert S._done(result) is done
