@@ -48,3 +48,20 @@ def test_a_wrong_byte_fails_the_check(gpu_load):
     gpu_load.check({"a": ref["a"].clone(), "b": ref["b"].clone()}, ref)
     with pytest.raises(RuntimeError, match="1 tensors differ from the reference, e.g. b"):
         gpu_load.check(got, ref)
+
+
+def test_digest_cost_bench_measures_every_setting_on_a_small_file(tmp_path):
+    """bench/digest_cost.py's plumbing on CPU with small sizes: every measurement written, the reader's runs
+    positive, the warm file removed (its figures come from the GPU host)."""
+    spec = importlib.util.spec_from_file_location("digest_cost", REPO / "bench" / "digest_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out, warm = tmp_path / "d.json", tmp_path / "warm.bin"
+    module.main(["--device", "cpu", "--gb", "0.012", "--tensor-mb", "4", "--buffer-mib", "4", "--file", str(warm),
+                 "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert not warm.exists()
+    assert res["cores"] >= 1 and res["memory copy 32 MiB, 16 threads"] > 0
+    assert res["hash max_threads=-1 update=16MiB, 4 readers beside"] > 0
+    runs = {k: v for k, v in res.items() if k.startswith("reader digests=")}
+    assert len(runs) == 2 + 2 * 9 + 2 and all(min(v["reader"] if isinstance(v, dict) else v) > 0 for v in runs.values())
