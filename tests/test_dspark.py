@@ -255,6 +255,46 @@ def test_a_flipped_context_byte_is_found_by_diff(out_0731, tmp_path):
     assert r.exit_code == 1 and "model.context_wkv_proj.weight" in r.output, r.output
 
 
+@pytest.mark.parametrize("max_mib", [1, 64, 1024, 4096])
+def test_tensors_reading_one_source_share_a_part_at_any_file_size(max_mib):
+    """0731's context projection reads the three stages' wkv, which their fused_wqa_wkv read too: those four
+    (weights, and scales) are planned into one draft part, since a part's files are stamped with the digests
+    of the source tensors it reads whole. Every other tensor is alone, so the split is the plain one, and
+    every source tensor is read by one part only. (With the tensors apart, `convert --max-file-size 8MiB`
+    of the dspark preset stopped: "draft part 0: 2 source tensor(s) not read completely".)"""
+    from lucifer_shard.engine.job import part_keys, plan_parts, shared_source_groups
+
+    cfg = parse_config(cfg_0731())
+    plan = make_plan(cfg, 3)
+    for role in ("target", "draft"):
+        specs = build_specs(cfg, plan, role)[0]
+        groups = [[s.name for s in g] for g in shared_source_groups(specs) if len(g) > 1]
+        assert groups == ([] if role == "target" else [
+            [f"model.{n}{leaf}" for n in ["context_wkv_proj"] + [f"layers.{j}.attn.fused_wqa_wkv" for j in range(3)]]
+            for leaf in (".weight", ".weight_scale_inv")])
+        parts = plan_parts(role, specs, max_mib << 20)
+        by_name = {s.name: s for s in specs}
+        reader = {}
+        for part in parts:
+            assert part.names == sorted(part.names)
+            for key in part_keys(by_name, part):
+                assert reader.setdefault(key, part.index) == part.index, (role, key)
+        assert sorted(n for part in parts for n in part.names) == sorted(by_name)
+        for group in groups:
+            assert len({part.index for part in parts if group[0] in part.names and set(group) <= set(part.names)}) == 1
+
+
+def test_the_dspark_preset_converts_at_a_small_file_size_and_proves(tmp_path):
+    model, out = tmp_path / "model", tmp_path / "out"
+    assert run("synth", "dspark", str(model), "--quiet").exit_code == 0
+    r = run("convert", "--tp", "3", "--arch", "sm90", "--max-file-size", "8MiB", str(model), str(out), "--quiet")
+    assert r.exit_code == 0, r.output
+    assert len(list((out / "draft" / "rank-0").glob("*.safetensors"))) > 1
+    for cmd in ("diff", "verify"):
+        r = run(cmd, str(out))
+        assert r.exit_code == 0 and "OK" in r.output, (cmd, r.output)
+
+
 def test_the_dspark_preset_converts_and_serves_with_method_dspark(tmp_path):
     model, out = tmp_path / "model", tmp_path / "out"
     assert run("synth", "dspark", str(model), "--quiet").exit_code == 0

@@ -69,8 +69,10 @@ def plan_footprint(specs: dict[str, list[list[TensorSpec]]], parts: list[Part], 
 def plan_parts(role: str, specs: list[TensorSpec], max_bytes: int, align: int = 8) -> list[Part]:
     """Split a rank's sorted tensors into parts of at most `max_bytes` (a larger tensor stands alone).
 
-    Safetensors forbids gaps between tensors, so alignment is had by order: within a part, the
-    tensors whose size is a multiple of `align` come first (by name) and therefore all start
+    Tensors that read a common source tensor share a part (`shared_source_groups`): a part's files are
+    stamped with the digests of the source tensors it reads, each read whole within the part
+    (`part_keys`). Safetensors forbids gaps between tensors, so alignment is had by order: within a
+    part, the tensors whose size is a multiple of `align` come first (by name) and therefore all start
     aligned once the header pads the data section to `align`.
     """
     parts: list[Part] = []
@@ -79,19 +81,42 @@ def plan_parts(role: str, specs: list[TensorSpec], max_bytes: int, align: int = 
     sizes = {s.name: s.nbytes for s in specs}
 
     def close() -> None:
-        if align > 8:  # the default keeps plain name order
-            names.sort(key=lambda n: (sizes[n] % align != 0, n))
+        names.sort(key=lambda n: (align > 8 and sizes[n] % align != 0, n))  # align 8: plain name order
         parts.append(Part(role, len(parts), list(names), size))
 
-    for spec in specs:
-        if names and size + spec.nbytes > max_bytes:
+    for group in shared_source_groups(specs):
+        nbytes = sum(s.nbytes for s in group)
+        if names and size + nbytes > max_bytes:
             close()
             names, size = [], 0
-        names.append(spec.name)
-        size += spec.nbytes
+        names.extend(s.name for s in group)
+        size += nbytes
     if names:
         close()
     return parts
+
+
+def shared_source_groups(specs: list[TensorSpec]) -> list[list[TensorSpec]]:
+    """SPECS grouped by the source tensors they read (two tensors reading one source are in one group,
+    transitively), each group where its first member is. All but a few are alone: the DSpark drafter's
+    context projection reads the draft attention's wkv, which its fused_wqa_wkv reads too."""
+    root = list(range(len(specs)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    reader: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        for key in spec.sources():
+            a, b = find(i), find(reader.setdefault(key, i))
+            root[max(a, b)] = min(a, b)  # a group's root is its first member
+    groups: dict[int, list[TensorSpec]] = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault(find(i), []).append(spec)
+    return list(groups.values())
 
 
 @dataclass
