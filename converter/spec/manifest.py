@@ -67,6 +67,51 @@ FLASHINFER_ANY = "any"  # sm120/sm100 kernel layout: one layout generation
 FLASHINFER_NOT_REQUIRED = "not required"  # model layout: vLLM lays the experts out at load, for any backend
 
 
+def flashinfer_generation(version: str) -> str | None:
+    """The sm90 layout generation ("folded", "legacy") that FlashInfer `version` reads, by FLASHINFER_VERSIONS'
+    items (`X`, `>=X`, `X-Y`, `A.B.x`; a post or local release counts as its release), or None if neither
+    lists it."""
+    def release(v: str) -> tuple[int, ...]:
+        m = re.match(r"\d+(?:\.\d+)*", v.strip())
+        return tuple(int(x) for x in m.group(0).split(".")) if m else ()
+
+    got = release(version)
+    for generation, items in FLASHINFER_VERSIONS.items():
+        for item in items.split(", "):
+            if item.startswith(">="):
+                hit = got >= release(item[2:])
+            elif "-" in item:
+                low, high = item.split("-")
+                hit = release(low) <= got <= release(high)
+            elif item.endswith(".x"):
+                hit = got[:2] == release(item[:-2])
+            else:
+                hit = got == release(item)
+            if got and hit:
+                return generation
+    return None
+
+
+def flashinfer_problem(layout: str | None, installed: str | None) -> tuple[str, str] | None:
+    """(why, fix) when FlashInfer `installed` (its version; None: not installed) cannot run routed experts laid
+    out in the sm90 generation `layout` (the manifest's flashinfer_layout; None: the files need no generation),
+    else None. A kernel of the other generation does not fail on these bytes, it computes wrong numbers
+    (docs/design/kernel-layouts.md §1), so this is checked, not assumed."""
+    if layout is None:
+        return None
+    versions = f"flashinfer-python {FLASHINFER_VERSIONS[layout]}"
+    need = f"the routed experts are in FlashInfer's {layout} sm90 layout ({versions})"
+    if installed is None:
+        return f"{need}, and flashinfer-python is not installed", f"install {versions}"
+    found = flashinfer_generation(installed)
+    if found == layout:
+        return None
+    reads = f"reads the {found} layout: its MoE kernel would" if found else \
+        "is of no sm90 layout generation this tool knows: its MoE kernel may"
+    return (f"{need}, but the installed flashinfer-python {installed} {reads} compute wrong numbers from these files",
+            (f"re-convert with --flashinfer-layout {found}, or " if found else "") + f"install {versions}")
+
+
 @dataclass(frozen=True)
 class Options:
     """Everything that decides the bytes of a conversion (and so its identity)."""

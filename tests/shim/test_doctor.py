@@ -61,6 +61,25 @@ def test_doctor_gates_on_what_the_output_needs(out_kernel, out_model, tmp_path, 
     assert c["virtual TP"].status == OK and not [x for x in c.values() if x.status == FAIL]
 
 
+def test_doctor_checks_sm90_kernel_layout_against_the_installed_flashinfers_generation(shim_base, monkeypatch, shim):
+    """The venv's FlashInfer (0.7.x, folded) reads the default sm90 kernel layout; one of the legacy generation
+    (its version replaced here: the venv has one FlashInfer) fails the output, naming both fixes. sm120 kernel
+    layout depends on no generation: no such check."""
+    import shim_fixtures as sf
+    from lucifer_shard.runtime_shim import doctor
+    from lucifer_shard.runtime_shim.doctor import FAIL, OK, doctor_report
+
+    out = sf.convert_tiny(shim_base, "--arch", "sm90")
+    c = _by_name(doctor_report(out))["output FlashInfer layout"]
+    assert c.status == OK and f"flashinfer-python {doctor.dist_version('flashinfer-python')} reads it" in c.detail
+    real = doctor.dist_version
+    monkeypatch.setattr(doctor, "dist_version", lambda name: "0.6.14" if name == "flashinfer-python" else real(name))
+    c = _by_name(doctor_report(out))["output FlashInfer layout"]
+    assert c.status == FAIL and "flashinfer-python 0.6.14 reads the legacy layout" in c.detail
+    assert c.fix == "re-convert with --flashinfer-layout legacy, or install flashinfer-python 0.6.16, >=0.6.18, 0.7.x"
+    assert "output FlashInfer layout" not in _by_name(doctor_report(sf.convert_tiny(shim_base)))
+
+
 @pytest.fixture
 def unvetted(monkeypatch, shim):
     """This vLLM as an unvetted release: no vetted build has its create_engine_config."""

@@ -292,6 +292,30 @@ def test_load_model_refuses_kernel_layout_on_vllm_without_relayout_wrapper(out_k
     _refusal(e, "tensor_parallel_size 2, but the files were built for 3: start with -tp 3")
 
 
+@pytest.mark.parametrize("installed,needles", [
+    ("0.6.13", ("folded sm90 layout", "flashinfer-python 0.6.13 reads the legacy layout",
+                "re-convert with --flashinfer-layout legacy")),
+    (None, ("folded sm90 layout", "flashinfer-python is not installed", "install flashinfer-python 0.6.16"))])
+def test_load_model_refuses_sm90_kernel_layout_on_a_flashinfer_of_the_other_generation(shim_base, monkeypatch, shim,
+                                                                                      installed, needles):
+    """sm90 experts in the folded generation (the default) on a FlashInfer that reads the legacy one, or on none:
+    refused before vLLM builds the model, since the kernel would not fail on these bytes, only compute wrong
+    numbers. The installed version is replaced here (this venv has one FlashInfer, of the folded generation)."""
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from lucifer_shard.runtime_shim import loader as shim_loader
+
+    out = sf.convert_tiny(shim_base, "--arch", "sm90")
+    monkeypatch.setattr(shim_loader, "dist_version", lambda name: installed if name == "flashinfer-python" else None)
+    loader = get_model_loader(LoadConfig(load_format="lucifer_tp3"))
+    vcfg = _vllm_config(out)
+    vcfg.speculative_config = None
+    with pytest.raises(ValueError) as e:
+        loader.load_model(vcfg, vcfg.model_config)
+    _refusal(e, *needles)
+
+
 def test_stock_padding_comes_from_the_manifest_and_refuses_another_config(out_model, shim):
     from lucifer_shard.runtime_shim import stock_vtp
     from lucifer_shard.runtime_shim.manifest import load_manifest
