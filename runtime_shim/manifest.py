@@ -77,6 +77,12 @@ class Manifest:
         return self.doc.expert_layout
 
     @property
+    def flashinfer_layout(self) -> str | None:
+        """The FlashInfer layout generation of sm90 kernel-layout experts ("folded", "legacy"); None for
+        any other output (docs/design/kernel-layouts.md §1)."""
+        return self.doc.flashinfer_layout
+
+    @property
     def moe_backend(self) -> str | None:
         """The MoE route the routed width was planned for (`Options.moe_backend`, spec/plan.MOE_ROUTES): "b12x",
         or None for the default (the width every backend that rounds to 128 takes)."""
