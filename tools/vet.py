@@ -36,6 +36,7 @@ from pathlib import Path
 import vllm_hashes  # tools/vllm_hashes.py, beside this file
 
 from lucifer_shard.guarded_io import read_regular
+from lucifer_shard.spec.manifest import release_numbers
 from lucifer_shard.runtime_shim import compat, wrappers
 
 DIST = "vllm"
@@ -91,14 +92,10 @@ def venv_problem(venv: Path) -> str | None:
     return None
 
 
-def version_key(version: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", version))
-
-
 def stock_releases() -> list[compat.Build]:
     """The vetted releases of the `vllm` distribution, newest first."""
     found = [b for b in compat.SUPPORTED_BUILDS if b.stock and b.install == f"pip install {DIST}=={b.commit}"]
-    return sorted(found, key=lambda b: version_key(b.commit), reverse=True)
+    return sorted(found, key=lambda b: release_numbers(b.commit), reverse=True)
 
 
 def last_vetted(version: str) -> compat.Build:

@@ -67,29 +67,31 @@ FLASHINFER_ANY = "any"  # sm120/sm100 kernel layout: one layout generation
 FLASHINFER_NOT_REQUIRED = "not required"  # model layout: vLLM lays the experts out at load, for any backend
 
 
-def flashinfer_generation(version: str) -> str | None:
-    """The sm90 layout generation ("folded", "legacy") that FlashInfer `version` reads, by FLASHINFER_VERSIONS'
-    items (`X`, `>=X`, `X-Y`, `A.B.x`; a post or local release counts as its release), or None if neither
-    lists it."""
-    def release(v: str) -> tuple[int, ...]:
-        m = re.match(r"\d+(?:\.\d+)*", v.strip())
-        return tuple(int(x) for x in m.group(0).split(".")) if m else ()
+def release_numbers(version: str) -> tuple[int, ...]:
+    """A version's release numbers, without pre, post or local parts ("0.7.2.post1" -> (0, 7, 2)); () if
+    it starts with none."""
+    m = re.match(r"\d+(?:\.\d+)*", version.strip())
+    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
 
-    got = release(version)
-    for generation, items in FLASHINFER_VERSIONS.items():
-        for item in items.split(", "):
-            if item.startswith(">="):
-                hit = got >= release(item[2:])
-            elif "-" in item:
-                low, high = item.split("-")
-                hit = release(low) <= got <= release(high)
-            elif item.endswith(".x"):
-                hit = got[:2] == release(item[:-2])
-            else:
-                hit = got == release(item)
-            if got and hit:
-                return generation
-    return None
+
+def flashinfer_generation(version: str) -> str | None:
+    """The sm90 layout generation ("folded", "legacy") that FlashInfer `version` reads, by FLASHINFER_VERSIONS
+    (a post or local release counts as its release), or None if neither lists it."""
+    got = release_numbers(version)
+    return next((generation for generation, items in FLASHINFER_VERSIONS.items()
+                 if got and any(_names(item, got) for item in items.split(", "))), None)
+
+
+def _names(item: str, got: tuple[int, ...]) -> bool:
+    """Whether one FLASHINFER_VERSIONS item (`X`, `>=X`, `X-Y`, `A.B.x`) names the release `got`."""
+    if item.startswith(">="):
+        return got >= release_numbers(item[2:])
+    if "-" in item:
+        low, high = item.split("-")
+        return release_numbers(low) <= got <= release_numbers(high)
+    if item.endswith(".x"):
+        return got[:2] == release_numbers(item[:-2])
+    return got == release_numbers(item)
 
 
 def flashinfer_problem(layout: str | None, installed: str | None) -> tuple[str, str] | None:

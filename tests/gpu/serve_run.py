@@ -274,8 +274,7 @@ def phase_prepare(work: Path, swa_only: bool) -> dict:
         shutil.copytree(work / "out-kernel", work / "flipped")
         res["flipped"] = flip_routed_expert_byte(model, work / "flipped")
         (work / "prepared").touch()
-    res["sizes_bytes"] = {d: sum(f.stat().st_size for f in (work / d).rglob("*.safetensors"))
-                          for d in ("model", "out-model", "out-kernel")}
+    res["sizes_bytes"] = {d: weight_bytes(work / d) for d in ("model", "out-model", "out-kernel")}
     for name in () if swa_only else ("out-kernel",):  # the dry run prints the doctor's report and the command
         r = sh([sys.executable, "-m", "lucifer_shard.cli", "serve", str(work / name), "--dry-run"])
         res[f"serve_dry_run_{name}"] = {"exit": r.returncode, "output": (r.stdout + r.stderr)[-3000:]}
@@ -335,6 +334,15 @@ def drop_caches() -> bool:
         return False
 
 
+def weights(d: Path) -> list[Path]:
+    """The safetensors files under D (a checkpoint or an output), in order."""
+    return sorted(d.rglob("*.safetensors"))
+
+
+def weight_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in weights(d))
+
+
 def cold_read_floor(files: list[Path]) -> dict:
     """Seconds to read FILES from storage after the page cache is dropped (the disk's floor for a load)."""
     dropped = drop_caches()
@@ -357,8 +365,7 @@ def phase_startup(work: Path, logs: Path, deadline: float, done: dict, save) -> 
     after /health), vLLM's "Model loading took" and the post-load step, all with the FlashInfer MoE.
     Continues DONE (a cut call's rows); `save(res)` after every start, so a call cut off loses one row."""
     res = dict(done)
-    res.setdefault("floor", {d: cold_read_floor(sorted((work / d).rglob("*.safetensors")))
-                             for d in ("model", "out-model", "out-kernel")})
+    res.setdefault("floor", {d: cold_read_floor(weights(work / d)) for d in ("model", "out-model", "out-kernel")})
     argv = {"default": vllm_serve(work / "model", EAGER), "model": lucifer_serve(work / "out-model", EAGER, moe=FI),
             "kernel": lucifer_serve(work / "out-kernel", EAGER)}
     starts = [(rep, name, "cold") for rep in range(STARTUP_REPS) for name in STARTUP]
@@ -376,9 +383,9 @@ def phase_load(work: Path, logs: Path, deadline: float, done: dict, save) -> dic
         cli("synth", "flash-layer", str(big / "model"), "--layers", str(LOAD_LAYERS), "--no-mtp", "--quiet")
         cli("convert", "--tp", "1", "--arch", "sm90", str(big / "model"), str(big / "out"), "--quiet")
         res["prepare_s"] = round(time.monotonic() - t, 1)
-        res["sizes_bytes"] = {d: sum(f.stat().st_size for f in (big / d).rglob("*.safetensors")) for d in ("model", "out")}
+        res["sizes_bytes"] = {d: weight_bytes(big / d) for d in ("model", "out")}
         save(res)
-    res.setdefault("floor", {d: cold_read_floor(sorted((big / d).rglob("*.safetensors"))) for d in ("model", "out")})
+    res.setdefault("floor", {d: cold_read_floor(weights(big / d)) for d in ("model", "out")})
     # the weights fill more of the GPU than the small model's: one server at a time, so half the GPU is its own
     mem = ["--gpu-memory-utilization", "0.5"]
     argv = {"default": vllm_serve(big / "model", EAGER + mem), "lucifer": lucifer_serve(big / "out", EAGER + mem)}
