@@ -318,6 +318,21 @@ def test_manifest_field_mutations_are_findings_or_refusals(mutable_out, data, va
         (out / MANIFEST_NAME).write_text(text)
 
 
+def test_an_edited_model_shape_is_a_finding_and_pads_are_read_by_the_rule_table(mutable_out):
+    """The example the mutation test above found (2026-12-04): a kernel-layout expert's model_shape edited to
+    hold a 0 and the manifest re-sealed. verify reports the edited entry against the rule table (exit 1) and
+    reads the tensor's pads as the rule table lays them out; it used to size them from the edited entry and
+    stop with an internal error (numpy could not broadcast)."""
+    out, text, _, _ = mutable_out
+    try:
+        name = "model.layers.4.mtp_block.ffn.experts.routed_experts.w13_weight"
+        reseal(out, _set(json.loads(text), ("roles", "draft", "ranks", 0, "tensors", name, "model_shape", 1), 0))
+        r = run("verify", out)
+        assert r.exit_code == 1 and "entry field 'model_shape' is [8, 0, 128]" in r.output, r.output
+    finally:
+        (out / MANIFEST_NAME).write_text(text)
+
+
 @pytest.mark.parametrize("doc", [[], "manifest", None, 7, {"format": "lucifer-shard/manifest"}])
 def test_a_manifest_of_the_wrong_type_is_an_input_error(converted, tiny_pattern, tmp_path, doc):
     out = copy_out(converted(), tmp_path / "out")

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -62,8 +63,7 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
         cfg = load_config(out / "config.json", follow=False)
     except LuciferError as e:
         report.add(Problem("manifest", f"{e}; cannot check the manifest against the rule table", file="config.json"))
-    if cfg is not None:
-        check_manifest_rules(report, manifest, cfg)
+    rules = check_manifest_rules(report, manifest, cfg) if cfg is not None else None
     for name, problem in copy_problems(out, manifest, None if report.repair == REPAIR else report.repair):
         report.add(Problem("file", problem, file=name))
     check_strays(report, out, manifest, held)
@@ -79,7 +79,7 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
     try:
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="verify") as pool:
             futs = [pool.submit(_verify_file, max_problems, rf, f, role, rank,
-                                manifest.rank(role, rank).tensors, bar, chunk_bytes)
+                                _as_planned(manifest.rank(role, rank).tensors, rules, role, rank), bar, chunk_bytes)
                     for role, rank, f, rf in jobs]
             for fut in futs:  # merged in manifest order: the report does not depend on thread timing
                 sub, file_digests, n, pads = fut.result()
@@ -99,6 +99,16 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
         "bytes_per_s": round(total / seconds) if seconds else 0,
     })
     return report
+
+
+def _as_planned(got: dict[str, TensorRecord], rules: dict | None, role: str, rank: int) -> dict[str, TensorRecord]:
+    """The rank's records with the rule table's planned fields (`check_manifest_rules`' entries): pads and
+    scales are read as the rule table lays them out, whatever an edited record says (that record is a
+    finding already); digests stay as recorded."""
+    ranks = rules["entries"].get(role, []) if rules else []
+    want = ranks[rank] if rank < len(ranks) else {}
+    return {name: replace(r, **{k: getattr(want[name], k) for k in TensorRecord.PLANNED}) if name in want else r
+            for name, r in got.items()}
 
 
 @functools.lru_cache(maxsize=64)
