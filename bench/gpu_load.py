@@ -10,7 +10,8 @@ Phases, each written to --json as soon as it ends (a cut call keeps what finishe
   disk      `dd iflag=direct bs=64M` on the rank's files, all at once (the disk without page cache),
             and `dd bs=16M` buffered one file at a time, cold and warm
   loaders   safetensors (safe_open + get_tensor().to(device), vLLM's default iterator), the lucifer
-            reader (runtime_shim/reader.py) with digests off and on, and fastsafetensors,
+            reader (runtime_shim/reader.py) with digests off and on (on a GPU also with the GPU's
+            tensors hashed on the host, as before runtime_shim/device_blake3.py), and fastsafetensors,
             instanttensor, runai-model-streamer when importable (else skipped, the reason printed);
             per repetition all cold (page cache dropped before each run), then all warm (files read
             once before), the loaders' order rotated each repetition; every tensor compared byte for
@@ -45,6 +46,7 @@ FIXED_GB = 2.1
 LAYER_GB = 4.1
 TP = 3
 PEERS = ("fastsafetensors", "instanttensor", "runai-model-streamer")
+HOST_HASHED = "lucifer digests=on, host BLAKE3"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -169,7 +171,7 @@ def load_safetensors(files: list[Path], device: torch.device) -> dict[str, torch
     return out
 
 
-def lucifer_loader(digests: bool, threads: int, slots: int, chunk: int) -> Callable:
+def lucifer_loader(digests: bool, threads: int, slots: int, chunk: int, hash_on_device: bool = True) -> Callable:
     def load(files: list[Path], device: torch.device) -> dict[str, torch.Tensor]:
         out = {}
         for f in files:
@@ -178,7 +180,8 @@ def lucifer_loader(digests: bool, threads: int, slots: int, chunk: int) -> Calla
             for name, h in header.tensors.items():
                 out[name] = torch.empty(h.shape, dtype=header_dtype(h.dtype), device=device)
                 reads.append(reader.TensorRead(name, header.data_start + h.start, out[name]))
-            reader.read_tensors(f, reads, digests=digests, threads=threads, slots=slots, chunk=chunk)
+            reader.read_tensors(f, reads, digests=digests, threads=threads, slots=slots, chunk=chunk,
+                                hash_on_device=hash_on_device)
         return out
     return load
 
@@ -228,6 +231,8 @@ def loaders(args: argparse.Namespace) -> tuple[dict[str, Callable], dict[str, st
         "lucifer digests=off": lucifer_loader(False, args.threads, args.slots, chunk),
         "lucifer digests=on": lucifer_loader(True, args.threads, args.slots, chunk),
     }
+    if torch.device(args.device).type == "cuda":  # the product hashes GPU tensors on the GPU; the host, before
+        found[HOST_HASHED] = lucifer_loader(True, args.threads, args.slots, chunk, hash_on_device=False)
     skipped = {}
     for name, module, fn in (("fastsafetensors", "fastsafetensors", load_fastsafetensors),
                              ("instanttensor", "instanttensor", load_instanttensor),
@@ -352,9 +357,11 @@ def summarize(res: dict) -> None:
             if f"{mode}_median" in rec:
                 rec[f"{mode}_vs_best_peer"] = round(rec[f"{mode}_median"] / peers[best], 3)
     ours = res["loaders"]
-    if "warm_median" in ours.get("lucifer digests=on", {}) and "warm_median" in ours.get("lucifer digests=off", {}):
-        res["digest_cost_warm"] = round(1 - ours["lucifer digests=on"]["warm_median"]
-                                        / ours["lucifer digests=off"]["warm_median"], 3)
+    off = ours.get("lucifer digests=off", {}).get("warm_median")
+    for key, name in (("digest_cost_warm", "lucifer digests=on"), ("digest_cost_warm_host_hash", HOST_HASHED)):
+        on = ours.get(name, {}).get("warm_median")
+        if on and off:
+            res[key] = round(1 - on / off, 3)
 
 
 def table(res: dict) -> str:

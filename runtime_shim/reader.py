@@ -15,10 +15,15 @@ bytes, pinned for CUDA: each chunk read into a slot is copied to the device asyn
 into again before its copy finished. Pinned memory is bounded by `PINNED_BOUND_MIB` (8 x 16 MiB =
 128 MiB) per call; `slots`/`chunk` change it (the GPU benchmark does).
 
-With `digests=True` one hashing thread computes BLAKE3 over every chunk as it lands, in file order
-(so each tensor's chunks reach its hasher in byte order); blake3 releases the GIL and, with
-`max_threads=AUTO`, spreads one 16 MiB update over the cores, so hashing overlaps reading instead of
-following it. A slot is reused only once both its copy and its hash are done.
+With `digests=True` each tensor's BLAKE3 is computed where its bytes land. A GPU parameter is hashed
+on its GPU (`device_blake3`, Triton) once its last chunk's copy is done, on a stream of its own so the
+next tensors' copies go on meanwhile: on the host, that hash was a fourth pass over memory per byte and
+cost 18-25% of a warm load (docs/performance.md). The rest (CPU destinations, tensors of one KiB or
+less, lengths not a whole number of words, no Triton) are hashed on the host: one hashing thread
+computes BLAKE3 over every chunk as it lands, in file order (so each tensor's chunks reach its hasher
+in byte order); blake3 releases the GIL and, with `max_threads=AUTO`, spreads one 16 MiB update over
+the cores, so hashing overlaps reading instead of following it. A slot is reused only once both its
+copy and its host hash are done.
 
 Reads stay buffered (no O_DIRECT): a restart mostly finds the rank files in the page cache, where
 O_DIRECT would re-read the disk; cold, the disk is the limit for both (issue 41's table: buffered
@@ -28,6 +33,9 @@ concurrency that put runai-model-streamer ahead there.
 from __future__ import annotations
 
 import ctypes
+import functools
+import importlib.util
+import logging
 import os
 from collections import deque
 from collections.abc import Iterator
@@ -41,6 +49,7 @@ from lucifer_shard.guarded_io import open_regular
 
 from .errors import ShimError
 
+logger = logging.getLogger("lucifer_shard.runtime_shim")
 CHUNK = 16 << 20  # bytes per read (and per ring slot)
 SLOTS = 8  # ring slots: chunks read, being copied or being hashed at once
 # reads in flight at once (os.preadv releases the GIL); no more than the cores we may run on: each
@@ -68,6 +77,7 @@ class _Chunk:
     offset: int  # absolute file offset of the chunk's first byte
     dst: torch.Tensor  # the chunk's bytes of the destination (flat uint8)
     host: memoryview | None  # the same bytes when the destination is read in place, else None
+    last: bool  # the tensor's last chunk
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -82,9 +92,10 @@ def in_place(t: torch.Tensor, staged: bool | None = None) -> bool:
 
 def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
                  staged: bool | None = None, fd: int | None = None, *, threads: int = THREADS,
-                 slots: int = SLOTS, chunk: int | None = None) -> dict[str, str]:
+                 slots: int = SLOTS, chunk: int | None = None, hash_on_device: bool = True) -> dict[str, str]:
     """Fill every read's destination from `path` (from `fd` when given, which stays open); with
-    `digests`, the BLAKE3 hex digest of each tensor's bytes. `staged` forces (True) or forbids
+    `digests`, the BLAKE3 hex digest of each tensor's bytes (of a GPU destination's, hashed there
+    unless `hash_on_device` is False: the benchmark compares both). `staged` forces (True) or forbids
     (False) the host-buffer path that non-CPU destinations take (tests use it to exercise that path
     on CPU). `threads` reads in flight, `slots` ring slots of `chunk` bytes (default `CHUNK`)."""
     reads = sorted(reads, key=lambda r: r.offset)
@@ -98,7 +109,10 @@ def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
         fd = open_regular(path)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        return _Pipeline(fd, path, reads, staged, digests, max(1, threads), max(1, slots), chunk or CHUNK).run()
+        on_device = [r for r in reads if digests and hash_on_device and not in_place(r.dst, staged)
+                     and _device_hashable(r.dst)]
+        return _Pipeline(fd, path, reads, staged, digests, on_device, max(1, threads), max(1, slots),
+                         chunk or CHUNK).run()
     finally:
         if own:
             os.close(fd)
@@ -127,13 +141,16 @@ def huge_page_interior(address: int, nbytes: int) -> tuple[int, int] | None:
 
 class _Pipeline:
     """One call's chunks through read (thread pool) -> copy (CUDA stream, or CPU) -> hash (one thread),
-    at most `slots` chunks between being handed out and being done."""
+    at most `slots` chunks between being handed out and being done; the tensors of `on_device` hashed on
+    their GPU instead, each once its last copy is done."""
 
     def __init__(self, fd: int, path: Path, reads: list[TensorRead], staged: bool | None, digests: bool,
-                 threads: int, slots: int, chunk: int):
+                 on_device: list[TensorRead], threads: int, slots: int, chunk: int):
         self.fd, self.path, self.reads, self.staged = fd, path, reads, staged
         self.threads, self.slots, self.chunk = threads, slots, chunk
-        self.hashers = _hashers(reads) if digests else {}
+        self.on_device = {r.name: r for r in on_device}
+        self.hashers = _hashers([r for r in reads if r.name not in self.on_device]) if digests else {}
+        self.device_digests: dict[str, torch.Tensor] = {}  # name -> BLAKE3's 8 words, on the tensor's GPU
         devices = {r.dst.device for r in reads if not in_place(r.dst, staged)}
         cuda = [d for d in devices if d.type == "cuda"]
         self.buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=bool(cuda)) for _ in range(slots)] \
@@ -142,6 +159,7 @@ class _Pipeline:
         for d, s in self.streams.items():  # destinations allocated or filled on the current stream come first
             s.wait_stream(torch.cuda.current_stream(d))
         self.events = [torch.cuda.Event() for _ in range(slots)] if cuda else []
+        self.hash_streams = {d: torch.cuda.Stream(d) for d in {r.dst.device for r in on_device}}
 
     def run(self) -> dict[str, str]:
         free = list(range(self.slots))
@@ -168,9 +186,14 @@ class _Pipeline:
                 for *_, h in landed:
                     if h is not None:
                         h.cancel()
-                for s in self.streams.values():
+                for s in (*self.streams.values(), *self.hash_streams.values()):
                     s.synchronize()
-        return {name: h.hexdigest() for name, h in self.hashers.items()}
+        got = {name: h.hexdigest() for name, h in self.hashers.items()}
+        if self.device_digests:
+            from . import device_blake3 as b3  # imported only when used: it needs Triton
+
+            got.update({name: b3.hexdigest(words) for name, words in self.device_digests.items()})
+        return got
 
     def _chunks(self) -> Iterator[_Chunk]:
         for r in self.reads:
@@ -178,7 +201,8 @@ class _Pipeline:
             host = memoryview(dst.numpy()) if in_place(r.dst, self.staged) else None
             for pos in range(0, r.nbytes, self.chunk):
                 end = min(pos + self.chunk, r.nbytes)
-                yield _Chunk(r.name, r.offset + pos, dst[pos:end], host[pos:end] if host is not None else None)
+                yield _Chunk(r.name, r.offset + pos, dst[pos:end], host[pos:end] if host is not None else None,
+                             end == r.nbytes)
 
     def _view(self, c: _Chunk, slot: int) -> memoryview:
         """Where chunk `c`'s bytes are read to: the destination itself, or ring slot `slot`."""
@@ -188,10 +212,14 @@ class _Pipeline:
         _pread_exactly(self.fd, self._view(c, slot), c.offset, self.path, c.name)
 
     def _land(self, c: _Chunk, slot: int, read: Future, hashing: ThreadPoolExecutor) -> tuple[int, bool, Future | None]:
-        """Wait for chunk `c`'s read (raising its error), start its copy and its hash."""
+        """Wait for chunk `c`'s read (raising its error), start its copy and its hash (on the host, or on
+        the GPU after the tensor's last copy)."""
         read.result()
         copying = c.host is None and self._copy(c, slot)
-        h = hashing.submit(self.hashers[c.name].update, self._view(c, slot)) if self.hashers else None
+        hasher = self.hashers.get(c.name)
+        h = hashing.submit(hasher.update, self._view(c, slot)) if hasher is not None else None
+        if c.last and c.name in self.on_device:
+            self._hash_on_device(self.on_device[c.name])
         return slot, copying, h
 
     def _copy(self, c: _Chunk, slot: int) -> bool:
@@ -207,6 +235,17 @@ class _Pipeline:
             self.events[slot].record(stream)
         return True
 
+    def _hash_on_device(self, r: TensorRead) -> None:
+        """BLAKE3 of `r`'s destination on its GPU's hash stream, after every copy enqueued so far."""
+        from . import device_blake3 as b3
+
+        copied = torch.cuda.Event()
+        copied.record(self.streams[r.dst.device])
+        stream = self.hash_streams[r.dst.device]
+        stream.wait_event(copied)
+        with torch.cuda.stream(stream):
+            self.device_digests[r.name] = b3.digest_words(r.dst)
+
     def _release(self, slot: int, copying: bool, h: Future | None) -> int:
         """Slot `slot` once its copy and its hash are done (raising a hash's error)."""
         if copying:
@@ -214,6 +253,27 @@ class _Pipeline:
         if h is not None:
             h.result()
         return slot
+
+
+def _device_hashable(dst: torch.Tensor) -> bool:
+    """Whether `dst`'s BLAKE3 can be computed on its GPU: Triton is installed (vLLM brings it), the
+    kernels take the tensor (`device_blake3.eligible`) and hash right on that GPU (checked once; if
+    not, the host hashes, and the log says why once)."""
+    if not dst.is_cuda or importlib.util.find_spec("triton") is None:
+        return False
+    from . import device_blake3
+
+    if not device_blake3.eligible(dst):
+        return False
+    why = device_blake3.self_check(dst.device)
+    if why is not None:
+        _warn_once(why)
+    return why is None
+
+
+@functools.cache
+def _warn_once(why: str) -> None:
+    logger.warning("lucifer_tp3: verify=full hashes on the host instead: %s", why)
 
 
 def _hashers(reads: list[TensorRead]) -> dict:
