@@ -457,8 +457,9 @@ class LuciferTP3Loader(BaseModelLoader):
 
     @staticmethod
     def _check_digests(f: CheckedRankFile, entry: RankRecord, digests: dict[str, str]) -> None:
-        """verify=full: each tensor's BLAKE3 (computed while reading) and the file's digest over its header
-        and those (`lucifer_shard.spec.manifest.file_digest`, as lucifer-shard writes them) against the manifest."""
+        """verify=full: each tensor's BLAKE3 (computed while reading, a GPU parameter's on its GPU) and the
+        file's digest over its header and those (`lucifer_shard.spec.manifest.file_digest`, as lucifer-shard
+        writes them) against the manifest."""
         for name, got in digests.items():
             want = entry.tensors[name].digest.removeprefix("blake3:")
             if got != want:

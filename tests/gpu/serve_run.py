@@ -31,7 +31,9 @@ time is continued by the next one (while the machine stays warm) with the phases
               (`synth flash-layer --layers 2 --no-mtp`) and its TP1 sm90 kernel-layout files; `vllm serve`
               on the checkpoint against `lucifer-shard serve` on the files, each started cold (page cache
               dropped) then warm (its weights just read), REPS times, one server at a time; vLLM's "Model
-              loading took" per start, the disk's cold-read floor (resumed where a cut call left it)
+              loading took" per start, the disk's cold-read floor (resumed where a cut call left it; on
+              a fresh machine, `--continue-load` an earlier call's results.json: its rows count, tagged
+              with their machine, and a warm start whose cold one ran there reads its files first)
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -75,6 +78,16 @@ HARNESS_ENV = {
     # present) is a JIT module the kit does not carry; DeepGEMM serves those layers instead
     "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0",
 }
+def machine_id() -> str:
+    """This boot of this machine: one call's rows share it; a call on a freshly lent machine has another."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "unknown"
+    return f"{socket.gethostname()}/{boot}"
+
+
+MACHINE = machine_id()
 VERBATIM = "loaded verbatim in kernel layout"  # the loader's line after its post-load checks
 LOAD_RE = re.compile(r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds")
 
@@ -343,14 +356,21 @@ def weight_bytes(d: Path) -> int:
     return sum(f.stat().st_size for f in weights(d))
 
 
-def cold_read_floor(files: list[Path]) -> dict:
-    """Seconds to read FILES from storage after the page cache is dropped (the disk's floor for a load)."""
-    dropped = drop_caches()
-    t, n = time.monotonic(), 0
+def read_files(files: list[Path]) -> int:
+    """Read FILES once (into the page cache); their bytes."""
+    n = 0
     for f in files:
         with open(f, "rb", buffering=0) as fh:
             while chunk := fh.read(64 << 20):
                 n += len(chunk)
+    return n
+
+
+def cold_read_floor(files: list[Path]) -> dict:
+    """Seconds to read FILES from storage after the page cache is dropped (the disk's floor for a load)."""
+    dropped = drop_caches()
+    t = time.monotonic()
+    n = read_files(files)
     s = time.monotonic() - t
     return {"bytes": n, "seconds": round(s, 3), "gb_per_s": round(n / s / 1e9, 3), "page_cache_dropped": dropped}
 
@@ -377,6 +397,7 @@ def phase_load(work: Path, logs: Path, deadline: float, done: dict, save) -> dic
     `lucifer-shard serve` on its TP1 sm90 kernel-layout files, cold then warm, STARTUP_REPS times each, one
     server at a time (continues DONE, saving after every start)."""
     big, res = work / "big", dict(done)
+    res.setdefault("machine", MACHINE)  # the machine of the files and the floor below
     if "sizes_bytes" not in res:
         t = time.monotonic()
         shutil.rmtree(big, ignore_errors=True)
@@ -390,20 +411,37 @@ def phase_load(work: Path, logs: Path, deadline: float, done: dict, save) -> dic
     mem = ["--gpu-memory-utilization", "0.5"]
     argv = {"default": vllm_serve(big / "model", EAGER + mem), "lucifer": lucifer_serve(big / "out", EAGER + mem)}
     starts = [(rep, name, mode) for rep in range(STARTUP_REPS) for name in LOADS for mode in ("cold", "warm")]
-    res = _timed_starts(starts, argv, "load", logs, deadline, res, save)
-    res["median_model_loading_s"] = {
+    files = {"default": weights(big / "model"), "lucifer": weights(big / "out")}
+    res = _timed_starts(starts, argv, "load", logs, deadline, res, save, files)
+    res["median_model_loading_s"] = {  # over every row, this call's and those carried from earlier ones
         key: statistics.median(r["model_loading_s"] for r in rows) for key, rows in res.items()
         if key.endswith(("_cold", "_warm")) and rows and all("model_loading_s" in r for r in rows)}
     return res
 
 
+def carried_load(earlier: dict, label: str) -> dict:
+    """An earlier call's load phase (EARLIER: its results.json) to continue on another machine: its per-start
+    rows, each tagged with its machine (LABEL for rows from before the tag), and its floor under that
+    machine; left unfinished, so this call prepares its own files, measures its own floor and runs the
+    starts still missing."""
+    load = earlier.get("load", {})
+    rows = {k: [{"machine": load.get("machine", label), **r} for r in v] for k, v in load.items()
+            if k.endswith(("_cold", "_warm"))}
+    floors = dict(load.get("earlier_floors", {}))
+    if "floor" in load:
+        floors[load.get("machine", label)] = load["floor"]
+    return {**rows, "earlier_floors": floors, "complete": False}
+
+
 def _timed_starts(starts: list[tuple[int, str, str]], argv: dict[str, list[str]], phase: str, logs: Path,
-                  deadline: float, res: dict, save) -> dict:
+                  deadline: float, res: dict, save, files: dict[str, list[Path]] | None = None) -> dict:
     """Each (repetition, server, cold|warm) start in turn, skipping those RES already holds (as rows of
     "<server>" for the start-up phase, "<server>_<mode>" otherwise): the page cache dropped before a cold
-    start, the server's weights left cached by the start before for a warm one; per start the ready and
+    start; for a warm one, the server's weights left cached by its cold start just before, or, where that
+    start's row came from an earlier call, read once (its FILES); per start the machine, the ready and
     first-token seconds and vLLM's load figures, saved at once."""
     res["complete"] = False  # until every start has a row: the next call on this machine continues it
+    last = None  # the server and mode of the start before, in this call
     for rep, name, mode in starts:
         key = name if phase == "startup" else f"{name}_{mode}"
         if len(res.get(key, [])) > rep:
@@ -411,8 +449,12 @@ def _timed_starts(starts: list[tuple[int, str, str]], argv: dict[str, list[str]]
         if deadline - time.monotonic() < 100:  # another start would not end in time
             res["stopped_early"] = f"at repetition {rep} of {key}: the call's time was running out"
             return res
+        warmed_by_read = mode == "warm" and last != (name, "cold")
         if mode == "cold":
             drop_caches()
+        elif warmed_by_read:
+            read_files(files[name])
+        last = (name, mode)
         s = Server(f"{phase}_{key}_{rep}", argv[name], 8200, logs)
         try:
             try:
@@ -420,7 +462,9 @@ def _timed_starts(starts: list[tuple[int, str, str]], argv: dict[str, list[str]]
             except TimeoutError:  # the call's time ran out during this start: keep the rows so far
                 res["stopped_early"] = f"at repetition {rep} of {key}: the call's time ran out"
                 return res
-            row = {"ready_s": ready and round(ready, 2)}
+            row = {"machine": MACHINE, "ready_s": ready and round(ready, 2)}
+            if warmed_by_read:
+                row["warmed_by_read"] = True
             if ready is not None:
                 s.complete(SHORT[0], 1)
                 row["first_token_s"] = round(time.monotonic() - s.t0, 2)
@@ -445,11 +489,16 @@ def main() -> int:
     ap.add_argument("--swa-only", action="store_true",
                     help="compress_ratios all 0: no compressor or indexer layer (their CUDA path needs CuTe-DSL)")
     ap.add_argument("--seconds", type=float, default=560, help="end every phase within this many seconds")
+    ap.add_argument("--continue-load", type=Path, metavar="RESULTS_JSON",
+                    help="an earlier call's results (a machine since given back): its load rows count, each "
+                         "tagged with its machine, and this call runs the starts still missing")
     args = ap.parse_args()
     work, logs = args.work, args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     results_path = work / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    if args.continue_load and "load" not in results:
+        results["load"] = carried_load(json.loads(args.continue_load.read_text()), str(args.continue_load))
     for key, value in HARNESS_ENV.items():
         os.environ.setdefault(key, value)
     deadline = time.monotonic() + args.seconds

@@ -126,13 +126,46 @@ def test_timed_starts_run_cold_then_warm_and_a_later_call_continues_where_one_st
     assert dropped == [0, 2]  # before each cold start only
     assert "lucifer_warm" in res["stopped_early"] and len(saved) == 3 and not S._done(res)
 
-    _FakeServer.started = []
-    res = S._timed_starts(starts, argv, "load", tmp_path, 1e9, res, lambda r: None)
+    _FakeServer.started, read = [], []
+    monkeypatch.setattr(S, "read_files", lambda files: read.append(files))
+    res = S._timed_starts(starts, argv, "load", tmp_path, 1e9, res, lambda r: None, {"lucifer": ["rank"]})
     assert _FakeServer.started == ["load_lucifer_warm_0", "load_default_cold_1", "load_default_warm_1",
                                    "load_lucifer_cold_1", "load_lucifer_warm_1"]
-    assert S._done(res) and res["lucifer_warm"][0] == {"ready_s": 1.0, "first_token_s": 0.0, "model_loading_s": 2.0}
+    assert read == [["rank"]]  # its cold start ran in the call before: its files are read first
+    assert S._done(res) and res["lucifer_warm"][0] == {"machine": S.MACHINE, "ready_s": 1.0, "warmed_by_read": True,
+                                                       "first_token_s": 0.0, "model_loading_s": 2.0}
     assert {k: len(v) for k, v in res.items() if k.endswith(("_cold", "_warm"))} == {
         "default_cold": 2, "default_warm": 2, "lucifer_cold": 2, "lucifer_warm": 2}
+
+
+def test_a_fresh_machine_continues_an_earlier_calls_load_rows(monkeypatch, tmp_path):
+    """The load phase carried to a freshly lent machine (`--continue-load`): the earlier call's rows count,
+    tagged with their machine, and only the missing starts run; a warm start whose cold start ran on the
+    earlier machine reads its files first, and says so in its row."""
+    dropped, read = [], []
+    monkeypatch.setattr(S, "Server", _FakeServer)
+    monkeypatch.setattr(S, "drop_caches", lambda: dropped.append(len(_FakeServer.started)))
+    monkeypatch.setattr(S, "read_files", lambda files: read.append((len(_FakeServer.started), files)))
+    monkeypatch.setattr(S.time, "monotonic", lambda: _FakeServer.now[0])
+    _FakeServer.started, _FakeServer.now[0] = [], 0.0
+    row = {"ready_s": 90.0, "model_loading_s": 9.0}
+    earlier = {"load": {"default_cold": [row, row], "default_warm": [row], "lucifer_cold": [row],
+                        "lucifer_warm": [row], "floor": {"out": {"gb_per_s": 1.17}}, "complete": False}}
+    res = S.carried_load(earlier, "results/earlier.json")
+    assert not S._done(res) and res["earlier_floors"] == {"results/earlier.json": {"out": {"gb_per_s": 1.17}}}
+    starts = [(rep, name, mode) for rep in range(3) for name in S.LOADS for mode in ("cold", "warm")]
+    files = {"default": ["model.safetensors"], "lucifer": ["rank.safetensors"]}
+    res = S._timed_starts(starts, {n: [n] for n in S.LOADS}, "load", tmp_path, 1e9, res, lambda r: None, files)
+    assert _FakeServer.started == ["load_default_warm_1", "load_lucifer_cold_1", "load_lucifer_warm_1",
+                                   "load_default_cold_2", "load_default_warm_2", "load_lucifer_cold_2",
+                                   "load_lucifer_warm_2"]
+    assert read == [(0, ["model.safetensors"])] and dropped == [1, 3, 5]
+    assert res["default_warm"][1]["warmed_by_read"] and "warmed_by_read" not in res["lucifer_warm"][1]
+    assert [r["machine"] for r in res["default_warm"]] == ["results/earlier.json", S.MACHINE, S.MACHINE]
+    assert S._done(res) and all(len(res[k]) == 3 for k in ("default_cold", "default_warm", "lucifer_cold",
+                                                             "lucifer_warm"))
+    again = S.carried_load({"load": {**res, "machine": S.MACHINE, "floor": {"out": {}}}}, "later.json")
+    assert set(again["earlier_floors"]) == {"results/earlier.json", S.MACHINE}
 
 
 @pytest.mark.parametrize("result,done", [
