@@ -189,10 +189,7 @@ class _Pipeline:
                 for s in (*self.streams.values(), *self.hash_streams.values()):
                     s.synchronize()
         got = {name: h.hexdigest() for name, h in self.hashers.items()}
-        if self.device_digests:
-            from . import device_blake3 as b3  # imported only when used: it needs Triton
-
-            got.update({name: b3.hexdigest(words) for name, words in self.device_digests.items()})
+        got.update({name: _device_blake3().hexdigest(words) for name, words in self.device_digests.items()})
         return got
 
     def _chunks(self) -> Iterator[_Chunk]:
@@ -237,14 +234,12 @@ class _Pipeline:
 
     def _hash_on_device(self, r: TensorRead) -> None:
         """BLAKE3 of `r`'s destination on its GPU's hash stream, after every copy enqueued so far."""
-        from . import device_blake3 as b3
-
         copied = torch.cuda.Event()
         copied.record(self.streams[r.dst.device])
         stream = self.hash_streams[r.dst.device]
         stream.wait_event(copied)
         with torch.cuda.stream(stream):
-            self.device_digests[r.name] = b3.digest_words(r.dst)
+            self.device_digests[r.name] = _device_blake3().digest_words(r.dst)
 
     def _release(self, slot: int, copying: bool, h: Future | None) -> int:
         """Slot `slot` once its copy and its hash are done (raising a hash's error)."""
@@ -259,16 +254,19 @@ def _device_hashable(dst: torch.Tensor) -> bool:
     """Whether `dst`'s BLAKE3 can be computed on its GPU: Triton is installed (vLLM brings it), the
     kernels take the tensor (`device_blake3.eligible`) and hash right on that GPU (checked once; if
     not, the host hashes, and the log says why once)."""
-    if not dst.is_cuda or importlib.util.find_spec("triton") is None:
+    if not dst.is_cuda or importlib.util.find_spec("triton") is None or not _device_blake3().eligible(dst):
         return False
-    from . import device_blake3
-
-    if not device_blake3.eligible(dst):
-        return False
-    why = device_blake3.self_check(dst.device)
+    why = _device_blake3().self_check(dst.device)
     if why is not None:
         _warn_once(why)
     return why is None
+
+
+def _device_blake3():
+    """runtime_shim/device_blake3.py, imported only where a GPU tensor is hashed: it needs Triton."""
+    from . import device_blake3
+
+    return device_blake3
 
 
 @functools.cache

@@ -78,6 +78,8 @@ HARNESS_ENV = {
     # present) is a JIT module the kit does not carry; DeepGEMM serves those layers instead
     "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0",
 }
+
+
 def machine_id() -> str:
     """This boot of this machine: one call's rows share it; a call on a freshly lent machine has another."""
     try:
@@ -425,11 +427,11 @@ def carried_load(earlier: dict, label: str) -> dict:
     machine; left unfinished, so this call prepares its own files, measures its own floor and runs the
     starts still missing."""
     load = earlier.get("load", {})
-    rows = {k: [{"machine": load.get("machine", label), **r} for r in v] for k, v in load.items()
-            if k.endswith(("_cold", "_warm"))}
+    machine = load.get("machine", label)
+    rows = {k: [{"machine": machine, **r} for r in v] for k, v in load.items() if k.endswith(("_cold", "_warm"))}
     floors = dict(load.get("earlier_floors", {}))
     if "floor" in load:
-        floors[load.get("machine", label)] = load["floor"]
+        floors[machine] = load["floor"]
     return {**rows, "earlier_floors": floors, "complete": False}
 
 
