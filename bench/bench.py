@@ -497,13 +497,16 @@ def summarize(res: dict, args) -> tuple[list[str], list[str], dict]:
     return lines, checks, {"summary": summary, "ratios": ratios}
 
 
+def machine_line(m: dict) -> str:
+    return (f"machine: {m['cpus']} CPUs ({m['cpu_model']}), {m['mem_bytes'] / GiB:.1f} GiB RAM, {m['device']}, "
+            f"Linux {m['kernel']}, Python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}, "
+            f"numpy {m['numpy']}, blake3 {m['blake3']}")
+
+
 def render(res: dict) -> tuple[dict, str, list[str]]:
     """Summary, markdown and PASS/FAIL lines of a results dict (a fresh run, or a saved JSON): the
     convert section (top-level "runs") and the load section ("load"), whichever it holds."""
-    m = res["machine"]
-    md = [f"machine: {m['cpus']} CPUs ({m['cpu_model']}), {m['mem_bytes'] / GiB:.1f} GiB RAM, {m['device']}, "
-          f"Linux {m['kernel']}, Python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}, "
-          f"numpy {m['numpy']}, blake3 {m['blake3']}"]
+    md = [machine_line(res["machine"])]
     checks: list[str] = []
     if "runs" in res:
         class Args:
@@ -523,7 +526,9 @@ def render(res: dict) -> tuple[dict, str, list[str]]:
 
         load, load_md, load_checks = render_load(res["load"])
         res = {**res, "load": load}
-        md += ["", *load_md, *(f"    {c}" for c in load_checks)]
+        # `--only load` keeps the convert figures of an earlier run, maybe on another machine: the load's own
+        own = [f"load {machine_line(load['machine'])}"] if load.get("machine", res["machine"]) != res["machine"] else []
+        md += ["", *own, *load_md, *(f"    {c}" for c in load_checks)]
         checks += load_checks
     return res, "\n".join(md) + "\n", checks
 
@@ -552,7 +557,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 3], help="convert --workers values (first = headline)")
     ap.add_argument("--tp", type=int, default=3)
     ap.add_argument("--load-tp", type=int, nargs="+", default=[1, 2, 4],
-                    help="TP sizes of the load section (vLLM 0.33.0 builds DeepSeek-V4 only where 64 heads divide)")
+                    help="TP sizes of the load section (vLLM builds DeepSeek-V4 only where 64 heads divide)")
     ap.add_argument("--no-naive", dest="naive", action="store_false")
     ap.add_argument("--no-mtp", dest="mtp", action="store_false")
     ap.add_argument("--no-direct-floor", dest="direct_floor", action="store_false",
@@ -571,7 +576,7 @@ def main() -> None:
     b = Bench(args)
     t0 = time.time()
     if args.only == "load":
-        res = {k: v for k, v in previous.items() if k not in ("machine", "load", "summary", "ratios")}
+        res = {k: v for k, v in previous.items() if k not in ("load", "summary", "ratios")}
     else:
         for i, layers in enumerate(args.layers):
             b.layer(layers, full=i == 0)
@@ -581,14 +586,14 @@ def main() -> None:
         res = {**b.results, "cache_eviction": b.cache_method, "reps": args.reps, "tp": args.tp,
                "mtp": args.mtp, "seconds": round(time.time() - t0, 1), "command": " ".join(sys.argv),
                "workers": args.workers}
-    res["machine"] = b.results["machine"]
+    res.setdefault("machine", b.results["machine"])  # the convert section's; the load section names its own
     if args.only == "convert":
         if "load" in previous:
             res["load"] = previous["load"]
     else:
         from load import load_section
 
-        res["load"] = {**load_section(args, work), "command": " ".join(sys.argv)}
+        res["load"] = {**load_section(args, work), "command": " ".join(sys.argv), "machine": b.results["machine"]}
     res, md, checks = render(res)
     print("\n" + md)
     for path, text in ((work / "results.json", json.dumps(res, indent=1, default=float)), (work / "results.md", md),

@@ -1,7 +1,7 @@
 """The `load` section of `make bench`: server start-up in vLLM's own loaders, side by side.
 
-Per TP size (1, 2, 4), one world of the real-model harness (tests/shim/vllm_cpu_model.py: vLLM
-0.33.0's own DeepSeek-V4 CPU model, one gloo process per rank) loads a `synth flash-layer --layers 1
+Per TP size (1, 2, 4), one world of the real-model harness (tests/shim/vllm_cpu_model.py: vLLM's
+own DeepSeek-V4 CPU model, one gloo process per rank) loads a `synth flash-layer --layers 1
 --no-mtp` checkpoint (exact Flash dimensions, 5.7 GB), every contender `--reps` times, interleaved:
 
   default                  vLLM's DefaultModelLoader from the original checkpoint
@@ -23,7 +23,7 @@ more than 10% of our bytes is repeated in a fresh world (at most twice).
 
 Two sides: `bench.py` (any Python, no torch) prepares the inputs, runs the worlds and reports
 (`load_section`, `summarize_load`); `python bench/load.py _world SPEC.json` is one world, run through
-tools/vllm-env.sh in the vllm==0.33.0 venv.
+tools/vllm-env.sh in its vLLM venv (the newest vetted release, LUCIFER_VLLM_VERSION picks another).
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def contender_run(what: str, label: str, model: Path, out: Path, sharded: Path) 
 
 
 def run_world(spec: dict, base: Path) -> tuple[list[dict], dict]:
-    """One world through tools/vllm-env.sh (the vllm==0.33.0 venv); its rank reports and software."""
+    """One world through tools/vllm-env.sh (its vLLM venv); its rank reports and software."""
     results = Path(spec["results"])
     rmtree(results)
     results.mkdir(parents=True)
