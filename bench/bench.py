@@ -527,7 +527,8 @@ def render(res: dict) -> tuple[dict, str, list[str]]:
         load, load_md, load_checks = render_load(res["load"])
         res = {**res, "load": load}
         # `--only load` keeps the convert figures of an earlier run, maybe on another machine: the load's own
-        own = [f"load {machine_line(load['machine'])}"] if load.get("machine", res["machine"]) != res["machine"] else []
+        load_machine = load.get("machine")
+        own = [f"load {machine_line(load_machine)}"] if load_machine and load_machine != res["machine"] else []
         md += ["", *own, *load_md, *(f"    {c}" for c in load_checks)]
         checks += load_checks
     return res, "\n".join(md) + "\n", checks
