@@ -1,0 +1,296 @@
+"""A stand-in for the Hugging Face Hub on 127.0.0.1, serving local checkpoint folders as model repos.
+
+Why it exists: these machines reach no Hub, yet the Hub path must run huggingface_hub's own client
+code (its URL building, HEAD metadata, resumable ranged downloads, repo info and tree listings), not
+a fake of lucifer-shard's. Point `HF_ENDPOINT` at `HubServer.url` and huggingface_hub talks to this
+server as it would to the Hub. It stands in for the Hub only, never for lucifer-shard code.
+
+It answers the routes huggingface_hub 2.x uses to download (read from its `file_download.py`,
+`_snapshot_download.py` and `hf_api.py`):
+
+    GET  /api/models/{repo}/revision/{rev}[?blobs=true]   repo info: commit sha, siblings (+ sizes, LFS sha256)
+    GET  /api/models/{repo}/tree/{rev}[/{path}]             the tree listing snapshot_download reads
+    HEAD /{repo}/resolve/{rev}/{file}                       X-Repo-Commit, ETag / X-Linked-Etag, sizes
+    GET  /{repo}/resolve/{rev}/{file}                       the bytes, with Range (206) as the Hub does
+
+`*.safetensors` files are served as LFS files (their SHA-256 as X-Linked-Etag and in `lfs.sha256`),
+the others as git blobs (ETag: the git blob id), as on the Hub. Every request is recorded
+(`requests`), so tests can prove the order of what a command asked for and the bytes it fetched.
+`tamper` serves other bytes for a file while its published SHA-256 stays the original's; `stall_after`
+blocks a download once that many body bytes were sent (a test then kills the client mid-download).
+
+Run alone (bench/): python tests/hubserver.py owner/name=DIR [owner/other=DIR2 ...]
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+CHUNK = 1 << 20
+LFS_SUFFIXES = (".safetensors",)
+
+
+@dataclass
+class Served:
+    """One file of a repo as the Hub describes it."""
+
+    path: Path
+    size: int
+    sha256: str
+    blob_id: str  # git blob sha1 (what the Hub reports as `oid`/`blobId`)
+    lfs: bool
+
+
+@dataclass
+class Repo:
+    root: Path
+    commit: str
+    files: dict[str, Served] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str  # the file or API route, after the repo id
+    range: str | None
+    sent: int  # body bytes sent
+
+
+def _describe(root: Path) -> dict[str, Served]:
+    files = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if not p.is_file() or p.is_symlink() or rel.startswith(".") or "/." in rel:
+            continue
+        sha, blob = hashlib.sha256(), hashlib.sha1(f"blob {p.stat().st_size}\0".encode())
+        with open(p, "rb") as f:
+            while chunk := f.read(CHUNK):
+                sha.update(chunk)
+                blob.update(chunk)
+        files[rel] = Served(p, p.stat().st_size, sha.hexdigest(), blob.hexdigest(), rel.endswith(LFS_SUFFIXES))
+    return files
+
+
+class HubServer:
+    """`with HubServer({"owner/name": folder}) as hub:` serves those folders at `hub.url` until the block ends."""
+
+    def __init__(self, repos: dict[str, Path | str], port: int = 0):
+        self.repos: dict[str, Repo] = {}
+        for repo_id, root in repos.items():
+            self.add(repo_id, root)
+        self.requests: list[Request] = []
+        self.tamper: dict[tuple[str, str], bytes] = {}  # (repo, file) -> bytes served instead
+        self.stall_after: int | None = None  # body bytes of resolve GETs after which downloads block
+        self.stalled = threading.Event()  # set once a download blocked
+        self._release = threading.Event()
+        self._sent = 0
+        self._lock = threading.Lock()
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        self._httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    def add(self, repo_id: str, root: Path | str) -> Repo:
+        """Serve `root` as `repo_id` (again, after its files changed: a new commit)."""
+        files = _describe(Path(root))
+        commit = hashlib.sha1(repo_id.encode() + b"".join(f"{n}\0{f.sha256}\0".encode()
+                                                           for n, f in files.items())).hexdigest()
+        self.repos[repo_id] = Repo(Path(root), commit, files)
+        return self.repos[repo_id]
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> HubServer:
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="hubserver", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._release.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def release(self) -> None:
+        """Let stalled downloads go on (and no further stalls)."""
+        self.stall_after = None
+        self._release.set()
+
+    def files_requested(self, method: str = "GET") -> list[str]:
+        """The files whose bytes were asked for (resolve GETs), in order."""
+        return [r.path for r in self.requests if r.method == method and not r.path.startswith("api/")]
+
+    def bytes_sent(self, suffix: str = "") -> int:
+        return sum(r.sent for r in self.requests if r.method == "GET" and r.path.endswith(suffix))
+
+    def _record(self, request: Request) -> None:
+        with self._lock:
+            self.requests.append(request)
+
+    def _count(self, n: int) -> None:
+        """Account `n` body bytes about to be sent; block while a stall is on."""
+        with self._lock:
+            self._sent += n
+            stall = self.stall_after is not None and self._sent > self.stall_after
+        if stall:
+            self.stalled.set()
+            self._release.wait()
+
+
+RESOLVE = re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)")
+API = re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)(?:/(?P<what>revision|tree)/(?P<rev>[^/]+)(?:/(?P<path>.*))?)?")
+RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+
+def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:  # quiet: the tests read `hub.requests`
+            pass
+
+        def do_HEAD(self) -> None:
+            self._route(body=False)
+
+        def do_GET(self) -> None:
+            self._route(body=True)
+
+        def _route(self, body: bool) -> None:
+            url = urlsplit(self.path)
+            path = unquote(url.path)
+            m = API.fullmatch(path)
+            if m:
+                return self._api(m, parse_qs(url.query), body)
+            m = RESOLVE.fullmatch(path)
+            if m:
+                return self._resolve(m, body)
+            self._error(404, "RepoNotFound", f"no route {path}", path, body)
+
+        def _repo(self, m: re.Match, where: str, body: bool) -> Repo | None:
+            repo = hub.repos.get(m["repo"])
+            if repo is None:
+                self._error(404, "RepoNotFound", f"Repository Not Found for url: {self.path}", where, body)
+            elif m["rev"] not in (None, "main", repo.commit):
+                self._error(404, "RevisionNotFound", f"Invalid rev id: {m['rev']}", where, body)
+                return None
+            return repo
+
+        def _api(self, m: re.Match, query: dict, body: bool) -> None:
+            where = f"api/{m['what'] or 'revision'}/{m['path'] or ''}"
+            repo = self._repo(m, where, body)
+            if repo is None:
+                return
+            if m["what"] != "tree":
+                blobs = query.get("blobs") == ["true"]
+                doc = {"id": m["repo"], "modelId": m["repo"], "sha": repo.commit, "private": False,
+                       "siblings": [{"rfilename": n, **(_blob(f) if blobs else {})} for n, f in repo.files.items()]}
+            else:
+                prefix = (m["path"] or "").strip("/")
+                doc = [{"type": "file", "path": n, "size": f.size, "oid": f.blob_id,
+                        **({"lfs": {"oid": f.sha256, "size": f.size, "pointerSize": 134}} if f.lfs else {})}
+                       for n, f in repo.files.items() if not prefix or n.startswith(prefix + "/")]
+            self._send(200, json.dumps(doc).encode(), {"Content-Type": "application/json"}, where, body)
+
+        def _resolve(self, m: re.Match, body: bool) -> None:
+            repo = self._repo(m, m["file"], body)
+            if repo is None:
+                return
+            served = repo.files.get(m["file"])
+            if served is None:
+                return self._error(404, "EntryNotFound", f"{m['file']} does not exist on {m['rev']}", m["file"], body)
+            data_len = served.size
+            headers = {"X-Repo-Commit": repo.commit, "Accept-Ranges": "bytes",
+                       "ETag": f'"{served.sha256 if served.lfs else served.blob_id}"',
+                       "Content-Type": "application/octet-stream"}
+            if served.lfs:
+                headers.update({"X-Linked-Etag": f'"{served.sha256}"', "X-Linked-Size": str(served.size)})
+            lo, hi = 0, data_len
+            status = 200
+            wanted = self.headers.get("Range")
+            if wanted:
+                r = RANGE.fullmatch(wanted.strip())
+                if r is None or (not r[1] and not r[2]):
+                    return self._error(416, "RangeNotSatisfiable", f"bad range {wanted}", m["file"], body)
+                if r[1]:
+                    lo = int(r[1])
+                    hi = min(data_len, int(r[2]) + 1) if r[2] else data_len
+                else:
+                    lo = max(0, data_len - int(r[2]))
+                if lo >= data_len and data_len:
+                    headers["Content-Range"] = f"bytes */{data_len}"
+                    return self._send(416, b"", headers, m["file"], body)
+                status = 206
+                headers["Content-Range"] = f"bytes {lo}-{hi - 1}/{data_len}"
+            headers["Content-Length"] = str(hi - lo)
+            self.send_response(status)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.end_headers()
+            sent = 0
+            try:
+                if body:
+                    sent = self._stream(hub.tamper.get((m["repo"], m["file"])), served.path, lo, hi)
+            finally:
+                hub._record(Request(self.command, m["file"], wanted, sent))
+
+        def _stream(self, tampered: bytes | None, path: Path, lo: int, hi: int) -> int:
+            sent = 0
+            with open(path, "rb") as f:
+                f.seek(lo)
+                while lo + sent < hi:
+                    n = min(CHUNK, hi - lo - sent)
+                    chunk = tampered[lo + sent:lo + sent + n] if tampered is not None else f.read(n)
+                    hub._count(len(chunk))
+                    self.wfile.write(chunk)
+                    sent += len(chunk)
+            return sent
+
+        def _error(self, status: int, code: str, message: str, where: str, body: bool) -> None:
+            self._send(status, json.dumps({"error": message}).encode(),
+                       {"Content-Type": "application/json", "X-Error-Code": code, "X-Error-Message": message},
+                       where, body)
+
+        def _send(self, status: int, data: bytes, headers: dict[str, str], where: str, body: bool) -> None:
+            self.send_response(status)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if body:
+                self.wfile.write(data)
+            hub._record(Request(self.command, where, self.headers.get("Range"), len(data) if body else 0))
+
+    return Handler
+
+
+def _blob(f: Served) -> dict:
+    return {"size": f.size, "blobId": f.blob_id,
+            **({"lfs": {"sha256": f.sha256, "size": f.size, "pointerSize": 134}} if f.lfs else {})}
+
+
+def main(argv: list[str]) -> None:
+    repos = dict(a.split("=", 1) for a in argv)
+    with HubServer(repos) as hub:
+        print(f"HF_ENDPOINT={hub.url}", flush=True)
+        for repo_id, repo in hub.repos.items():
+            print(f"{repo_id} at {repo.commit}: {len(repo.files)} files", flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or "--help" in sys.argv:
+        sys.exit(__doc__)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main(sys.argv[1:])
