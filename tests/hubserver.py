@@ -56,12 +56,14 @@ class Repo:
     files: dict[str, Served] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Request:
+    """One request, recorded as it arrives (so the log is in arrival order, a killed download included)."""
+
     method: str
     path: str  # the file or API route, after the repo id
     range: str | None
-    sent: int  # body bytes sent
+    sent: int = 0  # body bytes sent (so far, for a download still running)
 
 
 def _describe(root: Path) -> dict[str, Served]:
@@ -231,28 +233,27 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                 status = 206
                 headers["Content-Range"] = f"bytes {lo}-{hi - 1}/{data_len}"
             headers["Content-Length"] = str(hi - lo)
+            request = Request(self.command, m["file"], wanted)
+            hub._record(request)
             self.send_response(status)
             for k, v in headers.items():
                 self.send_header(k, v)
             self.end_headers()
-            sent = 0
-            try:
-                if body:
-                    sent = self._stream(hub.tamper.get((m["repo"], m["file"])), served.path, lo, hi)
-            finally:
-                hub._record(Request(self.command, m["file"], wanted, sent))
+            if body:
+                self._stream(hub.tamper.get((m["repo"], m["file"])), served.path, lo, hi, request)
 
-        def _stream(self, tampered: bytes | None, path: Path, lo: int, hi: int) -> int:
-            sent = 0
+        def _stream(self, tampered: bytes | None, path: Path, lo: int, hi: int, request: Request) -> None:
             with open(path, "rb") as f:
                 f.seek(lo)
-                while lo + sent < hi:
-                    n = min(CHUNK, hi - lo - sent)
-                    chunk = tampered[lo + sent:lo + sent + n] if tampered is not None else f.read(n)
+                while lo + request.sent < hi:
+                    n = min(CHUNK, hi - lo - request.sent)
+                    chunk = tampered[lo + request.sent:lo + request.sent + n] if tampered is not None else f.read(n)
                     hub._count(len(chunk))
-                    self.wfile.write(chunk)
-                    sent += len(chunk)
-            return sent
+                    try:
+                        self.wfile.write(chunk)
+                    except (BrokenPipeError, ConnectionResetError):
+                        return  # the client went away (killed mid-download)
+                    request.sent += len(chunk)
 
         def _error(self, status: int, code: str, message: str, where: str, body: bool) -> None:
             self._send(status, json.dumps({"error": message}).encode(),
@@ -265,9 +266,9 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                 self.send_header(k, v)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
+            hub._record(Request(self.command, where, self.headers.get("Range"), len(data) if body else 0))
             if body:
                 self.wfile.write(data)
-            hub._record(Request(self.command, where, self.headers.get("Range"), len(data) if body else 0))
 
     return Handler
 

@@ -241,7 +241,8 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     from ..spec.source import config_root, resolve_config
     from ..units import size
     from .planview import (footprint_json, footprint_lines, node_lines, per_node, plan_footprint_of, plan_json,
-                           plan_lines, plan_specs, planned_paths, room_of, route_lines, route_saving)
+                           plan_lines, plan_specs, planned_paths, room_of, route_lines, route_saving, routes_lines,
+                           routes_of, source_layout)
 
     # --workers changes no number plan shows: it is taken so that plan's command line is convert's.
     refuse_swapped("plan", model, out, model_first=True)
@@ -268,10 +269,12 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     room = room_of(fp, out, force)
     nodes = per_node(fp, p.tp)
     saving = route_saving(cfg, p, options, fp)
+    routes = routes_of(specs, options, fp, source_layout(model, config, cfg, revision)) if p.tp > 1 else None
     Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(fp, room), "per_node": nodes,
-                       "draft": draft_record(cfg) if "draft" in specs else None, "route_saving": saving},
+                       "draft": draft_record(cfg) if "draft" in specs else None, "route_saving": saving,
+                       "routes": routes},
                       plan_lines(specs, p, options, fp, cfg) + node_lines(nodes, sum(n["bytes"] for n in nodes))
-                      + route_lines(saving) + footprint_lines(fp, room))
+                      + (routes_lines(routes) if routes else []) + route_lines(saving) + footprint_lines(fp, room))
     if room is not None and room.short:
         raise NoRoom(f"{out}: not enough room: {size(room.needed)} to write, {size(room.free)} free on "
                             f"{room.filesystem}; free {size(room.short)} more or choose another OUT", exit_code=1)
@@ -288,10 +291,17 @@ def _refuse_resume_force(resume: bool, force: bool) -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @conversion_options
 @target_options
+@click.option("--download-dir", type=click.Path(path_type=Path), default=None,
+              help="With a repo id: where shards are streamed through (each downloaded before the first part that "
+                   "reads it, removed after the last; a few shards at a time). Default OUT/.lucifer/download; an "
+                   "empty folder or one of this download's, on a disk with the room plan shows.")
+@click.option("--keep-source", is_flag=True,
+              help="With a repo id: download the whole checkpoint into the Hugging Face cache first (HF_HOME, "
+                   "HF_HUB_CACHE) and keep it there, instead of streaming it.")
 @conventions(interrupted="interrupted: finished files are kept; run the same command with --resume to continue")
 def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None,
             max_file_size: str, align: int, no_mtp: bool, revision: str | None, workers: int, resume: bool,
-            force: bool, moe_backend: str | None) -> None:
+            force: bool, moe_backend: str | None, download_dir: Path | None, keep_source: bool) -> None:
     """Write per-rank safetensors of MODEL into OUT: sliced, zero-padded, experts laid out.
 
     \b
@@ -302,20 +312,32 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
     OUT/COMPLETE                           written last
 
     Streams: each source tensor is read once (and hashed: the content fingerprint that diff
-    checks) and fanned out to every rank; memory does not grow with the model. Refuses to start
+    checks) and fanned out to every rank; memory does not grow with the model. MODEL may be a
+    Hugging Face repo id: config.json, the file list and the shard headers come first (every
+    refusal, and the room, before any weight is downloaded); then each shard is downloaded just
+    before the first part that reads it, checked against the Hub's SHA-256 and removed after the
+    last (--download-dir; --keep-source keeps the checkpoint in the HF cache instead; a repo
+    already in the cache is read in place). Refuses to start
     when OUT's filesystem lacks the room (`plan ... MODEL OUT` shows the numbers first). Every
     file is written under a temporary name and renamed when complete; after a crash or Ctrl-C,
     run the same command with --resume. One convert at a time writes OUT (a lock in
     OUT/.lucifer/; a second writer is refused, naming the first).
     """
     from ..engine.convert import convert as run
+    from ..spec.source import is_repo_id
 
     refuse_swapped("convert", model, out, model_first=True)
     _refuse_resume_force(resume, force)
     options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, moe_backend)
     con = Console.of()
+    if (download_dir is not None or keep_source) and not is_repo_id(model):
+        raise UsageRefused(f"--download-dir and --keep-source apply to a Hugging Face repo id, and {model} is a local "
+                           f"path (read in place); drop them")
+    if download_dir is not None and keep_source:
+        raise UsageRefused("--keep-source downloads into the Hugging Face cache, --download-dir streams through a "
+                           "folder of its own; pass one")
     summary = run(model, out, options, resume=resume, force=force, workers=workers, progress=con.progress,
-                  revision=revision, warn=con.warn)
+                  revision=revision, warn=con.warn, download_dir=download_dir, keep_source=keep_source)
     con.emit(summary.to_dict(), [*summary.lines(), next_steps(out)])
 
 
@@ -354,8 +376,10 @@ class SizedPresets(click.Command):
               help="; ".join(f"{name}: {what}" for name, what in FILLS.items()) + ".")
 @click.option("--seed", type=click.IntRange(0, (1 << 32) - 1), default=0, show_default=True)
 @click.option("--no-mtp", is_flag=True, help="Leave the draft (MTP layer, DSpark stages) out.")
+@click.option("--shards", type=click.IntRange(1, 256), default=4, show_default=True,
+              help="Split a small checkpoint into at least this many shard files (a shard stays at most 1 GiB).")
 @conventions(interrupted="interrupted: {out} holds a partial checkpoint; remove it and run synth again")
-def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_mtp: bool) -> None:
+def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_mtp: bool, shards: int) -> None:
     """Write a synthetic checkpoint with the exact DeepSeek-V4-Flash schema into OUT, which must not
     exist or be an empty directory, after checking that OUT's filesystem has room for it.
 
@@ -377,7 +401,8 @@ def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_m
     from ..engine.synth import synth as run
 
     con = Console.of()
-    path = run(preset, out, layers=layers, fill=fill, seed=seed, mtp=not no_mtp, progress=con.progress)
+    path = run(preset, out, layers=layers, fill=fill, seed=seed, mtp=not no_mtp, progress=con.progress,
+               shard_count=shards)
     con.emit({"preset": preset, "path": str(path)}, [f"wrote {preset} checkpoint to {path}"])
 
 

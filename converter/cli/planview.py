@@ -254,3 +254,66 @@ def v41_report(raw: dict, tp: int, where: str) -> tuple[list[str], dict]:
            "per_tp": {t: {"gpu_bytes": r.gpu_total, "host_bytes": r.host} for t, r in sizes.items()},
            "families": at.gpu, "fits": [{"box": b, "fits": ok, "why": why} for b, ok, why in v41.fits(at)]}
     return lines, doc
+
+
+# DeepSeek-V4-Flash-0731 on the Hub: 166,878,536,440 bytes in 48 shards, laid out by layer (docs/checkpoints.md);
+# a plan from config.json alone models the shards so, to size what a streamed conversion holds at once.
+HUB_SHARD_BYTES = 166_878_536_440 // 48
+
+
+def source_layout(model: str, config: Path, cfg: ModelConfig, revision: str | None) -> tuple[dict, dict, int, str]:
+    """(source key -> shard, shard -> bytes, side-file bytes, where that came from) of MODEL: the Hub's file
+    list and index for a repo id, the index and sizes on disk for a checkpoint directory, else the
+    shards modelled from config.json as DeepSeek lays them out (by layer, HUB_SHARD_BYTES each)."""
+    from ..engine.presets import nbytes, ordered_sources, shards
+    from ..spec.hub import repo_at, small_file
+    from ..spec.source import INDEX_NAME, SIDE_FILES, _weight_map, is_repo_id
+
+    root = config.parent
+    if is_repo_id(model) and (hub := repo_at(model, root.name)) is not None and INDEX_NAME in hub.files:
+        weight_map = _weight_map(small_file(model, INDEX_NAME, hub.commit))
+        sizes = {n: hub.files[n].size for n in set(weight_map.values())}
+        side = sum(hub.files[n].size for n in SIDE_FILES if n in hub.files)
+        return weight_map, sizes, side, f"the Hub's index of {model} at {hub.commit[:12]}"
+    if not Path(model).is_file() and (root / INDEX_NAME).is_file():
+        weight_map = _weight_map(root / INDEX_NAME)
+        sizes = {n: (root / n).stat().st_size for n in set(weight_map.values()) if (root / n).is_file()}
+        if len(sizes) == len(set(weight_map.values())):
+            side = sum((root / n).stat().st_size for n in SIDE_FILES if (root / n).is_file())
+            return weight_map, sizes, side, f"the index and shards in {root}"
+    groups = list(shards(ordered_sources(cfg.raw), 1, HUB_SHARD_BYTES))
+    names = [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
+    shard_of = {s.key: name for name, group in zip(names, groups) for s in group}
+    return (shard_of, {name: sum(map(nbytes, g)) for name, g in zip(names, groups)}, 0,
+            f"modelled: {len(groups)} shards by layer of about {size(HUB_SHARD_BYTES)}, as DeepSeek's (exact with a "
+            f"repo id or a checkpoint)")
+
+
+def routes_of(specs: dict, options: Options, fp: fpm.Footprint, layout: tuple[dict, dict, int, str]) -> dict:
+    """Each route's download and disk per node (`footprint.node_routes`), one rank per node, with what a
+    streamed conversion holds at once (`engine.feed.peak_bytes` over its order)."""
+    from ..engine.feed import peak_bytes, shards_read, stream_order
+    from ..engine.job import plan_parts
+
+    shard_of, sizes, side, where = layout
+    parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align)]
+    files = {id(p): shards_read(specs, p, shard_of) for p in parts}
+    peak = peak_bytes(stream_order(parts, files, sizes), files, sizes) + side
+    tp = len(next(iter(specs.values())))
+    share = max(n["bytes"] for n in per_node(fp, tp))
+    routes = fpm.node_routes(sum(sizes.values()) + side, share, fp.write, peak, tp, tp)
+    return {"source_bytes": sum(sizes.values()) + side, "stream_peak_bytes": peak, "shards": where,
+            "routes": [vars(r) for r in routes]}
+
+
+def routes_lines(doc: dict) -> list[str]:
+    routes = doc["routes"]
+    lines = ["", f"routes to the serving boxes, per node (one rank each; the source is {size(doc['source_bytes'])}):"]
+    for r in routes:
+        box = f"; a conversion box with {size(r['conversion_box'])}" if r["conversion_box"] else ""
+        lines.append(f"  {r['name']:<32} download {size(r['download_per_node']):>10}, disk {size(r['disk_per_node']):>10}"
+                     f"{box}")
+        lines.append(f"  {'':<32} lucifer-shard {r['command']}")
+    lines.append(f"  (streaming holds at most {size(doc['stream_peak_bytes'])} of the source at once; shards: "
+                 f"{doc['shards']})")
+    return lines

@@ -23,37 +23,45 @@ from ..guarded_io import Tree
 from ..spec.manifest import COMPLETE_NAME, Options, complete_problem, part_path, rank_dir
 from ..spec.manifest_types import Manifest
 from ..spec.outlock import OutLock, describe
+from ..spec.config import ModelConfig
 from ..spec.plan import padding_only
-from ..spec.source import side_files
 from ..units import size
 from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, write_failed
-from .job import Job, part_keys, prepare
+from .feed import DOWNLOAD_REL, SourceFeed, job_files, stream_order
+from .job import Job, part_keys, planned_paths, prepare
 from .manifest_writer import build_manifest, write_manifest
 from .outstate import (check_out, conversion_record, journal_line, part_valid, partial_bytes, planned_files,
                        record_text, refuse_target, remove_partials, sizes_to_write, source_changed, truncate_journal)
 from .owned import RECORD_REL, clear, plan_clearing, read_json
 from .repair import check_content, reference, survey
-from .resumed import resumed_sources
+from .resumed import resumed_sources, stamped_sources
 from .writeloop import Summary, WriteLoop, logger, source_digests
 
 
 def convert(model: str, out: Path, options: Options, resume: bool = False, force: bool = False,
             workers: int = 1, progress: bool = True, revision: str | None = None,
-            warn: Callable[[str], None] = logger.warning) -> Summary:
+            warn: Callable[[str], None] = logger.warning, download_dir: Path | None = None,
+            keep_source: bool = False) -> Summary:
     """Convert MODEL (at `revision`, for a repo id) into OUT; see the module docstring for the order
-    and crash safety. `warn` gets the plan's remarks (a rank that holds only padding).
+    and crash safety. `warn` gets the plan's remarks (a rank that holds only padding). A repo id
+    whose files are not all in the Hugging Face cache is streamed through `download_dir` (default
+    OUT/.lucifer/download), or downloaded whole into the cache first with `keep_source` (`feed`).
 
     Before OUT's writer lock is taken the source is read and OUT only looked at (`refuse_target`,
-    plan's refusals too); everything in OUT happens after."""
+    plan's refusals too); everything in OUT happens after. From a repo id, OUT's refusals come right
+    after config.json, before a shard header is asked for; nothing is downloaded before the lock."""
     t0 = time.perf_counter()
-    job = prepare(model, options, revision)
     out = Path(out)
+
+    def refuse_out(cfg: ModelConfig) -> None:
+        refuse_target(out, None, resume, force, None, options, planned_paths(cfg, options))
+    job = prepare(model, options, revision, download_dir or out / DOWNLOAD_REL, refuse_out)
     repair = resume and out.is_dir() and reference(Tree(out), job) is not None  # a finished output of this job
-    refuse_target(out, job.ckpt.root, resume, force, job, repair=repair)
+    refuse_target(out, job.ckpt.root if job.on_disk else None, resume, force, job, repair=repair)
     for remark in padding_only(job.plan):
         warn(remark.message)
     with OutLock(out) as lock:
-        summary = _convert_locked(job, out, resume, force, workers, progress)
+        summary = _convert_locked(job, out, resume, force, workers, progress, download_dir, keep_source)
     if lock.previous:
         summary.notes.append(f"took over {out} from a writer that ended without releasing it "
                              f"({describe(lock.previous)})")
@@ -64,7 +72,10 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
 def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) -> dict[str, dict]:
     """The journal entries --resume keeps: every rank file of the part still hashes to its journaled
     file and tensor digests, and the part's source tensors, read again, to its journaled source
-    digests (the manifest copies all three; a journal edited or torn elsewhere redoes the part)."""
+    digests (the manifest copies all three; a journal edited or torn elsewhere redoes the part).
+    A source on the Hub is not read again (its shards may be gone): its commit and the SHA-256 of
+    every shard pin its bytes (`check_out` refused a change), and the journaled source digests must
+    give the content stamp the part's files carry (`stamped_sources`)."""
     kept: dict[str, dict] = {}
     candidates = []
     for part in job.parts:
@@ -74,9 +85,9 @@ def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) 
                                                              for p in paths):
             candidates.append((part, paths))
     keys = [k for part, _ in candidates for k in part_keys(by_name[part.role], part)]
-    sources = resumed_sources(job.ckpt, keys)
+    sources = resumed_sources(job.ckpt, keys) if job.on_disk else stamped_sources(out, journaled, candidates)
     for part, paths in candidates:
-        want = {k: sources[k] for k in part_keys(by_name[part.role], part)}
+        want = {k: sources.get(k) for k in part_keys(by_name[part.role], part)}
         if journaled[paths[0]]["sources"] == want:
             kept.update({p: journaled[p] for p in paths})
         else:
@@ -161,7 +172,8 @@ def _os_fault(e: OSError, out: Path, left: list[int], planned: dict[str, dict]) 
     return fault(e, "convert", "run the same command with --resume (finished files are kept)") or e
 
 
-def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int, progress: bool) -> Summary:
+def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int, progress: bool,
+                    download_dir: Path | None, keep_source: bool) -> Summary:
     tree = Tree(out)
     manifest = reference(tree, job) if resume else None  # a finished output of this job: repair it
     journaled = check_out(out, job, resume, force, repair=manifest is not None)
@@ -174,6 +186,9 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
     results = _kept_parts(job, out, journaled, by_name) if journaled else {}
     todo = [p for p in job.parts if part_path(p.role, 0, p.index) not in results]
+    if not job.on_disk and not keep_source:
+        todo = stream_order(todo, job_files(job, todo), job.ckpt.files)
+    feed = SourceFeed(job, out, todo, download_dir, keep_source)
     summary.files_resumed = len(results)
     # Nothing in OUT has changed yet: check the room first, counting what this run removes.
     planned = planned_files(job)
@@ -183,7 +198,9 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     left = sizes_to_write(job, planned, set(results), record)
     logger.info("room: %s to write, %s free on %s, %s given back by this run", size(sum(left)), size(free_bytes(out)),
                 filesystem(out), size(given_back))
-    check_room(out, left, given_back, "run the same command" + (" with --resume" if results else ""))
+    then = "run the same command" + (" with --resume" if results else "")
+    check_room(out, left, given_back, then)
+    feed.check_room(left, given_back, then)
     if clearing is not None:
         clear(tree, clearing)
     tree.remove(COMPLETE_NAME)  # --resume of a finished output whose manifest is gone: not complete until the end
@@ -203,14 +220,17 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
                 tree.make_dirs(rank_dir(role, rank))
         with WriteLoop(job, out, [(part, ranks) for part in todo], "convert", workers, progress, summary) as loop:
             earlier = loop.earlier
-            for part in todo:
+            feed.start(loop.bar)
+            for i, part in enumerate(todo):
                 t_part = time.perf_counter()
+                feed.before(i)
                 entries = loop.write(part, ranks, digests)
+                feed.after(i)
                 written += list(entries)
                 results.update(entries)  # only now kept
                 logger.info("%s part %d: %d file(s), %s, %.1f s", part.role, part.index, len(entries),
                             size(sum(e["bytes"] for e in entries.values())), time.perf_counter() - t_part)
-        for name in side_files(job.ckpt.root):
+        for name in job.ckpt.side:
             tree.copy_in(job.ckpt.root / name, name)
         changed = source_changed(job, record)
         if changed:
@@ -219,9 +239,12 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
                               f"complete, run the same command with --force")
         write_manifest(out, build_manifest(job, results, out))
         tree.write_bytes(COMPLETE_NAME, (job.cid + "\n").encode())
+        feed.finish()
+        summary.notes += [n for n in [feed.summary()] if n]
     except SourceError:
         # The source itself is bad: no rerun can finish what this run started, so it leaves nothing of its
         # own behind; a resume removes only that, never an earlier run's files, journal or record.
+        feed.close()  # no download writes into OUT while it is cleared
         if earlier or summary.files_resumed:
             for rel in written:
                 tree.remove(rel)
@@ -231,6 +254,10 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
         raise
     except OSError as e:
         raise _os_fault(e, out, sizes_to_write(job, planned, set(results), unwritten), planned) from None
+    except BaseException:
+        feed.close(wait=False)  # Ctrl-C, SIGTERM: leave now
+        raise
     finally:
+        feed.close()
         job.ckpt.close()
     return summary

@@ -20,7 +20,7 @@ WRITE_LIMITS = (*DISK_FULL, errno.EFBIG)
 INODE_SLACK = 16  # folders and temporary files a conversion creates besides its files
 
 
-def _existing(path: Path) -> Path:
+def existing(path: Path) -> Path:
     """`path`, or its nearest existing ancestor (the filesystem an OUT not created yet will be on)."""
     p = Path(path).absolute()
     while not p.exists():
@@ -30,26 +30,26 @@ def _existing(path: Path) -> Path:
 
 def free_bytes(path: Path) -> int:
     """Bytes an unprivileged writer may still use on the filesystem that holds (or will hold) `path`."""
-    st = os.statvfs(_existing(path))
+    st = os.statvfs(existing(path))
     return st.f_bavail * st.f_frsize
 
 
 def free_inodes(path: Path) -> int | None:
     """Files an unprivileged writer may still create there, or None where the filesystem does not
     count them (btrfs, some network filesystems report 0 inodes in all)."""
-    st = os.statvfs(_existing(path))
+    st = os.statvfs(existing(path))
     return st.f_favail if st.f_files else None
 
 
 def on_disk(sizes: list[int], path: Path) -> int:
     """Bytes `sizes` occupy as files on the filesystem of `path`: each rounded up to whole blocks."""
-    block = os.statvfs(_existing(path)).f_frsize or 1
+    block = os.statvfs(existing(path)).f_frsize or 1
     return sum(-(-s // block) * block for s in sizes)
 
 
 def filesystem(path: Path) -> str:
     """'/data (ext4 on /dev/nvme0n1p2)': the mount point holding `path`, its type and device."""
-    real = os.path.realpath(_existing(path))
+    real = os.path.realpath(existing(path))
     best = None
     try:
         mounts = read_regular("/proc/mounts", follow=True).decode(errors="replace")
@@ -79,7 +79,8 @@ def shortfall(needed: int, free: int, given_back: int = 0) -> int:
 
 
 def check_room(out: Path, sizes: list[int], given_back: int, then: str,
-               what: str = "rank files, journal, manifest, config and tokenizer copies") -> None:
+               what: str = "rank files, journal, manifest, config and tokenizer copies",
+               instead: str = "choose an OUT on another filesystem") -> None:
     """Refuse, before writing, when the files still to write (`sizes`, of `what`) do not fit, in bytes or
     in files the filesystem can still create; `given_back`: bytes this run frees first (files --force
     deletes that have no other link, a resumed run's partial files)."""
@@ -89,13 +90,12 @@ def check_room(out: Path, sizes: list[int], given_back: int, then: str,
         back = f" (+{size(given_back)} this run removes)" if given_back else ""
         raise NoRoom(f"{out}: not enough room on {filesystem(out)}: {size(sum(sizes))} still to write "
                           f"({sum(sizes):,} bytes: {what}), "
-                          f"{size(free)} free{back}; free {size(short)} more, then {then}, or choose an OUT on "
-                          f"another filesystem")
+                          f"{size(free)} free{back}; free {size(short)} more, then {then}, or {instead}")
     inodes = free_inodes(out)
     if inodes is not None and inodes < len(sizes) + INODE_SLACK:
         raise NoRoom(f"{out}: {filesystem(out)} can create only {inodes:,} more files (no free inodes) and "
                           f"this run writes up to {len(sizes) + INODE_SLACK:,}; remove files there, then "
-                          f"{then}, or choose an OUT on another filesystem")
+                          f"{then}, or {instead}")
 
 
 def write_failed(err: OSError, out: Path, sizes: list[int], largest: int) -> LuciferError:

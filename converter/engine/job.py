@@ -3,14 +3,17 @@ layouts, the split of each rank's tensors into files (parts) and the conversion 
 the exact size of every rank file (`plan` shows it, convert checks the room with it)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..spec import footprint
 from ..spec.layouts import EXPERT_TENSORS, Layout, expert_layout
 from ..spec.manifest import CONTENT_PLACEHOLDER, Options, conversion_id, file_metadata, part_path
 from ..spec.plan import Plan, make_plan
 from ..spec.rules import TensorSpec, build_specs
-from ..spec.source import Checkpoint, hub_origin, open_checkpoint, resolve_model, side_files
+from ..spec.config import ModelConfig
+from ..spec.source import Checkpoint, is_repo_id, open_checkpoint, open_remote, resolve_model
 from .stwriter import TensorHeader, encode_header
 
 
@@ -131,36 +134,63 @@ class Job:
     layouts: dict[str, Layout]
     cid: str
     dropped: dict[str, str] = field(default_factory=dict)
-    origin: dict = field(default_factory=lambda: {"repo": None, "revision": None})  # repo id and commit (`spec.source.hub_origin`)
+    origin: dict = field(default_factory=lambda: {"repo": None, "revision": None})  # repo id and commit, for a repo id
+    on_disk: bool = True  # False: a repo whose files are still to be downloaded (`engine.feed`)
 
     @property
     def roles(self) -> list[str]:
         return list(self.specs)
 
     @property
+    def source_path(self) -> str:
+        """Where the source is, as the manifest records it: its directory, or `hf://repo@commit` for a
+        repo streamed through a download folder that is gone once the conversion is complete."""
+        if self.on_disk:
+            return str(self.ckpt.root.absolute())
+        return f"hf://{self.origin['repo']}@{self.origin['revision']}"
+
+    @property
     def source_sizes(self) -> dict[str, int]:
         return {k: e.offsets[1] - e.offsets[0] for k, e in self.ckpt.tensors.items()}
 
     def footprint(self) -> footprint.Footprint:
-        side = sum((self.ckpt.root / n).stat().st_size for n in side_files(self.ckpt.root))
         return plan_footprint(self.specs, self.parts, self.layouts, self.plan.tp, self.options.align,
-                              self.source_sizes, self.cid, side)
+                              self.source_sizes, self.cid, sum(self.ckpt.side.values()))
 
 
-def prepare(model: str, options: Options, revision: str | None = None) -> Job:
-    root = resolve_model(model, revision)
-    roles = ("target", "draft") if options.mtp else ("target",)
-    ckpt = open_checkpoint(root, roles)
-    plan = make_plan(ckpt.config, options.tp, options.moe_backend)
-    layouts = tensor_layouts(options)
-    specs = {}
-    for role in roles:
-        if role == "draft" and not ckpt.config.num_mtp:
-            continue
-        specs[role] = build_specs(ckpt.config, plan, role)
+def layout_of(cfg: ModelConfig, options: Options) -> tuple[Plan, dict[str, list[list[TensorSpec]]], list[Part]]:
+    """The plan, every rank's specs by role and the parts (rank files) of `options` from config.json alone."""
+    plan = make_plan(cfg, options.tp, options.moe_backend)
+    roles = ["target"] + (["draft"] if options.mtp and cfg.num_mtp else [])
+    specs = {role: build_specs(cfg, plan, role) for role in roles}
     parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align)]
+    return plan, specs, parts
+
+
+def planned_paths(cfg: ModelConfig, options: Options) -> list[str]:
+    """Every rank file convert writes, by path (what its refusals of OUT look at)."""
+    plan, specs, parts = layout_of(cfg, options)
+    return [part_path(p.role, r, p.index) for p in parts for r in range(plan.tp)]
+
+
+def prepare(model: str, options: Options, revision: str | None = None, download_to: Path | None = None,
+            before_headers: Callable[[ModelConfig], None] | None = None) -> Job:
+    """The job of converting MODEL with `options`. A repo id is read from the Hub without a weight
+    (`spec.source.open_remote`: config.json and its refusals, `before_headers`, then the headers by
+    ranged requests) and is read in place when the Hugging Face cache already holds all of it at that
+    commit; otherwise its files are to be downloaded into `download_to` (`engine.feed`)."""
+    roles = ("target", "draft") if options.mtp else ("target",)
+    origin = {"repo": None, "revision": None}
+    on_disk = True
+    if is_repo_id(model):
+        ckpt = open_remote(model, revision, download_to, roles, before_headers)
+        on_disk = ckpt.hub is None  # all of it in the Hugging Face cache: read in place
+        origin = {"repo": model, "revision": ckpt.hub.commit if ckpt.hub else ckpt.root.name}
+    else:
+        ckpt = open_checkpoint(resolve_model(model, revision), roles)
+    plan, specs, parts = layout_of(ckpt.config, options)
     dropped = {}
     if not options.mtp:
         dropped = {k: "--no-mtp: the MTP draft model was not converted" for k in ckpt.tensors if k.startswith("mtp.")}
-    return Job(ckpt, options, plan, specs, parts, layouts, conversion_id(ckpt.fingerprint, options), dropped,
-               hub_origin(model, root))
+    return Job(ckpt, options, plan, specs, parts, tensor_layouts(options), conversion_id(ckpt.fingerprint, options),
+               dropped, origin, on_disk)

@@ -39,6 +39,12 @@ def copies(root: Path, follow: bool) -> dict[str, Copy]:
     return out
 
 
+def planned_copies(job: Job) -> dict[str, Copy]:
+    """The copies as they will be, from the source's sizes (a source on the Hub has none on disk yet):
+    a digest has a fixed length, so the manifest's size is exact before anything is copied."""
+    return {name: Copy(n, "blake3:" + "0" * 64) for name, n in job.ckpt.side.items()}
+
+
 def _ranks(job: Job, role: str, files: dict[str, dict]) -> tuple[RankRecord, ...]:
     """`role`'s rank entries: each rank's files and its tensors' records."""
     parts = [p for p in job.parts if p.role == role]
@@ -66,9 +72,9 @@ def build_manifest(job: Job, files: dict[str, dict], out: Path | None = None) ->
         format_version=FORMAT_VERSION,
         tool_version=__version__,
         conversion_id=job.cid,
-        source=Source(job.ckpt.fingerprint, str(job.ckpt.root.absolute()), dict(sorted(job.ckpt.files.items())),
-                      tuple(side_files(job.ckpt.root)), source_content(job, files), **job.origin),
-        copies=copies(out, follow=False) if out is not None else copies(job.ckpt.root, follow=True),
+        source=Source(job.ckpt.fingerprint, job.source_path, dict(sorted(job.ckpt.files.items())),
+                      tuple(job.ckpt.side), source_content(job, files), **job.origin),
+        copies=copies(out, follow=False) if out is not None else planned_copies(job),
         tp_size=job.plan.tp,
         plan=PlanRecord(job.plan.tp, job.plan.axes),
         options=o,

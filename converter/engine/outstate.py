@@ -17,7 +17,6 @@ from ..spec.outlock import writer_of
 from ..guarded_io import Refused, Tree, kind, naming, partial_name
 from ..outnames import strays
 from ..spec.share import SHARE_NAME, SHARE_REPAIR
-from ..spec.source import side_files
 from .job import Job, part_keys
 from .manifest_writer import build_manifest
 from .owned import JOURNAL_REL, OUTPUT_FILES, RECORD_REL, is_output, is_output_name, plan_clearing, read_json, scan
@@ -261,7 +260,7 @@ def sizes_to_write(job: Job, planned: dict[str, dict], done: set[str], record: d
     `done`, and of the conversion record unless it is written (None)."""
     left = [e for rel, e in planned.items() if rel not in done]
     sizes = [e["bytes"] for e in left] + [sum(len(journal_line(e)) for e in left)]
-    sizes += [(job.ckpt.root / n).stat().st_size for n in side_files(job.ckpt.root)]
+    sizes += list(job.ckpt.side.values())
     sizes += [len(manifest_text(build_manifest(job, planned).to_dict()).encode()), len(job.cid) + 1]
     return sizes + ([len(record_text(record).encode())] if record is not None else [])
 
@@ -270,29 +269,20 @@ def record_text(record: dict) -> str:
     return json.dumps(record, indent=1, sort_keys=True) + "\n"
 
 
-def source_stats(root: Path, names: list[str]) -> dict[str, list[int]]:
-    """name -> [size, mtime_ns] of source files (a rewritten file changes one or the other)."""
-    stats = {}
-    for n in names:
-        st = (root / n).stat()
-        stats[n] = [st.st_size, st.st_mtime_ns]
-    return stats
-
-
 def conversion_record(job: Job) -> dict:
     """What --resume and --force trust of an earlier run: its identity, the source files' sizes and
     times, and every file it writes (what --force may delete)."""
-    files = [*planned_files(job), *side_files(job.ckpt.root), MANIFEST_NAME, COMPLETE_NAME]
+    files = [*planned_files(job), *job.ckpt.side, MANIFEST_NAME, COMPLETE_NAME]
     return {"conversion_id": job.cid, "source_fingerprint": job.ckpt.fingerprint,
             "options": job.options.to_dict(), "tool_version": __version__,
-            "source_files": source_stats(job.ckpt.root, list(job.ckpt.files)),
-            "side_files": source_stats(job.ckpt.root, side_files(job.ckpt.root)), "files": files}
+            "source_files": job.ckpt.stats(list(job.ckpt.files)),
+            "side_files": job.ckpt.stats(list(job.ckpt.side)), "files": files}
 
 
 def source_changed(job: Job, record: dict) -> str | None:
     """The first source file (shard, config or tokenizer file) whose size or time differs from the
     record taken before it was read, or None."""
-    now = {**source_stats(job.ckpt.root, list(job.ckpt.files)), **source_stats(job.ckpt.root, side_files(job.ckpt.root))}
+    now = job.ckpt.stats([*job.ckpt.files, *job.ckpt.side])
     then = {**record["source_files"], **record["side_files"]}
     return next((n for n in sorted(set(now) | set(then)) if now.get(n) != then.get(n)), None)
 

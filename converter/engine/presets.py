@@ -23,6 +23,7 @@ PRESETS = {
     "dspark": "dspark.json",
 }
 MAX_SHARD_BYTES = 1 << 30
+MIN_SHARDS = 4  # a small checkpoint's shards (synth --shards: more, for streaming from a Hub stand-in)
 # A bound on a shard's safetensors header per tensor (its name, dtype, shape and offsets as JSON, the
 # longest DeepSeek-V4 name is under 80 characters) and on the four JSON files synth writes besides.
 HEADER_BYTES_PER_TENSOR = 192
@@ -58,9 +59,9 @@ def nbytes(src: Source) -> int:
     return n
 
 
-def shards(sources: list[Source]) -> Iterator[list[Source]]:
-    """Group keys in order into shards (at least four for small models, at most 1 GiB each)."""
-    limit = min(MAX_SHARD_BYTES, max(1, sum(map(nbytes, sources)) // 4))
+def shards(sources: list[Source], count: int = MIN_SHARDS, most: int = MAX_SHARD_BYTES) -> Iterator[list[Source]]:
+    """Group keys in order into shards (at least `count` for small models, at most `most` bytes each)."""
+    limit = min(most, max(1, sum(map(nbytes, sources)) // count))
     shard: list[Source] = []
     total = 0
     for src in sources:
@@ -80,10 +81,11 @@ def ordered_sources(raw: dict, name: str = "preset") -> list[Source]:
     return sorted(sources, key=lambda s: (s.layer if s.layer is not None else -1, s.key))
 
 
-def file_sizes(raw: dict) -> list[int]:
-    """The files synth writes for config `raw`, in bytes: each shard (its tensors' bytes and a bound on
-    its header), then the JSON files; a bound within a few KiB of what is written."""
-    groups = list(shards(ordered_sources(raw)))
+def file_sizes(raw: dict, count: int = MIN_SHARDS) -> list[int]:
+    """The files synth writes for config `raw` (in at least `count` shards), in bytes: each shard (its
+    tensors' bytes and a bound on its header), then the JSON files; a bound within a few KiB of what is
+    written."""
+    groups = list(shards(ordered_sources(raw), count))
     return [sum(map(nbytes, g)) + len(g) * HEADER_BYTES_PER_TENSOR for g in groups] + [JSON_FILES_BYTES]
 
 

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import os
 
+from pathlib import Path
+
 from ..errors import SourceError
 from ..guarded_io import open_regular
 from ..spec.content import ContentDigests
+from ..spec.manifest import part_content
 from ..spec.source import Checkpoint
+from ..spec.stheader import HeaderError, read_header
 from .assemble import read_failed
 
 BLOCK = 16 << 20
@@ -42,3 +46,20 @@ def resumed_sources(ckpt: Checkpoint, keys: list[str]) -> dict[str, str]:
         finally:
             os.close(fd)
     return digests.finished()
+
+
+def stamped_sources(out: Path, journaled: dict[str, dict], candidates: list) -> dict[str, str]:
+    """The journaled source digests of the `candidates` (part, its rank file paths) whose first rank
+    file carries the content stamp those digests give (`part_content`): a journal edited elsewhere
+    keeps no part, since a stamp is BLAKE3 over the digests and the file's own digest covers its
+    stamp. For a source that is not read again (on the Hub, pinned by its SHA-256s)."""
+    sources: dict[str, str] = {}
+    for _, paths in candidates:
+        entry = journaled[paths[0]]
+        try:
+            stamp = read_header(Path(out) / paths[0]).metadata.get("lucifer.content")
+        except (OSError, HeaderError):
+            continue
+        if stamp == part_content(entry["sources"]):
+            sources.update(entry["sources"])
+    return sources

@@ -29,7 +29,7 @@ from ..spec.rules import DTYPE_SIZE, Source
 from ..units import byte_bar
 from .diskspace import check_room
 from .fills import DEFAULT_FILL, FILLS
-from .presets import PRESETS, file_sizes, nbytes, ordered_sources, preset_config, shards  # noqa: F401 (PRESETS)
+from .presets import MIN_SHARDS, PRESETS, file_sizes, nbytes, ordered_sources, preset_config, shards  # noqa: F401 (PRESETS)
 
 logger = logging.getLogger("lucifer_shard.synth")  # -v prints "lucifer_shard.synth: ..."
 
@@ -111,7 +111,7 @@ SHOWN = 5
 
 
 def synth(preset: str, out: Path, layers: int | None = None, fill: str = DEFAULT_FILL, seed: int = 0,
-          mtp: bool = True, progress: bool = True) -> Path:
+          mtp: bool = True, progress: bool = True, shard_count: int = MIN_SHARDS) -> Path:
     """Write a synthetic checkpoint directory; returns its path."""
     if fill not in FILLS:
         raise LuciferError(f"--fill {fill!r}: choose one of {', '.join(FILLS)}")
@@ -119,11 +119,11 @@ def synth(preset: str, out: Path, layers: int | None = None, fill: str = DEFAULT
     cfg = parse_config(raw, f"preset {preset}")
     out = Path(out)
     refuse_out(out)
-    check_room(out, file_sizes(raw), 0, f"run synth {preset} again", what="checkpoint shards and JSON files")
+    check_room(out, file_sizes(raw, shard_count), 0, f"run synth {preset} again", what="checkpoint shards and JSON files")
     out.mkdir(parents=True, exist_ok=True)
     tree = Tree(out)
     sources = ordered_sources(raw, f"preset {preset}")
-    groups = list(shards(sources))
+    groups = list(shards(sources, shard_count))
     total = sum(map(nbytes, sources))
     weight_map: dict[str, str] = {}
     bar = byte_bar(total, f"synth {preset}", progress)

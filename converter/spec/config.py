@@ -23,6 +23,10 @@ REQUIRED_FIELDS = (
 )
 # Config fields that belong to schema variants this tool does not know.
 UNKNOWN_VARIANT_FIELDS = ("dspark_config", "num_dspark_layers", "dspark_layers")
+# DeepSeek-V4-Flash-Vision-Exp keeps 0731's architecture string and adds `vision_*` keys: a vision tower
+# (vision.*, aligner.*, image_* tensors, an ffn.gate.bias_vl in every layer) and a 3-layer drafter that
+# stock vLLM's text class cannot load (shared/spec/serving-field.md §5). Refused from config.json alone.
+VISION_PREFIX = "vision_"
 # The keys that make a config a DSpark checkpoint (DeepSeek-V4-Flash-0731): its `mtp.*` tensors are a
 # DSpark drafter, and `num_nextn_predict_layers` no longer describes them.
 DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
@@ -125,6 +129,12 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> ModelConfig
             f"{where}: model_type={raw.get('model_type')!r}, architectures={archs!r}; "
             f"lucifer-shard converts only model_type={MODEL_TYPE!r} ({ARCHITECTURE})"
         )
+    vision = sorted(k for k in raw if k.startswith(VISION_PREFIX))
+    if vision:
+        raise SourceError(f"{where}: a vision model ({len(vision)} {VISION_PREFIX}* keys: {', '.join(vision[:3])}"
+                          f"{', ...' if len(vision) > 3 else ''}; DeepSeek-V4-Flash-Vision-Exp's shape): its vision "
+                          f"tensors and its {raw.get('num_nextn_predict_layers')}-layer drafter are not supported; "
+                          f"lucifer-shard converts the text models DeepSeek-V4-Flash and -0731 (and their derivatives)")
     missing = [k for k in REQUIRED_FIELDS if k not in raw]
     if missing:
         raise SourceError(f"{where}: missing field(s) {', '.join(missing)} required by the V4-Flash schema")

@@ -62,3 +62,28 @@ def read_bytes(specs: dict[str, list[list[TensorSpec]]], sizes: dict[str, int]) 
 def seconds(fp: Footprint, bytes_per_s: float = MEASURED_BYTES_PER_S) -> float:
     """Convert moves every byte it reads and writes once; at disk speed the time is their sum over the rate."""
     return (fp.read + fp.write) / bytes_per_s
+
+
+@dataclass(frozen=True)
+class Route:
+    """One way to get a node's share onto its box: bytes downloaded from the Hub and disk used there."""
+
+    name: str
+    command: str
+    download_per_node: int
+    disk_per_node: int
+    conversion_box: int  # disk of a separate conversion box (0: none)
+
+
+def node_routes(source: int, share: int, output: int, peak: int, tp: int, nnodes: int) -> list[Route]:
+    """Per node, for a conversion whose source is `source` bytes, whose output is `output` and one
+    node's share `share`; `peak`: the most source bytes a streamed conversion holds at once. Every
+    node that converts reads every source tensor (a rank's slices come from all of them)."""
+    return [
+        Route("convert once, stage, copy",
+              f"convert --tp {tp} REPO OUT --keep-source; stage OUT DEST --nnodes {nnodes} --node-rank R; copy DEST",
+              0, share, source + output),
+        Route("each node streams its own share",
+              f"convert --tp {tp} REPO DEST --nnodes {nnodes} --node-rank R", source, share + peak, 0),
+        Route("fetch a published share", f"fetch PUBLISHED DEST --nnodes {nnodes} --node-rank R", share, share, 0),
+    ]

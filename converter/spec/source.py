@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -23,6 +24,8 @@ from .stheader import Header, HeaderError, read_header
 
 if TYPE_CHECKING:  # torch is loaded by safetensors' "pt" framework when data is read
     import torch
+
+    from .hub import HubRepo
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -110,12 +113,9 @@ def config_root(model: str, config: Path) -> Path | None:
     return None if Path(model).is_file() else config.parent
 
 
-def hub_origin(model: str, root: Path) -> dict:
-    """What the manifest records of where MODEL came from: the repo id and the commit of its cache
-    snapshot (the folder name), or nulls for a local directory."""
-    if _local(model) is not None:
-        return {"repo": None, "revision": None}
-    return {"repo": model, "revision": root.name}
+def is_repo_id(model: str) -> bool:
+    """Whether MODEL names a Hugging Face repo (owner/name, not a path here)."""
+    return _local(model) is None
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,20 @@ class Checkpoint:
     files: dict[str, int]  # shard name -> size in bytes
     data_start: dict[str, int]  # shard name -> file offset of its data section
     fingerprint: str
+    side: dict[str, int] = field(default_factory=dict)  # config/tokenizer files present: name -> size
+    hub: HubRepo | None = None  # on the Hub, not on disk: `root` is where its files are downloaded to
     _fds: dict = field(default_factory=dict, repr=False)
+
+    def stats(self, names: list[str]) -> dict[str, list]:
+        """name -> what changes when a source file changes: [size, mtime_ns] on disk; [size, the
+        published SHA-256 or git blob id] on the Hub (the commit pins the bytes, wherever they land)."""
+        if self.hub is not None:
+            return {n: [self.hub.get(n).size, self.hub.get(n).identity] for n in names}
+        stats = {}
+        for n in names:
+            st = (self.root / n).stat()
+            stats[n] = [st.st_size, st.st_mtime_ns]
+        return stats
 
     def read(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
         """The region `box` of tensor `key` (element indices), as stored: the rows of its first dim
@@ -226,21 +239,69 @@ def open_checkpoint(root: Path, roles: tuple[str, ...] = ROLES) -> Checkpoint:
     index_path = root / INDEX_NAME
     if index_path.exists():
         weight_map = _weight_map(index_path)
-        names = sorted(set(weight_map.values()))
     elif (root / SINGLE_NAME).exists():
-        weight_map, names = None, [SINGLE_NAME]
+        weight_map = None
     else:
         raise SourceError(f"{root}: no {INDEX_NAME} or {SINGLE_NAME}; not a safetensors checkpoint")
+
+    def header(name: str) -> Header:
+        if not (root / name).exists():  # anything else there is refused by the reader, by name
+            raise SourceError(f"{INDEX_NAME} maps tensors to {name}, which is missing from {root}")
+        return _read_shard(root / name)
+    side = {n: (root / n).stat().st_size for n in side_files(root)}
+    return _checkpoint(root, cfg, read_regular(root / "config.json", JSON_LIMIT, follow=True), weight_map, header,
+                       roles, side)
+
+
+def open_remote(repo: str, revision: str | None, download_to: Path | None = None, roles: tuple[str, ...] = ROLES,
+                before_headers: Callable[[ModelConfig], None] | None = None) -> Checkpoint:
+    """A checkpoint on the Hub, validated as a local one is without downloading a weight: config.json
+    first (its refusals), then `before_headers(config)` (the caller's refusals that need nothing else),
+    the file list and index, then every shard's header by ranged requests (`spec.hub`). Its files are
+    to be downloaded into `download_to` (the checkpoint's `root`; None: nowhere yet). Where the Hugging
+    Face cache holds every file at that commit (or the Hub cannot be reached), the cached snapshot is
+    returned, read in place (`hub` None)."""
+    from .hub import cached_snapshot, remote_header, repo_at, small_file
+
+    config_path = small_file(repo, "config.json", revision)
+    cfg = load_config(config_path)
+    if before_headers is not None:
+        before_headers(cfg)
+    hub = repo_at(repo, config_path.parent.name)  # the commit `revision` resolved to: every later file is its
+    if hub is None:  # offline: what the Hugging Face cache holds of that commit, as before
+        return open_checkpoint(resolve_model(repo, config_path.parent.name, cached_only=True), roles)
+    cached = cached_snapshot(hub, [INDEX_NAME if INDEX_NAME in hub.files else SINGLE_NAME,
+                                   *(n for n in SIDE_FILES if n in hub.files)])
+    if cached is not None and (cached / INDEX_NAME).is_file():  # the cache may hold all of it: read in place
+        names = set(_weight_map(cached / INDEX_NAME).values())
+        if cached_snapshot(hub, sorted(names)) is not None:
+            return open_checkpoint(cached, roles)
+    if INDEX_NAME in hub.files:
+        weight_map = _weight_map(small_file(repo, INDEX_NAME, hub.commit))
+    elif SINGLE_NAME in hub.files:
+        weight_map = None
+    else:
+        raise SourceError(f"{repo} at {hub.commit[:12]}: no {INDEX_NAME} or {SINGLE_NAME}; not a safetensors "
+                          f"checkpoint")
+    side = {n: hub.files[n].size for n in SIDE_FILES if n in hub.files}
+    ckpt = _checkpoint(Path(download_to or "."), cfg, read_regular(config_path, JSON_LIMIT, follow=True), weight_map,
+                       lambda name: remote_header(hub, name), roles, side)
+    ckpt.hub = hub
+    return ckpt
+
+
+def _checkpoint(root: Path, cfg: ModelConfig, config_bytes: bytes, weight_map: dict[str, str] | None,
+                header_of: Callable[[str], Header], roles: tuple[str, ...], side: dict[str, int]) -> Checkpoint:
+    """The checkpoint from its config and its shards' headers (however they were read): the index and
+    the headers checked against each other and the schema, and the fingerprint over them."""
+    names = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_NAME]
     digest = hashlib.sha256()
-    digest.update(read_regular(root / "config.json", JSON_LIMIT, follow=True))
+    digest.update(config_bytes)
     tensors: dict[str, TensorEntry] = {}
     files: dict[str, int] = {}
     data_start: dict[str, int] = {}
     for name in names:
-        path = root / name
-        if not path.exists():  # anything else there is refused by the reader, by name
-            raise SourceError(f"{INDEX_NAME} maps tensors to {name}, which is missing from {root}")
-        header = _read_shard(path)
+        header = header_of(name)
         files[name] = header.file_size
         data_start[name] = header.data_start
         digest.update(f"\0{name}\0{header.file_size}\0".encode())
@@ -257,7 +318,7 @@ def open_checkpoint(root: Path, roles: tuple[str, ...] = ROLES) -> Checkpoint:
         if e.key in tensors:
             raise SourceError(f"{tensors[e.key].file}: {e}", key=e.key) from None
         raise
-    return Checkpoint(root, cfg, tensors, files, data_start, digest.hexdigest())
+    return Checkpoint(root, cfg, tensors, files, data_start, digest.hexdigest(), side)
 
 
 def side_files(root: Path) -> list[str]:

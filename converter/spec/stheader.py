@@ -107,6 +107,18 @@ def read_header(path: Path | str, whole: bool = True, fd: int | None = None) -> 
             os.close(fd)
     if len(raw) != n:
         raise HeaderError(path, f"shrank to {8 + len(raw)} bytes while its header was read")
+    return parse_header(path, prefix + raw, size, whole)
+
+
+def parse_header(path: Path | str, block: bytes, size: int, whole: bool = True) -> Header:
+    """Validate a header given as bytes (the 8-byte prefix and exactly the JSON it announces) of a file
+    of `size` bytes: what `read_header` reads, or what ranged requests fetched of a file on the Hub."""
+    path = Path(path)
+    n = int.from_bytes(block[:8], "little") if len(block) >= 8 else -1
+    if n < 0 or n > MAX_HEADER_BYTES or 8 + n > size or len(block) != 8 + n:
+        raise HeaderError(path, f"header length {n} exceeds the file ({size} bytes) or the safetensors limit "
+                                f"of {MAX_HEADER_BYTES} bytes")
+    prefix, raw = block[:8], block[8:]
     doc = _parse(path, raw)
     meta = doc.pop("__metadata__", None)
     records = _records(path, doc)

@@ -1,0 +1,239 @@
+"""How the source's files reach the disk while convert writes: the three routes of a conversion.
+
+* On disk already (a local checkpoint, or a repo whose files are all in the Hugging Face cache at
+  the commit): read in place, nothing downloaded, nothing removed.
+* Streamed (a repo id, the default): each shard is downloaded into the tool's download folder
+  (`spec.hub.DownloadFolder`: OUT/.lucifer/download, or --download-dir) just before the first part
+  that reads it, checked against the Hub's SHA-256, and removed once no later part reads it; the
+  parts are written in the order of the shards they read, so the folder holds a few shards at a
+  time (`peak_bytes`, which the room check counts) instead of the checkpoint.
+* Kept (--keep-source): the whole checkpoint is downloaded into the Hugging Face cache first
+  (huggingface_hub's own location and settings) and read in place; it stays there.
+
+Every route starts under OUT's lock, after every refusal and room check: nothing is downloaded
+before convert knows it will write.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import SourceError
+from ..spec.manifest import STATE_DIR
+from ..spec.source import open_checkpoint
+from ..units import rate, size
+from .diskspace import check_room, existing, filesystem
+from .job import Job, Part, part_keys
+
+logger = logging.getLogger("lucifer_shard.convert")
+DOWNLOAD_REL = f"{STATE_DIR}/download"  # the default download folder, inside OUT's state folder
+
+
+def part_files(job: Job, part: Part) -> list[str]:
+    """The source shards a part reads, in shard order."""
+    return shards_read(job.specs, part, {k: e.file for k, e in job.ckpt.tensors.items()})
+
+
+def shards_read(specs: dict, part: Part, shard_of: dict[str, str]) -> list[str]:
+    """The shards (`shard_of`: source key -> shard file) whose tensors `part` reads, in shard order."""
+    by_name = {s.name: s for s in specs[part.role][0]}
+    return sorted({shard_of[k] for k in part_keys(by_name, part)})
+
+
+def stream_order(parts: list[Part], files: dict[int, list[str]], sizes: dict[str, int]) -> list[Part]:
+    """`parts` in the order that holds the fewest source bytes on disk at once (`peak_bytes`) of three:
+    as planned (by name), by the shards each part reads (first, then last), and greedily (each next
+    part the one needing the fewest bytes not yet downloaded). Which wins depends on how the
+    checkpoint's shards group its tensors; the order changes no file's bytes. `files`: id(part) ->
+    the shards it reads; `sizes`: shard -> bytes."""
+    index = {name: i for i, name in enumerate(sorted(sizes))}
+    by_shard = sorted(parts, key=lambda p: ([index[f] for f in files[id(p)]][:1],
+                                            [index[f] for f in files[id(p)]][-1:], p.role, p.index))
+    left, greedy, present = list(parts), [], set()
+    while left:
+        part = min(left, key=lambda p: (sum(sizes[f] for f in files[id(p)] if f not in present),
+                                        [index[f] for f in files[id(p)]], p.role, p.index))
+        left.remove(part)
+        greedy.append(part)
+        present = (present | set(files[id(part)])) & {f for p in left for f in files[id(p)]}
+    return min((list(parts), by_shard, greedy), key=lambda order: peak_bytes(order, files, sizes))
+
+
+def peak_bytes(order: list[Part], files: dict[int, list[str]], sizes: dict[str, int], lead: int = 1) -> int:
+    """The most shard bytes on disk at once when `order` is streamed: a shard is there from `lead` parts
+    before the first part that reads it (the download runs ahead of the conversion) to the last (a
+    pure function of the order, checked against a walk in the tests)."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, p in enumerate(order):
+        for f in files[id(p)]:
+            first.setdefault(f, i)
+            last[f] = i
+    return max((sum(sizes[f] for f in first if first[f] - lead <= i <= last[f]) for i in range(len(order))),
+               default=0)
+
+
+def job_files(job: Job, parts: list[Part]) -> dict[int, list[str]]:
+    return {id(p): part_files(job, p) for p in parts}
+
+
+class SourceFeed:
+    """The route of `job`'s source (module docstring) over the parts `order` writes."""
+
+    def __init__(self, job: Job, out: Path, order: list[Part], download_dir: Path | None, keep: bool):
+        self.job, self.out, self.order = job, Path(out), order
+        self.keep = keep and job.ckpt.hub is not None
+        self.stream = job.ckpt.hub is not None and not keep
+        self.root = Path(download_dir) if download_dir is not None else self.out / DOWNLOAD_REL
+        self.folder = None
+        self.bar = None
+        self._ahead: _Ahead | None = None
+        self.started = time.perf_counter()
+        self._needed = {f: i for i, p in enumerate(order) for f in part_files(job, p)} if self.stream else {}
+        self.peak = (peak_bytes(order, job_files(job, order), job.ckpt.files) + sum(job.ckpt.side.values())
+                     if self.stream else 0)
+
+    def to_download(self) -> int:
+        """Bytes this run downloads."""
+        if self.keep:
+            return sum(self.job.ckpt.files.values()) + sum(self.job.ckpt.side.values())
+        return sum(self.job.ckpt.files[f] for f in self._needed) + sum(self.job.ckpt.side.values()) if self.stream else 0
+
+    def check_room(self, out_left: list[int], given_back: int, then: str) -> None:
+        """The download's room: on OUT's filesystem together with what convert writes there, else on
+        its own; the error names the filesystem and the bytes each needs."""
+        if not (self.stream or self.keep):
+            return
+        if self.keep:
+            from huggingface_hub import constants
+
+            where, need = Path(constants.HF_HUB_CACHE), self.to_download()
+            what = "the whole checkpoint, kept in the Hugging Face cache (--keep-source)"
+        else:
+            where, need = self.root, self.peak
+            what = "source shards on disk at once while streaming"
+        logger.info("download: %s to %s, at most %s on disk at once (%s)", size(self.to_download()), where,
+                    size(need), filesystem(where))
+        if os.stat(existing(where)).st_dev == os.stat(existing(self.out)).st_dev:
+            check_room(self.out, [*out_left, need], given_back, then,
+                       what=f"rank files, manifest and copies, and {size(need)} of {what}")
+        else:
+            check_room(where, [need], 0, then, what=what,
+                       instead=f"choose another {'HF_HUB_CACHE' if self.keep else '--download-dir'}")
+
+    def start(self, bar) -> None:
+        """Before the first part: the kept checkpoint downloaded (then read in place), or the download
+        folder opened and the config/tokenizer files fetched (they are copied into OUT at the end)."""
+        self.bar = bar
+        if self.keep:
+            self._keep()
+        elif self.stream:
+            from ..spec.hub import DownloadFolder
+
+            self.folder = DownloadFolder(self.job.ckpt.hub, self.root, self._report)
+            self.folder.open()
+            for name in self.job.ckpt.side:
+                self.folder.fetch(name)
+
+    def before(self, index: int) -> None:
+        """Part `index` of the order is next: its shards are there once the download running ahead has
+        brought them; then the next part's download starts, on a thread of its own, while this part is
+        written (a network and a disk at once: `peak_bytes` counts both parts' shards)."""
+        if self.folder is None:
+            return
+        self._wait()  # its error (a tampered shard, the Hub gone) is this run's
+        self._fetch(index)
+        if index + 1 < len(self.order):
+            self._ahead = _Ahead(self._fetch, index + 1)
+
+    def _wait(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.result()
+
+    def _fetch(self, index: int) -> None:
+        for name in part_files(self.job, self.order[index]):
+            self.folder.fetch(name)
+
+    def after(self, index: int) -> None:
+        """Part `index` of the order is written: remove each shard no later part reads."""
+        if self.folder is not None:
+            for name in [f for f, last in self._needed.items() if last == index]:
+                self.folder.remove(name)
+
+    def finish(self) -> None:
+        """The conversion is complete: remove what is left of the download, and the folder."""
+        if self.folder is not None:
+            self.folder.close([*self.job.ckpt.files, *self.job.ckpt.side])
+
+    def close(self, wait: bool = True) -> None:
+        """The download running ahead is waited for (its file finished, or removed by `fetch`), so that
+        nothing writes into the folder after this; not on Ctrl-C (`wait` False): the process is
+        leaving, and its daemon thread with it (huggingface_hub resumes the file next time)."""
+        if wait:
+            try:
+                self._wait()
+            except Exception:
+                pass  # the run already failed; this error is the same fault or a consequence of it
+        self._ahead = None
+
+    def summary(self) -> str | None:
+        if self.folder is None or not self.folder.downloaded:
+            return None
+        return (f"downloaded {size(self.folder.downloaded)} in {self.folder.seconds:.1f} s "
+                f"({rate(self.folder.downloaded / max(self.folder.seconds, 1e-9))}); at most "
+                f"{size(self.peak)} of the source on disk at once")
+
+    def _report(self, n: int) -> None:
+        """One progress line: the conversion's bar, with the download's bytes, rate and what is left."""
+        if self.bar is None or self.folder is None:
+            return
+        self._done = getattr(self, "_done", 0) + n
+        took = max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"download {size(self._done)}/{size(self.to_download())} at "
+                                 f"{rate(self._done / took)}", refresh=False)
+        self.bar.refresh()
+
+    def _keep(self) -> None:
+        """Download the whole checkpoint into the Hugging Face cache, then read it in place; its headers
+        must be the ones planned from (the commit pins them)."""
+        from huggingface_hub import snapshot_download
+
+        from ..spec.hub import _guarded
+        from ..spec.source import INDEX_NAME
+
+        hub, ckpt = self.job.ckpt.hub, self.job.ckpt
+        names = [*ckpt.files, *ckpt.side, *([INDEX_NAME] if INDEX_NAME in hub.files else [])]
+        root = Path(_guarded(hub.repo, hub.commit, "the checkpoint", lambda: snapshot_download(
+            hub.repo, revision=hub.commit, allow_patterns=names)))
+        local = open_checkpoint(root, tuple(self.job.specs))
+        if local.fingerprint != ckpt.fingerprint:
+            raise SourceError(f"{hub.repo} at {hub.commit[:12]}: the downloaded checkpoint's headers differ from "
+                              f"the Hub's ({root}); remove that snapshot from the Hugging Face cache and run again")
+        local.hub, self.job.ckpt = hub, local  # its identity stays the Hub's (what the record holds)
+
+
+
+class _Ahead:
+    """`fn(arg)` on a daemon thread (a pool's thread would hold Ctrl-C until a shard finished); `result`
+    waits and raises what it raised."""
+
+    def __init__(self, fn: Callable[[int], None], arg: int):
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, arg), name="lucifer-download", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[int], None], arg: int) -> None:
+        try:
+            fn(arg)
+        except BaseException as e:  # handed to the converting thread by `result`
+            self._error = e
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error

@@ -1,0 +1,254 @@
+"""convert from a Hugging Face repo id, against a stand-in Hub on 127.0.0.1 (tests/hubserver.py) that
+huggingface_hub's own client talks to: refusals before any weight is asked for, a streamed conversion
+byte-identical to one from disk, resume after a kill mid-download, a tampered shard refused by name,
+the kept and cached routes, and plan's download figures."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import CONFIGS, scratch
+from hubserver import HubServer
+from lucifer_shard.engine.feed import job_files, part_files, peak_bytes, stream_order
+from lucifer_shard.engine.job import prepare
+from lucifer_shard.spec.manifest import Options
+
+REPO_ID = "deepseek-ai/DeepSeek-V4-Flash-0731"
+SMALL_PARTS = ["--max-file-size", "1M"]  # many parts, so a streamed run holds a few shards at a time
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """A DSpark checkpoint in 10+ shards, its derivative (other weights, same schema), and their
+    conversions from disk: the reference every streamed run must equal byte for byte."""
+    with scratch(tmp_path_factory, "hub") as d:
+        for name, seed in (("model", 0), ("derivative", 1)):
+            cli("synth", "dspark", d / name, "--shards", "10", "--seed", seed, "--fill", "random")
+        cli("convert", "--tp", "3", d / "model", d / "disk", *SMALL_PARTS)
+        yield d
+
+
+@pytest.fixture
+def hub(ckpts, tmp_path):
+    with HubServer({REPO_ID: ckpts / "model", "someone/V4-Flash-0731-abliterated": ckpts / "derivative"}) as server:
+        server.home = tmp_path / "hf-home"
+        yield server
+
+
+def cli(*args, hub: HubServer | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1"}
+    if hub is not None:
+        env.update(HF_ENDPOINT=hub.url, HF_HOME=str(hub.home))
+    r = subprocess.run([sys.executable, "-m", "lucifer_shard.cli", *map(str, args)], env=env, capture_output=True,
+                       text=True)
+    if check and r.returncode:
+        raise AssertionError(f"{args} exited {r.returncode}: {r.stderr[-2000:]}")
+    return r
+
+
+def weight_requests(hub: HubServer) -> list:
+    """Every request for a shard's bytes beyond a header read (a ranged GET from byte 0 of at most 256 KiB)."""
+    def header_read(r) -> bool:
+        return r.range is not None and r.range.startswith("bytes=0-") and r.sent <= 1 << 18
+    return [r for r in hub.requests if r.path.endswith(".safetensors") and r.method == "GET" and not header_read(r)]
+
+
+def files_of(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and ".lucifer" not in p.parts}
+
+
+def same_conversion(a: Path, b: Path) -> None:
+    """Every rank file and copy byte-identical; the manifests equal but for where the source was."""
+    fa, fb = files_of(a), files_of(b)
+    assert sorted(fa) == sorted(fb)
+    for rel in fa:
+        if rel != "lucifer-manifest.json":
+            assert fa[rel] == fb[rel], rel
+    ma, mb = (json.loads(f["lucifer-manifest.json"]) for f in (fa, fb))
+    for m in (ma, mb):
+        m.pop("manifest_digest")
+        m["source"].update(path=None, repo=None, revision=None)
+    assert ma == mb
+
+
+def one_error_line(r: subprocess.CompletedProcess) -> str:
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+# ---------------------------------------------------------------- refusals before any weight
+
+
+def _repo_with_config(root: Path, raw: dict, like: Path) -> Path:
+    """A repo of `like`'s files with another config.json (the shards are never asked for)."""
+    shutil.copytree(like, root)
+    (root / "config.json").write_text(json.dumps(raw))
+    return root
+
+
+def test_v41_repo_is_refused_from_config_json_alone(ckpts, tmp_path):
+    raw = json.loads((CONFIGS / "deepseek-v4.1-flash.json").read_text())
+    with HubServer({"deepseek-ai/DeepSeek-V4.1-Flash": _repo_with_config(tmp_path / "v41", raw, ckpts / "model")}) as h:
+        h.home = tmp_path / "hf-home"
+        line = one_error_line(cli("convert", "--tp", "3", "deepseek-ai/DeepSeek-V4.1-Flash", tmp_path / "out", hub=h,
+                                  check=False))
+        assert "V4.1" in line or "deepseek_v41" in line
+        assert [r.path for r in h.requests if r.method == "GET"] == ["config.json"]
+        assert not (tmp_path / "out").exists()
+
+
+def test_vision_exp_repo_is_refused_before_any_weight(ckpts, tmp_path):
+    raw = json.loads((ckpts / "model" / "config.json").read_text())
+    raw.update({f"vision_{k}": 1 for k in ("hidden_size", "layers", "heads", "patch_size", "image_size",
+                                           "mlp_ratio", "depth", "token_id", "merge_size", "start_token")})
+    raw["num_nextn_predict_layers"] = 3
+    with HubServer({"deepseek-ai/DeepSeek-V4-Flash-Vision-Exp": _repo_with_config(tmp_path / "vx", raw,
+                                                                                  ckpts / "model")}) as h:
+        h.home = tmp_path / "hf-home"
+        line = one_error_line(cli("convert", "--tp", "3", "deepseek-ai/DeepSeek-V4-Flash-Vision-Exp",
+                                  tmp_path / "out", hub=h, check=False))
+        assert "vision" in line and "3-layer drafter" in line
+        assert not any(r.path.endswith(".safetensors") for r in h.requests)
+
+
+def test_finished_out_is_refused_before_any_header_or_weight(ckpts, hub, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(ckpts / "disk", out)
+    line = one_error_line(cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub, check=False))
+    assert "already holds a complete conversion" in line
+    assert not any(r.path.endswith(".safetensors") for r in hub.requests)
+    assert files_of(out) == files_of(ckpts / "disk")
+
+
+def test_a_foreign_download_dir_is_refused_before_any_weight(hub, tmp_path):
+    (tmp_path / "dl").mkdir()
+    (tmp_path / "dl" / "notes.txt").write_text("mine")
+    line = one_error_line(cli("convert", "--tp", "3", REPO_ID, tmp_path / "out", "--download-dir", tmp_path / "dl",
+                              *SMALL_PARTS, hub=hub, check=False))
+    assert "not a lucifer-shard download folder" in line
+    assert weight_requests(hub) == [] and (tmp_path / "dl" / "notes.txt").read_text() == "mine"
+
+
+def test_download_options_need_a_repo_id(ckpts, tmp_path):
+    line = one_error_line(cli("convert", "--tp", "3", ckpts / "model", tmp_path / "out", "--keep-source",
+                              check=False))
+    assert "local path" in line
+
+
+# ---------------------------------------------------------------- streamed conversion
+
+
+def test_streamed_conversion_equals_the_one_from_disk(ckpts, hub, tmp_path):
+    out = tmp_path / "out"
+    r = cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub)
+    same_conversion(out, ckpts / "disk")
+    shards = sorted(p.name for p in (ckpts / "model").glob("*.safetensors"))
+    assert len(shards) >= 8
+    assert sorted(r.path for r in weight_requests(hub)) == shards  # each shard downloaded once, whole
+    assert not (out / ".lucifer" / "download").exists()  # every downloaded file removed
+    manifest = json.loads((out / "lucifer-manifest.json").read_text())["source"]
+    assert manifest["repo"] == REPO_ID and manifest["revision"] == hub.repos[REPO_ID].commit
+    assert manifest["path"] == f"hf://{REPO_ID}@{hub.repos[REPO_ID].commit}"
+    assert "downloaded" in r.stdout and "at most" in r.stdout
+    assert cli("verify", out).returncode == 0
+
+
+def test_a_derivative_converts_as_its_base_and_records_its_repo(ckpts, hub, tmp_path):
+    out = tmp_path / "out"
+    cli("convert", "--tp", "3", "someone/V4-Flash-0731-abliterated", out, *SMALL_PARTS, hub=hub)
+    ours, base = (json.loads((d / "lucifer-manifest.json").read_text()) for d in (out, ckpts / "disk"))
+    assert ours["source"]["repo"] == "someone/V4-Flash-0731-abliterated"
+    # same config and headers (so the same conversion id), other weights: the content digest tells them apart
+    assert ours["source"]["fingerprint"] == base["source"]["fingerprint"]
+    assert ours["source"]["content"]["digest"] != base["source"]["content"]["digest"]
+    shown = cli("inspect", out).stdout
+    assert "someone/V4-Flash-0731-abliterated" in shown and hub.repos["someone/V4-Flash-0731-abliterated"].commit[:12] in shown
+
+
+def test_a_tampered_shard_is_refused_by_name(ckpts, hub, tmp_path):
+    shard = sorted(p.name for p in (ckpts / "model").glob("*.safetensors"))[3]
+    data = bytearray((ckpts / "model" / shard).read_bytes())
+    data[-1] ^= 0xFF
+    hub.tamper[(REPO_ID, shard)] = bytes(data)
+    out = tmp_path / "out"
+    line = one_error_line(cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub, check=False))
+    assert shard in line and "SHA-256" in line
+    assert not (out / "COMPLETE").exists() and not (out / ".lucifer" / "download" / shard).exists()
+
+
+def test_killed_mid_download_then_resumed(ckpts, hub, tmp_path):
+    out = tmp_path / "out"
+    total = sum(p.stat().st_size for p in (ckpts / "model").glob("*.safetensors"))
+    hub.stall_after = total * 2 // 3
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(hub.home), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "lucifer_shard.cli", "convert", "--tp", "3", REPO_ID, str(out),
+                             *SMALL_PARTS, "-q"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert hub.stalled.wait(120), "the conversion never reached the stall"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    hub.release()
+    journal = (out / ".lucifer" / "journal.jsonl").read_text().splitlines()
+    assert journal, "no part was finished before the kill: the stall came too early to test a resume"
+    before = len(hub.requests)
+    cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, "--resume", hub=hub)
+    same_conversion(out, ckpts / "disk")
+    # the resume fetched only shards that unfinished parts read, each once: none read by kept parts alone
+    job = prepare(str(ckpts / "model"), Options(tp=3, max_file_bytes=1 << 20))
+    kept = {json.loads(line)["path"] for line in journal}
+    done = [p for p in job.parts if f"{p.role}/rank-0/part-{p.index:05d}.safetensors" in kept]
+    left = [p for p in job.parts if p not in done]
+    fetched = [r.path for r in weight_requests(hub)[len(weight_requests(_until(hub, before))):]]
+    assert len(fetched) == len(set(fetched))
+    needed = {f for p in left for f in part_files(job, p)}
+    assert set(fetched) <= needed
+    assert not set(fetched) & ({f for p in done for f in part_files(job, p)} - needed)
+
+
+def _until(hub: HubServer, n: int) -> HubServer:
+    view = HubServer.__new__(HubServer)
+    view.requests = hub.requests[:n]
+    return view
+
+
+# ---------------------------------------------------------------- the other routes
+
+
+def test_keep_source_then_cached_read_in_place(ckpts, hub, tmp_path):
+    cli("convert", "--tp", "3", REPO_ID, tmp_path / "a", *SMALL_PARTS, "--keep-source", hub=hub)
+    same_conversion(tmp_path / "a", ckpts / "disk")
+    assert not (tmp_path / "a" / ".lucifer" / "download").exists()
+    n = len(weight_requests(hub))
+    cli("convert", "--tp", "3", REPO_ID, tmp_path / "b", *SMALL_PARTS, hub=hub)
+    same_conversion(tmp_path / "b", ckpts / "disk")
+    assert len(weight_requests(hub)) == n  # read in place from the cache
+
+
+# ---------------------------------------------------------------- the plan of a streamed run
+
+
+def test_stream_order_keeps_few_shards_and_peak_is_a_walk(ckpts):
+    job = prepare(str(ckpts / "model"), Options(tp=3, max_file_bytes=1 << 20))
+    files, sizes = job_files(job, job.parts), job.ckpt.files
+    order = stream_order(job.parts, files, sizes)
+    assert sorted((p.role, p.index) for p in order) == sorted((p.role, p.index) for p in job.parts)
+    on_disk: set[str] = set()
+    peak = 0
+    last = {f: i for i, p in enumerate(order) for f in files[id(p)]}
+    for i, part in enumerate(order):  # while part i is written, part i + 1's shards download
+        on_disk |= set(files[id(part)]) | set(files[id(order[i + 1])] if i + 1 < len(order) else [])
+        peak = max(peak, sum(sizes[f] for f in on_disk))
+        on_disk -= {f for f in on_disk if last[f] == i}
+    assert peak_bytes(order, files, sizes) == peak
+    assert peak <= peak_bytes(job.parts, files, sizes)  # never worse than the planned order
+    assert peak < sum(sizes.values()) * 0.6  # streaming holds a part of the checkpoint, not all of it
