@@ -19,7 +19,7 @@ the others as git blobs (ETag: the git blob id), as on the Hub. Every request is
 `tamper` serves other bytes for a file while its published SHA-256 stays the original's; `stall_after`
 blocks a download once that many body bytes were sent (a test then kills the client mid-download).
 
-Run alone (bench/): python tests/hubserver.py owner/name=DIR [owner/other=DIR2 ...]
+Run alone: python tests/hubserver.py owner/name=DIR [owner/other=DIR2 ...] [--rate=BYTES_PER_S]
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -91,6 +92,7 @@ class HubServer:
         self.requests: list[Request] = []
         self.tamper: dict[tuple[str, str], bytes] = {}  # (repo, file) -> bytes served instead
         self.stall_after: int | None = None  # body bytes of resolve GETs after which downloads block
+        self.rate: float | None = None  # bytes per second all downloads share (None: as fast as loopback goes)
         self.stalled = threading.Event()  # set once a download blocked
         self._release = threading.Event()
         self._sent = 0
@@ -139,10 +141,15 @@ class HubServer:
             self.requests.append(request)
 
     def _count(self, n: int) -> None:
-        """Account `n` body bytes about to be sent; block while a stall is on."""
+        """Account `n` body bytes about to be sent; block while a stall is on, or until `rate` allows them."""
         with self._lock:
             self._sent += n
             stall = self.stall_after is not None and self._sent > self.stall_after
+            if self.rate:
+                self._due = max(getattr(self, "_due", 0.0), time.perf_counter()) + n / self.rate
+                wait = self._due - time.perf_counter()
+        if self.rate and wait > 0:
+            time.sleep(wait)
         if stall:
             self.stalled.set()
             self._release.wait()
@@ -279,8 +286,10 @@ def _blob(f: Served) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    repos = dict(a.split("=", 1) for a in argv)
+    rate = [float(a.split("=", 1)[1]) for a in argv if a.startswith("--rate=")]
+    repos = dict(a.split("=", 1) for a in argv if not a.startswith("--"))
     with HubServer(repos) as hub:
+        hub.rate = rate[0] if rate else None
         print(f"HF_ENDPOINT={hub.url}", flush=True)
         for repo_id, repo in hub.repos.items():
             print(f"{repo_id} at {repo.commit}: {len(repo.files)} files", flush=True)

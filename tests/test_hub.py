@@ -16,7 +16,8 @@ import pytest
 
 from helpers import CONFIGS, scratch
 from hubserver import HubServer
-from lucifer_shard.engine.feed import job_files, part_files, peak_bytes, stream_order
+from lucifer_shard.engine.feed import job_files, part_files
+from lucifer_shard.spec.streaming import peak_bytes, stream_order
 from lucifer_shard.engine.job import prepare
 from lucifer_shard.spec.manifest import Options
 
@@ -252,3 +253,57 @@ def test_stream_order_keeps_few_shards_and_peak_is_a_walk(ckpts):
     assert peak_bytes(order, files, sizes) == peak
     assert peak <= peak_bytes(job.parts, files, sizes)  # never worse than the planned order
     assert peak < sum(sizes.values()) * 0.6  # streaming holds a part of the checkpoint, not all of it
+
+
+def test_readme_routes_are_plans():
+    """The README's routes table is what `plan` prints for DeepSeek-V4-Flash-0731 at TP3 (so they cannot drift)."""
+    from lucifer_shard.units import size
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme[readme.index("| route | download per node |"):readme.index("A repo id is read config first")]
+
+    def routes(*extra: str) -> dict:
+        r = cli("plan", "--tp", "3", CONFIGS / "deepseek-v4-flash-0731.json", "--json", *extra)
+        return json.loads(r.stdout)["result"]["routes"]
+
+    doc, small = routes(), routes("--max-file-size", "2G")
+    staged, streamed, fetched = doc["routes"]
+    assert f"the source is {size(doc['source_bytes'])})" in readme
+    assert f"| 0 ({size(staged['disk_per_node'])} copied to it) | {size(staged['disk_per_node'])} |" in table
+    assert f"a conversion box with {size(staged['conversion_box'])}" in table
+    assert (f"| {size(streamed['download_per_node'])} | {size(streamed['disk_per_node'])} (share + at most "
+            f"{size(doc['stream_peak_bytes'])} of shards at once; {size(small['routes'][1]['disk_per_node'])} with "
+            f"`--max-file-size 2G`)") in table
+    assert f"| {size(fetched['download_per_node'])} | {size(fetched['disk_per_node'])} |" in table
+
+
+# ---------------------------------------------------------------- diff from the Hub
+
+
+def test_diff_streams_the_recorded_source(ckpts, hub, tmp_path):
+    out = tmp_path / "out"
+    cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub)
+    shutil.rmtree(hub.home)  # nothing cached: diff must read the Hub
+    n = len(weight_requests(hub))
+    r = cli("diff", out, "--download-dir", tmp_path / "dl", hub=hub)
+    assert "OK: every rank tensor is its source slices" in r.stdout and f"{REPO_ID}@" in r.stdout
+    fetched = [q.path for q in weight_requests(hub)[n:]]
+    assert sorted(fetched) == sorted(p.name for p in (ckpts / "model").glob("*.safetensors"))  # each once
+    assert not (tmp_path / "dl").exists()
+
+
+def test_diff_against_other_weights_stops_at_their_content(ckpts, hub, tmp_path):
+    """A derivative has the base's headers (same fingerprint): diff downloads until a shard's content differs."""
+    r = cli("diff", ckpts / "disk", "someone/V4-Flash-0731-abliterated", "--download-dir", tmp_path / "dl",
+            hub=hub, check=False)
+    assert r.returncode == 1 and "content differs from the shard converted" in r.stderr + r.stdout
+    assert not (tmp_path / "dl").exists()
+
+
+def test_diff_against_another_checkpoint_is_refused_before_any_weight(ckpts, tmp_path):
+    cli("synth", "tiny", tmp_path / "tiny")
+    with HubServer({"acme/tiny": tmp_path / "tiny"}) as h:
+        h.home = tmp_path / "hf-home"
+        r = cli("diff", ckpts / "disk", "acme/tiny", hub=h, check=False)
+        assert r.returncode == 1 and "not the checkpoint" in r.stderr + r.stdout
+        assert weight_requests(h) == []

@@ -98,8 +98,12 @@ def _report(out: Path, run, lines, noun: str, fix: str) -> None:
 @click.option("--keep-going", is_flag=True,
               help="Compare byte for byte even when MODEL is not the checkpoint OUT was converted from (its "
                    "fingerprint or content differs): to see where it differs.")
+@click.option("--download-dir", type=click.Path(path_type=Path), default=None,
+              help="A repo id not in the Hugging Face cache streams its shards through this folder (each removed "
+                   "once compared)  [default: a folder in the system's temporary directory]")
 @conventions(interrupted=CHECK_INTERRUPTED.format("diff"))
-def diff(out: Path, model: str | None, max_mismatches: int, workers: int | None, keep_going: bool) -> None:
+def diff(out: Path, model: str | None, max_mismatches: int, workers: int | None, keep_going: bool,
+         download_dir: Path | None) -> None:
     """Prove, byte for byte, that the rank files in OUT are the checkpoint MODEL.
 
     MODEL defaults to the source the manifest records. First the source fingerprint (config.json,
@@ -111,14 +115,16 @@ def diff(out: Path, model: str | None, max_mismatches: int, workers: int | None,
     its content digest must equal the one convert recorded. A source that is not the converted
     one stops diff with one line (--keep-going compares anyway). Streams with bounded memory.
     Exit 0 only if everything matches; mismatches are reported with the source tensor and
-    logical index, the rank tensor, and the byte offset in the rank file.
+    logical index, the rank tensor, and the byte offset in the rank file. MODEL (or the recorded
+    source) may be a repo id: its config.json and shard headers come first (the fingerprint is
+    compared before any weight is downloaded), then its shards stream through --download-dir.
     """
     from ..proof.diff import diff as run, diff_lines
 
     refuse_swapped("diff", model, out, model_first=False)
     progress = Console.of().progress
     _report(out, lambda: run(out, model, max_mismatches=max_mismatches, progress=progress, workers=workers,
-                             keep_going=keep_going),
+                             keep_going=keep_going, download_dir=download_dir),
             diff_lines, "difference(s)",
             "OUT is not MODEL: {repair} (or pass the MODEL it was converted from)")
 

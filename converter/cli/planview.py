@@ -292,7 +292,8 @@ def source_layout(model: str, config: Path, cfg: ModelConfig, revision: str | No
 def routes_of(specs: dict, options: Options, fp: fpm.Footprint, layout: tuple[dict, dict, int, str]) -> dict:
     """Each route's download and disk per node (`footprint.node_routes`), one rank per node, with what a
     streamed conversion holds at once (`engine.feed.peak_bytes` over its order)."""
-    from ..engine.feed import peak_bytes, shards_read, stream_order
+    from ..engine.feed import shards_read
+    from ..spec.streaming import peak_bytes, stream_order
     from ..engine.job import plan_parts
 
     shard_of, sizes, side, where = layout

@@ -27,7 +27,8 @@ from ..spec.config import ModelConfig
 from ..spec.plan import padding_only
 from ..units import size
 from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, write_failed
-from .feed import DOWNLOAD_REL, SourceFeed, job_files, stream_order
+from ..spec.streaming import stream_order
+from .feed import DOWNLOAD_REL, SourceFeed, job_files
 from .job import Job, part_keys, planned_paths, prepare
 from .manifest_writer import build_manifest, write_manifest
 from .outstate import (check_out, conversion_record, journal_line, part_valid, partial_bytes, planned_files,

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import SourceError
 from ..spec.manifest import STATE_DIR
-from ..spec.source import open_checkpoint
+from ..spec.source import download_whole
+from ..spec.streaming import peak_bytes
 from ..units import rate, size
 from .diskspace import check_room, existing, filesystem
 from .job import Job, Part, part_keys
@@ -42,39 +42,6 @@ def shards_read(specs: dict, part: Part, shard_of: dict[str, str]) -> list[str]:
     """The shards (`shard_of`: source key -> shard file) whose tensors `part` reads, in shard order."""
     by_name = {s.name: s for s in specs[part.role][0]}
     return sorted({shard_of[k] for k in part_keys(by_name, part)})
-
-
-def stream_order(parts: list[Part], files: dict[int, list[str]], sizes: dict[str, int]) -> list[Part]:
-    """`parts` in the order that holds the fewest source bytes on disk at once (`peak_bytes`) of three:
-    as planned (by name), by the shards each part reads (first, then last), and greedily (each next
-    part the one needing the fewest bytes not yet downloaded). Which wins depends on how the
-    checkpoint's shards group its tensors; the order changes no file's bytes. `files`: id(part) ->
-    the shards it reads; `sizes`: shard -> bytes."""
-    index = {name: i for i, name in enumerate(sorted(sizes))}
-    by_shard = sorted(parts, key=lambda p: ([index[f] for f in files[id(p)]][:1],
-                                            [index[f] for f in files[id(p)]][-1:], p.role, p.index))
-    left, greedy, present = list(parts), [], set()
-    while left:
-        part = min(left, key=lambda p: (sum(sizes[f] for f in files[id(p)] if f not in present),
-                                        [index[f] for f in files[id(p)]], p.role, p.index))
-        left.remove(part)
-        greedy.append(part)
-        present = (present | set(files[id(part)])) & {f for p in left for f in files[id(p)]}
-    return min((list(parts), by_shard, greedy), key=lambda order: peak_bytes(order, files, sizes))
-
-
-def peak_bytes(order: list[Part], files: dict[int, list[str]], sizes: dict[str, int], lead: int = 1) -> int:
-    """The most shard bytes on disk at once when `order` is streamed: a shard is there from `lead` parts
-    before the first part that reads it (the download runs ahead of the conversion) to the last (a
-    pure function of the order, checked against a walk in the tests)."""
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for i, p in enumerate(order):
-        for f in files[id(p)]:
-            first.setdefault(f, i)
-            last[f] = i
-    return max((sum(sizes[f] for f in first if first[f] - lead <= i <= last[f]) for i in range(len(order))),
-               default=0)
 
 
 def job_files(job: Job, parts: list[Part]) -> dict[int, list[str]]:
@@ -199,23 +166,8 @@ class SourceFeed:
         self.bar.refresh()
 
     def _keep(self) -> None:
-        """Download the whole checkpoint into the Hugging Face cache, then read it in place; its headers
-        must be the ones planned from (the commit pins them)."""
-        from huggingface_hub import snapshot_download
-
-        from ..spec.hub import _guarded
-        from ..spec.source import INDEX_NAME
-
-        hub, ckpt = self.job.ckpt.hub, self.job.ckpt
-        names = [*ckpt.files, *ckpt.side, *([INDEX_NAME] if INDEX_NAME in hub.files else [])]
-        root = Path(_guarded(hub.repo, hub.commit, "the checkpoint", lambda: snapshot_download(
-            hub.repo, revision=hub.commit, allow_patterns=names)))
-        local = open_checkpoint(root, tuple(self.job.specs))
-        if local.fingerprint != ckpt.fingerprint:
-            raise SourceError(f"{hub.repo} at {hub.commit[:12]}: the downloaded checkpoint's headers differ from "
-                              f"the Hub's ({root}); remove that snapshot from the Hugging Face cache and run again")
-        local.hub, self.job.ckpt = hub, local  # its identity stays the Hub's (what the record holds)
-
+        """Download the whole checkpoint into the Hugging Face cache, then read it in place."""
+        self.job.ckpt = download_whole(self.job.ckpt, tuple(self.job.specs))
 
 
 class _Ahead:

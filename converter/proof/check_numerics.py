@@ -32,7 +32,7 @@ import torch
 from ..errors import LuciferError, OutputError, SourceError
 from ..spec.manifest import source_model
 from ..spec.rules import draft_prefixes
-from ..spec.source import Checkpoint, open_checkpoint, resolve_model
+from ..spec.source import Checkpoint, download_whole, open_source
 from .numerics import (attn_output_reference, dequant_fp8_block, mlp_reference, moe_reference, moe_reference_streamed,
                        shared_expert_reference)
 from .outdir import Output
@@ -431,13 +431,14 @@ def check_numerics(out: Path, model: str | None = None, layers: str | list[int] 
     if not 0 <= seed <= MAX_SEED:
         raise LuciferError(f"--seed {seed}: choose 0..{MAX_SEED}")
     output = Output(Path(out))
-    model, _ = source_model(out, output.manifest, model)
-    root = resolve_model(model)
-    ckpt = open_checkpoint(root)
+    model, revision, _ = source_model(out, output.manifest, model)
+    ckpt = open_source(model, revision)
     want = output.manifest.source.fingerprint
     if want and want != ckpt.fingerprint:
         raise OutputError(f"{out} was converted from a different checkpoint than {model} "
                           f"(source fingerprint {want[:12]} vs {ckpt.fingerprint[:12]})")
+    if ckpt.hub is not None:  # on the Hub, not in the cache: downloaded once the source is known to be OUT's
+        ckpt = download_whole(ckpt)
     cfg = ckpt.config
     ids = layers if isinstance(layers, list) else parse_layers(layers, cfg)
     heads = output.manifest.plan.axes["heads"].padded

@@ -10,28 +10,27 @@ of that: every source tensor is consumed exactly once (or dropped for a stated r
 sharded pieces of every source tensor tile its sharded dim exactly across the ranks, and
 replicated pieces are whole on every rank.
 
-Work goes in groups (the four routed-expert tensors of a layer together, since their source
-tensors lie together expert by expert; every other tensor alone) and chunks of dim 0 (a few
-experts, or a row block) of about 32 MiB per rank, at most two chunks in flight: memory stays
-bounded like `convert`. A chunk's source rows are read once, in few large requests (regions of a
-shard that lie together are coalesced), and shared by the ranks' tasks, which run on a thread
-pool. Source and rank bytes are read with positional O_DIRECT reads (page cache only where the
-filesystem refuses direct I/O) into reused page-aligned buffers: no page-cache copy, none of its
-page faults, so the run is bound by the disk rather than the kernel's CPU time. A `swap_halves`
-expert chunk is compared through views of its halves, without an inverse copy. Comparisons run on whole chunks with numpy; positions are only computed for the first
-mismatches, which are reported with the source tensor and its logical index, the rank tensor and
-its index, and the absolute byte offset(s) in the rank file (through the forward layout for
-kernel-layout experts).
+Work goes in groups (the four routed-expert tensors of a layer together, since their source tensors lie
+together expert by expert; every other tensor alone) and chunks of dim 0 (a few experts, or a row block) of
+about 32 MiB per rank, at most two chunks in flight: memory stays bounded like `convert`. A chunk's source
+rows are read once, in few large requests (regions of a shard that lie together are coalesced), and shared by
+the ranks' tasks, which run on a thread pool. Source and rank bytes are read with positional O_DIRECT reads
+(page cache only where the filesystem refuses direct I/O) into reused page-aligned buffers: no page-cache
+copy, none of its page faults, so the run is bound by the disk rather than the kernel's CPU time. A
+`swap_halves` expert chunk is compared through views of its halves, without an inverse copy. Comparisons run
+on whole chunks with numpy; positions are only computed for the first mismatches, which are reported with the
+source tensor and its logical index, the rank tensor and its index, and the absolute byte offset(s) in the
+rank file (through the forward layout for kernel-layout experts).
 
-Source identity, first and cheapest first: the source fingerprint (config.json, every shard's
-header and size) must equal the manifest's, else diff stops with one line naming what differs
-(unless `keep_going`); then, as the comparison reads every source byte, each tensor's content
-digest (content.py) is computed, and once all of a shard's converted tensors are read the shard's
-digest is compared with the one convert recorded: a checkpoint of the same shapes but other bytes
-stops the diff there with one line (or, with `keep_going`, is a finding and the comparison goes on).
+Source identity, first and cheapest first: the source fingerprint (config.json, every shard's header and size)
+must equal the manifest's, else diff stops with one line naming what differs (unless `keep_going`); then, as
+the comparison reads every source byte, each tensor's content digest (content.py) is computed, and once all of
+a shard's converted tensors are read the shard's digest is compared with the one convert recorded: a
+checkpoint of the same shapes but other bytes stops the diff there with one line (or, with `keep_going`, is a
+finding and the comparison goes on).
 
-The source side (its reads, shared per chunk, and the content check) is `diff_source`; what diff
-shares with verify is beside it (`report`, `rankfile`, `pads`, `structure`).
+The source side (its reads, the content check, a repo streamed from the Hub) is `diff_source`; what diff shares
+with verify is beside it (`report`, `rankfile`, `pads`, `structure`).
 """
 from __future__ import annotations
 
@@ -51,9 +50,9 @@ from ..guarded_io import JSON_LIMIT, Refused, read_regular
 from ..spec.manifest import source_model
 from ..spec.manifest_types import Manifest, Source, TensorRecord
 from ..spec.rules import DTYPE_SIZE, TensorSpec
-from ..spec.source import Checkpoint, open_checkpoint, resolve_model
+from ..spec.source import Checkpoint, open_source
 from ..units import byte_bar, duration, rate, size
-from .diff_source import ChunkSources, ContentCheck, NarrowingError, ProofSourceReader
+from .diff_source import ChunkSources, ContentCheck, NarrowingError, ProofSourceReader, SourceStream
 from .pads import (check_pads, check_scales, chunk_slices, element_index, file_offsets, first_positions, is_scale,
                    slice_starts, to_model)
 from .rankfile import CHUNK_BYTES, HeaderTensor, RankFile, byte_shape, read_rows_direct, row_chunks, scratch
@@ -72,7 +71,7 @@ def _what_differs(src: Source, ckpt: Checkpoint, out: Path) -> str:
     resized = [n for n in sorted(now) if now[n] != was[n]]
     if resized:
         return f"shard {resized[0]} has {now[resized[0]]:,} bytes, the converted one had {was[resized[0]]:,}"
-    if _read(out / "config.json", False) != _read(ckpt.root / "config.json", True):
+    if _read(out / "config.json", False) != ckpt.config_bytes:
         return "its config.json differs from the one converted (OUT/config.json)"
     return "its shard headers differ from the converted ones (same names and sizes)"
 
@@ -86,9 +85,11 @@ def _read(path: Path, follow: bool) -> bytes | None:
 
 
 def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress: bool = True,
-         chunk_bytes: int = CHUNK_BYTES, workers: int | None = None, keep_going: bool = False) -> Report:
+         chunk_bytes: int = CHUNK_BYTES, workers: int | None = None, keep_going: bool = False,
+         download_dir: Path | None = None) -> Report:
     """Compare OUT with the source checkpoint MODEL (default: the one the manifest records); see the
-    module docstring."""
+    module docstring. A repo id not in the Hugging Face cache streams through `download_dir`
+    (`diff_source.SourceStream`)."""
     t0 = time.perf_counter()
     out = Path(out)
     if not out.is_dir():
@@ -96,15 +97,14 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
     report = Report("diff", max_mismatches)
     manifest, held = read_manifest(report, out)
     check_strays(report, out, manifest, held)
-    model, recorded_model = source_model(out, manifest, model)
-    root = resolve_model(model)
-    ckpt = open_checkpoint(root, tuple(manifest.roles))
+    model, revision, recorded_model = source_model(out, manifest, model)
+    ckpt = open_source(model, revision, tuple(manifest.roles))
+    root = ckpt.root if ckpt.hub is None else f"{model}@{ckpt.hub.commit}"
     src = manifest.source
     report.info.update({"out": str(out), "model": str(root), "model_from_manifest": recorded_model,
                         "conversion_id": manifest.conversion_id, "fingerprint": ckpt.fingerprint,
-                        "fingerprint_ok": src.fingerprint == ckpt.fingerprint,
-                        "tp_size": manifest.tp_size, "arch": manifest.arch,
-                        "expert_layout": manifest.expert_layout})
+                        "fingerprint_ok": src.fingerprint == ckpt.fingerprint, "tp_size": manifest.tp_size,
+                        "arch": manifest.arch, "expert_layout": manifest.expert_layout})
     logger.info("source %s (%s): fingerprint %s", root, "recorded in the manifest" if recorded_model else "given",
                 "as recorded" if report.info["fingerprint_ok"] else "differs from the manifest's")
     stop = "" if keep_going else (f"MODEL is not the checkpoint {out} was converted from ({src.path}); pass "
@@ -115,9 +115,10 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
             raise MismatchError(f"diff: {root}: {what}; {stop}")
         report.add_first(Problem("source", f"{what}: source fingerprint {ckpt.fingerprint[:16]}... vs the manifest's "
                            f"{src.fingerprint[:16]}..."))
+    stream = SourceStream.of(ckpt, download_dir)  # a source on the Hub: its shards stream from here on
     for name in src.side_files:
         a = _read(out / name, False)
-        if a is None or a != _read(root / name, True):
+        if a is None or a != _read(stream.side(name), True):
             report.add(Problem("file", f"{name}: not a byte-identical copy of the source's {name}", file=name))
     rules = check_manifest_rules(report, manifest, ckpt.config)
     stats = {"rank_tensors": 0, "source_tensors": 0, "rank_bytes": 0, "source_bytes": 0, "source_bytes_read": 0,
@@ -136,18 +137,19 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
     total = sum(t.end - t.start for rf in files.values() for t in rf.tensors.values()) + sum(
         ckpt.tensors[k].offsets[1] - ckpt.tensors[k].offsets[0] for k in keys)
     bar = byte_bar(total, "diff", progress)
-    work = _plan_groups(manifest, specs, entries, files)
+    work = stream.order(_plan_groups(manifest, specs, entries, files), reader)
     if workers is None:
         # threads mostly wait on direct reads (little CPU each), so the disk's queue depth, not the
         # CPU count, bounds them: two per rank
         workers = min(max(os.cpu_count() or 1, 2 * len(next(iter(specs.values())))), 16)
     try:
-        _diff_data(report, reader, work, stats, bar, chunk_bytes, workers, content.settle)
+        _diff_data(report, reader, work, stats, bar, chunk_bytes, workers, content.settle, stream)
         content.settle()
         report.info["content"] = content.info()
     finally:
         bar.close()
         reader.close()
+        stream.close()
         for rf in files.values():
             rf.close()
     stats["source_tensors"] = len(reader.keys_read)
@@ -387,14 +389,14 @@ def _same(got: np.ndarray, want: np.ndarray, block: int = 4 << 20) -> bool:
 
 
 def _diff_data(report: Report, reader: ProofSourceReader, work: list[tuple[str, list[list[Member]]]], stats: dict,
-               bar: tqdm, chunk_bytes: int, workers: int, settle) -> None:
+               bar: tqdm, chunk_bytes: int, workers: int, settle, stream: SourceStream) -> None:
     """Every (group, chunk): the chunk's source blocks, then one task per rank, on a thread pool (numpy
     and preadv release the GIL); at most two chunks in flight; findings merged in (group, chunk, rank)
     order, so reports are stable. A task details at most the findings the report still had room for
     when it was submitted. Block reads are queued before the rank tasks that wait for them, so a
     waiting task never waits for a read that has not started. `settle` runs after each merged chunk
     (the content check: it may stop the diff)."""
-    inflight: deque[tuple[ChunkSources, list[Future], list[RankFile]]] = deque()
+    inflight: deque[tuple[ChunkSources, list[Future], int | None]] = deque()
     seen = 0
     # A rank file's descriptors are closed once the last group reading it is merged: groups visit the
     # files in order, so a few are open at a time however many OUT has (no EMFILE at 1024 files).
@@ -410,9 +412,10 @@ def _diff_data(report: Report, reader: ProofSourceReader, work: list[tuple[str, 
                 if last[rf.rel] == g and rf not in done_with.setdefault(g, []):
                     done_with[g].append(rf)
 
-    def merge(item: tuple[ChunkSources, list[Future], list[RankFile]]) -> None:
+    def merge(item: tuple[ChunkSources, list[Future], int | None]) -> None:
         nonlocal seen
-        sources, futs, finished = item
+        sources, futs, group = item  # group: set on its last chunk
+        finished = done_with.get(group, []) if group is not None else []
         for fut in futs:
             sub, rank_bytes, pad_bytes = fut.result()
             report.merge(sub)
@@ -427,10 +430,13 @@ def _diff_data(report: Report, reader: ProofSourceReader, work: list[tuple[str, 
         bar.update(now - seen)
         seen = now
         settle()
+        if group is not None:
+            stream.after(group)
 
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="diff") as pool:
         try:
             for g, (role, per_rank) in enumerate(work):
+                stream.before(g)
                 stats["rank_tensors"] += sum(len(ms) for ms in per_rank)
                 chunks = _group_chunks(reader, per_rank, chunk_bytes)
                 logger.debug("%s %s: %d rank tensor(s), %d chunk(s)", role,
@@ -442,7 +448,7 @@ def _diff_data(report: Report, reader: ProofSourceReader, work: list[tuple[str, 
                         pool.submit(sources.read, i)  # its outcome reaches the rank tasks through the block
                     inflight.append((sources, [pool.submit(_diff_rank_chunk, report.room, sources, role, ms, a, b)
                                                for ms in per_rank if ms],
-                                     done_with.get(g, []) if c == len(chunks) - 1 else []))
+                                     g if c == len(chunks) - 1 else None))
                     while len(inflight) > 1:
                         merge(inflight.popleft())
             while inflight:

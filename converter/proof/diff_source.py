@@ -1,19 +1,24 @@
 """The source side of `diff`: raw reads of source tensor rows straight from the shards (no
 safetensors, none of the engine's readers), a chunk's regions read once in few large requests and
-shared by every rank's comparison, and the source's content digests checked shard by shard."""
+shared by every rank's comparison, the source's content digests checked shard by shard, and a source
+on the Hub streamed through a download folder."""
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 
 import numpy as np
 
-from ..errors import MismatchError
+from ..errors import MismatchError, NoRoom
 from ..spec.content import ContentDigests, checkpoint_digest, shard_digests
 from ..spec.dtypes import CONVERSIONS, InexactConversion, convert_bytes
 from ..spec.rules import DTYPE_SIZE
 from ..spec.source import Checkpoint
 from .rankfile import DirectFile, ProofBufferPool, byte_shape
+from ..units import size
 from .report import Problem, Report
 
 
@@ -67,6 +72,13 @@ class ProofSourceReader:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+    def forget(self, file: str) -> None:
+        """Close a shard no later read needs (a streamed source's, about to be removed)."""
+        with self._lock:
+            f = self._files.pop(file, None)
+        if f is not None:
+            f.close()
 
 
 def row_bytes(shape: tuple[int, ...], item: int) -> int:
@@ -194,3 +206,96 @@ class ChunkSources:
                     self._converted[(key, r0, r1)] = got
             return got
         return raw
+
+
+class SourceStream:
+    """A diff's source on the Hub, not in the Hugging Face cache: its shards are downloaded into a folder
+    of their own (`spec.hub.DownloadFolder`) just before the first group that reads them and removed
+    once the last such group is merged, the groups taken in the order that holds fewest shards at once
+    (`spec.streaming`); the room for that is checked first. `of` gives a no-op stream for a source on
+    disk."""
+
+    def __init__(self, ckpt: Checkpoint, root: Path | None):
+        from ..spec.hub import DownloadFolder
+
+        hub = ckpt.hub
+        self.ckpt = ckpt
+        self.root = Path(root or Path(tempfile.gettempdir()) / f"lucifer-diff-{hub.commit[:12]}")
+        self.folder = DownloadFolder(hub, self.root)
+        ckpt.root = self.root  # where a checkpoint on the Hub is read from: the folder its shards land in
+        self.files: list[list[str]] = []
+        self.last: dict[str, int] = {}
+        self.reader: ProofSourceReader | None = None
+        self.opened = False
+
+    @classmethod
+    def of(cls, ckpt: Checkpoint, root: Path | None) -> SourceStream | _OnDisk:
+        return _OnDisk(ckpt) if ckpt.hub is None else cls(ckpt, root)
+
+    def side(self, name: str) -> Path:
+        """A config/tokenizer file of the source (downloaded now: they are small)."""
+        return self._fetch(name) if name in self.ckpt.side else self.root / name
+
+    def _fetch(self, name: str) -> Path:
+        if not self.opened:
+            self.folder.open()
+            self.opened = True
+        return self.folder.fetch(name)
+
+    def order(self, work: list, reader: ProofSourceReader) -> list:
+        """`work` (diff's groups) in the order that holds fewest shards at once; refused before any
+        shard is downloaded when the folder's filesystem lacks the room for that many."""
+        from ..spec.streaming import peak_bytes, stream_order
+
+        tensors = self.ckpt.tensors
+        files = {id(g): sorted({tensors[k].file for ms in g[1] for m in ms for k in m[0].sources() if k in tensors})
+                 for g in work}
+        work = stream_order(work, files, self.ckpt.files)
+        need = peak_bytes(work, files, self.ckpt.files, lead=0) + sum(self.ckpt.side.values())
+        at = self.root
+        while not at.exists():
+            at = at.parent
+        st = os.statvfs(at)
+        if need > st.f_bavail * st.f_frsize:
+            raise NoRoom(f"{self.root}: diff streams up to {size(need)} of {self.ckpt.hub.repo}'s shards at once and "
+                         f"its filesystem has {size(st.f_bavail * st.f_frsize)} free; pass --download-dir on a disk "
+                         f"with the room (or `hf download` the checkpoint and pass its folder)", exit_code=2)
+        self.files = [files[id(g)] for g in work]
+        self.last = {f: i for i, names in enumerate(self.files) for f in names}
+        self.reader = reader
+        return work
+
+    def before(self, g: int) -> None:
+        for name in self.files[g]:
+            self._fetch(name)
+
+    def after(self, g: int) -> None:
+        for name in [f for f in self.files[g] if self.last[f] == g]:
+            self.reader.forget(name)
+            self.folder.remove(name)
+
+    def close(self) -> None:
+        if self.opened:
+            self.folder.close([*self.ckpt.files, *self.ckpt.side])
+
+
+class _OnDisk:
+    """The stream of a source on disk: read in place, nothing fetched or removed."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+
+    def side(self, name: str) -> Path:
+        return self.ckpt.root / name
+
+    def order(self, work: list, reader: ProofSourceReader) -> list:
+        return work
+
+    def before(self, g: int) -> None:
+        pass
+
+    def after(self, g: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

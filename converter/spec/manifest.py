@@ -370,12 +370,13 @@ def copy_problems(out: Path, m: Manifest, fix: str | None = None) -> list[tuple[
     return problems
 
 
-def source_model(out: Path, m: Manifest, model: str | None) -> tuple[str, bool]:
-    """MODEL as given, or else the source the manifest recorded (then True): `diff OUT`. That is its
-    path, or, where the path is not a directory here, the repo id at the recorded commit through
-    the Hugging Face cache (so `diff OUT` checks the revision that was converted)."""
+def source_model(out: Path, m: Manifest, model: str | None) -> tuple[str, str | None, bool]:
+    """(MODEL, its revision, whether it came from the manifest): MODEL as given (a repo id is read at the
+    commit the manifest records when it is that repo), or else the source the manifest recorded: its
+    path where that is a directory here, else its repo id at the recorded commit (read from the Hugging
+    Face cache, or from the Hub: `diff OUT` checks the revision that was converted)."""
     if model is not None:
-        return model, False
+        return model, m.source.revision if model == m.source.repo else None, False
     path, repo, revision = m.source.path, m.source.repo, m.source.revision
     if not path:
         raise OutputError(f"{out}'s manifest records no source path; pass MODEL after OUT")
@@ -384,14 +385,7 @@ def source_model(out: Path, m: Manifest, model: str | None) -> tuple[str, bool]:
     except (OSError, ValueError):  # a name too long, a NUL byte
         is_dir = False
     if is_dir:
-        return path, True
+        return path, None, True
     if repo and revision:
-        from .source import resolve_model  # huggingface_hub: only when needed
-
-        try:
-            return str(resolve_model(repo, revision, cached_only=True)), True
-        except SourceError:
-            raise SourceError(f"{out} was converted from {repo} at {revision}, which is neither at {path} nor in "
-                              f"the local Hugging Face cache (diff downloads nothing); run `hf download {repo} "
-                              f"--revision {revision}`, or pass MODEL after OUT") from None
+        return repo, revision, True
     raise SourceError(f"{out} was converted from {path}, which is not a directory here; pass MODEL after OUT")

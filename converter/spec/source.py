@@ -139,6 +139,7 @@ class Checkpoint:
     data_start: dict[str, int]  # shard name -> file offset of its data section
     fingerprint: str
     side: dict[str, int] = field(default_factory=dict)  # config/tokenizer files present: name -> size
+    config_bytes: bytes = b""  # config.json as read (the fingerprint's first input)
     hub: HubRepo | None = None  # on the Hub, not on disk: `root` is where its files are downloaded to
     _fds: dict = field(default_factory=dict, repr=False)
 
@@ -290,6 +291,35 @@ def open_remote(repo: str, revision: str | None, download_to: Path | None = None
     return ckpt
 
 
+def open_source(model: str, revision: str | None = None, roles: tuple[str, ...] = ROLES,
+                download_to: Path | None = None) -> Checkpoint:
+    """MODEL opened without a weight read or downloaded: a local directory, or a repo id (`open_remote`:
+    read in place from the Hugging Face cache where it holds all of it, else to be downloaded)."""
+    if is_repo_id(model):
+        return open_remote(model, revision, download_to, roles)
+    return open_checkpoint(resolve_model(model, revision), roles)
+
+
+def download_whole(ckpt: Checkpoint, roles: tuple[str, ...] = ROLES) -> Checkpoint:
+    """A checkpoint on the Hub downloaded whole into the Hugging Face cache (huggingface_hub's location
+    and settings) and opened there; its headers must be the ones read by ranged requests (the commit
+    pins them), and its identity stays the Hub's (`stats`)."""
+    from huggingface_hub import snapshot_download
+
+    from .hub import _guarded
+
+    hub = ckpt.hub
+    names = [*ckpt.files, *ckpt.side, *([INDEX_NAME] if INDEX_NAME in hub.files else [])]
+    root = Path(_guarded(hub.repo, hub.commit, "the checkpoint", lambda: snapshot_download(
+        hub.repo, revision=hub.commit, allow_patterns=names)))
+    local = open_checkpoint(root, roles)
+    if local.fingerprint != ckpt.fingerprint:
+        raise SourceError(f"{hub.repo} at {hub.commit[:12]}: the downloaded checkpoint's headers differ from the "
+                          f"Hub's ({root}); remove that snapshot from the Hugging Face cache and run again")
+    local.hub = hub
+    return local
+
+
 def _checkpoint(root: Path, cfg: ModelConfig, config_bytes: bytes, weight_map: dict[str, str] | None,
                 header_of: Callable[[str], Header], roles: tuple[str, ...], side: dict[str, int]) -> Checkpoint:
     """The checkpoint from its config and its shards' headers (however they were read): the index and
@@ -318,7 +348,7 @@ def _checkpoint(root: Path, cfg: ModelConfig, config_bytes: bytes, weight_map: d
         if e.key in tensors:
             raise SourceError(f"{tensors[e.key].file}: {e}", key=e.key) from None
         raise
-    return Checkpoint(root, cfg, tensors, files, data_start, digest.hexdigest(), side)
+    return Checkpoint(root, cfg, tensors, files, data_start, digest.hexdigest(), side, config_bytes)
 
 
 def side_files(root: Path) -> list[str]:
