@@ -89,7 +89,8 @@ def _cache_with(model: Path, hub: Path, repo: str = "org/tiny") -> Path:
 
 def test_revision_is_recorded_and_diff_finds_it_again(tiny_pattern, tmp_path):
     """convert --revision records repo and commit; `diff OUT` without MODEL re-resolves that commit
-    through the cache where the recorded path is gone (the cache moved)."""
+    through the cache where the recorded path is gone (the cache moved); with neither the cache nor
+    the Hub it names the commit and the download that brings it."""
     _cache_with(tiny_pattern, tmp_path / "hub")
     out = tmp_path / "out"
     r = cli_subprocess("convert", "-q", "--tp", "3", "--expert-layout", "model", "--revision", "main", "org/tiny",
@@ -102,7 +103,7 @@ def test_revision_is_recorded_and_diff_finds_it_again(tiny_pattern, tmp_path):
     r = cli_subprocess("diff", "-q", str(out), env={"HF_HUB_CACHE": str(tmp_path / "moved")})
     assert r.returncode == 0, r.stdout + r.stderr
     r = cli_subprocess("diff", "-q", str(out), env={"HF_HUB_CACHE": str(tmp_path / "empty")})
-    assert r.returncode == 2 and f"was converted from org/tiny at {SHA}, which is neither at" in r.stderr
+    assert r.returncode == 2 and f"org/tiny at {SHA} is not in the local Hugging Face cache" in r.stderr
     assert f"hf download org/tiny --revision {SHA}" in r.stderr
 
 

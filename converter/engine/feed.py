@@ -102,7 +102,7 @@ class SourceFeed:
             from ..spec.hub import DownloadFolder
 
             self.folder = DownloadFolder(self.job.ckpt.hub, self.root, self._report)
-            self.folder.open()
+            self.folder.claim()
             for name in self.job.ckpt.side:
                 self.folder.fetch(name)
 

@@ -238,7 +238,7 @@ class SourceStream:
 
     def _fetch(self, name: str) -> Path:
         if not self.opened:
-            self.folder.open()
+            self.folder.claim()
             self.opened = True
         return self.folder.fetch(name)
 

@@ -25,7 +25,7 @@ REQUIRED_FIELDS = (
 UNKNOWN_VARIANT_FIELDS = ("dspark_config", "num_dspark_layers", "dspark_layers")
 # DeepSeek-V4-Flash-Vision-Exp keeps 0731's architecture string and adds `vision_*` keys: a vision tower
 # (vision.*, aligner.*, image_* tensors, an ffn.gate.bias_vl in every layer) and a 3-layer drafter that
-# stock vLLM's text class cannot load (shared/spec/serving-field.md §5). Refused from config.json alone.
+# stock vLLM's text class cannot load (docs/checkpoints.md). Refused from config.json alone.
 VISION_PREFIX = "vision_"
 # The keys that make a config a DSpark checkpoint (DeepSeek-V4-Flash-0731): its `mtp.*` tensors are a
 # DSpark drafter, and `num_nextn_predict_layers` no longer describes them.

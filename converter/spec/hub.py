@@ -200,7 +200,7 @@ class DownloadFolder:
     def marker(self) -> dict:
         return {"format": "lucifer-shard-download", "repo": self.repo.repo, "commit": self.repo.commit}
 
-    def open(self) -> None:
+    def claim(self) -> None:
         """Make the folder (or take over this download's), refusing one that holds anything else."""
         self.root.mkdir(parents=True, exist_ok=True)
         entries = self.tree.entries()
