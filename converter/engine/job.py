@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 from ..spec import footprint
 from ..spec.layouts import EXPERT_TENSORS, Layout, expert_layout
-from ..spec.manifest import CONTENT_PLACEHOLDER, Options, conversion_id, file_metadata, part_path
+from ..spec.manifest import CONTENT_PLACEHOLDER, Options, conversion_id, file_metadata, part_path, rank_of
 from ..spec.plan import Plan, make_plan
 from ..spec.rules import TensorSpec, build_specs
+from ..spec.share import NodeShare
 from ..spec.source import Checkpoint, hub_origin, open_checkpoint, resolve_model, side_files
 from .stwriter import TensorHeader, encode_header
 
@@ -132,6 +133,22 @@ class Job:
     cid: str
     dropped: dict[str, str] = field(default_factory=dict)
     origin: dict = field(default_factory=lambda: {"repo": None, "revision": None})  # repo id and commit (`spec.source.hub_origin`)
+    # A node's convert (--ranks, --nnodes/--node-rank): the ranks whose files it writes; the others are
+    # only hashed, for the manifest that lists every rank. None: every rank is written.
+    node: NodeShare | None = None
+
+    @property
+    def written_ranks(self) -> list[int]:
+        return list(self.node.ranks) if self.node is not None else list(range(self.plan.tp))
+
+    @property
+    def hashed_ranks(self) -> list[int]:
+        """The ranks whose files are hashed, not written."""
+        return [r for r in range(self.plan.tp) if r not in self.written_ranks]
+
+    def writes(self, rel: str) -> bool:
+        """Whether rank file `rel` (`part_path`) is one this job writes."""
+        return rank_of(rel) in self.written_ranks
 
     @property
     def roles(self) -> list[str]:

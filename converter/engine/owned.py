@@ -24,6 +24,7 @@ from ..errors import OutputError
 from ..guarded_io import Refused, Tree, kind, mount_points, partial_name
 from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR
 from ..spec.outlock import LOCK_NAME
+from ..spec.share import SHARE_NAME
 from ..spec.source import SIDE_FILES
 
 JOURNAL = "journal.jsonl"
@@ -35,7 +36,7 @@ RANK_FILE = re.compile(r"(target|draft)/rank-\d+/part-\d{5}\.safetensors")
 OUR_DIR = re.compile(r"(target|draft)(/rank-\d+)?|" + re.escape(STATE_DIR))
 STATE_FILE = re.compile(re.escape(STATE_DIR) + r"/(" + "|".join(map(re.escape, (RECORD, JOURNAL))) +
                         r"|internal-error-[0-9-]+\.log)")
-OUTPUT_FILES = (*SIDE_FILES, MANIFEST_NAME, COMPLETE_NAME)
+OUTPUT_FILES = (*SIDE_FILES, MANIFEST_NAME, SHARE_NAME, COMPLETE_NAME)  # the share record: a node's convert
 SHOWN = 5  # foreign entries named in a refusal
 
 

@@ -175,6 +175,11 @@ def part_path(role: str, rank: int, part: int) -> str:
     return f"{rank_dir(role, rank)}/part-{part:05d}.safetensors"
 
 
+def rank_of(rel: str) -> int:
+    """The TP rank of rank file `rel` (`part_path`'s `role/rank-<r>/part-<NNNNN>.safetensors`)."""
+    return int(rel.split("/")[1].removeprefix("rank-"))
+
+
 def file_metadata(cid: str, role: str, rank: int, part: int, tp: int, content: str) -> dict[str, str]:
     """A rank file's identity stamp. `content`: the digest of the source tensors the file was made
     from (`part_content`), so files of two checkpoints with the same headers differ in their stamp."""

@@ -11,6 +11,7 @@ TP rank.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import OutputError, UsageRefused
@@ -48,6 +49,46 @@ def parse_ranks(text: str, tp: int) -> list[int]:
     if not ranks or bad:
         raise UsageRefused(f"--ranks {text[:40]!r}: the output has TP ranks 0..{tp - 1}")
     return ranks
+
+
+def refuse_node_flags(ranks: str | None, nnodes: int | None, node_rank: int | None, required: bool) -> None:
+    """The rules of --ranks / --nnodes / --node-rank that need no TP size (stage: one of them is required;
+    convert without them converts every rank)."""
+    if (nnodes is None) != (node_rank is None):
+        raise UsageRefused("--nnodes and --node-rank go together; pass both, or --ranks")
+    if (ranks is not None and nnodes is not None) or (required and ranks is None and nnodes is None):
+        raise UsageRefused("pass the ranks the node runs: --ranks K[,K...] or --nnodes N --node-rank R (one of them)")
+
+
+@dataclass(frozen=True)
+class NodeShare:
+    """The TP ranks one node runs, as --ranks or --nnodes/--node-rank chose them (`share_doc`'s fields)."""
+
+    ranks: tuple[int, ...]
+    nnodes: int | None = None
+    node_rank: int | None = None
+
+    @classmethod
+    def of(cls, tp: int, ranks: str | None, nnodes: int | None, node_rank: int | None) -> NodeShare:
+        """The share a command line names (`refuse_node_flags` passed, one of --ranks or --nnodes given)."""
+        chosen = parse_ranks(ranks, tp) if ranks is not None else node_ranks(tp, nnodes, node_rank)
+        return cls(tuple(chosen), nnodes, node_rank)
+
+    def doc(self, conversion_id: str, tp: int) -> dict:
+        return share_doc(conversion_id, tp, list(self.ranks), self.nnodes, self.node_rank)
+
+
+def chosen_share(tp: int, ranks: str | None, nnodes: int | None, node_rank: int | None) -> NodeShare | None:
+    """convert's and plan's node flags: the share they name, or None without them (every rank)."""
+    refuse_node_flags(ranks, nnodes, node_rank, required=False)
+    return NodeShare.of(tp, ranks, nnodes, node_rank) if ranks is not None or nnodes is not None else None
+
+
+def serve_command(out: Path | str, share: NodeShare) -> str:
+    """How a node serves its share: across nodes with its --nnodes/--node-rank, else a dry run first."""
+    if share.nnodes is None:
+        return f"lucifer-shard serve {out} --dry-run"
+    return f"lucifer-shard serve {out} --nnodes {share.nnodes} --node-rank {share.node_rank} --master-addr HOST"
 
 
 def share_doc(conversion_id: str, tp: int, ranks: list[int], nnodes: int | None, node_rank: int | None) -> dict:
