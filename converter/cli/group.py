@@ -285,14 +285,15 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
         repair = job is not None and out.is_dir() and reference(Tree(out), job) is not None
         refuse_target(out, root, resume, force, job and replace(job, node=node), options,
                       planned_paths(specs, options), repair, node)
-    fp = node_footprint(plan_footprint_of(cfg, specs, p, options), node)
-    room = room_of(fp, out, force)
-    nodes = per_node(plan_footprint_of(cfg, specs, p, options), p.tp)
+    fp = plan_footprint_of(cfg, specs, p, options)
+    mine = node_footprint(fp, node)  # what this node's convert writes (the whole conversion's without flags)
+    room = room_of(mine, out, force)
+    nodes = per_node(fp, p.tp)
     saving = route_saving(cfg, p, options, fp)
-    Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(fp, room), "per_node": nodes,
+    Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(mine, room), "per_node": nodes,
                        "draft": draft_record(cfg) if "draft" in specs else None, "route_saving": saving},
                       plan_lines(specs, p, options, fp, cfg) + node_lines(nodes, sum(n["bytes"] for n in nodes))
-                      + route_lines(saving) + footprint_lines(fp, room, node))
+                      + route_lines(saving) + footprint_lines(mine, room, node))
     if room is not None and room.short:
         raise NoRoom(f"{out}: not enough room: {size(room.needed)} to write, {size(room.free)} free on "
                             f"{room.filesystem}; free {size(room.short)} more or choose another OUT", exit_code=1)

@@ -214,7 +214,8 @@ def route_lines(saving: dict | None) -> list[str]:
 
 
 def per_node(fp: fpm.Footprint, tp: int) -> list[dict]:
-    """The rank files one node holds when each node runs one rank (`stage --nnodes TP --node-rank R`)."""
+    """The rank files one node holds when each node runs one rank (`stage --nnodes TP --node-rank R`, or
+    `convert --nnodes TP --node-rank R` on that node: `node_footprint`)."""
     per_rank = fp.per_rank()
     return [{"node": r, "ranks": [r], "bytes": sum(n for (role, rank), (_, n) in per_rank.items() if rank == r)}
             for r in range(tp)]
@@ -223,8 +224,8 @@ def per_node(fp: fpm.Footprint, tp: int) -> list[dict]:
 def node_lines(nodes: list[dict], total: int) -> list[str]:
     if len(nodes) < 2:
         return []
-    return ["", f"per node, one rank each (lucifer-shard stage OUT DEST --nnodes {len(nodes)} --node-rank R): its "
-                f"rank files, of {size(total)} in all",
+    return ["", f"per node, one rank each (lucifer-shard stage OUT DEST --nnodes {len(nodes)} --node-rank R, or on "
+                f"each node convert ... --nnodes {len(nodes)} --node-rank R): its rank files, of {size(total)} in all",
             *(f"  node {n['node']}: rank {n['ranks'][0]}, {size(n['bytes'])} ({n['bytes']:,} bytes)" for n in nodes)]
 
 

@@ -8,6 +8,9 @@ The manifest and COMPLETE are written last. All of it runs under OUT's writer lo
 after the space still needed, known exactly from the plan, was checked against the filesystem's
 free space (`diskspace`); a write that runs out of room all the same says how much is left to do.
 
+A node's convert (`--ranks`, `--nnodes/--node-rank`) writes only its ranks' files and hashes the
+others for the manifest: OUT is then the share `stage` would make (`nodeshare`).
+
 What is decided before the first byte is `job`; OUT's state between runs (refusals, journal,
 resume, room still needed) is `outstate`; the write loop, which a repair (`repair`) shares, is
 `writeloop`; the manifest is `manifest_writer`.
@@ -183,7 +186,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
     results = _kept_parts(job, out, journaled, by_name) if journaled else {}
     todo = [p for p in job.parts if part_path(p.role, 0, p.index) not in results]
-    summary.files_resumed = len(results)
+    summary.files_resumed = sum(map(job.writes, results))  # a node's convert journals other ranks too
     # Nothing in OUT has changed yet: check the room first, counting what this run removes.
     planned = planned_files(job)
     record = conversion_record(job)

@@ -2,9 +2,10 @@
 
 `WriteLoop` holds what a run needs while it writes parts: one writer pool per rank (with
 --workers > 1), the progress bar and the journal, shut down in order however the run ends (an
-error, Ctrl-C, SIGTERM). Its `write` streams one part onto the given ranks, publishes the files
-and journals them (`outstate.open_journal`); the caller says which parts, on which ranks, and what
-a part's content stamp must be before its files are published (a repair's `check`).
+error, Ctrl-C, SIGTERM). Its `write` streams one part onto the given ranks (and hashes it for the
+ranks a node's convert does not write), publishes the files and journals them
+(`outstate.open_journal`); the caller says which parts, on which ranks, and what a part's content
+stamp must be before its files are published (a repair's `check`).
 
 Writing a part, step by step: one writer per rank (`_open_writer`), every tensor's chunks planned
 (`_work`, `_placement`), read once and fanned out to the ranks' writers (`_pump`), the part's
@@ -139,10 +140,11 @@ def _journal_part(journal: int, out: Path, part: Part, files: list[WrittenFile],
 
 
 class _RankSink:
-    """One rank's writer (or hasher, `StreamHasher`: a rank this run does not write). Layout + hash + write run on a worker thread in submission order (the
-    rank's own thread with --workers > 1, otherwise one thread shared by all ranks), so reading and
-    assembling the next chunk overlaps writing this one; at most two chunks per rank are in
-    flight. Written chunk buffers go back to `buffers`."""
+    """One rank's writer (or hasher, `StreamHasher`: a rank this run does not write). Layout + hash +
+    write run on a worker thread in submission order (the rank's own thread with --workers > 1,
+    otherwise one thread shared by all ranks), so reading and assembling the next chunk overlaps
+    writing this one; at most two chunks per rank are in flight. Written chunk buffers go back to
+    `buffers`."""
 
     def __init__(self, writer: StreamHasher, pool: ThreadPoolExecutor | None, buffers=None):
         self.writer = writer
