@@ -205,3 +205,19 @@ def test_a_whole_output_is_not_resumed_as_a_node(converted, tiny_pattern, tmp_pa
     assert node_convert(tiny_pattern, out, "model", []).exit_code == 0
     r = node_convert(tiny_pattern, out, "model", NODE1, "--resume")
     assert r.exit_code != 0 and "holds a conversion of every rank, this command converts rank(s) 1" in r.stderr
+
+
+def test_a_damaged_file_is_repaired_by_the_nodes_convert(tiny_pattern, tmp_path):
+    """verify names the fix of a share convert wrote (its convert with --resume, not stage), and it works."""
+    out = tmp_path / "node1"
+    assert node_convert(tiny_pattern, out, "model", NODE1).exit_code == 0
+    before = listing(out)
+    part = out / "target/rank-1/part-00003.safetensors"
+    data = bytearray(part.read_bytes())
+    data[-5] ^= 1
+    part.write_bytes(bytes(data))
+    r = run("verify", out)
+    assert r.exit_code == 1 and "run the node's convert again with --resume" in r.stderr and "stage" not in r.stderr
+    r = node_convert(tiny_pattern, out, "model", NODE1, "--resume")
+    assert r.exit_code == 0 and "rewrote target/rank-1/part-00003.safetensors, COMPLETE" in r.stdout, r.output
+    assert listing(out) == before and run("verify", out).exit_code == 0

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 MANIFEST_NAME = "lucifer-manifest.json"
 COMPLETE_NAME = "COMPLETE"
 STATE_DIR = ".lucifer"
+RECORD_REL = f"{STATE_DIR}/conversion.json"  # the conversion record (engine/owned.py): OUT is a conversion's
 FORMAT = "lucifer-shard/manifest"
 FORMAT_VERSION = 2  # 2: rank files stamped with their source content, digests of the copied side files
 MAX_ALIGN = 2 << 20  # --align: a 2 MiB huge page is the largest alignment any loader asks for

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import OutputError, UsageRefused
 from ..guarded_io import Tree
+from .manifest import RECORD_REL
 
 SHARE_NAME = "lucifer-share.json"
 SHARE_FORMAT = "lucifer-shard-share"
@@ -37,6 +38,14 @@ def node_ranks(tp: int, nnodes: int, node_rank: int) -> list[int]:
 # re-checks every file against the manifest and replaces only those that fail); never convert into it.
 SHARE_REPAIR = ("stage the share again from the whole output (lucifer-shard stage OUT DEST with the same --ranks or "
                 "--nnodes/--node-rank: it replaces only the files that fail); never convert into a share")
+# A share a node's convert wrote (`convert --ranks`, its conversion record in .lucifer/) is repaired by that convert.
+CONVERT_REPAIR = ("run the node's convert again with --resume (the same command line, its --ranks or --nnodes/"
+                  "--node-rank: it rewrites only the files that fail)")
+
+
+def share_repair(out: Path | str) -> str:
+    """The fix of a damaged share in OUT: the convert that wrote it, or stage (spec/manifest.RECORD_REL tells)."""
+    return CONVERT_REPAIR if Tree(out).lstat(RECORD_REL) is not None else SHARE_REPAIR
 
 
 def parse_ranks(text: str, tp: int) -> list[int]:
@@ -112,10 +121,10 @@ def read_share(out: Path | str, conversion_id: str | None = None, tp: int | None
         doc = None
     problem = record_problem(doc, tp)
     if problem:
-        raise OutputError(f"{tree.path(SHARE_NAME)}: {problem}; {SHARE_REPAIR}")
+        raise OutputError(f"{tree.path(SHARE_NAME)}: {problem}; {share_repair(out)}")
     if conversion_id is not None and doc.get("conversion_id") != conversion_id:
         raise OutputError(f"{tree.path(SHARE_NAME)}: a share of conversion {str(doc.get('conversion_id'))[:12]}, the "
-                          f"manifest's is {conversion_id[:12]}: files of two conversions; {SHARE_REPAIR}")
+                          f"manifest's is {conversion_id[:12]}: files of two conversions; {share_repair(out)}")
     return doc
 
 
