@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..spec import footprint
 from ..spec.layouts import EXPERT_TENSORS, Layout, expert_layout
-from ..spec.manifest import CONTENT_PLACEHOLDER, Options, conversion_id, file_metadata, part_path, rank_of
+from ..spec.manifest import CONTENT_PLACEHOLDER, Options, conversion_id, file_metadata, part_path
 from ..spec.plan import Plan, make_plan
 from ..spec.rules import TensorSpec, build_specs
 from ..spec.share import NodeShare
@@ -148,7 +148,7 @@ class Job:
 
     def writes(self, rel: str) -> bool:
         """Whether rank file `rel` (`part_path`) is one this job writes."""
-        return rank_of(rel) in self.written_ranks
+        return self.node is None or self.node.holds(rel)
 
     @property
     def roles(self) -> list[str]:

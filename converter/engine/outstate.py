@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 
 from .. import __version__
 from ..errors import Locked, OutputError
-from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, Options, manifest_text, part_path, rank_of
+from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, Options, manifest_text, part_path
 from ..spec.outlock import writer_of
 from ..guarded_io import Refused, Tree, kind, naming, partial_name
 from ..outnames import strays
@@ -114,7 +114,7 @@ def _stray_free(tree: Tree, job: Job | None, options: Options | None, planned: I
     """The journal of an output --resume may finish: nothing in its rank folders but what it writes (a
     node's convert: its ranks' files only, as verify checks a share)."""
     paths = planned_files(job) if job is not None else planned
-    written = [rel for rel in paths if node is None or rank_of(rel) in node.ranks]
+    written = [rel for rel in paths if node is None or node.holds(rel)]
     refuse_strays(tree, written, job.plan.tp if job else options.tp)
     return _journal(tree)
 
@@ -131,17 +131,24 @@ def _refuse_other_ranks(tree: Tree, node: NodeShare | None, tp: int) -> None:
                               f"convert writes; {SHARE_REPAIR}; convert into a new directory otherwise")
         return
     made = record.get("share")
-    if made is not None and record_problem(made, tp) is not None:
-        raise OutputError(f"{tree.path(RECORD_REL)}: its share ({record_problem(made, tp)}) is not one convert "
-                          f"writes; remove {tree.root} and convert again")
+    problem = record_problem(made, tp) if made is not None else None
+    if problem:
+        raise OutputError(f"{tree.path(RECORD_REL)}: its share ({problem}) is not one convert writes; remove "
+                          f"{tree.root} and convert again")
     want = node.doc(record.get("conversion_id"), tp) if node is not None else None
-    if (made is None) != (want is None) or (made is not None and any(made[k] != want[k] for k in
-                                                                     ("ranks", "nnodes", "node_rank"))):
-        def what(doc: dict | None) -> str:
-            return describe(doc) if doc is not None else "every rank"
-        raise OutputError(f"{tree.root} holds a conversion of {what(made)}, this command converts {what(want)}; "
-                          f"convert into another OUT, or give the same --ranks or --nnodes/--node-rank as its "
-                          f"first run (remove {tree.root} first to replace it)")
+    if _node_of(made) != _node_of(want):
+        raise OutputError(f"{tree.root} holds a conversion of {_ranks_of(made)}, this command converts "
+                          f"{_ranks_of(want)}; convert into another OUT, or give the same --ranks or --nnodes/"
+                          f"--node-rank as its first run (remove {tree.root} first to replace it)")
+
+
+def _node_of(doc: dict | None) -> tuple | None:
+    """What tells two shares' command lines apart: ranks, nnodes, node_rank (None: a whole output)."""
+    return (doc["ranks"], doc["nnodes"], doc["node_rank"]) if doc is not None else None
+
+
+def _ranks_of(doc: dict | None) -> str:
+    return describe(doc) if doc is not None else "every rank"
 
 
 def _refuse_other_settings(out: Path, record: dict, now: dict) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import OutputError, UsageRefused
 from ..guarded_io import Tree
-from .manifest import RECORD_REL
+from .manifest import RECORD_REL, rank_of
 
 SHARE_NAME = "lucifer-share.json"
 SHARE_FORMAT = "lucifer-shard-share"
@@ -85,6 +85,10 @@ class NodeShare:
 
     def doc(self, conversion_id: str, tp: int) -> dict:
         return share_doc(conversion_id, tp, list(self.ranks), self.nnodes, self.node_rank)
+
+    def holds(self, rel: str) -> bool:
+        """Whether rank file `rel` is one of this share's."""
+        return rank_of(rel) in self.ranks
 
 
 def chosen_share(tp: int, ranks: str | None, nnodes: int | None, node_rank: int | None) -> NodeShare | None:
