@@ -338,8 +338,9 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
     OUT is then exactly what `stage` of the whole conversion writes for those ranks: their rank
     files, the full manifest (every rank's digests: each source tensor is still read whole and the
     other ranks are hashed, not written), lucifer-share.json and COMPLETE; OUT/.lucifer/ keeps the
-    record for --resume. On each of three DGX Sparks (node R = 0, 1, 2):
+    record for --resume. On the second of three DGX Sparks (the others pass --node-rank 0 and 2):
       lucifer-shard convert --tp 3 --nnodes 3 --node-rank 1 deepseek-ai/DeepSeek-V4-Flash-0731 /data/share
+      lucifer-shard serve /data/share --nnodes 3 --node-rank 1 --master-addr HOST
     """
     from ..engine.convert import convert as run
     from ..spec.share import chosen_share
