@@ -6,6 +6,7 @@ the same node's convert may resume or replace it."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -221,3 +222,13 @@ def test_a_damaged_file_is_repaired_by_the_nodes_convert(tiny_pattern, tmp_path)
     r = node_convert(tiny_pattern, out, "model", NODE1, "--resume")
     assert r.exit_code == 0 and "rewrote target/rank-1/part-00003.safetensors, COMPLETE" in r.stdout, r.output
     assert listing(out) == before and run("verify", out).exit_code == 0
+
+
+def test_help_teaches_a_nodes_convert():
+    text = run("convert", "--help").stdout
+    assert "--nnodes N --node-rank R    as vLLM computes them: node R of N runs ranks R*TP/N .. (R+1)*TP/N - 1" in text
+    assert ("lucifer-shard convert --tp 3 --nnodes 3 --node-rank 1 deepseek-ai/DeepSeek-V4-Flash-0731 /data/share"
+            in text)
+    for command in ("convert", "plan", "stage"):  # one set of option texts (cli/group.node_options)
+        assert re.search(r"--ranks K\[,K\.\.\.\] +The TP ranks the node runs, e\.g\. --ranks 1\.",
+                         run(command, "--help").stdout), command
