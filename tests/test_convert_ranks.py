@@ -232,3 +232,25 @@ def test_help_teaches_a_nodes_convert():
     for command in ("convert", "plan", "stage"):  # one set of option texts (cli/group.node_options)
         assert re.search(r"--ranks K\[,K\.\.\.\] +The TP ranks the node runs, e\.g\. --ranks 1\.",
                          run(command, "--help").stdout), command
+
+
+def test_the_room_convert_checks_is_the_nodes_and_within_plans(tiny_pattern, tmp_path):
+    """convert's room check counts this node's files (and every rank's journal lines and the manifest),
+    within what plan with the same flags asks for, and below a whole conversion's files."""
+    from dataclasses import replace
+
+    from lucifer_shard.engine.job import prepare
+    from lucifer_shard.engine.outstate import conversion_record, planned_files, sizes_to_write
+
+    options = Options(**{"tp": 3, **LAYOUTS["model"][1]})
+    job = replace(prepare(str(tiny_pattern), options), node=NodeShare((1,), 3, 1))
+    try:
+        planned = planned_files(job)
+        left = sum(sizes_to_write(job, planned, set(), conversion_record(job)))
+    finally:
+        job.ckpt.close()
+    files = sum(e["bytes"] for rel, e in planned.items() if "/rank-1/" in rel)
+    doc = json.loads(run("plan", "--json", "--tp", 3, "--max-file-size", "1M", *NODE1, tiny_pattern,
+                         tmp_path / "node1").stdout)["result"]["footprint"]
+    assert files < left <= doc["room"]["needed_bytes"] < sum(e["bytes"] for e in planned.values())
+    assert doc["write_bytes"] == files
