@@ -8,7 +8,7 @@ from __future__ import annotations
 from lucifer_shard.errors import LuciferError
 from lucifer_shard.proof.report import REPAIR, Report
 from lucifer_shard.proof.structure import open_files
-from lucifer_shard.spec.share import describe, node_problem, read_share
+from lucifer_shard.spec.share import describe, node_problem, read_share, share_repair
 
 from .checks import FAIL, INFO, OK, Check, out_check
 from .manifest import Manifest
@@ -27,7 +27,7 @@ def share_checks(m: Manifest, node_ranks: list[int] | None) -> list[Check]:
     try:
         share = read_share(m.out, m.conversion_id, m.tp_size)
     except LuciferError as e:
-        return [out_check("output share", FAIL, str(e), "stage the node's share again")]
+        return [out_check("output share", FAIL, str(e), share_repair(m.out))]
     if share is None:
         return []
     lacking = [r for r in range(m.tp_size) if r not in share["ranks"]]
@@ -64,7 +64,7 @@ def rank_files_check(m: Manifest, node_ranks: list[int] | None) -> Check:
         return out_check("output rank files", OK, f"{len(files)} file(s) of {where}: present, with their recorded "
                          f"size, header and identity (not hashed: lucifer-shard verify OUT reads every byte)")
     first = report.problems[0]
+    fix = share_repair(m.out) if share is not None else "copy OUT's rank files again from the conversion box"
     return out_check("output rank files", FAIL, f"{report.count} finding(s) in the files of {where}; first: "
                      f"{first.where() + ': ' if first.where() else ''}{first.message.removesuffix('; ' + REPAIR)}",
-                     "copy OUT's rank files again from the conversion box (a share: lucifer-shard stage it again), "
-                     "then lucifer-shard verify OUT", damage=True)
+                     f"{fix}, then lucifer-shard verify OUT", damage=True)

@@ -307,3 +307,16 @@ def test_diff_against_another_checkpoint_is_refused_before_any_weight(ckpts, tmp
         r = cli("diff", ckpts / "disk", "acme/tiny", hub=h, check=False)
         assert r.returncode == 1 and "not the checkpoint" in r.stderr + r.stdout
         assert weight_requests(h) == []
+
+
+def test_a_node_streams_its_own_share(ckpts, hub, tmp_path):
+    """Each node converts its share straight from the Hub: the same files as `stage` of the whole conversion
+    (the manifest but for where the source was), and it verifies and passes serve's preflight."""
+    staged = tmp_path / "staged"
+    cli("stage", ckpts / "disk", staged, "--nnodes", 3, "--node-rank", 1)
+    share = tmp_path / "node1"
+    cli("convert", "--tp", "3", REPO_ID, share, *SMALL_PARTS, "--nnodes", 3, "--node-rank", 1, hub=hub)
+    same_conversion(share, staged)
+    assert not (share / "target" / "rank-0").exists() and not (share / ".lucifer" / "download").exists()
+    cli("verify", share)
+    cli("serve", share, "--nnodes", 3, "--node-rank", 1, "--master-addr", "127.0.0.1", "--dry-run")

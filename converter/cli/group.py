@@ -105,6 +105,20 @@ def target_options(f):
     return f
 
 
+def node_options(f):
+    """The TP ranks one node runs: stage's share, convert's and plan's per-node conversion (the rules are
+    spec/share.py's, one for all three)."""
+    for option in reversed((
+        click.option("--ranks", default=None, metavar="K[,K...]", help="The TP ranks the node runs, e.g. --ranks 1."),
+        click.option("--nnodes", type=click.IntRange(1), default=None,
+                     help="With --node-rank: the node count vLLM is started with; the ranks follow vLLM's rule."),
+        click.option("--node-rank", type=click.IntRange(0), default=None,
+                     help="With --nnodes: this node's number, 0..N-1."),
+    )):
+        f = option(f)
+    return f
+
+
 def options_from(tp: int, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None, max_file_size: str,
                  align: int, no_mtp: bool, moe_backend: str | None = None) -> Options:
     """The Options a command line asks for (plan's and convert's alike: plan refuses what convert
@@ -212,10 +226,11 @@ def cli() -> None:
 @click.argument("out", required=False, type=click.Path(path_type=Path))
 @conversion_options
 @target_options
+@node_options
 @conventions(interrupted="interrupted: plan writes nothing")
 def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None,
          max_file_size: str, align: int, no_mtp: bool, revision: str | None, workers: int, resume: bool,
-         force: bool, moe_backend: str | None) -> None:
+         force: bool, moe_backend: str | None, ranks: str | None, nnodes: int | None, node_rank: int | None) -> None:
     """Dry run of convert: the virtual-TP plan and the conversion's disk footprint. Writes nothing.
 
     MODEL is a checkpoint directory, a repo id or a config.json file: plan needs only
@@ -226,7 +241,8 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     of OUT's filesystem (with OUT given; exit 1 when it is short) and a time estimate. Takes
     convert's options and makes convert's refusals of MODEL and OUT (a file, a non-empty
     directory, a finished output, --resume/--force that do not apply), with the same words, so
-    the same command line with `plan` for `convert` shows what convert will do.
+    the same command line with `plan` for `convert` shows what convert will do; with --ranks or
+    --nnodes/--node-rank, what that node's convert writes (its rank files only) and its room.
     --json: every output tensor with its source slices, and the footprint in bytes.
     """
     from ..engine.job import prepare
@@ -240,13 +256,17 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     from ..spec.plan import make_plan
     from ..spec.source import config_root, resolve_config
     from ..units import size
-    from .planview import (footprint_json, footprint_lines, node_lines, per_node, plan_footprint_of, plan_json,
-                           plan_lines, plan_specs, planned_paths, room_of, route_lines, route_saving, routes_lines,
-                           routes_of, source_layout)
+    from dataclasses import replace
+
+    from ..spec.share import chosen_share
+    from .planview import (footprint_json, footprint_lines, node_footprint, node_lines, per_node, plan_footprint_of,
+                           plan_json, plan_lines, plan_specs, planned_paths, room_of, route_lines, route_saving,
+                           routes_lines, routes_of, source_layout)
 
     # --workers changes no number plan shows: it is taken so that plan's command line is convert's.
     refuse_swapped("plan", model, out, model_first=True)
     _refuse_resume_force(resume, force)
+    node = chosen_share(tp, ranks, nnodes, node_rank)
     config = resolve_config(model, revision)
     raw = read_config(config)
     if is_v41(raw):  # another model: its bytes per rank, then convert's one-line refusal names what is missing
@@ -264,17 +284,20 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
         job = prepare(model, options) if resume and root is not None and is_checkpoint(Path(model)) else None
         # convert's rule: a finished output of this job is repaired against its manifest (engine/convert.py)
         repair = job is not None and out.is_dir() and reference(Tree(out), job) is not None
-        refuse_target(out, root, resume, force, job, options, planned_paths(specs, options), repair)
+        refuse_target(out, root, resume, force, job and replace(job, node=node), options,
+                      planned_paths(specs, options), repair, node)
     fp = plan_footprint_of(cfg, specs, p, options)
-    room = room_of(fp, out, force)
+    mine = node_footprint(fp, node)  # what this node's convert writes (the whole conversion's without flags)
+    room = room_of(mine, out, force)
     nodes = per_node(fp, p.tp)
     saving = route_saving(cfg, p, options, fp)
     routes = routes_of(specs, options, fp, source_layout(model, config, cfg, revision)) if p.tp > 1 else None
-    Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(fp, room), "per_node": nodes,
+    Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(mine, room), "per_node": nodes,
                        "draft": draft_record(cfg) if "draft" in specs else None, "route_saving": saving,
                        "routes": routes},
                       plan_lines(specs, p, options, fp, cfg) + node_lines(nodes, sum(n["bytes"] for n in nodes))
-                      + (routes_lines(routes) if routes else []) + route_lines(saving) + footprint_lines(fp, room))
+                      + (routes_lines(routes) if routes else []) + route_lines(saving)
+                      + footprint_lines(mine, room, node))
     if room is not None and room.short:
         raise NoRoom(f"{out}: not enough room: {size(room.needed)} to write, {size(room.free)} free on "
                             f"{room.filesystem}; free {size(room.short)} more or choose another OUT", exit_code=1)
@@ -291,6 +314,7 @@ def _refuse_resume_force(resume: bool, force: bool) -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @conversion_options
 @target_options
+@node_options
 @click.option("--download-dir", type=click.Path(path_type=Path), default=None,
               help="With a repo id: where shards are streamed through (each downloaded before the first part that "
                    "reads it, removed after the last; a few shards at a time). Default OUT/.lucifer/download; an "
@@ -301,7 +325,8 @@ def _refuse_resume_force(resume: bool, force: bool) -> None:
 @conventions(interrupted="interrupted: finished files are kept; run the same command with --resume to continue")
 def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None,
             max_file_size: str, align: int, no_mtp: bool, revision: str | None, workers: int, resume: bool,
-            force: bool, moe_backend: str | None, download_dir: Path | None, keep_source: bool) -> None:
+            force: bool, moe_backend: str | None, ranks: str | None, nnodes: int | None, node_rank: int | None,
+            download_dir: Path | None, keep_source: bool) -> None:
     """Write per-rank safetensors of MODEL into OUT: sliced, zero-padded, experts laid out.
 
     \b
@@ -322,12 +347,25 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
     file is written under a temporary name and renamed when complete; after a crash or Ctrl-C,
     run the same command with --resume. One convert at a time writes OUT (a lock in
     OUT/.lucifer/; a second writer is refused, naming the first).
+
+    \b
+    Each node converts its own share (no conversion box, no copy):
+    --ranks K[,K...]            the TP ranks the node runs
+    --nnodes N --node-rank R    as vLLM computes them: node R of N runs ranks R*TP/N .. (R+1)*TP/N - 1
+    OUT is then exactly what `stage` of the whole conversion writes for those ranks: their rank
+    files, the full manifest (every rank's digests: each source tensor is still read whole and the
+    other ranks are hashed, not written), lucifer-share.json and COMPLETE; OUT/.lucifer/ keeps the
+    record for --resume. On the second of three DGX Sparks (the others pass --node-rank 0 and 2):
+      lucifer-shard convert --tp 3 --nnodes 3 --node-rank 1 deepseek-ai/DeepSeek-V4-Flash-0731 /data/share
+      lucifer-shard serve /data/share --nnodes 3 --node-rank 1 --master-addr HOST
     """
     from ..engine.convert import convert as run
+    from ..spec.share import chosen_share
     from ..spec.source import is_repo_id
 
     refuse_swapped("convert", model, out, model_first=True)
     _refuse_resume_force(resume, force)
+    node = chosen_share(tp, ranks, nnodes, node_rank)
     options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, moe_backend)
     con = Console.of()
     if (download_dir is not None or keep_source) and not is_repo_id(model):
@@ -337,8 +375,8 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
         raise UsageRefused("--keep-source downloads into the Hugging Face cache, --download-dir streams through a "
                            "folder of its own; pass one")
     summary = run(model, out, options, resume=resume, force=force, workers=workers, progress=con.progress,
-                  revision=revision, warn=con.warn, download_dir=download_dir, keep_source=keep_source)
-    con.emit(summary.to_dict(), [*summary.lines(), next_steps(out)])
+                  revision=revision, warn=con.warn, download_dir=download_dir, keep_source=keep_source, node=node)
+    con.emit(summary.to_dict(), [*summary.lines(), next_steps(out) if node is None else node_next_steps(out, node)])
 
 
 def next_steps(out: Path) -> str:
@@ -352,6 +390,13 @@ def next_steps(out: Path) -> str:
         total += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
     return (f"next: lucifer-shard diff {out}; copy {out} ({size(total)}, without {STATE_DIR}/) to the serving host; "
             f"lucifer-shard serve {out} --dry-run")
+
+
+def node_next_steps(out: Path, node) -> str:
+    """What to do with a node's share that convert wrote: prove it and serve it, here (nothing to copy)."""
+    from ..spec.share import serve_command
+
+    return f"next: lucifer-shard diff {out} (its ranks, against MODEL); {serve_command(out, node)}"
 
 
 class SizedPresets(click.Command):
@@ -409,10 +454,7 @@ def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_m
 @cli.command(cls=Writes)
 @click.argument("out", type=click.Path(path_type=Path))
 @click.argument("dest", type=click.Path(path_type=Path))
-@click.option("--ranks", default=None, metavar="K[,K...]", help="The TP ranks the node runs, e.g. --ranks 1.")
-@click.option("--nnodes", type=click.IntRange(1), default=None,
-              help="With --node-rank: the node count vLLM is started with; the ranks follow vLLM's rule.")
-@click.option("--node-rank", type=click.IntRange(0), default=None, help="With --nnodes: this node's number, 0..N-1.")
+@node_options
 @conventions(interrupted="interrupted: {out} is untouched; run the same stage again to finish the share")
 def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_rank: int | None) -> None:
     """Write one node's share of OUT into DEST: the rank files of the ranks it runs (target and draft),
@@ -429,23 +471,17 @@ def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_ran
     """
     from ..engine.stage import stage as run
     from ..spec.manifest_types import Manifest
-    from ..spec.share import node_ranks, parse_ranks
+    from ..spec.share import NodeShare, refuse_node_flags, serve_command
 
-    if (nnodes is None) != (node_rank is None):
-        raise UsageRefused("--nnodes and --node-rank go together; pass both, or --ranks")
-    if (ranks is None) == (nnodes is None):
-        raise UsageRefused("pass the ranks the node runs: --ranks K[,K...] or --nnodes N --node-rank R (one of them)")
+    refuse_node_flags(ranks, nnodes, node_rank, required=True)
     if not out.is_dir():
         from ..errors import OutputError
 
         raise OutputError(f"{out}: no such output directory")
-    tp = Manifest.load(out).tp_size
-    chosen = parse_ranks(ranks, tp) if ranks is not None else node_ranks(tp, nnodes, node_rank)
-    summary = run(out, dest, chosen, nnodes, node_rank)
-    serve = (f"lucifer-shard serve {dest} --nnodes {nnodes} --node-rank {node_rank} --master-addr HOST"
-             if nnodes else f"lucifer-shard serve {dest} --dry-run")
+    share = NodeShare.of(Manifest.load(out).tp_size, ranks, nnodes, node_rank)
+    summary = run(out, dest, list(share.ranks), nnodes, node_rank)
     Console.of().emit(summary.to_dict(), [*summary.lines(), f"next: lucifer-shard verify {dest}; copy {dest} to the "
-                                          f"node; {serve}"])
+                                          f"node; {serve_command(dest, share)}"])
 
 
 # Commands defined beside their logic (each module imports only click at import time).

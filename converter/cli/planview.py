@@ -18,6 +18,7 @@ from ..spec.drafts import DRAFT_KINDS
 from ..spec.manifest import Options, part_path
 from ..spec.plan import MOE_ROUTES, Plan, make_plan, padding_only
 from ..spec import v41
+from ..spec.share import NodeShare
 from ..spec.rules import DTYPE_SIZE, TensorSpec, build_specs, expected_sources
 from ..units import duration, rate, size
 
@@ -66,6 +67,11 @@ def planned_paths(specs: dict[str, list[list[TensorSpec]]], options: Options) ->
     return [part_path(p.role, r, p.index) for p in parts for r in range(len(specs[p.role]))]
 
 
+def node_footprint(fp: fpm.Footprint, node: NodeShare | None) -> fpm.Footprint:
+    """The footprint of a node's convert (its rank files only: what its room check counts), else `fp`."""
+    return fp.only(list(node.ranks)) if node is not None else fp
+
+
 def room_of(fp: fpm.Footprint, out: Path | None, force: bool = False) -> Room | None:
     if out is None:
         return None
@@ -82,10 +88,12 @@ def footprint_json(fp: fpm.Footprint, room: Room | None) -> dict:
                          "measured": fpm.MEASURED_WHERE}}
 
 
-def footprint_lines(fp: fpm.Footprint, room: Room | None) -> list[str]:
+def footprint_lines(fp: fpm.Footprint, room: Room | None, node: NodeShare | None = None) -> list[str]:
+    ranks = (f" of rank(s) {', '.join(map(str, node.ranks))} (this node's share; the other ranks are hashed for the "
+             f"manifest, not written)") if node is not None else ""
     lines = ["", "disk footprint",
              f"  read   {size(fp.read):>11}   every converted source tensor, once",
-             f"  write  {size(fp.write):>11}   {len(fp.files)} rank files, then about {size(fp.metadata)} of "
+             f"  write  {size(fp.write):>11}   {len(fp.files)} rank files{ranks}, then about {size(fp.metadata)} of "
              f"manifest and journal and the config/tokenizer copies"]
     if room is None:
         lines.append("  room   not checked   name OUT (plan ... MODEL OUT) to check its filesystem's free space")
@@ -206,7 +214,8 @@ def route_lines(saving: dict | None) -> list[str]:
 
 
 def per_node(fp: fpm.Footprint, tp: int) -> list[dict]:
-    """The rank files one node holds when each node runs one rank (`stage --nnodes TP --node-rank R`)."""
+    """The rank files one node holds when each node runs one rank (`stage --nnodes TP --node-rank R`, or
+    `convert --nnodes TP --node-rank R` on that node: `node_footprint`)."""
     per_rank = fp.per_rank()
     return [{"node": r, "ranks": [r], "bytes": sum(n for (role, rank), (_, n) in per_rank.items() if rank == r)}
             for r in range(tp)]
@@ -215,8 +224,8 @@ def per_node(fp: fpm.Footprint, tp: int) -> list[dict]:
 def node_lines(nodes: list[dict], total: int) -> list[str]:
     if len(nodes) < 2:
         return []
-    return ["", f"per node, one rank each (lucifer-shard stage OUT DEST --nnodes {len(nodes)} --node-rank R): its "
-                f"rank files, of {size(total)} in all",
+    return ["", f"per node, one rank each (lucifer-shard stage OUT DEST --nnodes {len(nodes)} --node-rank R, or on "
+                f"each node convert ... --nnodes {len(nodes)} --node-rank R): its rank files, of {size(total)} in all",
             *(f"  node {n['node']}: rank {n['ranks'][0]}, {size(n['bytes'])} ({n['bytes']:,} bytes)" for n in nodes)]
 
 

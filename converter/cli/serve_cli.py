@@ -281,7 +281,8 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
             tail = [line] if line else ["no command: OUT's manifest cannot be read (the output check above says why)"]
         if line and nodes is not None:  # every node's command, this one's marked
             tail = ["every node's command (each on its own share: lucifer-shard stage OUT DEST --nnodes "
-                    f"{nnodes} --node-rank R; node 0 serves the API, start it first). Each names this box's "
+                    f"{nnodes} --node-rank R, or convert ... --nnodes {nnodes} --node-rank R on that node; node 0 "
+                    f"serves the API, start it first). Each names this box's "
                     f"path, {out}: on another box put the path of that node's share there:"]
             for r in range(nnodes):
                 other = sv.serve_argv(out, tp, vllm_args, tokens, backends=backends, node={**nodes, "node_rank": r},

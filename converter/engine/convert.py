@@ -8,6 +8,9 @@ The manifest and COMPLETE are written last. All of it runs under OUT's writer lo
 after the space still needed, known exactly from the plan, was checked against the filesystem's
 free space (`diskspace`); a write that runs out of room all the same says how much is left to do.
 
+A node's convert (`--ranks`, `--nnodes/--node-rank`) writes only its ranks' files and hashes the
+others for the manifest: OUT is then the share `stage` would make (`nodeshare`).
+
 What is decided before the first byte is `job`; OUT's state between runs (refusals, journal,
 resume, room still needed) is `outstate`; the write loop, which a repair (`repair`) shares, is
 `writeloop`; the manifest is `manifest_writer`.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import OutputError, SourceError, fault
@@ -25,12 +29,14 @@ from ..spec.manifest_types import Manifest
 from ..spec.outlock import OutLock, describe
 from ..spec.config import ModelConfig
 from ..spec.plan import padding_only
+from ..spec.share import NodeShare
 from ..units import size
 from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, write_failed
 from ..spec.streaming import stream_order
 from .feed import DOWNLOAD_REL, SourceFeed, job_files
 from .job import Job, part_keys, planned_paths, prepare
 from .manifest_writer import build_manifest, write_manifest
+from .nodeshare import SHARE_NAME, share_problem, write_share
 from .outstate import (check_out, conversion_record, journal_line, part_valid, partial_bytes, planned_files,
                        record_text, refuse_target, remove_partials, sizes_to_write, source_changed, truncate_journal)
 from .owned import RECORD_REL, clear, plan_clearing, read_json
@@ -42,11 +48,12 @@ from .writeloop import Summary, WriteLoop, logger, source_digests
 def convert(model: str, out: Path, options: Options, resume: bool = False, force: bool = False,
             workers: int = 1, progress: bool = True, revision: str | None = None,
             warn: Callable[[str], None] = logger.warning, download_dir: Path | None = None,
-            keep_source: bool = False) -> Summary:
+            keep_source: bool = False, node: NodeShare | None = None) -> Summary:
     """Convert MODEL (at `revision`, for a repo id) into OUT; see the module docstring for the order
     and crash safety. `warn` gets the plan's remarks (a rank that holds only padding). A repo id
     whose files are not all in the Hugging Face cache is streamed through `download_dir` (default
     OUT/.lucifer/download), or downloaded whole into the cache first with `keep_source` (`feed`).
+    `node`: write only its ranks' files, as `stage` of the whole output would (`nodeshare`).
 
     Before OUT's writer lock is taken the source is read and OUT only looked at (`refuse_target`,
     plan's refusals too); everything in OUT happens after. From a repo id, OUT's refusals come right
@@ -55,8 +62,8 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     out = Path(out)
 
     def refuse_out(cfg: ModelConfig) -> None:
-        refuse_target(out, None, resume, force, None, options, planned_paths(cfg, options))
-    job = prepare(model, options, revision, download_dir or out / DOWNLOAD_REL, refuse_out)
+        refuse_target(out, None, resume, force, None, options, planned_paths(cfg, options), node=node)
+    job = replace(prepare(model, options, revision, download_dir or out / DOWNLOAD_REL, refuse_out), node=node)
     repair = resume and out.is_dir() and reference(Tree(out), job) is not None  # a finished output of this job
     refuse_target(out, job.ckpt.root if job.on_disk else None, resume, force, job, repair=repair)
     for remark in padding_only(job.plan):
@@ -81,8 +88,10 @@ def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) 
     candidates = []
     for part in job.parts:
         paths = [part_path(part.role, r, part.index) for r in range(job.plan.tp)]
-        # the first rank's entry carries the part's source digests (a journal without them is redone)
-        if "sources" in journaled.get(paths[0], {}) and all(p in journaled and part_valid(out, journaled[p])
+        # the first rank's entry carries the part's source digests (a journal without them is redone); a
+        # node's convert journals the other ranks' digests, with no file to check (`nodeshare`)
+        if "sources" in journaled.get(paths[0], {}) and all(p in journaled and (not job.writes(p) or
+                                                                                 part_valid(out, journaled[p]))
                                                              for p in paths):
             candidates.append((part, paths))
     keys = [k for part, _ in candidates for k in part_keys(by_name[part.role], part)]
@@ -107,11 +116,12 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
     planned = planned_files(job)
     left: list[int] = [e["bytes"] for e in planned.values()]  # until the survey says what is damaged
     try:
-        rep = survey(out, manifest, job.ckpt.root)
+        rep = survey(out, manifest, job.ckpt.root, job.written_ranks)
         summary.files_resumed = len(rep.entries) - len(rep.damaged)
         record = read_json(tree, RECORD_REL)
         record_ok = isinstance(record, dict) and record.get("conversion_id") == job.cid
-        if rep.nothing and record_ok and complete_problem(out, job.cid) is None:
+        share_ok = share_problem(tree, job) is None
+        if rep.nothing and record_ok and share_ok and complete_problem(out, job.cid) is None:
             removed = remove_partials(out, job)  # the tool's own, left by a stopped run: verify names them
             summary.notes.append(f"nothing to repair: all {len(rep.entries)} rank files and the copies match the "
                                  f"manifest" + (f"; removed {len(removed)} temporary file(s) of a stopped run "
@@ -153,8 +163,10 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
         begin()  # only copies or the record to rewrite: no part's check ran
         for name in rep.copies:
             tree.copy_in(job.ckpt.root / name, name)
+        write_share(tree, job)
         tree.write_bytes(COMPLETE_NAME, (job.cid + "\n").encode())
-        rewritten = rep.damaged + rep.copies + ([] if record_ok else [RECORD_REL]) + [COMPLETE_NAME]
+        rewritten = (rep.damaged + rep.copies + ([] if record_ok else [RECORD_REL]) + ([] if share_ok else [SHARE_NAME])
+                     + [COMPLETE_NAME])
         summary.notes.append(f"repaired: rewrote {', '.join(rewritten[:5])}{' ...' if len(rewritten) > 5 else ''}; "
                              f"every other file matched the manifest and was kept")
         return summary
@@ -190,7 +202,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     if not job.on_disk and not keep_source:
         todo = stream_order(todo, job_files(job, todo), job.ckpt.files)
     feed = SourceFeed(job, out, todo, download_dir, keep_source)
-    summary.files_resumed = len(results)
+    summary.files_resumed = sum(map(job.writes, results))  # a node's convert journals other ranks too
     # Nothing in OUT has changed yet: check the room first, counting what this run removes.
     planned = planned_files(job)
     record = conversion_record(job)
@@ -209,7 +221,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     logger.info("%d part(s) of %d files to write, %d file(s) kept from an earlier run", len(todo), job.plan.tp,
                 summary.files_resumed)
     digests = source_digests(job, todo)
-    ranks = list(range(job.plan.tp))
+    ranks, hashed = job.written_ranks, job.hashed_ranks  # a node's convert hashes the other ranks' files
     unwritten: dict | None = record  # the record, until it is written
     earlier = 0  # the journal's length before this run: what an earlier run recorded
     written: list[str] = []  # rank files this run published
@@ -219,15 +231,16 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
         for role in job.roles:
             for rank in ranks:
                 tree.make_dirs(rank_dir(role, rank))
-        with WriteLoop(job, out, [(part, ranks) for part in todo], "convert", workers, progress, summary) as loop:
+        with WriteLoop(job, out, [(part, ranks + hashed) for part in todo], "convert", workers, progress,
+                       summary) as loop:
             earlier = loop.earlier
             feed.start(loop.bar)
             for i, part in enumerate(todo):
                 t_part = time.perf_counter()
                 feed.before(i)
-                entries = loop.write(part, ranks, digests)
+                entries = loop.write(part, ranks, digests, hashed=hashed)
                 feed.after(i)
-                written += list(entries)
+                written += [rel for rel in entries if job.writes(rel)]
                 results.update(entries)  # only now kept
                 logger.info("%s part %d: %d file(s), %s, %.1f s", part.role, part.index, len(entries),
                             size(sum(e["bytes"] for e in entries.values())), time.perf_counter() - t_part)
@@ -239,6 +252,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
                               f"differs from when convert started); {out} is not finished: when the checkpoint is "
                               f"complete, run the same command with --force")
         write_manifest(out, build_manifest(job, results, out))
+        write_share(tree, job)
         tree.write_bytes(COMPLETE_NAME, (job.cid + "\n").encode())
         feed.finish()
         summary.notes += [n for n in [feed.summary()] if n]

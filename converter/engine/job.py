@@ -13,6 +13,7 @@ from ..spec.manifest import CONTENT_PLACEHOLDER, Options, conversion_id, file_me
 from ..spec.plan import Plan, make_plan
 from ..spec.rules import TensorSpec, build_specs
 from ..spec.config import ModelConfig
+from ..spec.share import NodeShare
 from ..spec.source import Checkpoint, is_repo_id, open_checkpoint, open_remote, resolve_model
 from .stwriter import TensorHeader, encode_header
 
@@ -136,6 +137,22 @@ class Job:
     dropped: dict[str, str] = field(default_factory=dict)
     origin: dict = field(default_factory=lambda: {"repo": None, "revision": None})  # repo id and commit, for a repo id
     on_disk: bool = True  # False: a repo whose files are still to be downloaded (`engine.feed`)
+    # A node's convert (--ranks, --nnodes/--node-rank): the ranks whose files it writes; the others are
+    # only hashed, for the manifest that lists every rank. None: every rank is written.
+    node: NodeShare | None = None
+
+    @property
+    def written_ranks(self) -> list[int]:
+        return list(self.node.ranks) if self.node is not None else list(range(self.plan.tp))
+
+    @property
+    def hashed_ranks(self) -> list[int]:
+        """The ranks whose files are hashed, not written."""
+        return [r for r in range(self.plan.tp) if r not in self.written_ranks]
+
+    def writes(self, rel: str) -> bool:
+        """Whether rank file `rel` (`part_path`) is one this job writes."""
+        return self.node is None or self.node.holds(rel)
 
     @property
     def roles(self) -> list[str]:

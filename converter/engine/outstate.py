@@ -16,7 +16,7 @@ from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, Options, ma
 from ..spec.outlock import writer_of
 from ..guarded_io import Refused, Tree, kind, naming, partial_name
 from ..outnames import strays
-from ..spec.share import SHARE_NAME, SHARE_REPAIR
+from ..spec.share import SHARE_NAME, SHARE_REPAIR, NodeShare, describe, record_problem, share_text
 from .job import Job, part_keys
 from .manifest_writer import build_manifest
 from .owned import JOURNAL_REL, OUTPUT_FILES, RECORD_REL, is_output, is_output_name, plan_clearing, read_json, scan
@@ -33,11 +33,12 @@ def check_paths(out: Path, root: Path) -> None:
 
 
 def refuse_target(out: Path, root: Path | None, resume: bool, force: bool, job: Job | None = None,
-                  options: Options | None = None, planned: Iterable[str] = (), repair: bool = False) -> None:
+                  options: Options | None = None, planned: Iterable[str] = (), repair: bool = False,
+                  node: NodeShare | None = None) -> None:
     """Every refusal of OUT (and of OUT against MODEL's directory `root`) that convert makes before it
     takes OUT's lock, in convert's words: `plan` runs it as convert's dry run, without a `job` (it
-    reads config.json only, so `planned` names the rank files and `options` the settings). Reads
-    OUT, writes nothing: no lock, no state folder (convert checks again under its lock)."""
+    reads config.json only, so `planned` names the rank files, `options` the settings and `node` the
+    ranks). Reads OUT, writes nothing: no lock, no state folder (convert checks again under its lock)."""
     out = Path(out)
     if root is not None:
         check_paths(out, root)
@@ -48,24 +49,24 @@ def refuse_target(out: Path, root: Path | None, resume: bool, force: bool, job: 
     holder = writer_of(out)
     if holder is not None:
         raise Locked(f"{out} is locked by another writer ({holder}); wait for it to finish or stop it, then run again")
-    check_out(out, job, resume, force, options, planned, repair)
+    check_out(out, job, resume, force, options, planned, repair, node)
     if force:
         plan_clearing(Tree(out)).refuse_foreign(out)
 
 
 def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Options | None = None,
-              planned: Iterable[str] = (), repair: bool = False) -> dict[str, dict]:
+              planned: Iterable[str] = (), repair: bool = False, node: NodeShare | None = None) -> dict[str, dict]:
     """Refuse unsafe targets; returns journal entries usable by --resume (path -> entry). Runs under
     OUT's lock, so the lock file is not counted as content. A link anywhere in OUT, or an entry of
     the wrong type where the conversion writes, is refused by name before anything is read. Without
     a job (plan) a --resume record is held against `options` and the tool version; its source is
     convert's to check. `repair`: OUT's manifest is this job's (`repair.reference`), so it, not the
     conversion record, is the reference: the files rewritten from the source must carry their
-    recorded content stamps."""
+    recorded content stamps. `node`: the ranks a node's convert writes (the job's, given a job)."""
     tree = Tree(out)
-    if tree.lstat(SHARE_NAME) is not None:  # --force would delete it, --resume fill it with every rank
-        raise OutputError(f"{out} is a node's share ({SHARE_NAME}, written by stage), not an output convert "
-                          f"writes; {SHARE_REPAIR}; convert into a new directory otherwise")
+    if job is not None:
+        node, options = job.node, job.options
+    _refuse_other_ranks(tree, node, options.tp)
     others = [n for n in tree.entries() if n != STATE_DIR]
     ours = is_output(tree)
     if ours and not force:  # --force names them among what it will not delete
@@ -84,7 +85,7 @@ def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Op
     if not resume:
         raise OutputError(f"{out} holds an unfinished conversion; pass --resume to finish it or --force to restart")
     if repair:
-        return _stray_free(tree, job, options, planned)
+        return _stray_free(tree, job, options, planned, node)
     record = read_json(tree, RECORD_REL)
     if not isinstance(record, dict) or not isinstance(record.get("source_files"), dict):
         raise OutputError(f"--resume: {tree.path(RECORD_REL)} is missing or not a conversion record; pass --force "
@@ -94,7 +95,7 @@ def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Op
                "tool_version": __version__}
         if any(record.get(k) != v for k, v in now.items()):
             _refuse_other_settings(out, record, now)
-        _stray_free(tree, job, options, planned)  # plan: convert's refusal, its journal is convert's to read
+        _stray_free(tree, job, options, planned, node)  # plan: convert's refusal, its journal is convert's to read
         return {}
     now = conversion_record(job)
     changed = [n for n, st in now["source_files"].items() if record["source_files"].get(n) != st]
@@ -104,13 +105,49 @@ def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Op
                           f"modified); pass --force to restart")
     if record.get("conversion_id") != job.cid:
         _refuse_other_settings(out, record, now)
-    return _stray_free(tree, job, options, planned)
+    return _stray_free(tree, job, options, planned, node)
 
 
-def _stray_free(tree: Tree, job: Job | None, options: Options | None, planned: Iterable[str]) -> dict[str, dict]:
-    """The journal of an output --resume may finish: nothing in its rank folders but what it writes."""
-    refuse_strays(tree, planned_files(job) if job is not None else planned, job.plan.tp if job else options.tp)
+def _stray_free(tree: Tree, job: Job | None, options: Options | None, planned: Iterable[str],
+                node: NodeShare | None) -> dict[str, dict]:
+    """The journal of an output --resume may finish: nothing in its rank folders but what it writes (a
+    node's convert: its ranks' files only, as verify checks a share)."""
+    paths = planned_files(job) if job is not None else planned
+    written = [rel for rel in paths if node is None or node.holds(rel)]
+    refuse_strays(tree, written, job.plan.tp if job else options.tp)
     return _journal(tree)
+
+
+def _refuse_other_ranks(tree: Tree, node: NodeShare | None, tp: int) -> None:
+    """A share is converted into only by the same node's convert: a share `stage` made (no conversion
+    record) never (--force would delete it, --resume fill it with every rank); a conversion's OUT only
+    with the ranks its record names (a whole output: every rank), so a node's OUT never gets another
+    node's files, nor a whole output a share's, whatever --resume or --force say."""
+    record = read_json(tree, RECORD_REL)
+    if not isinstance(record, dict):
+        if tree.lstat(SHARE_NAME) is not None:
+            raise OutputError(f"{tree.root} is a node's share ({SHARE_NAME}, written by stage), not an output "
+                              f"convert writes; {SHARE_REPAIR}; convert into a new directory otherwise")
+        return
+    made = record.get("share")
+    problem = record_problem(made, tp) if made is not None else None
+    if problem:
+        raise OutputError(f"{tree.path(RECORD_REL)}: its share ({problem}) is not one convert writes; remove "
+                          f"{tree.root} and convert again")
+    want = node.doc(record.get("conversion_id"), tp) if node is not None else None
+    if _node_of(made) != _node_of(want):
+        raise OutputError(f"{tree.root} holds a conversion of {_ranks_of(made)}, this command converts "
+                          f"{_ranks_of(want)}; convert into another OUT, or give the same --ranks or --nnodes/"
+                          f"--node-rank as its first run (remove {tree.root} first to replace it)")
+
+
+def _node_of(doc: dict | None) -> tuple | None:
+    """What tells two shares' command lines apart: ranks, nnodes, node_rank (None: a whole output)."""
+    return (doc["ranks"], doc["nnodes"], doc["node_rank"]) if doc is not None else None
+
+
+def _ranks_of(doc: dict | None) -> str:
+    return describe(doc) if doc is not None else "every rank"
 
 
 def _refuse_other_settings(out: Path, record: dict, now: dict) -> None:
@@ -257,11 +294,14 @@ def planned_files(job: Job) -> dict[str, dict]:
 
 def sizes_to_write(job: Job, planned: dict[str, dict], done: set[str], record: dict | None) -> list[int]:
     """Sizes of every file still to be written (or appended, for the journal) after the files in
-    `done`, and of the conversion record unless it is written (None)."""
+    `done`, and of the conversion record unless it is written (None). A node's convert writes its
+    ranks' files only, and journals every rank's (the manifest lists them) and its share record."""
     left = [e for rel, e in planned.items() if rel not in done]
-    sizes = [e["bytes"] for e in left] + [sum(len(journal_line(e)) for e in left)]
+    sizes = [e["bytes"] for e in left if job.writes(e["path"])] + [sum(len(journal_line(e)) for e in left)]
     sizes += list(job.ckpt.side.values())
     sizes += [len(manifest_text(build_manifest(job, planned).to_dict()).encode()), len(job.cid) + 1]
+    if job.node is not None:
+        sizes.append(len(share_text(job.node.doc(job.cid, job.plan.tp)).encode()))
     return sizes + ([len(record_text(record).encode())] if record is not None else [])
 
 
@@ -272,11 +312,13 @@ def record_text(record: dict) -> str:
 def conversion_record(job: Job) -> dict:
     """What --resume and --force trust of an earlier run: its identity, the source files' sizes and
     times, and every file it writes (what --force may delete)."""
-    files = [*planned_files(job), *job.ckpt.side, MANIFEST_NAME, COMPLETE_NAME]
+    share = {"share": job.node.doc(job.cid, job.plan.tp)} if job.node is not None else {}  # whole: as before
+    files = [*(rel for rel in planned_files(job) if job.writes(rel)), *job.ckpt.side, MANIFEST_NAME,
+             *([SHARE_NAME] if share else []), COMPLETE_NAME]
     return {"conversion_id": job.cid, "source_fingerprint": job.ckpt.fingerprint,
             "options": job.options.to_dict(), "tool_version": __version__,
             "source_files": job.ckpt.stats(list(job.ckpt.files)),
-            "side_files": job.ckpt.stats(list(job.ckpt.side)), "files": files}
+            "side_files": job.ckpt.stats(list(job.ckpt.side)), "files": files, **share}
 
 
 def source_changed(job: Job, record: dict) -> str | None:

@@ -22,13 +22,13 @@ from pathlib import PurePosixPath
 
 from ..errors import OutputError
 from ..guarded_io import Refused, Tree, kind, mount_points, partial_name
-from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR
+from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, RECORD_REL, STATE_DIR
 from ..spec.outlock import LOCK_NAME
+from ..spec.share import SHARE_NAME
 from ..spec.source import SIDE_FILES
 
 JOURNAL = "journal.jsonl"
-RECORD = "conversion.json"
-RECORD_REL = f"{STATE_DIR}/{RECORD}"
+RECORD = RECORD_REL.removeprefix(f"{STATE_DIR}/")
 JOURNAL_REL = f"{STATE_DIR}/{JOURNAL}"
 LOCK_REL = f"{STATE_DIR}/{LOCK_NAME}"
 RANK_FILE = re.compile(r"(target|draft)/rank-\d+/part-\d{5}\.safetensors")
@@ -37,7 +37,7 @@ DOWNLOAD_DIR = re.escape(STATE_DIR) + r"/download(/\.cache(/huggingface(/downloa
 OUR_DIR = re.compile(r"(target|draft)(/rank-\d+)?|" + re.escape(STATE_DIR) + "|" + DOWNLOAD_DIR)
 STATE_FILE = re.compile(re.escape(STATE_DIR) + r"/(" + "|".join(map(re.escape, (RECORD, JOURNAL))) +
                         r"|internal-error-[0-9-]+\.log)|" + DOWNLOAD_DIR + r"/[^/]+")
-OUTPUT_FILES = (*SIDE_FILES, MANIFEST_NAME, COMPLETE_NAME)
+OUTPUT_FILES = (*SIDE_FILES, MANIFEST_NAME, SHARE_NAME, COMPLETE_NAME)  # the share record: a node's convert
 SHOWN = 5  # foreign entries named in a refusal
 
 

@@ -59,24 +59,24 @@ def reference(tree: Tree, job: Job) -> Manifest | None:
     return m if m.sealed and m.conversion_id == job.cid else None
 
 
-def manifest_entries(manifest: Manifest) -> tuple[dict[str, dict], dict[str, str]]:
+def manifest_entries(manifest: Manifest, held: list[int] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
     """rel -> {path, bytes, digest, tensors} (bare hex digests, as `part_valid` takes them), and rel ->
-    recorded content stamp, for every rank file the manifest lists."""
+    recorded content stamp, for every rank file the manifest lists (of the `held` ranks, given them)."""
     entries, content = {}, {}
-    for ranks in manifest.roles.values():
-        for rank in ranks:
-            for f in rank.files:
-                tensors = {n: t.digest.removeprefix("blake3:") for n, t in rank.tensors.items() if t.file == f.path}
-                entries[f.path] = {"path": f.path, "bytes": f.bytes, "digest": f.digest.removeprefix("blake3:"),
-                                   "tensors": tensors}
-                content[f.path] = f.content
+    for role, r, f in manifest.files(held):
+        rank = manifest.rank(role, r)
+        tensors = {n: t.digest.removeprefix("blake3:") for n, t in rank.tensors.items() if t.file == f.path}
+        entries[f.path] = {"path": f.path, "bytes": f.bytes, "digest": f.digest.removeprefix("blake3:"),
+                           "tensors": tensors}
+        content[f.path] = f.content
     return entries, content
 
 
-def survey(out: Path, manifest: Manifest, source_root: Path) -> Repair:
-    """Re-check every file of OUT against `manifest` (one hashing pass over each rank file). A damaged
-    copy is refused when the source's own file is not the one converted."""
-    entries, content = manifest_entries(manifest)
+def survey(out: Path, manifest: Manifest, source_root: Path, held: list[int] | None = None) -> Repair:
+    """Re-check every file of OUT against `manifest` (one hashing pass over each rank file; a node's
+    convert: of its `held` ranks). A damaged copy is refused when the source's own file is not the one
+    converted."""
+    entries, content = manifest_entries(manifest, held)
     damaged = [rel for rel, entry in entries.items() if not part_valid(out, entry)]
     bad_copies = sorted({name for name, _ in copy_problems(out, manifest)})
     if bad_copies:

@@ -93,19 +93,81 @@ class WrittenFile:
     bytes: int
     digest: str
     tensor_digests: dict[str, str]
+    published: bool = True  # False: only hashed (`StreamHasher`), no file was written
 
 
-class StreamWriter:
-    """Write one safetensors file `rel` under `tree` tensor by tensor, into a new temporary file
-    (`Tree.open_new`: no link followed, nothing overwritten); `close()` publishes it atomically."""
+class StreamHasher:
+    """The digests of safetensors file `path` as its bytes stream in tensor by tensor, without
+    writing it: each tensor's BLAKE3 and the file digest over the header and those (`file_digest`).
+    `StreamWriter` is this plus the file; a node's convert (`--ranks`) hashes the other ranks' files
+    with it alone, for the manifest that lists every rank."""
 
-    def __init__(self, tree: Tree, rel: str, tensors: list[TensorHeader], metadata: dict[str, str],
-                 write_behind: int | None = None, direct: bool | None = None, align: int = 8):
-        self.tree, self.rel = tree, rel
-        self.path = tree.path(rel)
+    def __init__(self, path: Path, tensors: list[TensorHeader], metadata: dict[str, str], align: int = 8):
+        self.path = path
         self.tensors = tensors
         self.header = encode_header(tensors, metadata, align)
         self.size = len(self.header) + sum(t.nbytes for t in tensors)
+        self._index = 0
+        self._left = tensors[0].nbytes if tensors else 0
+        self._hash = blake3()
+        self.digests: dict[str, str] = {}
+
+    def write(self, name: str, data: np.ndarray | bytes | memoryview) -> memoryview:
+        """Hash bytes of tensor `name`, which must be the tensor being written; the bytes as a view."""
+        view = memoryview(data).cast("B")
+        current = self.tensors[self._index] if self._index < len(self.tensors) else None
+        if current is None or current.name != name or len(view) > self._left:
+            raise AssertionError(f"{self.path.name}: write of {len(view)} bytes for {name!r} out of order")
+        self._hash.update(view)
+        self._left -= len(view)
+        while self._left == 0 and self._index < len(self.tensors):
+            self.digests[current.name] = self._hash.hexdigest()
+            self._hash = blake3()
+            self._index += 1
+            if self._index < len(self.tensors):
+                current = self.tensors[self._index]
+                self._left = current.nbytes
+        return view
+
+    def _restamp(self, content: str) -> tuple[int, bytes]:
+        """Put the content stamp over its placeholder in the header (same length: nothing moves); its
+        offset and bytes. The stamp is known only once every source byte of the file was read."""
+        key = b'"lucifer.content":"'
+        at = self.header.index(key + CONTENT_PLACEHOLDER.encode()) + len(key)
+        value = content.encode()
+        if len(value) != len(CONTENT_PLACEHOLDER):
+            raise AssertionError(f"content stamp {content!r} is not {len(CONTENT_PLACEHOLDER)} characters")
+        self.header = self.header[:at] + value + self.header[at + len(value):]
+        return at, value
+
+    def _finished(self) -> None:
+        if self._index != len(self.tensors):
+            raise AssertionError(f"{self.path.name}: closed before {self.tensors[self._index].name} was written")
+
+    def _result(self, published: bool) -> WrittenFile:
+        digests = [self.digests[t.name] for t in self.tensors]
+        return WrittenFile(self.path, self.size, file_digest(self.header, digests), dict(self.digests), published)
+
+    def close(self, content: str | None = None) -> WrittenFile:
+        """The file's digests as if written; `content` fills the header's content stamp placeholder."""
+        self._finished()
+        if content is not None:
+            self._restamp(content)
+        return self._result(published=False)
+
+    def abort(self) -> None:
+        """Nothing to remove: no file was made."""
+
+
+class StreamWriter(StreamHasher):
+    """Write one safetensors file `rel` under `tree` tensor by tensor, into a new temporary file
+    (`Tree.open_new`: no link followed, nothing overwritten), hashing it as `StreamHasher` does;
+    `close()` publishes it atomically."""
+
+    def __init__(self, tree: Tree, rel: str, tensors: list[TensorHeader], metadata: dict[str, str],
+                 write_behind: int | None = None, direct: bool | None = None, align: int = 8):
+        super().__init__(tree.path(rel), tensors, metadata, align)
+        self.tree, self.rel = tree, rel
         self._tmp_rel = partial_name(rel)
         self._tmp = tree.path(self._tmp_rel)
         self._fd: int | None = None
@@ -135,10 +197,6 @@ class StreamWriter:
         except BaseException:  # nothing half-made stays behind (an error, or Ctrl-C right here)
             self.abort()
             raise
-        self._index = 0
-        self._left = tensors[0].nbytes if tensors else 0
-        self._hash = blake3()
-        self.digests: dict[str, str] = {}
 
     def _emit(self, view: memoryview) -> None:
         """Append bytes to the file: through the stage with direct I/O, else straight away."""
@@ -200,32 +258,15 @@ class StreamWriter:
             if _SFR(self._fd, s, e - s, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER) == 0:
                 os.posix_fadvise(self._fd, s, e - s, os.POSIX_FADV_DONTNEED)
 
-    def write(self, name: str, data: np.ndarray | bytes | memoryview) -> None:
+    def write(self, name: str, data: np.ndarray | bytes | memoryview) -> memoryview:
         """Append bytes of tensor `name`, which must be the tensor being written."""
-        view = memoryview(data).cast("B")
-        current = self.tensors[self._index] if self._index < len(self.tensors) else None
-        if current is None or current.name != name or len(view) > self._left:
-            raise AssertionError(f"{self.path.name}: write of {len(view)} bytes for {name!r} out of order")
-        self._hash.update(view)
+        view = super().write(name, data)
         self._emit(view)
-        self._left -= len(view)
-        while self._left == 0 and self._index < len(self.tensors):
-            self.digests[current.name] = self._hash.hexdigest()
-            self._hash = blake3()
-            self._index += 1
-            if self._index < len(self.tensors):
-                current = self.tensors[self._index]
-                self._left = current.nbytes
+        return view
 
     def _stamp(self, content: str) -> None:
-        """Write the content stamp over its placeholder in the header (same length: nothing moves).
-        The stamp is known only once every source byte of the file was read, i.e. now."""
-        key = b'"lucifer.content":"'
-        at = self.header.index(key + CONTENT_PLACEHOLDER.encode()) + len(key)
-        value = content.encode()
-        if len(value) != len(CONTENT_PLACEHOLDER):
-            raise AssertionError(f"content stamp {content!r} is not {len(CONTENT_PLACEHOLDER)} characters")
-        self.header = self.header[:at] + value + self.header[at + len(value):]
+        """Write the content stamp over its placeholder in the file's header."""
+        at, value = self._restamp(content)
         if self._direct:  # a small unaligned write: through the page cache
             fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             self._direct = False
@@ -234,8 +275,7 @@ class StreamWriter:
 
     def close(self, content: str | None = None) -> WrittenFile:
         """Finish and publish the file; `content` fills the header's content stamp placeholder."""
-        if self._index != len(self.tensors):
-            raise AssertionError(f"{self.path.name}: closed before {self.tensors[self._index].name} was written")
+        self._finished()
         if self._fill:  # direct I/O: the last block, zero-padded to ALIGN, then cut to the real size
             n = -(-self._fill // ALIGN) * ALIGN
             self._stage[self._fill:n] = 0
@@ -254,8 +294,7 @@ class StreamWriter:
         self._fd = None
         self._stage = None
         self.tree.rename(self._tmp_rel, self.rel)
-        digests = [self.digests[t.name] for t in self.tensors]
-        return WrittenFile(self.path, self.size, file_digest(self.header, digests), dict(self.digests))
+        return self._result(published=True)
 
     def abort(self) -> None:
         if self._fd is not None:

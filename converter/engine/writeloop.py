@@ -2,9 +2,10 @@
 
 `WriteLoop` holds what a run needs while it writes parts: one writer pool per rank (with
 --workers > 1), the progress bar and the journal, shut down in order however the run ends (an
-error, Ctrl-C, SIGTERM). Its `write` streams one part onto the given ranks, publishes the files
-and journals them (`outstate.open_journal`); the caller says which parts, on which ranks, and what
-a part's content stamp must be before its files are published (a repair's `check`).
+error, Ctrl-C, SIGTERM). Its `write` streams one part onto the given ranks (and hashes it for the
+ranks a node's convert does not write), publishes the files and journals them
+(`outstate.open_journal`); the caller says which parts, on which ranks, and what a part's content
+stamp must be before its files are published (a repair's `check`).
 
 Writing a part, step by step: one writer per rank (`_open_writer`), every tensor's chunks planned
 (`_work`, `_placement`), read once and fanned out to the ranks' writers (`_pump`), the part's
@@ -32,7 +33,7 @@ from .assemble import Assembler, EngineBufferPool, chunks, swap_folded
 from .job import Job, Part, part_headers, part_keys
 from .outstate import journal_line, open_journal
 from .owned import JOURNAL_REL
-from .stwriter import StreamWriter, WrittenFile
+from .stwriter import StreamHasher, StreamWriter, WrittenFile
 
 # convert's (a repair is convert --resume), named for the command: -v prints "lucifer_shard.convert: ..."
 logger = logging.getLogger("lucifer_shard.convert")
@@ -108,26 +109,27 @@ class WriteLoop:
                 pool.shutdown(wait=True)
 
     def write(self, part: Part, ranks: list[int], digests: ContentDigests,
-              check: Check | None = None) -> dict[str, dict]:
-        """Write `part` on `ranks` (`_write_part`), publish its files and journal them; their journal
-        entries by path."""
-        files, sources = _write_part(self.job, self.out, part, self.bar, self.pools, digests, ranks, check)
+              check: Check | None = None, hashed: list[int] = ()) -> dict[str, dict]:
+        """Write `part` on `ranks` and hash it on `hashed` (`_write_part`), publish its files and journal
+        them all; their journal entries by path."""
+        files, sources = _write_part(self.job, self.out, part, self.bar, self.pools, digests, ranks, check, hashed)
         self.summary.bytes_read += sum(self.sizes[k] for k in sources)
         return _journal_part(self.journal, self.out, part, files, sources, self.summary)
 
 
 def _journal_part(journal: int, out: Path, part: Part, files: list[WrittenFile], sources: dict[str, str],
                   summary: Summary) -> dict[str, dict]:
-    """Append the journal entries of a part's files just published (rank 0's carries the part's
-    source digests) and fsync; the entries by path."""
+    """Append the journal entries of a part's files just published or only hashed (a node's convert: the
+    manifest lists every rank's digests; rank 0's entry carries the part's source digests) and fsync;
+    the entries by path."""
     entries = {}
     for f in files:
         rel = str(f.path.relative_to(out))
         entries[rel] = {"path": rel, "bytes": f.bytes, "digest": f.digest, "tensors": f.tensor_digests}
         if rel == part_path(part.role, 0, part.index):
             entries[rel]["sources"] = sources
-        summary.bytes_written += f.bytes
-        summary.files_written += 1
+        summary.bytes_written += f.bytes if f.published else 0
+        summary.files_written += f.published
     with naming(out / JOURNAL_REL):
         write_all(journal, "".join(journal_line(e) for e in entries.values()).encode())
         os.fsync(journal)
@@ -138,12 +140,13 @@ def _journal_part(journal: int, out: Path, part: Part, files: list[WrittenFile],
 
 
 class _RankSink:
-    """One rank's writer. Layout + hash + write run on a worker thread in submission order (the
-    rank's own thread with --workers > 1, otherwise one thread shared by all ranks), so reading and
-    assembling the next chunk overlaps writing this one; at most two chunks per rank are in
-    flight. Written chunk buffers go back to `buffers`."""
+    """One rank's writer (or hasher, `StreamHasher`: a rank this run does not write). Layout + hash +
+    write run on a worker thread in submission order (the rank's own thread with --workers > 1,
+    otherwise one thread shared by all ranks), so reading and assembling the next chunk overlaps
+    writing this one; at most two chunks per rank are in flight. Written chunk buffers go back to
+    `buffers`."""
 
-    def __init__(self, writer: StreamWriter, pool: ThreadPoolExecutor | None, buffers=None):
+    def __init__(self, writer: StreamHasher, pool: ThreadPoolExecutor | None, buffers=None):
         self.writer = writer
         self.pool = pool
         self.buffers = buffers
@@ -169,11 +172,11 @@ class _RankSink:
 
 
 def _write_part(job: Job, out: Path, part: Part, bar, pools: list[ThreadPoolExecutor | None],
-                digests: ContentDigests, ranks: list[int],
-                check: Check | None = None) -> tuple[list[WrittenFile], dict[str, str]]:
-    """Write one part's file on each of `ranks`; its files and its source tensors' digests. The files
-    are stamped with those digests (`part_content`), which `check(content, sources)` may refuse,
-    before they are published."""
+                digests: ContentDigests, ranks: list[int], check: Check | None = None,
+                hashed: list[int] = ()) -> tuple[list[WrittenFile], dict[str, str]]:
+    """Write one part's file on each of `ranks` and hash (not write) it on each of `hashed`; its files
+    and its source tensors' digests. The files are stamped with those digests (`part_content`), which
+    `check(content, sources)` may refuse, before they are published."""
     tree = Tree(out)
     specs_by_name = [{s.name: s for s in rank_specs} for rank_specs in job.specs[part.role]]
     shared = ThreadPoolExecutor(1, thread_name_prefix="lucifer-write") if all(p is None for p in pools) else None
@@ -182,9 +185,9 @@ def _write_part(job: Job, out: Path, part: Part, bar, pools: list[ThreadPoolExec
     sinks: dict[int, _RankSink] = {}
     stream = None
     try:
-        for rank in ranks:
-            sinks[rank] = _RankSink(_open_writer(job, tree, part, rank, specs_by_name[rank]), pools[rank] or shared,
-                                    buffers)
+        for rank in sorted([*ranks, *hashed]):
+            sinks[rank] = _RankSink(_open_writer(job, tree, part, rank, specs_by_name[rank], rank in ranks),
+                                    pools[rank] or shared, buffers)
         # The reader threads run ahead of assembly; the writers run behind it.
         stream = asm.stream(_work(job, part, specs_by_name))
         _pump(stream, sinks, buffers, bar)
@@ -204,11 +207,16 @@ def _write_part(job: Job, out: Path, part: Part, bar, pools: list[ThreadPoolExec
             shared.shutdown(wait=True)
 
 
-def _open_writer(job: Job, tree: Tree, part: Part, rank: int, specs_by_name: dict[str, TensorSpec]) -> StreamWriter:
-    """The writer of rank `rank`'s file of `part`, its header stamped with a content placeholder."""
+def _open_writer(job: Job, tree: Tree, part: Part, rank: int, specs_by_name: dict[str, TensorSpec],
+                 write: bool = True) -> StreamHasher:
+    """The writer (`write`, else the hasher) of rank `rank`'s file of `part`, its header stamped with a
+    content placeholder."""
     headers = part_headers(specs_by_name, part, job.layouts)
     meta = file_metadata(job.cid, part.role, rank, part.index, job.plan.tp, CONTENT_PLACEHOLDER)
-    return StreamWriter(tree, part_path(part.role, rank, part.index), headers, meta, align=job.options.align)
+    rel = part_path(part.role, rank, part.index)
+    if not write:
+        return StreamHasher(tree.path(rel), headers, meta, align=job.options.align)
+    return StreamWriter(tree, rel, headers, meta, align=job.options.align)
 
 
 def _work(job: Job, part: Part, specs_by_name: list[dict[str, TensorSpec]]) -> list[tuple]:
@@ -237,8 +245,8 @@ def _placement(specs: list[TensorSpec], layouts: dict[str, Layout]) -> tuple[lis
 
 
 def _pump(stream, sinks: dict[int, _RankSink], buffers: EngineBufferPool, bar) -> None:
-    """Hand every assembled chunk to its rank's writer and wait for them all; a rank not written (a
-    repair: its file is sound) gives its buffer back."""
+    """Hand every assembled chunk to its rank's writer (or hasher) and wait for them all; a rank neither
+    written nor hashed (a repair: its file is sound) gives its buffer back."""
     for (name, layout), bufs in stream:
         for rank, buf in enumerate(bufs):
             if rank in sinks:

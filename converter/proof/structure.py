@@ -17,7 +17,7 @@ from ..spec.manifest import (COMPLETE_NAME, FORMAT_VERSION, MANIFEST_NAME, STATE
 from ..spec.manifest_types import Manifest, TensorRecord
 from ..spec.plan import Plan, make_plan
 from ..spec.rules import TensorSpec, build_specs
-from ..spec.share import SHARE_NAME, SHARE_REPAIR, read_share
+from ..spec.share import SHARE_NAME, read_share, share_repair
 from ..spec.stheader import HeaderError
 from .rankfile import RankFile
 from .report import REPAIR, Problem, Report
@@ -110,7 +110,7 @@ def read_manifest(report: Report, out: Path) -> tuple[Manifest, list[int] | None
                           f"run the same convert command with --resume")
     manifest = Manifest.parse(read_manifest_bytes(out), out / MANIFEST_NAME)
     if Tree(out).lstat(SHARE_NAME) is not None:
-        report.repair = SHARE_REPAIR  # before any finding: a share is never repaired by convert
+        report.repair = share_repair(out)  # before any finding: stage's share is staged again, a node's convert resumed
     if not manifest.sealed:
         report.add(Problem("manifest", f"{out / MANIFEST_NAME}: manifest_digest does not match its content: the "
                            f"manifest was edited after conversion; {report.repair}", file=MANIFEST_NAME))

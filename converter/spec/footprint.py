@@ -6,8 +6,9 @@ filesystem side (free space, the up-front refusal, a full disk mid-run) is `disk
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from .manifest import rank_of
 from .rules import TensorSpec
 
 # What `make bench` measured for `convert --tp 3` (1 worker) on the 2-vCPU VM with a virtio disk
@@ -42,6 +43,12 @@ class Footprint:
     def needed(self) -> int:
         """Room a conversion into an empty OUT needs: the files, the copies and the metadata allowance."""
         return self.write + self.metadata
+
+    def only(self, ranks: list[int]) -> Footprint:
+        """What a node's convert (`--ranks`) writes: the same reads, its ranks' files (the manifest,
+        sized by `tensors`, still lists every rank)."""
+        kept = {p: n for p, n in self.files.items() if rank_of(p) in ranks}
+        return replace(self, files=kept)
 
     def per_rank(self) -> dict[tuple[str, int], tuple[int, int]]:
         """(role, rank) -> (files, bytes), roles and ranks in order."""

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 MANIFEST_NAME = "lucifer-manifest.json"
 COMPLETE_NAME = "COMPLETE"
 STATE_DIR = ".lucifer"
+RECORD_REL = f"{STATE_DIR}/conversion.json"  # the conversion record (engine/owned.py): OUT is a conversion's
 FORMAT = "lucifer-shard/manifest"
 FORMAT_VERSION = 2  # 2: rank files stamped with their source content, digests of the copied side files
 MAX_ALIGN = 2 << 20  # --align: a 2 MiB huge page is the largest alignment any loader asks for
@@ -173,6 +174,11 @@ def rank_dir(role: str, rank: int) -> str:
 
 def part_path(role: str, rank: int, part: int) -> str:
     return f"{rank_dir(role, rank)}/part-{part:05d}.safetensors"
+
+
+def rank_of(rel: str) -> int:
+    """The TP rank of rank file `rel` (`part_path`'s `role/rank-<r>/part-<NNNNN>.safetensors`)."""
+    return int(rel.split("/")[1].removeprefix("rank-"))
 
 
 def file_metadata(cid: str, role: str, rank: int, part: int, tp: int, content: str) -> dict[str, str]:

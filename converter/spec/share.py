@@ -11,10 +11,12 @@ TP rank.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import OutputError, UsageRefused
 from ..guarded_io import Tree
+from .manifest import RECORD_REL, rank_of
 
 SHARE_NAME = "lucifer-share.json"
 SHARE_FORMAT = "lucifer-shard-share"
@@ -36,6 +38,14 @@ def node_ranks(tp: int, nnodes: int, node_rank: int) -> list[int]:
 # re-checks every file against the manifest and replaces only those that fail); never convert into it.
 SHARE_REPAIR = ("stage the share again from the whole output (lucifer-shard stage OUT DEST with the same --ranks or "
                 "--nnodes/--node-rank: it replaces only the files that fail); never convert into a share")
+# A share a node's convert wrote (`convert --ranks`, its conversion record in .lucifer/) is repaired by that convert.
+CONVERT_REPAIR = ("run the node's convert again with --resume (the same command line, its --ranks or --nnodes/"
+                  "--node-rank: it rewrites only the files that fail)")
+
+
+def share_repair(out: Path | str) -> str:
+    """The fix of a damaged share in OUT: the convert that wrote it, or stage (spec/manifest.RECORD_REL tells)."""
+    return CONVERT_REPAIR if Tree(out).lstat(RECORD_REL) is not None else SHARE_REPAIR
 
 
 def parse_ranks(text: str, tp: int) -> list[int]:
@@ -48,6 +58,50 @@ def parse_ranks(text: str, tp: int) -> list[int]:
     if not ranks or bad:
         raise UsageRefused(f"--ranks {text[:40]!r}: the output has TP ranks 0..{tp - 1}")
     return ranks
+
+
+def refuse_node_flags(ranks: str | None, nnodes: int | None, node_rank: int | None, required: bool) -> None:
+    """The rules of --ranks / --nnodes / --node-rank that need no TP size (stage: one of them is required;
+    convert without them converts every rank)."""
+    if (nnodes is None) != (node_rank is None):
+        raise UsageRefused("--nnodes and --node-rank go together; pass both, or --ranks")
+    if (ranks is not None and nnodes is not None) or (required and ranks is None and nnodes is None):
+        raise UsageRefused("pass the ranks the node runs: --ranks K[,K...] or --nnodes N --node-rank R (one of them)")
+
+
+@dataclass(frozen=True)
+class NodeShare:
+    """The TP ranks one node runs, as --ranks or --nnodes/--node-rank chose them (`share_doc`'s fields)."""
+
+    ranks: tuple[int, ...]
+    nnodes: int | None = None
+    node_rank: int | None = None
+
+    @classmethod
+    def of(cls, tp: int, ranks: str | None, nnodes: int | None, node_rank: int | None) -> NodeShare:
+        """The share a command line names (`refuse_node_flags` passed, one of --ranks or --nnodes given)."""
+        chosen = parse_ranks(ranks, tp) if ranks is not None else node_ranks(tp, nnodes, node_rank)
+        return cls(tuple(chosen), nnodes, node_rank)
+
+    def doc(self, conversion_id: str, tp: int) -> dict:
+        return share_doc(conversion_id, tp, list(self.ranks), self.nnodes, self.node_rank)
+
+    def holds(self, rel: str) -> bool:
+        """Whether rank file `rel` is one of this share's."""
+        return rank_of(rel) in self.ranks
+
+
+def chosen_share(tp: int, ranks: str | None, nnodes: int | None, node_rank: int | None) -> NodeShare | None:
+    """convert's and plan's node flags: the share they name, or None without them (every rank)."""
+    refuse_node_flags(ranks, nnodes, node_rank, required=False)
+    return NodeShare.of(tp, ranks, nnodes, node_rank) if ranks is not None or nnodes is not None else None
+
+
+def serve_command(out: Path | str, share: NodeShare) -> str:
+    """How a node serves its share: across nodes with its --nnodes/--node-rank, else a dry run first."""
+    if share.nnodes is None:
+        return f"lucifer-shard serve {out} --dry-run"
+    return f"lucifer-shard serve {out} --nnodes {share.nnodes} --node-rank {share.node_rank} --master-addr HOST"
 
 
 def share_doc(conversion_id: str, tp: int, ranks: list[int], nnodes: int | None, node_rank: int | None) -> dict:
@@ -71,10 +125,10 @@ def read_share(out: Path | str, conversion_id: str | None = None, tp: int | None
         doc = None
     problem = record_problem(doc, tp)
     if problem:
-        raise OutputError(f"{tree.path(SHARE_NAME)}: {problem}; {SHARE_REPAIR}")
+        raise OutputError(f"{tree.path(SHARE_NAME)}: {problem}; {share_repair(out)}")
     if conversion_id is not None and doc.get("conversion_id") != conversion_id:
         raise OutputError(f"{tree.path(SHARE_NAME)}: a share of conversion {str(doc.get('conversion_id'))[:12]}, the "
-                          f"manifest's is {conversion_id[:12]}: files of two conversions; {SHARE_REPAIR}")
+                          f"manifest's is {conversion_id[:12]}: files of two conversions; {share_repair(out)}")
     return doc
 
 
