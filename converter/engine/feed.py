@@ -19,7 +19,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from ..spec.manifest import STATE_DIR
@@ -58,7 +57,7 @@ class SourceFeed:
         self.root = Path(download_dir) if download_dir is not None else self.out / DOWNLOAD_REL
         self.folder = None
         self.bar = None
-        self._ahead: _Ahead | None = None
+        self._downloads: _Downloads | None = None
         self.started = time.perf_counter()
         self._needed = {f: i for i, p in enumerate(order) for f in part_files(job, p)} if self.stream else {}
         self.peak = (peak_bytes(order, job_files(job, order), job.ckpt.files) + sum(job.ckpt.side.values())
@@ -105,32 +104,22 @@ class SourceFeed:
             self.folder.claim()
             for name in self.job.ckpt.side:
                 self.folder.fetch(name)
+            first = {}
+            for i, part in enumerate(self.order):
+                for f in part_files(self.job, part):
+                    first.setdefault(f, i)
+            self._downloads = _Downloads(self.folder, first, self.job.ckpt.files, self.peak)
 
     def before(self, index: int) -> None:
-        """Part `index` of the order is next: its shards are there once the download running ahead has
-        brought them; then the next part's download starts, on a thread of its own, while this part is
-        written (a network and a disk at once: `peak_bytes` counts both parts' shards)."""
-        if self.folder is None:
-            return
-        self._wait()  # its error (a tampered shard, the Hub gone) is this run's
-        self._fetch(index)
-        if index + 1 < len(self.order):
-            self._ahead = _Ahead(self._fetch, index + 1)
-
-    def _wait(self) -> None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead.result()
-
-    def _fetch(self, index: int) -> None:
-        for name in part_files(self.job, self.order[index]):
-            self.folder.fetch(name)
+        """Part `index` of the order is next: wait until the downloader has brought its shards (its
+        error, a tampered shard or the Hub gone, is this run's)."""
+        if self._downloads is not None:
+            self._downloads.wait_for(index, part_files(self.job, self.order[index]))
 
     def after(self, index: int) -> None:
         """Part `index` of the order is written: remove each shard no later part reads."""
-        if self.folder is not None:
-            for name in [f for f, last in self._needed.items() if last == index]:
-                self.folder.remove(name)
+        if self._downloads is not None:
+            self._downloads.release([f for f, last in self._needed.items() if last == index])
 
     def finish(self) -> None:
         """The conversion is complete: remove what is left of the download, and the folder."""
@@ -138,15 +127,11 @@ class SourceFeed:
             self.folder.close([*self.job.ckpt.files, *self.job.ckpt.side])
 
     def close(self, wait: bool = True) -> None:
-        """The download running ahead is waited for (its file finished, or removed by `fetch`), so that
-        nothing writes into the folder after this; not on Ctrl-C (`wait` False): the process is
-        leaving, and its daemon thread with it (huggingface_hub resumes the file next time)."""
-        if wait:
-            try:
-                self._wait()
-            except Exception:
-                pass  # the run already failed; this error is the same fault or a consequence of it
-        self._ahead = None
+        """The downloader stopped: its shard in flight finished (or removed by `fetch`), so that nothing
+        writes into the folder after this; not on Ctrl-C (`wait` False): the process is leaving, and
+        its daemon thread with it (huggingface_hub resumes the file next time)."""
+        if self._downloads is not None:
+            self._downloads.stop(wait)
 
     def summary(self) -> str | None:
         if self.folder is None or not self.folder.downloaded:
@@ -170,22 +155,62 @@ class SourceFeed:
         self.job.ckpt = download_whole(self.job.ckpt, tuple(self.job.specs))
 
 
-class _Ahead:
-    """`fn(arg)` on a daemon thread (a pool's thread would hold Ctrl-C until a shard finished); `result`
-    waits and raises what it raised."""
+class _Downloads:
+    """The shards downloaded one after the other on a daemon thread, in the order the parts first read
+    them, as far ahead of the conversion as `budget` bytes on disk allow (a shard the part being
+    written needs goes regardless): the network never waits for the disk or the other way round
+    while there is room. A daemon thread: a pool's would hold Ctrl-C until a shard finished."""
 
-    def __init__(self, fn: Callable[[int], None], arg: int):
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn, arg), name="lucifer-download", daemon=True)
-        self._thread.start()
+    def __init__(self, folder, first: dict[str, int], sizes: dict[str, int], budget: int):
+        self.folder, self.first, self.sizes, self.budget = folder, first, sizes, budget
+        self.ready: set[str] = set()
+        self.on_disk = 0
+        self.current = 0  # the part being written
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="lucifer-download", daemon=True)
+        self.thread.start()
 
-    def _run(self, fn: Callable[[int], None], arg: int) -> None:
+    def _run(self) -> None:
         try:
-            fn(arg)
-        except BaseException as e:  # handed to the converting thread by `result`
-            self._error = e
+            for name in sorted(self.first, key=lambda f: (self.first[f], f)):
+                with self.cond:
+                    while (not self.stopped and self.first[name] > self.current
+                           and self.on_disk + self.sizes[name] > self.budget):
+                        self.cond.wait()
+                    if self.stopped:
+                        return
+                self.folder.fetch(name)
+                with self.cond:
+                    self.ready.add(name)
+                    self.on_disk += self.sizes[name]
+                    self.cond.notify_all()
+        except BaseException as e:  # handed to the converting thread by `wait_for`
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
 
-    def result(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+    def wait_for(self, index: int, names: list[str]) -> None:
+        with self.cond:
+            self.current = index
+            self.cond.notify_all()
+            while not set(names) <= self.ready and self.error is None:
+                self.cond.wait()
+            if self.error is not None:
+                raise self.error
+
+    def release(self, names: list[str]) -> None:
+        for name in names:
+            self.folder.remove(name)
+            with self.cond:
+                self.ready.discard(name)
+                self.on_disk -= self.sizes[name]
+                self.cond.notify_all()
+
+    def stop(self, wait: bool) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        if wait:
+            self.thread.join()

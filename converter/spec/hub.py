@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import stat
 import time
@@ -32,6 +33,7 @@ from ..errors import SourceError
 from ..guarded_io import Tree, open_regular
 from .stheader import Header, HeaderError, parse_header
 
+logger = logging.getLogger("lucifer_shard.hub")  # -v: each shard's download, -vv: its SHA-256 check
 MARKER = "lucifer-download.json"
 HF_META = ".cache/huggingface"  # where hf_hub_download(local_dir=...) keeps its resume state
 HEADER_GUESS = 1 << 18  # first ranged read of a shard; a larger header takes one more request
@@ -234,14 +236,18 @@ class DownloadFolder:
             t0 = time.perf_counter()
             _guarded(self.repo.repo, self.repo.commit, name, lambda: hf_hub_download(
                 self.repo.repo, name, revision=self.repo.commit, local_dir=self.root, tqdm_class=_bar(self.report)))
-            self.seconds += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.seconds += took
             self.downloaded += remote.size
+            logger.info("%s: downloaded, %d bytes in %.1f s", name, remote.size, took)
+        t0 = time.perf_counter()
         if remote.sha256 is not None and _sha256(self.tree.path(name)) != remote.sha256:
             self.remove(name)
             raise SourceError(f"{name} of {self.repo.repo} at {self.repo.commit[:12]}: its bytes do not have the "
                               f"SHA-256 the Hub publishes for it ({remote.sha256[:16]}...); removed. The download "
                               f"was damaged or the endpoint served other bytes: run the same command again (it "
                               f"downloads it anew), and if it fails again, report it to the repo's owner")
+        logger.debug("%s: SHA-256 checked in %.1f s", name, time.perf_counter() - t0)
         return self.tree.path(name)
 
     def remove(self, name: str) -> None:
