@@ -16,6 +16,7 @@ from ..spec.plan import DEFAULT_ROUTE, MOE_ROUTES
 from ..units import SIZE_SYNTAX
 from .argorder import is_checkpoint, refuse_swapped
 from .console import Console, Group, conventions, exit_code_lines
+from .shareopts import chosen_ranks, refuse_choice, serve_line, share_options
 
 MAX_FILE_BYTES = 1 << 50
 # The smallest --max-file-size: a tensor larger than the limit gets a file of its own anyway, so a
@@ -384,10 +385,7 @@ def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_m
 @cli.command(cls=Writes)
 @click.argument("out", type=click.Path(path_type=Path))
 @click.argument("dest", type=click.Path(path_type=Path))
-@click.option("--ranks", default=None, metavar="K[,K...]", help="The TP ranks the node runs, e.g. --ranks 1.")
-@click.option("--nnodes", type=click.IntRange(1), default=None,
-              help="With --node-rank: the node count vLLM is started with; the ranks follow vLLM's rule.")
-@click.option("--node-rank", type=click.IntRange(0), default=None, help="With --nnodes: this node's number, 0..N-1.")
+@share_options
 @conventions(interrupted="interrupted: {out} is untouched; run the same stage again to finish the share")
 def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_rank: int | None) -> None:
     """Write one node's share of OUT into DEST: the rank files of the ranks it runs (target and draft),
@@ -404,23 +402,16 @@ def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_ran
     """
     from ..engine.stage import stage as run
     from ..spec.manifest_types import Manifest
-    from ..spec.share import node_ranks, parse_ranks
 
-    if (nnodes is None) != (node_rank is None):
-        raise UsageRefused("--nnodes and --node-rank go together; pass both, or --ranks")
-    if (ranks is None) == (nnodes is None):
-        raise UsageRefused("pass the ranks the node runs: --ranks K[,K...] or --nnodes N --node-rank R (one of them)")
+    refuse_choice(ranks, nnodes, node_rank)
     if not out.is_dir():
         from ..errors import OutputError
 
         raise OutputError(f"{out}: no such output directory")
     tp = Manifest.load(out).tp_size
-    chosen = parse_ranks(ranks, tp) if ranks is not None else node_ranks(tp, nnodes, node_rank)
-    summary = run(out, dest, chosen, nnodes, node_rank)
-    serve = (f"lucifer-shard serve {dest} --nnodes {nnodes} --node-rank {node_rank} --master-addr HOST"
-             if nnodes else f"lucifer-shard serve {dest} --dry-run")
+    summary = run(out, dest, chosen_ranks(ranks, nnodes, node_rank, tp), nnodes, node_rank)
     Console.of().emit(summary.to_dict(), [*summary.lines(), f"next: lucifer-shard verify {dest}; copy {dest} to the "
-                                          f"node; {serve}"])
+                                          f"node; {serve_line(dest, nnodes, node_rank)}"])
 
 
 # Commands defined beside their logic (each module imports only click at import time).
