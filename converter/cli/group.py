@@ -416,10 +416,11 @@ def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_ran
 
 # Commands defined beside their logic (each module imports only click at import time).
 from . import cmd_check  # noqa: E402
+from .cmd_fetch import fetch  # noqa: E402
 from .cmd_numerics import check_numerics  # noqa: E402
 from .serve_cli import doctor, serve  # noqa: E402  (vLLM is imported inside the commands)
 
-for _command in (cmd_check.diff, cmd_check.verify, cmd_check.inspect, check_numerics, doctor, serve):
+for _command in (cmd_check.diff, cmd_check.verify, cmd_check.inspect, check_numerics, fetch, doctor, serve):
     cli.add_command(_command)
 
 
