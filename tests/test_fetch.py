@@ -221,3 +221,58 @@ def test_a_fetch_killed_mid_download_is_finished_by_the_same_command(converted, 
 def test_refusals_before_anything_is_written(published, tmp_path, args, needle):
     r = run("fetch", published, tmp_path / "d", *args)
     assert r.exit_code == 2 and needle in r.stderr and not (tmp_path / "d").exists(), r.output
+
+
+def test_convert_writes_the_model_card_the_manifest_records(tiny_pattern, tmp_path):
+    """README.md: the Hub's front matter (tags, license from the source's own card, no base_model for a local
+    source), the conversion id, TP, layout, arch, bytes per node, and each node's fetch and serve commands;
+    recorded among the copies, so verify checks it, stage and fetch bring it and --resume writes it again."""
+    from huggingface_hub import ModelCard
+
+    from lucifer_shard.spec.manifest_types import Manifest
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_pattern, model)
+    (model / "README.md").write_text("---\nlicense: other\nlicense_name: deepseek\nlicense_link: LICENSE\n---\n# x\n")
+    out = tmp_path / "out"
+    args = ("convert", "--tp", 3, "--expert-layout", "model", "--max-file-size", "2M", model, out)
+    assert run(*args).exit_code == 0
+    card, m = ModelCard.load(out / "README.md"), Manifest.load(out)
+    assert card.data.to_dict() == {"license": "other", "license_name": "deepseek", "license_link": "LICENSE",
+                                   "tags": ["lucifer-shard", "deepseek_v4", "tensor-parallel-3", "safetensors"]}
+    text = card.text
+    assert f"| conversion id | `{m.conversion_id}` |" in text and "| TP size | 3 |" in text
+    assert "| expert layout | model |" in text and "| arch | any GPU family (model layout) |" in text
+    from lucifer_shard.units import size
+
+    for node in range(3):
+        node_bytes = sum(f.bytes for _, _, f in m.files([node]))
+        assert f"| 3 | {node} | {node} | {size(node_bytes)} |" in text
+        assert f"lucifer-shard fetch REPO DEST --nnodes 3 --node-rank {node}\n" in text
+        assert f"lucifer-shard serve DEST --nnodes 3 --node-rank {node} --master-addr HOST\n" in text
+    assert m.copies["README.md"].bytes == (out / "README.md").stat().st_size
+    assert run("verify", out).exit_code == 0
+    r = run("stage", out, tmp_path / "node2", "--ranks", 2)
+    assert r.exit_code == 0 and (tmp_path / "node2" / "README.md").read_bytes() == (out / "README.md").read_bytes()
+    original = (out / "README.md").read_bytes()
+    (out / "README.md").write_text(original.decode().replace("REPO", "someone/else"))
+    r = run("verify", out)
+    assert r.exit_code == 1 and "README.md" in r.stderr + r.stdout and "writes the card again" in r.stderr + r.stdout
+    r = run(*args, "--resume")
+    assert r.exit_code == 0 and "README.md" in r.stdout, r.output
+    assert (out / "README.md").read_bytes() == original and run("verify", out).exit_code == 0
+
+
+def test_the_card_names_the_source_repo_as_base_model(converted):
+    import dataclasses
+
+    from lucifer_shard.engine.card import card_text
+    from lucifer_shard.spec.manifest_types import Manifest
+
+    m = Manifest.load(converted())
+    hub = dataclasses.replace(m, source=dataclasses.replace(m.source, repo="deepseek-ai/DeepSeek-V4-Flash-0731",
+                                                            revision="a" * 40))
+    text = card_text(hub, Path(m.source.path))
+    assert text.startswith("---\nbase_model: deepseek-ai/DeepSeek-V4-Flash-0731\ntags:\n")
+    assert "of `deepseek-ai/DeepSeek-V4-Flash-0731` at `" + "a" * 40 + "`" in text
+    assert "base_model" not in card_text(m, Path(m.source.path))  # a local checkpoint: no repo id to name

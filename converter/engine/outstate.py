@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 
 from .. import __version__
 from ..errors import Locked, OutputError
-from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, Options, manifest_text, part_path
+from ..spec.manifest import CARD_NAME, COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, Options, manifest_text, part_path
 from ..spec.outlock import writer_of
 from ..guarded_io import Refused, Tree, kind, naming, partial_name
 from ..outnames import strays
@@ -282,7 +282,7 @@ def source_stats(root: Path, names: list[str]) -> dict[str, list[int]]:
 def conversion_record(job: Job) -> dict:
     """What --resume and --force trust of an earlier run: its identity, the source files' sizes and
     times, and every file it writes (what --force may delete)."""
-    files = [*planned_files(job), *side_files(job.ckpt.root), MANIFEST_NAME, COMPLETE_NAME]
+    files = [*planned_files(job), *side_files(job.ckpt.root), CARD_NAME, MANIFEST_NAME, COMPLETE_NAME]
     return {"conversion_id": job.cid, "source_fingerprint": job.ckpt.fingerprint,
             "options": job.options.to_dict(), "tool_version": __version__,
             "source_files": source_stats(job.ckpt.root, list(job.ckpt.files)),
