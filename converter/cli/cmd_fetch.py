@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from .console import Console, conventions
 from .shareopts import chosen_ranks, refuse_choice, serve_line, share_options
+
+if TYPE_CHECKING:  # the engine and spec load inside the command, as every command's do
+    from ..engine.stage import Want
+    from ..spec.config import ModelConfig
+    from ..spec.manifest_types import Manifest
 
 
 @click.command()
@@ -64,7 +70,7 @@ def fetch(source: str, dest: Path, ranks: str | None, nnodes: int | None, node_r
                                                    f"{serve_line(dest, nnodes, node_rank)}"])
 
 
-def _refuse_findings(where: str, manifest, cfg) -> None:
+def _refuse_findings(where: str, manifest: Manifest, cfg: ModelConfig | None) -> None:
     """OutputError naming the first of verify's structural findings in the manifest (with config.json:
     against the rule table)."""
     from ..engine.fetch import REPUBLISH
@@ -76,7 +82,7 @@ def _refuse_findings(where: str, manifest, cfg) -> None:
         raise OutputError(f"{where}: {' '.join(findings[0].split())}; {REPUBLISH}")
 
 
-def _dry_lines(shown: str, wants: list, hf: str | None) -> list[str]:
+def _dry_lines(shown: str, wants: list[Want], hf: str | None) -> list[str]:
     from ..units import size
 
     width, total = max(len(w.rel) for w in wants), sum(w.bytes for w in wants)

@@ -33,7 +33,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -193,7 +193,7 @@ class FetchSummary(StageSummary):
 
 def fetch(pub: Published, dest: Path, manifest: Manifest, manifest_bytes: bytes, ranks: list[int],
           nnodes: int | None = None, node_rank: int | None = None, progress: bool = False,
-          check_config=None) -> FetchSummary:
+          check_config: Callable[[Path], None] | None = None) -> FetchSummary:
     """Bring the share of `ranks` from `pub` into DEST (see the module docstring). `check_config(dest)`
     runs once the manifest and the copies are in DEST, before any rank file (the rule-table check,
     which needs config.json)."""
@@ -208,27 +208,36 @@ def fetch(pub: Published, dest: Path, manifest: Manifest, manifest_bytes: bytes,
     dest.mkdir(parents=True, exist_ok=True)  # DEST itself; below it only through Tree
     with only_writer(dest, "fetch"):
         refuse_dest(dest, manifest, ranks, wants, "fetch")
-        tree = Tree(dest)
         summary = FetchSummary(pub.shown, str(dest), share_doc(manifest.conversion_id, manifest.tp_size, ranks,
                                                                   nnodes, node_rank))
-        tree.remove(COMPLETE_NAME)  # a fetch that changes DEST is unfinished until it ends
-        bar = byte_bar(sum(w.bytes for w in wants), "fetch", progress)
-        try:
-            for want in wants:
-                if want.rank_file and check_config is not None:
-                    check_config(dest)
-                    check_config = None
-                how = _place(pub, tree, want, bar)
-                setattr(summary, how, getattr(summary, how) + 1)
-                summary.bytes += want.bytes
-                summary.files.append(want.rel)
-        finally:
-            bar.close()
-        _clear_staging(tree, wants)
-        tree.write_bytes(SHARE_NAME, share_text(summary.share).encode())
-        tree.write_bytes(COMPLETE_NAME, complete)
+        _fetch_locked(pub, Tree(dest), wants, complete, summary, progress, check_config)
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def _fetch_locked(pub: Published, tree: Tree, wants: list[Want], complete: bytes, summary: FetchSummary,
+                  progress: bool, check_config: Callable[[Path], None] | None) -> None:
+    """The manifest and the copies, the config check, the rank files; then the share record and COMPLETE."""
+    tree.remove(COMPLETE_NAME)  # a fetch that changes DEST is unfinished until it ends
+    bar = byte_bar(sum(w.bytes for w in wants), "fetch", progress)
+    try:
+        _place_all(pub, tree, [w for w in wants if not w.rank_file], bar, summary)
+        if check_config is not None:
+            check_config(tree.root)
+        _place_all(pub, tree, [w for w in wants if w.rank_file], bar, summary)
+    finally:
+        bar.close()
+    _clear_staging(tree, wants)
+    tree.write_bytes(SHARE_NAME, share_text(summary.share).encode())
+    tree.write_bytes(COMPLETE_NAME, complete)
+
+
+def _place_all(pub: Published, tree: Tree, wants: list[Want], bar, summary: FetchSummary) -> None:
+    for want in wants:
+        how = _place(pub, tree, want, bar)
+        setattr(summary, how, getattr(summary, how) + 1)
+        summary.bytes += want.bytes
+        summary.files.append(want.rel)
 
 
 def _place(pub: Published, tree: Tree, want: Want, bar) -> str:
@@ -300,20 +309,20 @@ def _check_staged(pub: Published, staging: Tree, want: Want) -> None:
         try:
             digest = ManifestDigest(read_header(staging.path(want.rel), whole=False, fd=fd))
         except HeaderError as e:
-            digest = None
-            problem = f"unreadable safetensors header ({e.reason})"
+            digest, unreadable = None, e.reason
         sha = hashlib.sha256()
-        while digest is not None and (chunk := os.read(fd, CHUNK)):
-            digest.update(chunk)
+        while chunk := os.read(fd, CHUNK):
             sha.update(chunk)
+            if digest is not None:
+                digest.update(chunk)
     finally:
         os.close(fd)
     published = pub.sha256.get(want.rel)
-    if digest is None:
-        fix = REPUBLISH
-    elif published is not None and sha.hexdigest() != published:
+    if published is not None and sha.hexdigest() != published:  # first: the fix is another download
         problem = f"SHA-256 {sha.hexdigest()[:16]}... is not the {published[:16]}... the Hub publishes for it"
         fix = "the bytes changed on the way: run the same fetch again (it downloads this file again)"
+    elif digest is None:
+        problem, fix = f"unreadable safetensors header ({unreadable})", REPUBLISH
     elif size != want.bytes or digest.manifest_digest() != want.digest:
         problem = f"not the bytes the manifest records ({size} bytes, blake3 {want.digest[7:23]}...)"
         fix = REPUBLISH
