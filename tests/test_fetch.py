@@ -276,3 +276,18 @@ def test_the_card_names_the_source_repo_as_base_model(converted):
     assert text.startswith("---\nbase_model: deepseek-ai/DeepSeek-V4-Flash-0731\ntags:\n")
     assert "of `deepseek-ai/DeepSeek-V4-Flash-0731` at `" + "a" * 40 + "`" in text
     assert "base_model" not in card_text(m, Path(m.source.path))  # a local checkpoint: no repo id to name
+
+
+def test_an_edited_manifest_is_refused_before_any_other_file(published, tmp_path):
+    import json
+
+    bad = published_copy(published, tmp_path / "bad")
+    doc = json.loads((bad / "lucifer-manifest.json").read_text())
+    doc["tool_version"] = "0.0.0-edited"
+    (bad / "lucifer-manifest.json").write_text(json.dumps(doc, indent=1))
+    dest = tmp_path / "node1"
+    with HubServer({REPO_ID: bad}) as hub:
+        r = fetch_hub(hub, tmp_path / "hf", REPO_ID, dest, "--nnodes", 3, "--node-rank", 1)
+        assert hub.files_requested() == ["lucifer-manifest.json"]
+    assert r.returncode == 2 and "lucifer-manifest.json: manifest_digest does not match its content" in r.stderr
+    assert not dest.exists()

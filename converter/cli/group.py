@@ -297,6 +297,7 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
 
     \b
     OUT/config.json (+ tokenizer files)   copied byte-identical
+    OUT/README.md                          the Hub model card (to publish OUT: docs/output-format.md)
     OUT/target/rank-<r>/part-*.safetensors main model, vLLM parameter names
     OUT/draft/rank-<r>/part-*.safetensors  MTP draft layer (unless --no-mtp)
     OUT/lucifer-manifest.json              plan, layouts, source fingerprint and content digests
