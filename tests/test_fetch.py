@@ -6,6 +6,7 @@ mid-download is finished by the same command, which asks only for what was not f
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -170,9 +171,17 @@ def test_dry_run_prints_the_bytes_and_the_hf_download_line_and_reads_only_the_ma
     line = r.stdout.strip().splitlines()[-1]
     hf = line[line.index("hf download "):]
     assert hf.startswith(f"hf download {REPO_ID} --revision {commit} --include ") and hf.endswith(f"--local-dir {dest}")
-    patterns = [p.strip('"') for p in hf.split(" --include ")[1:]]
-    patterns[-1] = patterns[-1].split(" --local-dir")[0].strip('"')
+    argv = shlex.split(hf)
+    patterns = [argv[i + 1] for i, a in enumerate(argv) if a == "--include"]
     assert set(filter_repo_objects(everything, allow_patterns=patterns)) == want  # exactly the node's files
+    with HubServer({REPO_ID: published}) as hub:  # and huggingface_hub's own CLI, given the line, brings them
+        cli_dest = tmp_path / "by-hf"
+        argv[argv.index("--local-dir") + 1] = str(cli_dest)
+        hf_cli = [sys.executable, "-c", "import sys; from huggingface_hub.cli.hf import main; sys.exit(main())"]
+        done = subprocess.run([*hf_cli, *argv[1:]], env=hub_env(hub, tmp_path / "hf"), capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    assert {rel for rel in contents(cli_dest) if not rel.startswith(".cache/")} == want
 
 
 def test_a_fetch_killed_mid_download_is_finished_by_the_same_command(converted, tmp_path):
