@@ -11,11 +11,12 @@ preflight and fetch check it like config.json.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..guarded_io import Tree
-from ..spec.manifest import CARD_NAME
-from ..spec.manifest_types import Manifest
+from ..spec.manifest import CARD_NAME, manifest_text
+from ..spec.manifest_types import Copy, Manifest
 from ..spec.share import node_ranks
 from ..units import size
 from .job import Job
@@ -28,6 +29,15 @@ LICENSE_KEYS = ("license", "license_name", "license_link")  # license_name and l
 def write_card(out: Path, job: Job, files: dict[str, dict]) -> None:
     """Write OUT/README.md for `job` with these rank files (convert: after the rank files, before the manifest)."""
     Tree(out).write_bytes(CARD_NAME, card_text(build_manifest(job, files), job.ckpt.root).encode())
+
+
+def planned_sizes(job: Job, files: dict[str, dict]) -> list[int]:
+    """The bytes of the card and of the manifest that records it, exact before anything is written (`files`:
+    the planned rank files, whose digests have their fixed length): convert's room check counts both."""
+    manifest = build_manifest(job, files)
+    card = card_text(manifest, job.ckpt.root).encode()
+    recorded = replace(manifest, copies={**manifest.copies, CARD_NAME: Copy(len(card), "blake3:" + "0" * 64)})
+    return [len(card), len(manifest_text(recorded.to_dict()).encode())]
 
 
 def card_text(manifest: Manifest, source_root: Path) -> str:

@@ -12,14 +12,14 @@ from pathlib import Path, PurePosixPath
 
 from .. import __version__
 from ..errors import Locked, OutputError
-from ..spec.manifest import CARD_NAME, COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, Options, manifest_text, part_path
+from ..spec.manifest import CARD_NAME, COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, Options, part_path
 from ..spec.outlock import writer_of
 from ..guarded_io import Refused, Tree, kind, naming, partial_name
 from ..outnames import strays
 from ..spec.share import SHARE_NAME, SHARE_REPAIR
 from ..spec.source import side_files
+from .card import planned_sizes
 from .job import Job, part_keys
-from .manifest_writer import build_manifest
 from .owned import JOURNAL_REL, OUTPUT_FILES, RECORD_REL, is_output, is_output_name, plan_clearing, read_json, scan
 from .stwriter import hash_file
 
@@ -262,7 +262,7 @@ def sizes_to_write(job: Job, planned: dict[str, dict], done: set[str], record: d
     left = [e for rel, e in planned.items() if rel not in done]
     sizes = [e["bytes"] for e in left] + [sum(len(journal_line(e)) for e in left)]
     sizes += [(job.ckpt.root / n).stat().st_size for n in side_files(job.ckpt.root)]
-    sizes += [len(manifest_text(build_manifest(job, planned).to_dict()).encode()), len(job.cid) + 1]
+    sizes += [*planned_sizes(job, planned), len(job.cid) + 1]  # the model card and the manifest, COMPLETE
     return sizes + ([len(record_text(record).encode())] if record is not None else [])
 
 
