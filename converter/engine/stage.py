@@ -134,7 +134,7 @@ def only_writer(dest: Path, command: str = "stage") -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise Locked(f"{dest} is being written by another lucifer-shard stage or fetch; wait for it to finish, then "
+            raise Locked(f"{dest} is being staged by another lucifer-shard stage or fetch; wait for it to finish, then "
                          f"run this {command} again (or {command} into another DEST)") from None
         yield  # closing the descriptor drops the lock
 
