@@ -300,3 +300,17 @@ def test_an_edited_manifest_is_refused_before_any_other_file(published, tmp_path
         assert hub.files_requested() == ["lucifer-manifest.json"]
     assert r.returncode == 2 and "lucifer-manifest.json: manifest_digest does not match its content" in r.stderr
     assert not dest.exists()
+
+
+@pytest.mark.parametrize("readme,license", [
+    (None, {}),
+    ("# no front matter\n", {}),
+    ("---\nlicense: [unclosed\n---\n", {}),  # front matter the Hub cannot read either: nothing carried over
+    ("---\nlicense: mit\ntags: [x]\n---\n# card\n", {"license": "mit"}),
+])
+def test_the_license_comes_from_the_sources_own_card_or_not_at_all(tmp_path, readme, license):
+    from lucifer_shard.engine.card import source_license
+
+    if readme is not None:
+        (tmp_path / "README.md").write_text(readme)
+    assert source_license(tmp_path) == license

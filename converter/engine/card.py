@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ..guarded_io import Tree
+from ..guarded_io import JSON_LIMIT, Tree, read_regular
 from ..spec.manifest import CARD_NAME, manifest_text
 from ..spec.manifest_types import Copy, Manifest
 from ..spec.share import node_ranks
@@ -52,11 +52,19 @@ def card_text(manifest: Manifest, source_root: Path) -> str:
 
 def source_license(root: Path) -> dict[str, str]:
     """The license fields of the source's README.md front matter ({} without one)."""
-    from huggingface_hub.repocard import metadata_load
+    import yaml  # huggingface_hub's own dependency, which parses card front matter with it
+    from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
     readme = Path(root) / CARD_NAME
-    meta = metadata_load(readme) if readme.is_file() else None
-    if not meta or not meta.get("license"):
+    if not readme.is_file():
+        return {}
+    text = read_regular(readme, JSON_LIMIT, follow=True).decode("utf-8", "replace")  # a cache's link to its blob
+    block = REGEX_YAML_BLOCK.search(text)
+    try:
+        meta = yaml.safe_load(block.group(2)) if block else None
+    except yaml.YAMLError:  # front matter the Hub could not read either: no license to carry over
+        meta = None
+    if not isinstance(meta, dict) or not meta.get("license"):
         return {}
     return {k: str(meta[k]) for k in LICENSE_KEYS if meta.get(k)}
 
