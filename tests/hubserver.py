@@ -201,7 +201,8 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             if m["what"] != "tree":
                 blobs = query.get("blobs") == ["true"]
                 doc = {"id": m["repo"], "modelId": m["repo"], "sha": repo.commit, "private": False,
-                       "siblings": [{"rfilename": n, **(_blob(f) if blobs else {})} for n, f in repo.files.items()]}
+                       "siblings": [{"rfilename": n, **(_blob(f) if blobs else {})} for n, f in repo.files.items()],
+                       **({"cardData": _card_data(repo.files["README.md"].path)} if "README.md" in repo.files else {})}
             else:
                 prefix = (m["path"] or "").strip("/")
                 doc = [{"type": "file", "path": n, "size": f.size, "oid": f.blob_id,
@@ -278,6 +279,17 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(data)
 
     return Handler
+
+
+def _card_data(readme: Path) -> dict:
+    """The front matter of a repo's README.md, as the Hub returns it in the repo info (`cardData`)."""
+    import yaml
+
+    text = readme.read_text(errors="replace")
+    if not text.startswith("---\n") or "\n---" not in text[4:]:
+        return {}
+    meta = yaml.safe_load(text[4:text.index("\n---", 4)])
+    return meta if isinstance(meta, dict) else {}
 
 
 def _blob(f: Served) -> dict:

@@ -67,16 +67,18 @@ def files_of(out: Path) -> dict[str, bytes]:
 
 
 def same_conversion(a: Path, b: Path) -> None:
-    """Every rank file and copy byte-identical; the manifests equal but for where the source was."""
+    """Every rank file and copy byte-identical; the manifests equal but for where the source was (which
+    the model card names too)."""
     fa, fb = files_of(a), files_of(b)
     assert sorted(fa) == sorted(fb)
     for rel in fa:
-        if rel != "lucifer-manifest.json":
+        if rel not in ("lucifer-manifest.json", "README.md"):
             assert fa[rel] == fb[rel], rel
     ma, mb = (json.loads(f["lucifer-manifest.json"]) for f in (fa, fb))
     for m in (ma, mb):
         m.pop("manifest_digest")
         m["source"].update(path=None, repo=None, revision=None)
+        m["copies"].pop("README.md")
     assert ma == mb
 
 
@@ -320,3 +322,17 @@ def test_a_node_streams_its_own_share(ckpts, hub, tmp_path):
     assert not (share / "target" / "rank-0").exists() and not (share / ".lucifer" / "download").exists()
     cli("verify", share)
     cli("serve", share, "--nnodes", 3, "--node-rank", 1, "--master-addr", "127.0.0.1", "--dry-run")
+
+
+def test_the_card_carries_the_hub_license(ckpts, tmp_path):
+    """A repo's license, as the Hub's repo info publishes its card data, reaches OUT's model card (no
+    README downloaded)."""
+    repo = tmp_path / "licensed"
+    shutil.copytree(ckpts / "model", repo)
+    (repo / "README.md").write_text("---\nlicense: mit\n---\n\n# a model\n")
+    with HubServer({REPO_ID: repo}) as h:
+        h.home = tmp_path / "hf-home"
+        cli("convert", "--tp", "3", REPO_ID, tmp_path / "out", hub=h)
+        assert "README.md" not in h.files_requested()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "license: mit" in card and f"base_model: {REPO_ID}" in card

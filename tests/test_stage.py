@@ -107,7 +107,7 @@ def test_across_filesystems_files_are_copied_and_read_back(converted, tmp_path, 
 
     monkeypatch.setattr(Tree, "link_in", cross_device)
     r = run("stage", out, dest, "--ranks", 1)
-    assert r.exit_code == 0 and "0 hard-linked, 6 copied and read back" in r.stdout, r.output
+    assert r.exit_code == 0 and "0 hard-linked, 7 copied and read back" in r.stdout, r.output
     part = next(dest.glob("target/rank-1/*.safetensors"))
     assert part.stat().st_ino != (out / part.relative_to(dest)).stat().st_ino
     assert run("verify", dest).exit_code == 0

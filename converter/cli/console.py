@@ -60,6 +60,7 @@ QUIET: dict[str, tuple[str, tuple[str, ...]]] = {
     "check-numerics": ("nothing (the exit code is the answer)", ()),
     "synth": ("only the checkpoint's path", ("path",)),
     "stage": ("only DEST", ("dest",)),
+    "fetch": ("only DEST", ("dest",)),
     "doctor": ("nothing (the exit code is the answer)", ()),
     "serve": ("only the vllm command line (with --dry-run, when the preflight passes)", ("command",)),
 }

@@ -16,6 +16,7 @@ from ..spec.plan import DEFAULT_ROUTE, MOE_ROUTES
 from ..units import SIZE_SYNTAX
 from .argorder import is_checkpoint, refuse_swapped
 from .console import Console, Group, conventions, exit_code_lines
+from .shareopts import node_options
 
 MAX_FILE_BYTES = 1 << 50
 # The smallest --max-file-size: a tensor larger than the limit gets a file of its own anyway, so a
@@ -100,20 +101,6 @@ def target_options(f):
                           "every file against the manifest and rewrite only the damaged or missing ones from MODEL "
                           "(the converted source, same options)."),
         click.option("--force", is_flag=True, help="Replace an existing lucifer-shard output in OUT."),
-    )):
-        f = option(f)
-    return f
-
-
-def node_options(f):
-    """The TP ranks one node runs: stage's share, convert's and plan's per-node conversion (the rules are
-    spec/share.py's, one for all three)."""
-    for option in reversed((
-        click.option("--ranks", default=None, metavar="K[,K...]", help="The TP ranks the node runs, e.g. --ranks 1."),
-        click.option("--nnodes", type=click.IntRange(1), default=None,
-                     help="With --node-rank: the node count vLLM is started with; the ranks follow vLLM's rule."),
-        click.option("--node-rank", type=click.IntRange(0), default=None,
-                     help="With --nnodes: this node's number, 0..N-1."),
     )):
         f = option(f)
     return f
@@ -331,6 +318,7 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
 
     \b
     OUT/config.json (+ tokenizer files)   copied byte-identical
+    OUT/README.md                          the Hub model card (to publish OUT: docs/output-format.md)
     OUT/target/rank-<r>/part-*.safetensors main model, vLLM parameter names
     OUT/draft/rank-<r>/part-*.safetensors  MTP draft layer (unless --no-mtp)
     OUT/lucifer-manifest.json              plan, layouts, source fingerprint and content digests
@@ -486,10 +474,11 @@ def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_ran
 
 # Commands defined beside their logic (each module imports only click at import time).
 from . import cmd_check  # noqa: E402
+from .cmd_fetch import fetch  # noqa: E402
 from .cmd_numerics import check_numerics  # noqa: E402
 from .serve_cli import doctor, serve  # noqa: E402  (vLLM is imported inside the commands)
 
-for _command in (cmd_check.diff, cmd_check.verify, cmd_check.inspect, check_numerics, doctor, serve):
+for _command in (cmd_check.diff, cmd_check.verify, cmd_check.inspect, check_numerics, fetch, doctor, serve):
     cli.add_command(_command)
 
 

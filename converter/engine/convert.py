@@ -40,7 +40,8 @@ from .nodeshare import SHARE_NAME, share_problem, write_share
 from .outstate import (check_out, conversion_record, journal_line, part_valid, partial_bytes, planned_files,
                        record_text, refuse_target, remove_partials, sizes_to_write, source_changed, truncate_journal)
 from .owned import RECORD_REL, clear, plan_clearing, read_json
-from .repair import check_content, reference, survey
+from .card import write_card
+from .repair import check_content, reference, restore_copy, survey
 from .resumed import resumed_sources, stamped_sources
 from .writeloop import Summary, WriteLoop, logger, source_digests
 
@@ -162,7 +163,7 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
                 logger.info("%s part %d: rewrote rank(s) %s", part.role, part.index, ", ".join(map(str, ranks)))
         begin()  # only copies or the record to rewrite: no part's check ran
         for name in rep.copies:
-            tree.copy_in(job.ckpt.root / name, name)
+            restore_copy(tree, job, manifest, name)
         write_share(tree, job)
         tree.write_bytes(COMPLETE_NAME, (job.cid + "\n").encode())
         rewritten = (rep.damaged + rep.copies + ([] if record_ok else [RECORD_REL]) + ([] if share_ok else [SHARE_NAME])
@@ -246,6 +247,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
                             size(sum(e["bytes"] for e in entries.values())), time.perf_counter() - t_part)
         for name in job.ckpt.side:
             tree.copy_in(job.ckpt.root / name, name)
+        write_card(out, job, results)
         changed = source_changed(job, record)
         if changed:
             raise OutputError(f"{job.ckpt.root / changed}: changed while it was being converted (its size or time "

@@ -14,7 +14,8 @@ from ..spec.drafts import draft_record
 from ..spec.content import ALGORITHM, BLOCK, checkpoint_digest, shard_digests
 from ..spec.layouts import LAYOUT_VERSION
 from ..guarded_io import JSON_LIMIT, read_regular
-from ..spec.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, manifest_text, part_content, part_path, runtime_record
+from ..spec.manifest import (CARD_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME, manifest_text, part_content, part_path,
+                             runtime_record)
 from ..spec.manifest_types import (Content, Copy, Draft, FileRecord, LayoutRecord, Manifest, PlanRecord, RankRecord,
                                    Source, TensorRecord)
 from ..spec.source import side_files
@@ -30,10 +31,11 @@ def source_content(job: Job, files: dict[str, dict]) -> Content:
     return Content(ALGORITHM, BLOCK, len(digests), shards, checkpoint_digest(shards))
 
 
-def copies(root: Path, follow: bool) -> dict[str, Copy]:
-    """The side files in `root` (OUT's copies; the source's, for sizes) by name."""
+def copies(root: Path, follow: bool, card: bool = False) -> dict[str, Copy]:
+    """The side files in `root` (OUT's copies; the source's, for sizes) by name; with `card`, OUT's model
+    card too (a source's README.md is not copied)."""
     out = {}
-    for name in side_files(root):
+    for name in side_files(root) + ([CARD_NAME] if card and (Path(root) / CARD_NAME).is_file() else []):
         data = read_regular(Path(root) / name, JSON_LIMIT, follow=follow)
         out[name] = Copy(len(data), "blake3:" + blake3(data).hexdigest())
     return out
@@ -74,7 +76,7 @@ def build_manifest(job: Job, files: dict[str, dict], out: Path | None = None) ->
         conversion_id=job.cid,
         source=Source(job.ckpt.fingerprint, job.source_path, dict(sorted(job.ckpt.files.items())),
                       tuple(job.ckpt.side), source_content(job, files), **job.origin),
-        copies=copies(out, follow=False) if out is not None else planned_copies(job),
+        copies=copies(out, follow=False, card=True) if out is not None else planned_copies(job),
         tp_size=job.plan.tp,
         plan=PlanRecord(job.plan.tp, job.plan.axes),
         options=o,

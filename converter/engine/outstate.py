@@ -12,13 +12,13 @@ from pathlib import Path, PurePosixPath
 
 from .. import __version__
 from ..errors import Locked, OutputError
-from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, Options, manifest_text, part_path
+from ..spec.manifest import CARD_NAME, COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, Options, part_path
 from ..spec.outlock import writer_of
 from ..guarded_io import Refused, Tree, kind, naming, partial_name
 from ..outnames import strays
 from ..spec.share import SHARE_NAME, SHARE_REPAIR, NodeShare, describe, record_problem, share_text
+from .card import planned_sizes
 from .job import Job, part_keys
-from .manifest_writer import build_manifest
 from .owned import JOURNAL_REL, OUTPUT_FILES, RECORD_REL, is_output, is_output_name, plan_clearing, read_json, scan
 from .stwriter import hash_file
 
@@ -299,7 +299,7 @@ def sizes_to_write(job: Job, planned: dict[str, dict], done: set[str], record: d
     left = [e for rel, e in planned.items() if rel not in done]
     sizes = [e["bytes"] for e in left if job.writes(e["path"])] + [sum(len(journal_line(e)) for e in left)]
     sizes += list(job.ckpt.side.values())
-    sizes += [len(manifest_text(build_manifest(job, planned).to_dict()).encode()), len(job.cid) + 1]
+    sizes += [*planned_sizes(job, planned), len(job.cid) + 1]  # the model card and the manifest, COMPLETE
     if job.node is not None:
         sizes.append(len(share_text(job.node.doc(job.cid, job.plan.tp)).encode()))
     return sizes + ([len(record_text(record).encode())] if record is not None else [])
@@ -313,7 +313,7 @@ def conversion_record(job: Job) -> dict:
     """What --resume and --force trust of an earlier run: its identity, the source files' sizes and
     times, and every file it writes (what --force may delete)."""
     share = {"share": job.node.doc(job.cid, job.plan.tp)} if job.node is not None else {}  # whole: as before
-    files = [*(rel for rel in planned_files(job) if job.writes(rel)), *job.ckpt.side, MANIFEST_NAME,
+    files = [*(rel for rel in planned_files(job) if job.writes(rel)), *job.ckpt.side, CARD_NAME, MANIFEST_NAME,
              *([SHARE_NAME] if share else []), COMPLETE_NAME]
     return {"conversion_id": job.cid, "source_fingerprint": job.ckpt.fingerprint,
             "options": job.options.to_dict(), "tool_version": __version__,

@@ -22,7 +22,7 @@ from pathlib import PurePosixPath
 
 from ..errors import OutputError
 from ..guarded_io import Refused, Tree, kind, mount_points, partial_name
-from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, RECORD_REL, STATE_DIR
+from ..spec.manifest import CARD_NAME, COMPLETE_NAME, MANIFEST_NAME, RECORD_REL, STATE_DIR
 from ..spec.outlock import LOCK_NAME
 from ..spec.share import SHARE_NAME
 from ..spec.source import SIDE_FILES
@@ -37,12 +37,12 @@ DOWNLOAD_DIR = re.escape(STATE_DIR) + r"/download(/\.cache(/huggingface(/downloa
 OUR_DIR = re.compile(r"(target|draft)(/rank-\d+)?|" + re.escape(STATE_DIR) + "|" + DOWNLOAD_DIR)
 STATE_FILE = re.compile(re.escape(STATE_DIR) + r"/(" + "|".join(map(re.escape, (RECORD, JOURNAL))) +
                         r"|internal-error-[0-9-]+\.log)|" + DOWNLOAD_DIR + r"/[^/]+")
-OUTPUT_FILES = (*SIDE_FILES, MANIFEST_NAME, SHARE_NAME, COMPLETE_NAME)  # the share record: a node's convert
+OUTPUT_FILES = (*SIDE_FILES, CARD_NAME, MANIFEST_NAME, SHARE_NAME, COMPLETE_NAME)  # the share record: a node's convert
 SHOWN = 5  # foreign entries named in a refusal
 
 
 def is_output_name(rel: object) -> bool:
-    """Whether `rel` is a name a conversion writes (a rank file, a copied side file, manifest, COMPLETE)."""
+    """Whether `rel` is a name a conversion writes (a rank file, a copied side file, the card, manifest, COMPLETE)."""
     return isinstance(rel, str) and (rel in OUTPUT_FILES or RANK_FILE.fullmatch(rel) is not None)
 
 

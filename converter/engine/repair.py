@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import LuciferError, SourceError
 from ..guarded_io import Tree
-from ..spec.manifest import MANIFEST_NAME, copy_problems, part_path
+from ..spec.manifest import CARD_NAME, MANIFEST_NAME, copy_problems, part_path
 from ..spec.manifest_types import Manifest
 from .job import Job, Part
 from .manifest_writer import copies
@@ -32,7 +32,7 @@ class Repair:
     entries: dict[str, dict]  # rel -> the rank file's entry as the journal writes it (digests bare hex)
     content: dict[str, str]  # rel -> the content stamp its manifest entry records
     damaged: list[str]  # rank files to rewrite, in manifest order
-    copies: list[str]  # side files to copy again
+    copies: list[str]  # side files to copy again (`restore_copy`)
 
     @property
     def nothing(self) -> bool:
@@ -81,7 +81,7 @@ def survey(out: Path, manifest: Manifest, source_root: Path, held: list[int] | N
     bad_copies = sorted({name for name, _ in copy_problems(out, manifest)})
     if bad_copies:
         now = copies(source_root, follow=True)
-        for name in bad_copies:
+        for name in (n for n in bad_copies if n != CARD_NAME):  # the card is written again, not copied
             if now.get(name) != manifest.copies.get(name):
                 raise SourceError(f"--resume: {source_root / name} is not the {name} {out} was converted from "
                                   f"(its digest differs from the manifest's copy), so {out / name} cannot be "
@@ -99,3 +99,13 @@ def check_content(rel: str, want: str, got: str, sources: dict[str, str], journa
     raise SourceError(f"--resume: {model} holds other weights than the checkpoint {rel} was converted from{which}: "
                       f"its content stamp would be {got[7:23]}..., the manifest's is {want[7:23]}...; give the "
                       f"converted checkpoint, or rebuild with --force")
+
+
+def restore_copy(tree: Tree, job: Job, manifest: Manifest, name: str) -> None:
+    """Write a damaged copy again: the model card from the manifest it describes, a side file from the source."""
+    if name == CARD_NAME:
+        from .card import card_text, job_license
+
+        tree.write_bytes(CARD_NAME, card_text(manifest, job_license(job)).encode())
+    else:
+        tree.copy_in(job.ckpt.root / name, name)

@@ -102,8 +102,8 @@ def stage(out: Path, dest: Path, ranks: list[int], nnodes: int | None = None, no
         for want in wants:  # before DEST changes: a damaged OUT is named, not staged
             _check_source(src, want)
         dest.mkdir(parents=True, exist_ok=True)  # DEST itself, as convert makes OUT; below it only through Tree
-        with _only_stage(dest):
-            _refuse_dest(dest, manifest, ranks, wants)
+        with only_writer(dest):
+            refuse_dest(dest, manifest, ranks, wants)
             return _stage_locked(src, Tree(dest), manifest, ranks, wants, nnodes, node_rank, t0)
 
 
@@ -128,14 +128,14 @@ def _stage_locked(src: Tree, tree: Tree, manifest: Manifest, ranks: list[int], w
 
 
 @contextmanager
-def _only_stage(dest: Path) -> Iterator[None]:
-    """DEST's directory locked for this stage alone (flock on the directory: nothing is written for it)."""
+def only_writer(dest: Path, command: str = "stage") -> Iterator[None]:
+    """DEST's directory locked for this stage (or fetch) alone (flock on the directory: nothing is written for it)."""
     with Tree(dest).directory() as fd:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise Locked(f"{dest} is being staged by another lucifer-shard stage; wait for it to finish, then run "
-                         f"this stage again (or stage into another DEST)") from None
+            raise Locked(f"{dest} is being staged by another lucifer-shard stage or fetch; wait for it to finish, then "
+                         f"run this {command} again (or {command} into another DEST)") from None
         yield  # closing the descriptor drops the lock
 
 
@@ -146,7 +146,8 @@ def _refuse_dest_path(out: Path, dest: Path) -> None:
         raise OutputError(f"{dest}: a file, not a directory; choose another DEST")
 
 
-def _refuse_dest(dest: Path, manifest: Manifest, ranks: list[int], wants: list[Want]) -> None:
+def refuse_dest(dest: Path, manifest: Manifest, ranks: list[int], wants: list[Want],
+                command: str = "stage") -> None:
     """DEST must be empty, or an unfinished or finished share of the same conversion, source content
     and ranks, holding nothing in its role and rank folders but that share's files."""
     tree = Tree(dest)
@@ -162,26 +163,31 @@ def _refuse_dest(dest: Path, manifest: Manifest, ranks: list[int], wants: list[W
         except OutputError:
             there = None
     if there is None or there.conversion_id != manifest.conversion_id:
-        raise OutputError(f"{dest}: not empty and not a share of this output; stage into a new or empty directory")
+        raise OutputError(f"{dest}: not empty and not a share of this output; {command} into a new or empty "
+                          f"directory")
     theirs, ours = there.source.content.digest, manifest.source.content.digest
     if theirs != ours:  # same headers and options, other weights: a share of another checkpoint
         raise OutputError(f"{dest}: a share of other weights (source content {str(theirs)[:20]}..., OUT's "
-                          f"{str(ours)[:20]}...: another checkpoint with the same headers); stage into a new or "
+                          f"{str(ours)[:20]}...: another checkpoint with the same headers); {command} into a new or "
                           f"empty directory")
     share = read_share(dest, manifest.conversion_id, manifest.tp_size)
     if share is not None and share["ranks"] != sorted(ranks):
-        raise OutputError(f"{dest}: already a share of {describe(share)}; stage other ranks into another DEST")
+        raise OutputError(f"{dest}: already a share of {describe(share)}; {command} other ranks into another DEST")
     foreign = [s for s in strays(tree, [w.rel for w in wants if w.rank_file], manifest.roles, manifest.tp_size)
                if not s.ours]
     if foreign:  # verify would fail on it: another rank's file, or one the tool did not write
         raise OutputError(f"{tree.path(foreign[0].rel)}: {foreign[0].what.split(';')[0]}, not a file of this share "
-                          f"({len(foreign)} such entr{'y' if len(foreign) == 1 else 'ies'}); move it away or stage "
+                          f"({len(foreign)} such entr{'y' if len(foreign) == 1 else 'ies'}); move it away or {command} "
                           f"into a new or empty directory")
 
 
-def _damaged(src: Tree, rel: str, what: str) -> MismatchError:
-    return MismatchError(f"{src.path(rel)}: {what}: OUT is damaged; lucifer-shard verify {src.root} names every "
-                         f"problem and the same convert command with --resume repairs it; then stage again")
+# The fix of a damaged OUT named by stage ({root}: OUT).
+STAGE_FIX = ("OUT is damaged; lucifer-shard verify {root} names every problem and the same convert command with "
+             "--resume repairs it; then stage again")
+
+
+def _damaged(src: Tree, rel: str, what: str, fix: str = STAGE_FIX) -> MismatchError:
+    return MismatchError(f"{src.path(rel)}: {what}: {fix.format(root=src.root)}")
 
 
 def _check_source(src: Tree, want: Want) -> None:
@@ -206,7 +212,7 @@ def _place(src: Tree, tree: Tree, want: Want) -> str:
         if there is not None:
             st = src.lstat(rel)
             if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino) or (
-                    there.st_size == want.bytes and _verifies(tree, want)):
+                    there.st_size == want.bytes and verifies(tree, want)):
                 return "kept"
             tree.remove(rel)  # under the share's name but not its file: this stage wrote it, or it is stale
     try:
@@ -215,25 +221,32 @@ def _place(src: Tree, tree: Tree, want: Want) -> str:
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
             raise OSError(e.errno, e.strerror, str(src.path(rel)), None, str(tree.path(rel))) from None
+    copy_checked(src, tree, want)
+    return "copied"
+
+
+def copy_checked(src: Tree, tree: Tree, want: Want, fix: str = STAGE_FIX) -> None:
+    """Publish a copy of `src`'s file in DEST once its bytes are the manifest's (else MismatchError
+    ending with `fix`), then read it back."""
+    rel = want.rel
     with _named(tree.path(rel)):
-        wrote = _copy(src, tree, want)
+        wrote = _copy(src, tree, want, fix)
         got = _digest(tree, rel)
         if got != wrote:
             tree.remove(rel)
             raise OutputError(f"{tree.path(rel)}: the copy reads back other bytes than {src.path(rel)} (blake3 "
-                              f"{got[:16]}... != {wrote[:16]}...); check DEST's disk and stage again")
-    return "copied"
+                              f"{got[:16]}... != {wrote[:16]}...); check DEST's disk and run again")
 
 
-def _copy(src: Tree, tree: Tree, want: Want) -> str:
+def _copy(src: Tree, tree: Tree, want: Want, fix: str) -> str:
     """Publish a copy of OUT's file in DEST, once the bytes read are the manifest's; their BLAKE3."""
     with _named(src.path(want.rel)):
         fd_in = src.open_read(want.rel)
     try:
         try:
-            digest = _Digest(_header(src, want, fd_in))
+            digest = ManifestDigest(_header(src, want, fd_in))
         except HeaderError as e:
-            raise _damaged(src, want.rel, f"unreadable safetensors header ({e.reason})") from None
+            raise _damaged(src, want.rel, f"unreadable safetensors header ({e.reason})", fix) from None
 
         def write(fd: int) -> None:
             while True:
@@ -244,7 +257,8 @@ def _copy(src: Tree, tree: Tree, want: Want) -> str:
                 digest.update(chunk)
                 write_all(fd, chunk)
             if digest.manifest_digest() != want.digest:  # not published: DEST keeps no damaged copy
-                raise _damaged(src, want.rel, f"not the bytes the manifest records (blake3 {want.digest[7:23]}...)")
+                raise _damaged(src, want.rel, f"not the bytes the manifest records (blake3 {want.digest[7:23]}...)",
+                               fix)
 
         tree.publish(want.rel, write)
     finally:
@@ -257,12 +271,12 @@ def _header(tree: Tree, want: Want, fd: int) -> Header | None:
     return read_header(tree.path(want.rel), whole=False, fd=fd) if want.rank_file else None
 
 
-def _verifies(tree: Tree, want: Want) -> bool:
+def verifies(tree: Tree, want: Want) -> bool:
     """Whether `tree`'s file is the one the manifest records (its digest, read in full)."""
     fd = tree.open_read(want.rel)
     try:
         try:
-            digest = _Digest(_header(tree, want, fd))
+            digest = ManifestDigest(_header(tree, want, fd))
         except HeaderError:
             return False
         while chunk := os.read(fd, CHUNK):
@@ -272,7 +286,7 @@ def _verifies(tree: Tree, want: Want) -> bool:
         os.close(fd)
 
 
-class _Digest:
+class ManifestDigest:
     """A file's digest as the manifest records it, from its bytes in order: a rank file's over its
     header and each tensor's BLAKE3 in data order (`file_digest`, what verify computes), another
     file's over its bytes; `whole` is the BLAKE3 of every byte (what the read-back compares)."""

@@ -117,11 +117,26 @@ def read_manifest(report: Report, out: Path) -> tuple[Manifest, list[int] | None
     problem = complete_problem(out, manifest.conversion_id)
     if problem:
         report.add(Problem("manifest", problem, file=COMPLETE_NAME))
+    _check_identity(report, manifest)
+    return manifest, read_share_of(report, out, manifest)
+
+
+def _check_identity(report: Report, manifest: Manifest) -> None:
+    """The conversion id follows from the recorded source fingerprint and options (for this tool's version)."""
     if manifest.tool_version == __version__ and manifest.format_version == FORMAT_VERSION:
         if conversion_id(manifest.source.fingerprint, manifest.options) != manifest.conversion_id:
             report.add(Problem("manifest", "conversion_id does not follow from the recorded source fingerprint and "
                                "options: the manifest was edited", file=MANIFEST_NAME))
-    return manifest, read_share_of(report, out, manifest)
+
+
+def manifest_findings(manifest: Manifest, cfg: ModelConfig | None) -> list[str]:
+    """What verify's structure finds in a manifest before its output's files are read (fetch): a conversion
+    id that does not follow from it and, given the output's config.json, entries the rule table does not give."""
+    report = Report("fetch")
+    _check_identity(report, manifest)
+    if cfg is not None:
+        check_manifest_rules(report, manifest, cfg)
+    return [p.line() for p in report.problems]
 
 
 def read_share_of(report: Report, out: Path, manifest: Manifest) -> list[int] | None:

@@ -26,7 +26,7 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SourceError
@@ -60,6 +60,7 @@ class HubRepo:
     repo: str
     commit: str
     files: dict[str, RemoteFile]
+    card: dict = field(default_factory=dict)  # the repo card's front matter as the Hub parsed it (license, ...)
 
     def get(self, name: str) -> RemoteFile:
         f = self.files.get(name)
@@ -133,7 +134,8 @@ def repo_at(repo: str, commit: str) -> HubRepo | None:
         if size is None:
             raise SourceError(f"{repo} at {commit[:12]}: the Hub gave no size for {s.rfilename}; try again later")
         files[s.rfilename] = RemoteFile(s.rfilename, size, sha, s.blob_id)
-    return HubRepo(repo, info.sha or commit, files)
+    card = info.card_data.to_dict() if info.card_data is not None else {}
+    return HubRepo(repo, info.sha or commit, files, card)
 
 
 def _ranged(repo: HubRepo, name: str, start: int, end: int) -> bytes:

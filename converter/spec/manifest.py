@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 MANIFEST_NAME = "lucifer-manifest.json"
 COMPLETE_NAME = "COMPLETE"
+CARD_NAME = "README.md"  # the Hub model card convert writes (engine/card.py), recorded among the copies
 STATE_DIR = ".lucifer"
 RECORD_REL = f"{STATE_DIR}/conversion.json"  # the conversion record (engine/owned.py): OUT is a conversion's
 FORMAT = "lucifer-shard/manifest"
@@ -230,6 +231,7 @@ _HEX64 = Str(r"[0-9a-f]{64}")
 _DIGEST = Str(r"blake3:[0-9a-f]{64}")
 _N = Int()
 _SIDE = OneOf(SIDE_FILES)  # the names convert copies: a manifest cannot send a reader elsewhere
+_COPY = OneOf((*SIDE_FILES, CARD_NAME))  # and the model card it writes beside them
 OPTIONS = Obj({"tp": Int(1, MAX_TP), "arch": Null(OneOf(ARCHES)), "expert_layout": OneOf(("kernel", "model")),
                "flashinfer_layout": OneOf(("folded", "legacy")), "mtp": Bool(), "max_file_bytes": Int(1),
                "align": Where(Int(8, MAX_ALIGN), _power_of_two)},
@@ -249,7 +251,7 @@ MANIFEST_FIELDS = Obj({
                    "content": Obj({"algorithm": Str(), "block_bytes": _N, "tensors": _N, "files": MapOf(_DIGEST),
                                    "digest": _DIGEST})},
                   optional={"repo": Null(Str(r"[^/\s]+/[^/\s]+")), "revision": Null(Str(r"[0-9a-f]{40}"))}),
-    "copies": MapOf(Obj({"bytes": _N, "digest": _DIGEST}), key=_SIDE),
+    "copies": MapOf(Obj({"bytes": _N, "digest": _DIGEST}), key=_COPY),
     "tp_size": Int(1, MAX_TP), "plan": Obj({"tp": Int(1, MAX_TP), "axes": MapOf(_AXIS)}), "options": OPTIONS,
     "arch": Null(OneOf(ARCHES)), "moe_variant": Null(Str()), "expert_layout": OneOf(("kernel", "model")),
     "flashinfer_layout": Null(OneOf(("folded", "legacy"))),
@@ -359,7 +361,9 @@ def copy_problems(out: Path, m: Manifest, fix: str | None = None) -> list[tuple[
                                f"{fix or 're-run convert --force'}"))
     for name, rec in sorted(copies.items()):
         path = Path(out) / name
-        back = fix or f"copy the source's {name} back or re-run convert --force"
+        card = name == CARD_NAME
+        back = fix or ("run the same convert command with --resume (it writes the card again)" if card else
+                       f"copy the source's {name} back or re-run convert --force")
         try:
             data = read_regular(path, JSON_LIMIT)
         except FileNotFoundError:
@@ -370,9 +374,9 @@ def copy_problems(out: Path, m: Manifest, fix: str | None = None) -> list[tuple[
             continue
         got = "blake3:" + blake3(data).hexdigest()
         if len(data) != rec.bytes or got != rec.digest:
+            read = "the card says how to fetch and serve OUT" if card else "vLLM reads it from OUT"
             problems.append((name, f"{name}: {len(data)} bytes, digest {got[7:23]}..., not the copy convert made "
-                                   f"({rec.bytes} bytes, {rec.digest[7:23]}...): it was edited, and vLLM "
-                                   f"reads it from OUT; {back}"))
+                                   f"({rec.bytes} bytes, {rec.digest[7:23]}...): it was edited, and {read}; {back}"))
     return problems
 
 
