@@ -16,13 +16,10 @@ failed: file should be of size ..."), so a file whose bytes changed on the way w
 the manifest check with the wrong fix.
 
 Where the Hub's rank files land: DEST/.lucifer-fetch/<role>/rank-<r>/<part>, on DEST's own filesystem,
-each continued by the next run with a Range request from the bytes already there, through huggingface_hub's
-own `http_get(resume_size=)` (its URL, headers, retries and range handling); a file reaches its name in DEST
-only by a hard link made after both checks passed; nothing goes through the Hugging Face cache, so a 59 GiB
-Flash share is on the disk once, not twice. Not `hf_hub_download(local_dir=)`: in huggingface_hub 2.4.0 it
-writes each download to a process-unique `<etag>.<uuid>.incomplete` opened "wb" (file_download.py
-`_download_to_tmp_and_move`, PR 4228), so a run that was killed starts that file again from byte 0. The
-small files (manifest, COMPLETE, config and tokenizer files) come through `hf_hub_download` and its cache,
+each continued by the next run with a Range request from the bytes already there (`spec.hub.download_resumed`,
+which streamed conversions share); a file reaches its name in DEST only by a hard link made after both checks
+passed; nothing goes through the Hugging Face cache, so a 59 GiB Flash share is on the disk once, not twice.
+The small files (manifest, COMPLETE, config and tokenizer files) come through `hf_hub_download` and its cache,
 read whole and checked before they are written: the manifest is needed before DEST is touched, and
 `--dry-run` writes nothing to DEST.
 """
@@ -43,6 +40,7 @@ from blake3 import blake3
 from ..errors import MismatchError, OutputError, UsageRefused
 from ..guarded_io import JSON_LIMIT, Tree, read_regular
 from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME
+from ..spec.hub import download_resumed
 from ..spec.manifest_types import Manifest
 from ..spec.share import SHARE_NAME, share_doc, share_text
 from ..spec.stheader import HeaderError, read_header
@@ -144,21 +142,6 @@ def _hub_errors(pub: Published, rel: str) -> Iterator[None]:
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise OutputError(f"{pub.name(rel)}: download failed ({type(e).__name__}: {' '.join(str(e).split())}); run "
                           f"the same fetch again (it resumes)") from None
-
-
-def _forwarding(bar: object) -> type:
-    """A tqdm class for huggingface_hub's per-file bar that adds its bytes to the node's one line."""
-    from tqdm import tqdm
-
-    class Forward(tqdm):
-        def __init__(self, *args: object, **kwargs: object):
-            super().__init__(*args, **{**kwargs, "disable": True})
-            bar.update(kwargs.get("initial") or 0)  # a resumed download's bytes already there
-
-        def update(self, n: float = 1) -> None:
-            bar.update(n)
-
-    return Forward
 
 
 def load_manifest(pub: Published) -> tuple[Manifest, bytes]:
@@ -277,27 +260,9 @@ def _staging(tree: Tree) -> Tree:
 
 
 def _download_rank_file(pub: Published, staging: Tree, want: Want, bar) -> None:
-    """Download `want` into the download area, continuing the bytes an earlier run left there (a Range
-    request through huggingface_hub's `http_get`), and flush it to the disk."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.file_download import http_get
-    from huggingface_hub.utils import build_hf_headers
-
-    headers = build_hf_headers()
-    with _hub_errors(pub, want.rel):
-        location = get_hf_file_metadata(hf_hub_url(pub.repo, want.rel, revision=pub.commit), headers=headers).location
-        with os.fdopen(staging.open_own(want.rel, os.O_RDWR), "r+b") as f:
-            have = f.seek(0, os.SEEK_END)
-            if have > want.bytes:  # not a start of this file: begin again
-                have = f.seek(0)
-                f.truncate()
-            if have < want.bytes:
-                http_get(location, f, resume_size=have, headers=headers, expected_size=want.bytes,
-                         displayed_filename=want.rel, tqdm_class=_forwarding(bar))
-            else:
-                bar.update(have)
-            f.flush()
-            os.fsync(f.fileno())  # http_get does not: the link to come publishes bytes that are on the disk
+    """Download `want` into the download area, continuing the bytes an earlier run left there, and flush
+    it to the disk (the link to come publishes bytes that are on the disk)."""
+    download_resumed(pub.repo, pub.commit, want.rel, staging, want.rel, want.bytes, bar.update, sync=True)
 
 
 def _check_staged(pub: Published, staging: Tree, want: Want) -> None:

@@ -32,8 +32,8 @@ RECORD = RECORD_REL.removeprefix(f"{STATE_DIR}/")
 JOURNAL_REL = f"{STATE_DIR}/{JOURNAL}"
 LOCK_REL = f"{STATE_DIR}/{LOCK_NAME}"
 RANK_FILE = re.compile(r"(target|draft)/rank-\d+/part-\d{5}\.safetensors")
-# A streamed conversion's default download folder (engine/feed.py) and huggingface_hub's resume state in it.
-DOWNLOAD_DIR = re.escape(STATE_DIR) + r"/download(/\.cache(/huggingface(/download)?)?)?"
+# A streamed conversion's default download folder (engine/feed.py).
+DOWNLOAD_DIR = re.escape(STATE_DIR) + r"/download"
 OUR_DIR = re.compile(r"(target|draft)(/rank-\d+)?|" + re.escape(STATE_DIR) + "|" + DOWNLOAD_DIR)
 STATE_FILE = re.compile(re.escape(STATE_DIR) + r"/(" + "|".join(map(re.escape, (RECORD, JOURNAL))) +
                         r"|internal-error-[0-9-]+\.log)|" + DOWNLOAD_DIR + r"/[^/]+")

@@ -11,7 +11,8 @@ Every request goes through huggingface_hub (`hf_hub_download`, `HfApi.model_info
 with `build_hf_headers` for the ranged header reads), so HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE and its
 retries apply. huggingface_hub checks a download's size only (`file_download.http_get`: "Consistency
 check failed: file should be of size ..."), so each shard is hashed here against the SHA-256 the Hub
-publishes for LFS files before a byte of it is used.
+publishes for LFS files before a byte of it is used. A download stopped part-way is continued by the
+next run (`download_resumed`), shared with `fetch`.
 
 The download folder holds only what this tool downloaded for one repo at one commit (a marker file
 says which); shards are removed from it as soon as no later part needs them, never from the user's
@@ -35,7 +36,6 @@ from .stheader import Header, HeaderError, parse_header
 
 logger = logging.getLogger("lucifer_shard.hub")  # -v: each shard's download, -vv: its SHA-256 check
 MARKER = "lucifer-download.json"
-HF_META = ".cache/huggingface"  # where hf_hub_download(local_dir=...) keeps its resume state
 HEADER_GUESS = 1 << 18  # first ranged read of a shard; a larger header takes one more request
 HASH_BLOCK = 16 << 20
 
@@ -179,6 +179,36 @@ def cached_snapshot(repo: HubRepo, names: list[str]) -> Path | None:
     return Path(paths[0]).parent if paths and all(isinstance(p, str) for p in paths) else None
 
 
+def download_resumed(repo: str, commit: str, name: str, tree: Tree, rel: str, size: int,
+                     report: Callable[[int], None], sync: bool = False) -> None:
+    """File `name` of `repo` at `commit` into `tree`'s `rel`, continuing the bytes a stopped run left there
+    with a Range request, through huggingface_hub's own `http_get(resume_size=)` (its URL, headers,
+    retries and range handling); `report(n)` gets the bytes as they come (those already there first).
+    Not `hf_hub_download(local_dir=)`: huggingface_hub 2.4.0 writes each download to a process-unique
+    `<etag>.<uuid>.incomplete` opened "wb" (file_download.py `_download_to_tmp_and_move`), so a killed run
+    would start the file again from byte 0. `sync`: flushed to the disk (for a file published by a link)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    def get() -> None:
+        headers = build_hf_headers()
+        location = get_hf_file_metadata(hf_hub_url(repo, name, revision=commit), headers=headers).location
+        with os.fdopen(tree.open_own(rel, os.O_RDWR), "r+b") as f:
+            have = f.seek(0, os.SEEK_END)
+            if have > size:  # not a start of this file: begin again
+                have = f.seek(0)
+                f.truncate()
+            report(have)
+            if have < size:
+                http_get(location, f, resume_size=have, headers=headers, expected_size=size, displayed_filename=name,
+                         tqdm_class=_bar(report))
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+    _guarded(repo, commit, name, get)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     fd = open_regular(path)
@@ -224,23 +254,18 @@ class DownloadFolder:
         else:
             self.tree.write_bytes(MARKER, (json.dumps(self.marker(), sort_keys=True) + "\n").encode())
 
-    def present(self, name: str) -> bool:
-        st = self.tree.lstat(name)
-        return st is not None and stat.S_ISREG(st.st_mode) and st.st_size == self.repo.get(name).size
-
     def fetch(self, name: str) -> Path:
-        """`name` in the folder, downloaded (resumably) unless already there, and checked against the
-        Hub's SHA-256 before any byte of it is used; a file that fails is removed and named."""
-        from huggingface_hub import hf_hub_download
-
+        """`name` in the folder, downloaded (continued where a stopped run left it) unless already whole,
+        and checked against the Hub's SHA-256 before any byte of it is used; a file that fails is
+        removed and named."""
         remote = self.repo.get(name)
-        if not self.present(name):
+        st = self.tree.lstat(name)
+        if st is None or st.st_size != remote.size:
             t0 = time.perf_counter()
-            _guarded(self.repo.repo, self.repo.commit, name, lambda: hf_hub_download(
-                self.repo.repo, name, revision=self.repo.commit, local_dir=self.root, tqdm_class=_bar(self.report)))
+            download_resumed(self.repo.repo, self.repo.commit, name, self.tree, name, remote.size, self.report)
             took = time.perf_counter() - t0
             self.seconds += took
-            self.downloaded += remote.size
+            self.downloaded += remote.size - (st.st_size if st is not None else 0)
             logger.info("%s: downloaded, %d bytes in %.1f s", name, remote.size, took)
         t0 = time.perf_counter()
         if remote.sha256 is not None and _sha256(self.tree.path(name)) != remote.sha256:
@@ -253,28 +278,22 @@ class DownloadFolder:
         return self.tree.path(name)
 
     def remove(self, name: str) -> None:
-        """Remove a file of the repo this folder downloaded, and huggingface_hub's state for it."""
+        """Remove a file of the repo this folder downloaded."""
         self.tree.remove(name)
-        for suffix in (".metadata", ".lock", ".incomplete"):
-            self.tree.remove(f"{HF_META}/download/{name}{suffix}")
 
     def close(self, names: list[str]) -> None:
-        """Remove what is left of the download (`names`: the repo files it may hold), the marker and
-        the folders huggingface_hub made, then the folder itself if it is empty."""
+        """Remove what is left of the download (`names`: the repo files it may hold), the marker, then the
+        folder itself if it is empty."""
         for name in names:
             self.remove(name)
-        for name in (".gitignore", "CACHEDIR.TAG"):  # what huggingface_hub writes in its folder
-            self.tree.remove(f"{HF_META}/{name}")
-        for rel in (f"{HF_META}/download", HF_META, ".cache"):
-            self.tree.remove_dir(rel)
         self.tree.remove(MARKER)
         if not self.tree.entries():
             Tree(self.root.parent).remove_dir(self.root.name)
 
 
 def _bar(report: Callable[[int], None]) -> type:
-    """A tqdm class for hf_hub_download that shows nothing and reports each update: the download is
-    shown on convert's one progress line, not as a bar of its own per file."""
+    """A tqdm class for huggingface_hub's download that shows nothing and reports each update: the
+    download is shown on the command's one progress line, not as a bar of its own per file."""
     from tqdm.auto import tqdm
 
     class Forward(tqdm):
