@@ -129,7 +129,7 @@ class SourceFeed:
     def close(self, wait: bool = True) -> None:
         """The downloader stopped: its shard in flight finished (or removed by `fetch`), so that nothing
         writes into the folder after this; not on Ctrl-C (`wait` False): the process is leaving, and
-        its daemon thread with it (huggingface_hub resumes the file next time)."""
+        its daemon thread with it (the next run continues the file where it stopped)."""
         if self._downloads is not None:
             self._downloads.stop(wait)
 
