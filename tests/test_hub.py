@@ -336,3 +336,25 @@ def test_the_card_carries_the_hub_license(ckpts, tmp_path):
         assert "README.md" not in h.files_requested()
     card = (tmp_path / "out" / "README.md").read_text()
     assert "license: mit" in card and f"base_model: {REPO_ID}" in card
+
+
+def test_plan_counts_the_download_where_it_lands(ckpts, hub, tmp_path):
+    """plan with a repo id: the streamed peak on OUT's filesystem joins OUT's room; --download-dir on another
+    filesystem (tmpfs here) is a room of its own; --keep-source counts the whole checkpoint in the HF cache."""
+    def plan(*extra):
+        r = cli("plan", "--tp", "3", REPO_ID, tmp_path / "out", *SMALL_PARTS, "--json", *extra, hub=hub)
+        return json.loads(r.stdout)["result"]
+
+    doc = plan()
+    peak = doc["routes"]["stream_peak_bytes"]
+    assert doc["footprint"]["room"]["download_bytes"] == peak and doc["download_room"] is None
+    assert weight_requests(hub) == []  # plan downloads no weight
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.stat(shm).st_dev != os.stat(tmp_path).st_dev:
+        elsewhere = plan("--download-dir", shm / f"lucifer-test-{os.getpid()}")
+        assert elsewhere["download_room"]["needed_bytes"] == peak
+        assert elsewhere["footprint"]["room"]["download_bytes"] == 0
+    kept = plan("--keep-source")
+    whole = sum(p.stat().st_size for p in (ckpts / "model").glob("*.safetensors"))
+    room = kept["download_room"] or kept["footprint"]["room"]
+    assert room["download_bytes"] >= whole

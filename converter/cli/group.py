@@ -106,6 +106,33 @@ def target_options(f):
     return f
 
 
+def download_options(f):
+    """Where a repo id's shards go (plan checks the room convert will check)."""
+    for option in reversed((
+        click.option("--download-dir", type=click.Path(path_type=Path), default=None,
+                     help="With a repo id: where shards are streamed through (each downloaded before the first part "
+                          "that reads it, removed after the last; a few shards at a time). Default "
+                          "OUT/.lucifer/download; an empty folder or one of this download's, on a disk with the room "
+                          "plan shows."),
+        click.option("--keep-source", is_flag=True,
+                     help="With a repo id: download the whole checkpoint into the Hugging Face cache first (HF_HOME, "
+                          "HF_HUB_CACHE) and keep it there, instead of streaming it."),
+    )):
+        f = option(f)
+    return f
+
+
+def refuse_download_options(model: str, download_dir: Path | None, keep_source: bool) -> None:
+    from ..spec.source import is_repo_id
+
+    if (download_dir is not None or keep_source) and not is_repo_id(model):
+        raise UsageRefused(f"--download-dir and --keep-source apply to a Hugging Face repo id, and {model} is a local "
+                           f"path (read in place); drop them")
+    if download_dir is not None and keep_source:
+        raise UsageRefused("--keep-source downloads into the Hugging Face cache, --download-dir streams through a "
+                           "folder of its own; pass one")
+
+
 def options_from(tp: int, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None, max_file_size: str,
                  align: int, no_mtp: bool, moe_backend: str | None = None) -> Options:
     """The Options a command line asks for (plan's and convert's alike: plan refuses what convert
@@ -214,10 +241,12 @@ def cli() -> None:
 @conversion_options
 @target_options
 @node_options
+@download_options
 @conventions(interrupted="interrupted: plan writes nothing")
 def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None,
          max_file_size: str, align: int, no_mtp: bool, revision: str | None, workers: int, resume: bool,
-         force: bool, moe_backend: str | None, ranks: str | None, nnodes: int | None, node_rank: int | None) -> None:
+         force: bool, moe_backend: str | None, ranks: str | None, nnodes: int | None, node_rank: int | None,
+         download_dir: Path | None, keep_source: bool) -> None:
     """Dry run of convert: the virtual-TP plan and the conversion's disk footprint. Writes nothing.
 
     MODEL is a checkpoint directory, a repo id or a config.json file: plan needs only
@@ -248,11 +277,13 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     from ..spec.share import chosen_share
     from .planview import (footprint_json, footprint_lines, node_footprint, node_lines, per_node, plan_footprint_of,
                            plan_json, plan_lines, plan_specs, planned_paths, room_of, route_lines, route_saving,
-                           routes_lines, routes_of, source_layout)
+                           routes_lines, routes_of, source_layout, download_room, download_lines)
+    from ..spec.source import is_repo_id
 
     # --workers changes no number plan shows: it is taken so that plan's command line is convert's.
     refuse_swapped("plan", model, out, model_first=True)
     _refuse_resume_force(resume, force)
+    refuse_download_options(model, download_dir, keep_source)
     node = chosen_share(tp, ranks, nnodes, node_rank)
     config = resolve_config(model, revision)
     raw = read_config(config)
@@ -278,16 +309,22 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     room = room_of(mine, out, force)
     nodes = per_node(fp, p.tp)
     saving = route_saving(cfg, p, options, fp)
-    routes = routes_of(specs, options, fp, source_layout(model, config, cfg, revision)) if p.tp > 1 else None
+    layout = source_layout(model, config, cfg)
+    routes = routes_of(specs, options, fp, layout) if p.tp > 1 else None
+    download = (download_room(layout, specs, options, out, download_dir, keep_source, room)
+                if room is not None and is_repo_id(model) else None)
+    if download is not None and download.out == room.out:  # on OUT's filesystem: OUT's room counts it
+        room, download = download, None
     Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(mine, room), "per_node": nodes,
                        "draft": draft_record(cfg) if "draft" in specs else None, "route_saving": saving,
-                       "routes": routes},
+                       "routes": routes, "download_room": download.to_dict() if download else None},
                       plan_lines(specs, p, options, fp, cfg) + node_lines(nodes, sum(n["bytes"] for n in nodes))
                       + (routes_lines(routes) if routes else []) + route_lines(saving)
-                      + footprint_lines(mine, room, node))
-    if room is not None and room.short:
-        raise NoRoom(f"{out}: not enough room: {size(room.needed)} to write, {size(room.free)} free on "
-                            f"{room.filesystem}; free {size(room.short)} more or choose another OUT", exit_code=1)
+                      + footprint_lines(mine, room, node) + download_lines(download))
+    for r, what in ((room, "OUT"), (download, "--download-dir" if not keep_source else "HF_HUB_CACHE")):
+        if r is not None and r.short:
+            raise NoRoom(f"{r.out}: not enough room: {size(r.needed)} to write, {size(r.free)} free on "
+                         f"{r.filesystem}; free {size(r.short)} more or choose another {what}", exit_code=1)
 
 
 def _refuse_resume_force(resume: bool, force: bool) -> None:
@@ -302,13 +339,7 @@ def _refuse_resume_force(resume: bool, force: bool) -> None:
 @conversion_options
 @target_options
 @node_options
-@click.option("--download-dir", type=click.Path(path_type=Path), default=None,
-              help="With a repo id: where shards are streamed through (each downloaded before the first part that "
-                   "reads it, removed after the last; a few shards at a time). Default OUT/.lucifer/download; an "
-                   "empty folder or one of this download's, on a disk with the room plan shows.")
-@click.option("--keep-source", is_flag=True,
-              help="With a repo id: download the whole checkpoint into the Hugging Face cache first (HF_HOME, "
-                   "HF_HUB_CACHE) and keep it there, instead of streaming it.")
+@download_options
 @conventions(interrupted="interrupted: finished files are kept; run the same command with --resume to continue")
 def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None,
             max_file_size: str, align: int, no_mtp: bool, revision: str | None, workers: int, resume: bool,
@@ -349,19 +380,13 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
     """
     from ..engine.convert import convert as run
     from ..spec.share import chosen_share
-    from ..spec.source import is_repo_id
 
     refuse_swapped("convert", model, out, model_first=True)
     _refuse_resume_force(resume, force)
     node = chosen_share(tp, ranks, nnodes, node_rank)
     options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, moe_backend)
     con = Console.of()
-    if (download_dir is not None or keep_source) and not is_repo_id(model):
-        raise UsageRefused(f"--download-dir and --keep-source apply to a Hugging Face repo id, and {model} is a local "
-                           f"path (read in place); drop them")
-    if download_dir is not None and keep_source:
-        raise UsageRefused("--keep-source downloads into the Hugging Face cache, --download-dir streams through a "
-                           "folder of its own; pass one")
+    refuse_download_options(model, download_dir, keep_source)
     summary = run(model, out, options, resume=resume, force=force, workers=workers, progress=con.progress,
                   revision=revision, warn=con.warn, download_dir=download_dir, keep_source=keep_source, node=node)
     con.emit(summary.to_dict(), [*summary.lines(), next_steps(out) if node is None else node_next_steps(out, node)])

@@ -3,6 +3,7 @@ footprint (bytes to read and write, files per rank, room on OUT's filesystem, a 
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,6 +44,7 @@ class Room:
     free: int
     needed: int
     given_back: int = 0  # what --force deletes first (convert counts it the same way)
+    download: int = 0  # of `needed`: a repo's shards on disk at once (streamed) or whole (--keep-source)
 
     @property
     def short(self) -> int:
@@ -50,7 +52,8 @@ class Room:
 
     def to_dict(self) -> dict:
         return {"out": str(self.out), "filesystem": self.filesystem, "free_bytes": self.free,
-                "needed_bytes": self.needed, "given_back_bytes": self.given_back, "enough": not self.short}
+                "needed_bytes": self.needed, "given_back_bytes": self.given_back, "download_bytes": self.download,
+                "enough": not self.short}
 
 
 def plan_footprint_of(cfg: ModelConfig, specs: dict[str, list[list[TensorSpec]]], plan: Plan,
@@ -88,6 +91,15 @@ def footprint_json(fp: fpm.Footprint, room: Room | None) -> dict:
                          "measured": fpm.MEASURED_WHERE}}
 
 
+def download_lines(room: Room | None) -> list[str]:
+    """The download's room where it lands on a filesystem of its own (else OUT's room line counts it)."""
+    if room is None:
+        return []
+    verdict = "enough" if not room.short else f"NOT enough: free {size(room.short)} more or choose another place"
+    return [f"  download {size(room.download):>9}   at most, in {room.out}: {size(room.free)} free on "
+            f"{room.filesystem}: {verdict}"]
+
+
 def footprint_lines(fp: fpm.Footprint, room: Room | None, node: NodeShare | None = None) -> list[str]:
     ranks = (f" of rank(s) {', '.join(map(str, node.ranks))} (this node's share; the other ranks are hashed for the "
              f"manifest, not written)") if node is not None else ""
@@ -100,8 +112,9 @@ def footprint_lines(fp: fpm.Footprint, room: Room | None, node: NodeShare | None
     else:
         verdict = "enough" if not room.short else f"NOT enough: free {size(room.short)} more or choose another OUT"
         back = f" (+{size(room.given_back)} --force removes)" if room.given_back else ""
-        lines.append(f"  room   {size(room.free):>11}   free{back} on {room.filesystem}, the filesystem of {room.out}: "
-                     f"{verdict}")
+        shards = f", with {size(room.download)} of the repo's shards downloaded there" if room.download else ""
+        lines.append(f"  room   {size(room.free):>11}   free{back} on {room.filesystem}, the filesystem of {room.out}"
+                     f"{shards}: {verdict}")
     lines += [f"  time   {duration(fpm.seconds(fp)):>11}   at {rate(fpm.MEASURED_BYTES_PER_S)} read + written,",
               f"                       {fpm.MEASURED_WHERE}; it scales with your disk"]
     return lines
@@ -270,50 +283,86 @@ def v41_report(raw: dict, tp: int, where: str) -> tuple[list[str], dict]:
 HUB_SHARD_BYTES = 166_878_536_440 // 48
 
 
-def source_layout(model: str, config: Path, cfg: ModelConfig, revision: str | None) -> tuple[dict, dict, int, str]:
-    """(source key -> shard, shard -> bytes, side-file bytes, where that came from) of MODEL: the Hub's file
-    list and index for a repo id, the index and sizes on disk for a checkpoint directory, else the
-    shards modelled from config.json as DeepSeek lays them out (by layer, HUB_SHARD_BYTES each)."""
+@dataclass(frozen=True)
+class SourceLayout:
+    """Which shard holds each source tensor and how large each is: what a streamed conversion downloads."""
+
+    shard_of: dict[str, str]  # source key -> shard
+    sizes: dict[str, int]  # shard -> bytes
+    side: int  # config and tokenizer files' bytes
+    where: str  # where these figures come from, in words
+    cached: bool = False  # a repo whose files are all in the Hugging Face cache: nothing to download
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes.values()) + self.side
+
+    def stream_peak(self, specs: dict, options: Options) -> int:
+        """The most source bytes a streamed conversion holds at once (`spec.streaming`, over its order)."""
+        from ..engine.feed import shards_read
+        from ..engine.job import plan_parts
+        from ..spec.streaming import peak_bytes, stream_order
+
+        parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align)]
+        files = {id(p): shards_read(specs, p, self.shard_of) for p in parts}
+        return peak_bytes(stream_order(parts, files, self.sizes), files, self.sizes) + self.side
+
+
+def source_layout(model: str, config: Path, cfg: ModelConfig) -> SourceLayout:
+    """MODEL's shards: the Hub's file list and index for a repo id, the index and sizes on disk for a
+    checkpoint directory, else modelled from config.json as DeepSeek lays them out (by layer,
+    HUB_SHARD_BYTES each)."""
     from ..engine.presets import nbytes, ordered_sources, shards
-    from ..spec.hub import repo_at, small_file
+    from ..spec.hub import cached_snapshot, repo_at, small_file
     from ..spec.source import INDEX_NAME, SIDE_FILES, _weight_map, is_repo_id
 
     root = config.parent
     if is_repo_id(model) and (hub := repo_at(model, root.name)) is not None and INDEX_NAME in hub.files:
         weight_map = _weight_map(small_file(model, INDEX_NAME, hub.commit))
         sizes = {n: hub.files[n].size for n in set(weight_map.values())}
-        side = sum(hub.files[n].size for n in SIDE_FILES if n in hub.files)
-        return weight_map, sizes, side, f"the Hub's index of {model} at {hub.commit[:12]}"
+        side = [n for n in SIDE_FILES if n in hub.files]
+        return SourceLayout(weight_map, sizes, sum(hub.files[n].size for n in side),
+                            f"the Hub's index of {model} at {hub.commit[:12]}",
+                            cached_snapshot(hub, [*sizes, *side]) is not None)
     if not Path(model).is_file() and (root / INDEX_NAME).is_file():
         weight_map = _weight_map(root / INDEX_NAME)
         sizes = {n: (root / n).stat().st_size for n in set(weight_map.values()) if (root / n).is_file()}
         if len(sizes) == len(set(weight_map.values())):
             side = sum((root / n).stat().st_size for n in SIDE_FILES if (root / n).is_file())
-            return weight_map, sizes, side, f"the index and shards in {root}"
+            return SourceLayout(weight_map, sizes, side, f"the index and shards in {root}", True)
     groups = list(shards(ordered_sources(cfg.raw), 1, HUB_SHARD_BYTES))
     names = [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
-    shard_of = {s.key: name for name, group in zip(names, groups) for s in group}
-    return (shard_of, {name: sum(map(nbytes, g)) for name, g in zip(names, groups)}, 0,
-            f"modelled: {len(groups)} shards by layer of about {size(HUB_SHARD_BYTES)}, as DeepSeek's (exact with a "
-            f"repo id or a checkpoint)")
+    return SourceLayout({s.key: name for name, group in zip(names, groups) for s in group},
+                        {name: sum(map(nbytes, g)) for name, g in zip(names, groups)}, 0,
+                        f"modelled: {len(groups)} shards by layer of about {size(HUB_SHARD_BYTES)}, as DeepSeek's "
+                        f"(exact with a repo id or a checkpoint)")
 
 
-def routes_of(specs: dict, options: Options, fp: fpm.Footprint, layout: tuple[dict, dict, int, str]) -> dict:
-    """Each route's download and disk per node (`footprint.node_routes`), one rank per node, with what a
-    streamed conversion holds at once (`engine.feed.peak_bytes` over its order)."""
-    from ..engine.feed import shards_read
-    from ..spec.streaming import peak_bytes, stream_order
-    from ..engine.job import plan_parts
-
-    shard_of, sizes, side, where = layout
-    parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align)]
-    files = {id(p): shards_read(specs, p, shard_of) for p in parts}
-    peak = peak_bytes(stream_order(parts, files, sizes), files, sizes) + side
+def routes_of(specs: dict, options: Options, fp: fpm.Footprint, layout: SourceLayout) -> dict:
+    """Each route's download and disk per node (`footprint.node_routes`), one rank per node."""
+    peak = layout.stream_peak(specs, options)
     tp = len(next(iter(specs.values())))
     share = max(n["bytes"] for n in per_node(fp, tp))
-    routes = fpm.node_routes(sum(sizes.values()) + side, share, fp.write, peak, tp, tp)
-    return {"source_bytes": sum(sizes.values()) + side, "stream_peak_bytes": peak, "shards": where,
+    routes = fpm.node_routes(layout.total, share, fp.write, peak, tp, tp)
+    return {"source_bytes": layout.total, "stream_peak_bytes": peak, "shards": layout.where,
             "routes": [vars(r) for r in routes]}
+
+
+def download_room(layout: SourceLayout, specs: dict, options: Options, out: Path, download_dir: Path | None,
+                  keep_source: bool, out_room: Room) -> Room | None:
+    """Where a repo's download lands and the room it needs there (convert's `feed.check_room`): the
+    whole checkpoint in the Hugging Face cache with --keep-source, else the streamed peak in
+    --download-dir (default OUT/.lucifer/download); on OUT's filesystem it adds to OUT's room instead
+    (`out_room`, returned grown). None: nothing to download (a repo already in the cache)."""
+    from huggingface_hub import constants
+
+    if layout.cached:
+        return None
+    where = Path(constants.HF_HUB_CACHE) if keep_source else Path(download_dir or Path(out) / ".lucifer" / "download")
+    need = layout.total if keep_source else layout.stream_peak(specs, options)
+    if os.stat(diskspace.existing(where)).st_dev == os.stat(diskspace.existing(out)).st_dev:
+        return replace(out_room, needed=out_room.needed + need, download=need)
+    return Room(where, diskspace.filesystem(where), diskspace.free_bytes(where), need, download=need)
 
 
 def routes_lines(doc: dict) -> list[str]:
