@@ -277,6 +277,8 @@ def test_readme_routes_are_plans():
             f"{size(doc['stream_peak_bytes'])} of shards at once; {size(small['routes'][1]['disk_per_node'])} with "
             f"`--max-file-size 2G`)") in table
     assert f"| {size(fetched['download_per_node'])} | {size(fetched['disk_per_node'])} |" in table
+    shards = f"at most\n{size(doc['stream_peak_bytes'])} of shards at once, {size(small['stream_peak_bytes'])} with"
+    assert shards in readme  # the three-boxes section
 
 
 # ---------------------------------------------------------------- diff from the Hub

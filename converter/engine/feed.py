@@ -5,8 +5,9 @@
 * Streamed (a repo id, the default): each shard is downloaded into the tool's download folder
   (`spec.hub.DownloadFolder`: OUT/.lucifer/download, or --download-dir) just before the first part
   that reads it, checked against the Hub's SHA-256, and removed once no later part reads it; the
-  parts are written in the order of the shards they read, so the folder holds a few shards at a
-  time (`peak_bytes`, which the room check counts) instead of the checkpoint.
+  parts are written in the order that holds fewest shards at once (`spec.streaming`), and one
+  downloader thread runs ahead of the conversion as far as that many bytes allow, so the folder
+  holds a few shards at a time (`peak_bytes`, which the room check counts), not the checkpoint.
 * Kept (--keep-source): the whole checkpoint is downloaded into the Hugging Face cache first
   (huggingface_hub's own location and settings) and read in place; it stays there.
 
@@ -59,6 +60,7 @@ class SourceFeed:
         self.bar = None
         self._downloads: _Downloads | None = None
         self.started = time.perf_counter()
+        self._done = 0  # bytes downloaded, for the progress line
         self._needed = {f: i for i, p in enumerate(order) for f in part_files(job, p)} if self.stream else {}
         self.peak = (peak_bytes(order, job_files(job, order), job.ckpt.files) + sum(job.ckpt.side.values())
                      if self.stream else 0)
@@ -104,10 +106,12 @@ class SourceFeed:
             self.folder.claim()
             for name in self.job.ckpt.side:
                 self.folder.fetch(name)
-            first = {}
+            first: dict[str, int] = {}
             for i, part in enumerate(self.order):
                 for f in part_files(self.job, part):
                     first.setdefault(f, i)
+            for name in set(self.job.ckpt.files) - set(first):  # a stopped run's shards only kept parts read
+                self.folder.remove(name)
             self._downloads = _Downloads(self.folder, first, self.job.ckpt.files, self.peak)
 
     def before(self, index: int) -> None:
@@ -144,7 +148,7 @@ class SourceFeed:
         """One progress line: the conversion's bar, with the download's bytes, rate and what is left."""
         if self.bar is None or self.folder is None:
             return
-        self._done = getattr(self, "_done", 0) + n
+        self._done += n
         took = max(time.perf_counter() - self.started, 1e-9)
         self.bar.set_postfix_str(f"download {size(self._done)}/{size(self.to_download())} at "
                                  f"{rate(self._done / took)}", refresh=False)
