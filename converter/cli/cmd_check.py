@@ -201,7 +201,8 @@ def summarize(out: Path) -> dict:
         "conversion_id": m.conversion_id,
         "tool_version": m.tool_version,
         "format_version": m.format_version,
-        "source": {"path": src.path, "fingerprint": src.fingerprint, "content": src.content.digest,
+        "source": {"path": src.path, "repo": src.repo, "revision": src.revision, "fingerprint": src.fingerprint,
+                   "content": src.content.digest,
                    "content_tensors": src.content.tensors, "files": len(src.files), "bytes": sum(src.files.values())},
         "tp_size": m.tp_size,
         "plan": m.plan.to_dict(),
@@ -232,7 +233,8 @@ def summary_lines(d: dict) -> list[str]:
         f"({'complete' if d['complete'] else 'NOT complete'}, manifest digest "
         f"{'ok' if d['manifest_digest_ok'] else 'MISMATCH'})",
         f"tool           lucifer-shard {d['tool_version']}, manifest format v{d['format_version']}",
-        f"source         {src['path']}",
+        f"source         {src['path']}" + (f"  ({src['repo']} at {src['revision']})"
+                                               if src["repo"] and not src["path"].startswith("hf://") else ""),
         f"fingerprint    {src['fingerprint']}  (config.json, headers and sizes of {src['files']} file(s), "
         f"{size(src['bytes'])})",
         f"content        {src['content'] or 'not recorded'}  (BLAKE3 of {src['content_tensors'] or 0} converted "
