@@ -54,12 +54,12 @@ def out_dir(out: Path) -> Path:
 
 
 def structure(out: Path, command: str) -> Report:
-    """OUT as diff and verify see it before reading tensor data: the manifest's self-digest and conversion
-    id, COMPLETE, every listed rank file present with its identity stamp, header and size. Findings are
-    the report's (damage: exit 1); OutputError when OUT holds no output at all (exit 2)."""
+    """OUT as diff and verify see it before reading tensor data: the one output check (spec/output_check),
+    every listed rank file present with its identity stamp and header. Findings are the report's (damage:
+    exit 1); OutputError when OUT holds no output at all (exit 2)."""
     report = Report(command)
-    manifest, held = read_manifest(report, out_dir(out))
-    for rf in open_files(report, out, manifest, held).values():
+    checked = read_manifest(report, out_dir(out))
+    for rf in open_files(report, out, checked.manifest, checked.held).values():
         rf.close()
     return report
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..spec import footprint
-from ..spec.layouts import EXPERT_TENSORS, Layout, expert_layout
+from ..spec.layouts import Layout, tensor_layouts
 from ..spec.manifest import CONTENT_PLACEHOLDER, Options, conversion_id, file_metadata, part_path
 from ..spec.plan import Plan, make_plan
 from ..spec.rules import TensorSpec, build_specs
@@ -20,12 +20,6 @@ class Part:
     index: int
     names: list[str]
     bytes_per_rank: int
-
-
-def tensor_layouts(options: Options) -> dict[str, Layout]:
-    """The layout of each routed-expert tensor for these options."""
-    return {t: expert_layout(options.arch, options.expert_layout, options.flashinfer_layout, t)
-            for t in EXPERT_TENSORS}
 
 
 def stored_shape(spec: TensorSpec, layouts: dict[str, Layout]) -> tuple[int, ...]:

@@ -29,9 +29,10 @@ from blake3 import blake3
 from ..errors import Locked, MismatchError, OutputError, UsageRefused
 from ..guarded_io import Tree, naming, write_all
 from ..outnames import strays
-from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, complete_problem, file_digest, read_manifest_bytes
+from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, file_digest, read_manifest_bytes
 from ..spec.manifest_types import Manifest
 from ..spec.outlock import reading
+from ..spec.output_check import check_output
 from ..spec.share import SHARE_NAME, describe, read_share, share_doc, share_text
 from ..spec.stheader import Header, HeaderError, read_header
 from ..units import duration, size
@@ -93,10 +94,7 @@ def stage(out: Path, dest: Path, ranks: list[int], nnodes: int | None = None, no
         raise UsageRefused(f"{out} is itself a node's share; stage from the whole output convert wrote")
     _refuse_dest_path(out, dest)
     with reading(out, "stage"):  # no convert rewrites OUT while its files are placed
-        manifest = Manifest.load(out)
-        problem = complete_problem(out, manifest.conversion_id)
-        if problem:
-            raise OutputError(f"{out}: {problem}")
+        manifest = check_output(out).refuse()  # what verify refuses without hashing, stage refuses
         wants = share_files(manifest, ranks, read_manifest_bytes(out))
         src = Tree(out)
         for want in wants:  # before DEST changes: a damaged OUT is named, not staged

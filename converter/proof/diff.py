@@ -58,7 +58,7 @@ from .pads import (check_pads, check_scales, chunk_slices, element_index, file_o
                    slice_starts, to_model)
 from .rankfile import CHUNK_BYTES, HeaderTensor, RankFile, byte_shape, read_rows_direct, row_chunks, scratch
 from .report import Problem, Report, fmt_index, hexbytes
-from .structure import check_manifest_rules, check_strays, open_files, read_manifest, usable
+from .structure import check_strays, open_files, read_manifest, usable
 
 logger = logging.getLogger("lucifer_shard.diff")  # -v: the source and a line per rank file, -vv: per tensor
 
@@ -94,7 +94,8 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
     if not out.is_dir():
         raise OutputError(f"{out}: no such output directory")
     report = Report("diff", max_mismatches)
-    manifest, held = read_manifest(report, out)
+    checked = read_manifest(report, out)
+    manifest, held = checked.manifest, checked.held
     check_strays(report, out, manifest, held)
     model, recorded_model = source_model(out, manifest, model)
     root = resolve_model(model)
@@ -119,17 +120,17 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
         a = _read(out / name, False)
         if a is None or a != _read(root / name, True):
             report.add(Problem("file", f"{name}: not a byte-identical copy of the source's {name}", file=name))
-    rules = check_manifest_rules(report, manifest, ckpt.config)
+    rules = checked.expected
     stats = {"rank_tensors": 0, "source_tensors": 0, "rank_bytes": 0, "source_bytes": 0, "source_bytes_read": 0,
              "pad_bytes": 0}
     if rules is None:
         _finish(report, stats, t0)
         return report
-    specs: dict[str, list[list[TensorSpec]]] = rules["specs"]
-    entries = rules["entries"]
+    specs: dict[str, list[list[TensorSpec]]] = rules.specs
+    entries = rules.entries
     _check_accounting(report, ckpt, specs, manifest.dropped)
     _check_coverage(report, ckpt, specs)
-    files = open_files(report, out, manifest, held, check_size=False)
+    files = open_files(report, out, manifest, held)
     keys = list(dict.fromkeys(k for role in specs for s in specs[role][0] for k in s.sources() if k in ckpt.tensors))
     content = ContentCheck(report, ckpt, keys, src.content.files, stop)
     reader = ProofSourceReader(ckpt, content.digests)
@@ -253,6 +254,7 @@ def _plan_groups(manifest: Manifest, specs: dict, entries: dict, files: dict) ->
     """Work groups: the four routed-expert tensors of a layer go together (their source tensors lie
     together, expert by expert), every other tensor alone. Per group and rank, the usable members."""
     work = []
+    recorded = {(role, e.rank): e for role, ranks in manifest.roles.items() for e in ranks}
     for role, rank_specs in specs.items():
         groups: list[list[int]] = []
         for i, spec in enumerate(rank_specs[0]):
@@ -268,10 +270,10 @@ def _plan_groups(manifest: Manifest, specs: dict, entries: dict, files: dict) ->
                 members = []
                 for i in idx:
                     spec = specs_r[i]
-                    entry = manifest.rank(role, r)
+                    entry = recorded.get((role, r))
                     rec = entry.tensors.get(spec.name) if entry is not None else None
                     if rec is None:
-                        continue  # reported by the manifest check
+                        continue  # reported by the output check
                     info = replace(entries[role][r][spec.name], file=rec.file)
                     rf = files.get(rec.file)
                     if usable(rf, spec.name, info):  # else reported by the file checks
