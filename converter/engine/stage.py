@@ -2,10 +2,11 @@
 
 Each file goes in by a hard link when DEST is on OUT's filesystem (no byte copied), otherwise by a
 copy that is hashed while it is written and read back before it is published. What is placed is
-checked against the manifest, not against OUT's bytes alone: every file's size; the manifest's and
-the small side files' digests always; a rank file's digest (over its header and tensor digests, as
-verify computes it) when it is copied. A file already in DEST is kept when it is the same inode as
-OUT's (a link) or verifies against the manifest (a copy), and is never replaced by bytes that do not.
+checked against the manifest, not against OUT's bytes alone: first the one output check every reader
+runs (spec/output_check), then every file's digest (a rank file's over its header and tensor
+digests, as verify computes it): a link is hashed once made (it is OUT's inode: a damaged OUT would
+otherwise publish a damaged share), a copy as it is written. A file already in DEST is kept only
+when it verifies against the manifest, and is never replaced by bytes that do not.
 Nothing outside DEST is written (guarded_io.Tree). Order: the manifest and the copies, the rank
 files, `lucifer-share.json`, `COMPLETE` last, so a stage stopped part-way is an unfinished share that
 the same command finishes; a file left half-written under its temporary name is removed by the next
@@ -183,36 +184,34 @@ def _damaged(src: Tree, rel: str, what: str) -> MismatchError:
 
 
 def _check_source(src: Tree, want: Want) -> None:
-    """OUT's file as the manifest records it: its size; the digest of a small file (the manifest, the
-    copies: a rank file's is checked as it is copied)."""
+    """OUT's file is there (its size and copies were the output check's; its digest is checked as it
+    is placed)."""
     with _named(src.path(want.rel)):
-        st = src.lstat(want.rel)
-        if st is None:
+        if src.lstat(want.rel) is None:
             raise _damaged(src, want.rel, "missing")
-        if st.st_size != want.bytes:
-            raise _damaged(src, want.rel, f"{st.st_size} bytes, the manifest records {want.bytes}")
-        if not want.rank_file and _digest(src, want.rel) != want.digest[7:]:
-            raise _damaged(src, want.rel, f"not the bytes the manifest records (blake3 {want.digest[7:23]}...)")
 
 
 def _place(src: Tree, tree: Tree, want: Want) -> str:
-    """Put OUT's file into DEST: 'kept' (already there: the same inode, or a copy that verifies),
-    'linked' or 'copied'."""
+    """Put OUT's file into DEST: 'kept' (already there and it verifies), 'linked' (then hashed: a link
+    is OUT's very bytes, which only the digest proves) or 'copied'."""
     rel = want.rel
     with _named(tree.path(rel)):
         there = tree.lstat(rel)
         if there is not None:
-            st = src.lstat(rel)
-            if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino) or (
-                    there.st_size == want.bytes and _verifies(tree, want)):
+            if there.st_size == want.bytes and _verifies(tree, want):
                 return "kept"
             tree.remove(rel)  # under the share's name but not its file: this stage wrote it, or it is stale
     try:
         tree.link_in(src, rel)
-        return "linked"
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
             raise OSError(e.errno, e.strerror, str(src.path(rel)), None, str(tree.path(rel))) from None
+    else:
+        with _named(src.path(rel)):  # a read the disk refuses names OUT's file: the link is its inode
+            if _verifies(tree, want):
+                return "linked"
+        tree.remove(rel)  # DEST keeps no damaged link
+        raise _damaged(src, rel, f"not the bytes the manifest records (blake3 {want.digest[7:23]}...)")
     with _named(tree.path(rel)):
         wrote = _copy(src, tree, want)
         got = _digest(tree, rel)
