@@ -19,6 +19,7 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from ..errors import Locked, MismatchError, OutputError, UsageRefused
-from ..guarded_io import Tree, naming, write_all
+from ..guarded_io import Refused, Tree, naming, write_all
 from ..outnames import strays
 from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, file_digest, read_manifest_bytes
 from ..spec.manifest_types import Manifest
@@ -139,10 +140,26 @@ def _only_stage(dest: Path) -> Iterator[None]:
 
 
 def _refuse_dest_path(out: Path, dest: Path) -> None:
-    if dest.resolve() == out.resolve() or out.resolve() in dest.resolve().parents:
+    if _inside(out, dest):
         raise UsageRefused(f"{dest}: inside the output {out}; stage into a directory of its own")
     if dest.exists() and not dest.is_dir():
         raise OutputError(f"{dest}: a file, not a directory; choose another DEST")
+
+
+def _inside(out: Path, dest: Path) -> bool:
+    """Whether DEST is OUT or lies below it: by path, and by identity (a folder of DEST's path that is
+    OUT's very directory, st_dev and st_ino alike), which a bind mount of OUT (or of a folder above
+    it) shows and its path does not."""
+    st = os.stat(out)
+    here = dest.resolve()
+    for folder in (here, *here.parents):
+        try:
+            seen = os.stat(folder)
+        except OSError:  # not made yet: its parent may be OUT
+            continue
+        if (seen.st_dev, seen.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
 
 
 def _refuse_dest(dest: Path, manifest: Manifest, ranks: list[int], wants: list[Want]) -> None:
@@ -173,7 +190,10 @@ def _refuse_dest(dest: Path, manifest: Manifest, ranks: list[int], wants: list[W
     foreign = [s for s in strays(tree, [w.rel for w in wants if w.rank_file], manifest.roles, manifest.tp_size)
                if not s.ours]
     if foreign:  # verify would fail on it: another rank's file, or one the tool did not write
-        raise OutputError(f"{tree.path(foreign[0].rel)}: {foreign[0].what.split(';')[0]}, not a file of this share "
+        st = tree.lstat(foreign[0].rel)
+        plain = st is None or stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)
+        raise (OutputError if plain else Refused)(  # a link or a FIFO is never followed: kind refused
+            f"{tree.path(foreign[0].rel)}: {foreign[0].what.split(';')[0]}, not a file of this share "
                           f"({len(foreign)} such entr{'y' if len(foreign) == 1 else 'ies'}); move it away or stage "
                           f"into a new or empty directory")
 
