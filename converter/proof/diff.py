@@ -116,6 +116,8 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
             raise MismatchError(f"diff: {root}: {what}; {stop}")
         report.add_first(Problem("source", f"{what}: source fingerprint {ckpt.fingerprint[:16]}... vs the manifest's "
                            f"{src.fingerprint[:16]}..."))
+    elif src.files != ckpt.files:  # issue 52 V: the fingerprint holds, so the manifest's shard list was edited
+        report.add(Problem("manifest", f"source.files: {_what_differs(src, ckpt, out)}; the manifest was edited"))
     for name in src.side_files:
         a = _read(out / name, False)
         if a is None or a != _read(root / name, True):
