@@ -80,8 +80,7 @@ def open_files(report: Report, out: Path, manifest: Manifest, held: list[int] | 
                         then=f"run {report.command} again") or e from None
         files[rel] = rf
         logger.info("%s rank %d %s: header of %d tensor(s), %d bytes", role, rank, rel, len(rf.tensors), rf.size)
-        if rf.trailing and rf.size == f.bytes:  # a size off the record is the output check's finding
-            # safetensors (and so vLLM) refuses a file with bytes after its data
+        if rf.trailing:  # safetensors (and so vLLM) refuses a file with bytes after its data
             report.add(Problem("file", f"{rel}: {rf.trailing} bytes follow the last tensor; safetensors "
                                f"refuses such a file; {report.repair}", role, rank, file=rel))
         want_meta = file_metadata(cid, role, rank, _part_of(rel), tp, f.content) if _part_of(rel) is not None \
