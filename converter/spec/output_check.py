@@ -101,23 +101,32 @@ def check_output(out: Path, manifest: Manifest | None = None, seal: bool = True)
     problem = complete_problem(out, m.conversion_id)
     if problem:
         check.add("manifest", problem, file=COMPLETE_NAME, fix=False)
-    if m.tool_version == __version__ and m.format_version == FORMAT_VERSION and \
-            conversion_id(m.source.fingerprint, m.options) != m.conversion_id:
-        check.add("manifest", "conversion_id does not follow from the recorded source fingerprint and options: the "
-                  "manifest was edited", file=MANIFEST_NAME)
     cfg = None
     try:
         cfg = load_config(out / "config.json", follow=False)
     except LuciferError as e:
         check.add("manifest", f"{e}; cannot check the manifest against the rule table", file="config.json")
-    if cfg is not None:
-        check.expected = _rules(check, cfg)
-        _from_config(check, cfg)
-    _from_options(check)
+    check_manifest(check, cfg)
     _sizes(check)
     for name, problem in copy_problems(out, m, None if check.repair == REPAIR else check.repair):
         check.add("file", problem, file=name, fix=False)
     return check
+
+
+def check_manifest(check: OutputCheck, cfg: ModelConfig | None) -> None:
+    """The findings that need only the manifest and config.json (`cfg`; None: unreadable, a finding
+    already), none of OUT's files: the conversion id, the rule table's plan and entries, and every field
+    derived from the options, config.json or the per-shard digests. A reader that has no files yet (a
+    fetch, before it downloads any) runs this part alone."""
+    m = check.manifest
+    if m.tool_version == __version__ and m.format_version == FORMAT_VERSION and \
+            conversion_id(m.source.fingerprint, m.options) != m.conversion_id:
+        check.add("manifest", "conversion_id does not follow from the recorded source fingerprint and options: the "
+                  "manifest was edited", file=MANIFEST_NAME)
+    if cfg is not None:
+        check.expected = _rules(check, cfg)
+        _from_config(check, cfg)
+    _from_options(check)
 
 
 def _share(check: OutputCheck) -> None:
