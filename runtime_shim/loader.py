@@ -308,10 +308,8 @@ class LuciferTP3Loader(BaseModelLoader):
 
     @staticmethod
     def _runtime_owned(manifest: Manifest, role: str, params) -> set[str]:
-        owned = set(manifest.doc.runtime_owned or ())
-        if role == "draft":
-            owned |= owned_by_runtime(manifest.draft_kind, params)
-        return owned
+        """The draft's parameters vLLM aliases from the target (spec/drafts); the target owns none."""
+        return owned_by_runtime(manifest.draft_kind, params) if role == "draft" else set()
 
     def _check_keys(self, manifest, role, rank, entry, params, buffers) -> None:
         files = set(entry.tensors)

@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lucifer_shard.errors import OutputError, PlanError
+from lucifer_shard.errors import MismatchError, OutputError, PlanError
 from lucifer_shard.guarded_io import Refused, Tree
 from lucifer_shard.spec.config import MTP, ModelConfig
-from lucifer_shard.spec.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, complete_problem
+from lucifer_shard.spec.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME
 from lucifer_shard.spec.manifest_types import Manifest as Recorded
 from lucifer_shard.spec.manifest_types import PlanRecord, RankRecord, TensorRecord
 from lucifer_shard.spec.outlock import writer_of
+from lucifer_shard.spec.output_check import check_output
 from lucifer_shard.spec.outwatch import ReadWatch
 from lucifer_shard.spec.arches import MOE_VARIANT
 from lucifer_shard.spec.plan import Axis, Plan, make_plan, stock_padded
@@ -113,20 +114,21 @@ class Manifest:
             have = ", ".join(roles) or "none"
             hint = " (converted with --no-mtp: start vLLM without a speculative config)" if role == "draft" else ""
             raise ShimError(f"{self.path} has no {role!r} role (roles: {have}){hint}")
-        entry = self.doc.rank(role, rank)
-        if entry is None:
+        try:
+            return self.doc.rank(role, rank)
+        except OutputError:  # load_manifest's output check refuses such a manifest first
             raise ShimError(f"rank files missing: {self.path} lists no {role} files for rank {rank} of tp_size "
-                            f"{self.tp_size}; re-run lucifer-shard convert (or verify) on {self.out}")
-        return entry
+                            f"{self.tp_size}; re-run lucifer-shard convert (or verify) on {self.out}") from None
 
     @staticmethod
     def kernel_tensors(entry: RankRecord) -> dict[str, TensorRecord]:
         return {n: t for n, t in entry.tensors.items() if t.kernel}
 
 
-def load_manifest(out: str | Path, require_complete: bool = True, check_digest: bool = True) -> Manifest:
-    """Read and sanity-check OUT/lucifer-manifest.json (and OUT/COMPLETE) with the converter's reader;
-    `check_digest` also checks its self-digest (a hand-edited manifest)."""
+def load_manifest(out: str | Path, check_digest: bool = True) -> Manifest:
+    """Read OUT/lucifer-manifest.json with the converter's reader and run the one output check every
+    reader runs (lucifer_shard.spec.output_check: what verify refuses without hashing is refused here);
+    `check_digest` also asks for its self-digest (a hand-edited manifest). One-line ShimErrors."""
     out = Path(out)
     path = out / MANIFEST_NAME
     if not out.is_dir():
@@ -136,7 +138,9 @@ def load_manifest(out: str | Path, require_complete: bool = True, check_digest: 
     if writer is not None:
         raise ShimError(f"{out} is being written by lucifer-shard convert ({writer}); start vLLM when it has finished")
     try:
-        doc = Recorded.load(out, check_digest=check_digest)
+        doc = check_output(out, seal=check_digest).refuse()
+    except MismatchError as e:
+        raise ShimError(str(e)) from None
     except OutputError as e:
         if not path.exists():
             raise ShimError(f"{path} not found: {out} is not a lucifer-shard output; run lucifer-shard convert, or "
@@ -144,9 +148,6 @@ def load_manifest(out: str | Path, require_complete: bool = True, check_digest: 
         hint = ("; use the lucifer-shard version that wrote it"
                 if f"expected {FORMAT!r} v{FORMAT_VERSION}" in str(e) else "")
         raise ShimError(f"{e}{hint}") from None
-    problem = complete_problem(out, doc.conversion_id) if require_complete else None
-    if problem:
-        raise ShimError(f"{out}: {problem}")
     m = Manifest(out, doc)
     if m.expert_layout != "model" and m.moe_variant not in MOE_VARIANTS:
         raise ShimError(f"{path}: moe_variant {m.moe_variant!r} is not one of {', '.join(MOE_VARIANTS)}")

@@ -103,11 +103,14 @@ def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
         if not r.dst.is_contiguous():
             raise ShimError(f"parameter {r.name} is not contiguous in memory; this vLLM build lays out parameters "
                             f"differently, use a supported build (lucifer-shard doctor)")
-    _advise_huge_pages([r for r in reads if in_place(r.dst, staged)])
+    if chunk is not None and chunk < 1:
+        raise ShimError(f"{path}: chunk size {chunk}: reads need a chunk of at least one byte")
     own = fd is None
     if own:
         fd = open_regular(path)
     try:
+        _refuse_outside(path, os.fstat(fd).st_size, reads)
+        _advise_huge_pages([r for r in reads if in_place(r.dst, staged)])
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         on_device = [r for r in reads if digests and hash_on_device and not in_place(r.dst, staged)
                      and _device_hashable(r.dst)]
@@ -281,10 +284,26 @@ def _hashers(reads: list[TensorRead]) -> dict:
     return {r.name: blake3(max_threads=blake3.AUTO) for r in reads}
 
 
+def _refuse_outside(path: Path, size: int, reads: list[TensorRead]) -> None:
+    """ShimError naming the first read, in file order, that starts outside the file's `size` bytes; from
+    one that starts inside and runs past the end on, the reads name it ("ends inside tensor": a
+    truncated file), as a serial reader would."""
+    for r in reads:
+        if not 0 <= r.offset <= size:
+            raise ShimError(f"{path}: tensor {r.name} starts at byte {r.offset}, outside the file ({size} bytes); "
+                            f"the offsets come from its header: lucifer-shard verify the output")
+        if r.offset + r.nbytes > size:
+            return
+
+
 def _pread_exactly(fd: int, view: memoryview, offset: int, path: Path, name: str) -> None:
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as e:  # the disk's refusal (EIO, ENOMEM...): named, one line, the shim's kind
+            raise ShimError(f"{path}: reading tensor {name} at byte {offset + done} failed ({e.strerror or e}); check "
+                            f"the disk (dmesg), then lucifer-shard verify the output and start vLLM again") from None
         if n == 0:
             raise ShimError(f"{path} ends inside tensor {name} (byte {offset + done} of the file); the file is "
                             f"truncated, re-copy it or re-run lucifer-shard convert --resume")

@@ -328,9 +328,27 @@ def test_stock_vllm_slicing_is_rejected(converted, tiny_pattern, tmp_path):
         assert f"target rank-{rank} {W2}" in report.by_tensor
         assert f"target rank-{rank} {W2S}" in report.by_tensor
     assert f"target rank-0 {W2}" in report.by_tensor  # stock rank 0 fills our pad [352, 384) with source bytes
-    assert all(k.endswith(("w2_weight", "w2_weight_scale")) for k in report.by_tensor), report.by_tensor
+    # the files safetensors rewrote have other sizes than recorded: diff says so as verify does (issue 52 P)
+    sized = {p.file for p in report.problems if p.kind == "file" and "the manifest records" in p.message}
+    assert all(k.endswith(("w2_weight", "w2_weight_scale")) or k in sized for k in report.by_tensor), report.by_tensor
     first = next(p for p in report.problems if p.kind == "data" and p.rank == 1 and p.tensor.endswith("w2_weight"))
     assert first.detail["source"].endswith("w2.weight") and first.detail["source_index"][1] >= 352
     assert first.detail["tensor_index"][2] + 352 == first.detail["source_index"][1]
     r = run_cli("diff", "--quiet", str(out), str(tiny_pattern))
-    assert r.exit_code == 1 and "w2_weight" in r.output.split("error:")[1]
+    assert r.exit_code == 1 and "bytes, the manifest records" in r.output.split("error:")[1]  # the sizes come first
+
+
+def test_an_edited_source_file_size_is_a_finding_of_diff(converted, tiny_pattern, tmp_path):
+    """Issue 52 V: source.files (the shard sizes inspect prints) can be derived only from MODEL, so diff
+    compares them; on main a re-sealed size passed."""
+    from lucifer_shard.spec.manifest import manifest_text
+
+    out = copy_out(converted(), tmp_path)
+    doc = json.loads((out / MANIFEST_NAME).read_text())
+    shard = sorted(doc["source"]["files"])[0]
+    doc["source"]["files"][shard] += 1
+    (out / MANIFEST_NAME).write_text(manifest_text({k: v for k, v in doc.items() if k != "manifest_digest"}))
+    report = diff(out, str(tiny_pattern), progress=False)
+    assert [p.message for p in report.problems] == [
+        f"source.files: shard {shard} has {doc['source']['files'][shard] - 1:,} bytes, the converted one had "
+        f"{doc['source']['files'][shard]:,}; the manifest was edited"]

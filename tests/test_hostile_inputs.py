@@ -189,7 +189,7 @@ def test_edited_copies_fail_verify_and_the_serve_preflight(converted, tmp_path, 
     (out / name).write_text(json.dumps(edit(doc)))
     one_error(run("verify", "--quiet", out), 1, name, "not the copy convert made")
     r = run("serve", out, "--dry-run")
-    assert r.exit_code == 1 and f"[FAIL] output {name}:" in r.stdout, r.output
+    assert r.exit_code == 1 and f"[FAIL] output: lucifer_tp3: {out}: {name}:" in r.stdout, r.output  # the output check
 
 
 # ---------------------------------------------------------------- class 7: field types of config.json

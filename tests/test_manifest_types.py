@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lucifer_shard.errors import OutputError
 from lucifer_shard.spec.manifest import MANIFEST_FIELDS, MANIFEST_NAME, manifest_text
 from lucifer_shard.spec.manifest_types import Manifest
 from lucifer_shard.spec.rules import DTYPE_SIZE
@@ -105,8 +106,10 @@ def test_rank_is_looked_up_by_its_field(converted):
     shuffled = replace(m, roles={role: tuple(reversed(ranks)) for role, ranks in m.roles.items()})
     for role in m.roles:
         assert [shuffled.rank(role, r).rank for r in range(m.tp_size)] == list(range(m.tp_size))
-        assert shuffled.rank(role, m.tp_size) is None
-    assert m.rank("nope", 0) is None
+        with pytest.raises(OutputError, match=f"lists no {role} entry for TP rank {m.tp_size}"):
+            shuffled.rank(role, m.tp_size)  # issue 52 W: never None for a caller to dereference
+    with pytest.raises(OutputError, match="lists no nope entry"):
+        m.rank("nope", 0)
 
 
 def test_padding_bytes_are_the_bytes_in_the_zero_regions(converted):

@@ -2,6 +2,7 @@
 or through the host-buffer ring a GPU parameter takes, with BLAKE3 computed while reading."""
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -157,3 +158,48 @@ def test_a_worker_error_reaches_the_caller_and_no_thread_outlives_it(shard, stag
     assert str(e.value) == (f"lucifer_tp3: {path} ends inside tensor a.weight (byte {cut} of the file); the file is "
                             f"truncated, re-copy it or re-run lucifer-shard convert --resume")
     assert not _lucifer_threads()
+
+
+# ---------------------------------------------------------------- issue 52, R and S
+
+
+@pytest.mark.parametrize("errno_", [5, 12], ids=["EIO", "ENOMEM"])
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "host-ring"])
+def test_a_failing_read_names_the_file_and_the_tensor_in_one_line(shard, monkeypatch, errno_, staged):
+    """R: an OSError of one positional read (the disk's EIO, the kernel's ENOMEM) was a bare `OSError:
+    [Errno 5]` naming nothing; now the shim's one-line ShimError names the file, tensor and byte."""
+    path, tensors = shard
+    params, reads = _reads(path, tensors)
+    real = reader.os.preadv
+    victim = reads[2]
+
+    def failing(fd, buffers, offset):
+        if offset == victim.offset:
+            raise OSError(errno_, os.strerror(errno_))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(reader.os, "preadv", failing)
+    with pytest.raises(ShimError) as e:
+        reader.read_tensors(path, reads, staged=staged, chunk=1 << 20)
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg and f"tensor {victim.name} at byte {victim.offset}" in msg, msg
+    assert os.strerror(errno_) in msg and not _lucifer_threads()
+
+
+@pytest.mark.parametrize("offset", [2 ** 63, -4096, 1 << 40], ids=["2**63", "-4096", "past-the-end"])
+def test_offsets_outside_the_file_are_refused_naming_the_tensor(shard, offset):
+    """S: offset 2**63 raised OverflowError, -4096 an OSError naming no file."""
+    path, tensors = shard
+    params, reads = _reads(path, tensors)
+    bad = reader.TensorRead(reads[0].name, offset, reads[0].dst)
+    with pytest.raises(ShimError, match=f"tensor {bad.name} starts at byte {offset}, outside the file"):
+        reader.read_tensors(path, [bad, *reads[1:]])
+
+
+@pytest.mark.parametrize("chunk", [0, -1])
+def test_a_chunk_below_one_byte_is_refused(shard, chunk):
+    """S: chunk=-1 read nothing and returned the digest of empty input for every tensor."""
+    path, tensors = shard
+    params, reads = _reads(path, tensors)
+    with pytest.raises(ShimError, match=f"chunk size {chunk}"):
+        reader.read_tensors(path, reads, digests=True, chunk=chunk)

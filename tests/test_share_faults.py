@@ -90,8 +90,11 @@ def test_1_a_damaged_copy_is_not_replaced_by_outs_damaged_bytes(out, tmp_path, c
 
 @pytest.mark.parametrize("damage,needle,mode", [
     ("flip", "not the bytes the manifest records", "copy"),
+    # issue 52 D: a hard link is OUT's inode; it was checked by size only, so a damaged OUT (or one a
+    # --resume was about to repair) published a damaged share. Now each link is hashed before COMPLETE.
+    ("flip", "not the bytes the manifest records", "link"),
     ("truncate", "bytes, the manifest records", "link"),
-    ("config", "config.json: not the bytes the manifest records", "link"),
+    ("config", "not the copy convert made", "link"),  # the one output check's words (issue 52)
 ])
 def test_4_stage_refuses_a_damaged_out_naming_the_file_and_its_repair(out, tmp_path, request, damage, needle, mode):
     """Old: a flipped byte, a file truncated to half or an edited config.json in OUT were staged, exit 0
@@ -110,8 +113,9 @@ def test_4_stage_refuses_a_damaged_out_naming_the_file_and_its_repair(out, tmp_p
     assert r.exit_code == 1, r.output
     assert needle in r.stderr and f"lucifer-shard verify {out}" in r.stderr and "--resume" in r.stderr
     assert not (dest / "COMPLETE").exists()
-    if mode == "link":  # found before DEST is made
+    if mode == "link" and damage != "flip":  # found before DEST is made
         assert not dest.exists()
+    assert not (dest / PART1).exists()  # no damaged link or copy left in DEST
 
 
 # ---------------------------------------------------------------- 2: convert never writes into a share

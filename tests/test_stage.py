@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -240,3 +241,49 @@ def test_doctor_takes_sm120_files_on_a_gb10_and_refuses_other_families():
     assert check.status == FAIL and "re-convert with --arch sm121" in check.fix
     (check,) = _arch_checks(out("sm100"), "sm121", "12.1", False)  # another major: re-convert, as before
     assert check.status == FAIL
+
+
+# ---------------------------------------------------------------- issue 52, T and U
+
+
+def _kind(r) -> str:
+    return json.loads(r.stdout)["error"]["kind"]
+
+
+def test_dest_inside_out_through_a_bind_mount_is_refused(converted, tmp_path):
+    """T: the guard compared paths only, so through `mount --bind OUT BIND` a share was written inside
+    OUT (after which convert --force refused OUT). DEST's folders are compared with OUT by identity."""
+    import subprocess
+
+    out = tmp_path / "out"
+    out.mkdir()
+    bind = tmp_path / "bind"
+    bind.mkdir()
+    for p in converted().iterdir():  # a private OUT to mount (links: nothing of the fixture is written)
+        if p.is_dir():
+            subprocess.run(["cp", "-al", str(p), str(out / p.name)], check=True)
+        else:
+            os.link(p, out / p.name)
+    if subprocess.run(["mount", "--bind", str(out), str(bind)], capture_output=True).returncode:
+        pytest.skip("mount --bind is not permitted here")
+    try:
+        r = CliRunner().invoke(cli, ["stage", str(out), str(bind / "n0"), "--ranks", "0", "--json"])
+        assert r.exit_code == 2 and _kind(r) == "usage" and "inside the output" in r.stderr, r.output
+        assert not (out / "n0").exists()
+    finally:
+        subprocess.run(["umount", str(bind)], check=True)
+
+
+@pytest.mark.parametrize("link", ["target", "target/rank-0"])
+def test_a_symlinked_folder_in_dest_is_refused_as_a_link(converted, tmp_path, link):
+    """U: a symlinked target/ or target/rank-0 in an unfinished share was kind `output`; a link is kind
+    `refused`, as a symlinked config.json already was (docs/cli.md)."""
+    out, dest, aside = converted(), tmp_path / "node0", tmp_path / "aside"
+    assert CliRunner().invoke(cli, ["stage", str(out), str(dest), "--ranks", "0", "-q"]).exit_code == 0
+    (dest / "COMPLETE").unlink()
+    aside.mkdir()
+    (dest / link).rename(aside / "moved")
+    (dest / link).symlink_to(aside / "moved")
+    r = CliRunner().invoke(cli, ["stage", str(out), str(dest), "--ranks", "0", "--json"])
+    assert r.exit_code == 2 and _kind(r) == "refused" and "is a symlink" in r.stderr, r.output
+    assert (dest / link).is_symlink() and not (dest / "COMPLETE").exists()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from click.testing import CliRunner
 
 from helpers import CONFIGS
@@ -49,3 +51,30 @@ def test_convert_refuses_it_in_one_line_and_writes_nothing(tmp_path):
     line = r.output.strip()
     assert "\n" not in line and "DeepSeek-V4.1-Flash (model_type 'deepseek_v41') is not supported yet" in line
     assert "lucifer-shard plan --tp 3 config.json" in line and not out.exists()
+
+
+def _edited(tmp_path, **text):
+    """The V4.1 config with `text_config` fields set (a value None: the field removed)."""
+    cfg = json.loads(CONFIG.read_text())
+    for k, v in text.items():
+        if v is None:
+            del cfg["text_config"][k]
+        else:
+            cfg["text_config"][k] = v
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("fields", [
+    {"num_attention_heads": 0}, {"hidden_size": [5120]}, {"hidden_size": True}, {"engram_num_embeddings": 7},
+    {"engram_num_embeddings": ["a", "b"]}, {"head_dim": 0, "o_groups": 0}, {"dspark_n_routed_experts": [1, 2]},
+    {"n_routed_experts": -384}, {"o_groups": 7}, {"vocab_size": None}, {"engram_layer_ids": "1,14"},
+], ids=str)
+def test_plan_refuses_each_field_out_of_its_type_or_range_in_one_line(tmp_path, fields):
+    """Issue 52 Q: V4.1 configs go through a typed, bounded schema (v41.FIELDS) as V4's do: kind source,
+    exit 2, the field named; on main these exited 70 (ZeroDivisionError, TypeError) or planned negative sizes."""
+    r = run("plan", "--tp", "3", str(_edited(tmp_path, **fields)), "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 2 and doc["error"]["kind"] == "source", r.output
+    assert "\n" not in doc["error"]["message"] and "text_config" in doc["error"]["message"], doc["error"]

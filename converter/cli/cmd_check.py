@@ -54,12 +54,12 @@ def out_dir(out: Path) -> Path:
 
 
 def structure(out: Path, command: str) -> Report:
-    """OUT as diff and verify see it before reading tensor data: the manifest's self-digest and conversion
-    id, COMPLETE, every listed rank file present with its identity stamp, header and size. Findings are
-    the report's (damage: exit 1); OutputError when OUT holds no output at all (exit 2)."""
+    """OUT as diff and verify see it before reading tensor data: the one output check (spec/output_check),
+    every listed rank file present with its identity stamp and header. Findings are the report's (damage:
+    exit 1); OutputError when OUT holds no output at all (exit 2)."""
     report = Report(command)
-    manifest, held = read_manifest(report, out_dir(out))
-    for rf in open_files(report, out, manifest, held).values():
+    checked = read_manifest(report, out_dir(out))
+    for rf in open_files(report, out, checked.manifest, checked.held).values():
         rf.close()
     return report
 
@@ -201,8 +201,8 @@ def summarize(out: Path) -> dict:
         "conversion_id": m.conversion_id,
         "tool_version": m.tool_version,
         "format_version": m.format_version,
-        "source": {"path": src.path, "repo": src.repo, "revision": src.revision, "fingerprint": src.fingerprint,
-                   "content": src.content.digest,
+        "source": {"path": src.path, "hub": f"{src.repo}@{src.revision}" if src.repo else None,
+                   "fingerprint": src.fingerprint, "content": src.content.digest,
                    "content_tensors": src.content.tensors, "files": len(src.files), "bytes": sum(src.files.values())},
         "tp_size": m.tp_size,
         "plan": m.plan.to_dict(),
@@ -233,8 +233,8 @@ def summary_lines(d: dict) -> list[str]:
         f"({'complete' if d['complete'] else 'NOT complete'}, manifest digest "
         f"{'ok' if d['manifest_digest_ok'] else 'MISMATCH'})",
         f"tool           lucifer-shard {d['tool_version']}, manifest format v{d['format_version']}",
-        f"source         {src['path']}" + (f"  ({src['repo']} at {src['revision']})"
-                                               if src["repo"] and not src["path"].startswith("hf://") else ""),
+        f"source         {src['path']}" + (f"  (hf://{src['hub']})" if src["hub"] and not src["path"].startswith("hf://")
+                                               else ""),
         f"fingerprint    {src['fingerprint']}  (config.json, headers and sizes of {src['files']} file(s), "
         f"{size(src['bytes'])})",
         f"content        {src['content'] or 'not recorded'}  (BLAKE3 of {src['content_tensors'] or 0} converted "

@@ -73,15 +73,17 @@ def fetch(source: str, dest: Path, ranks: str | None, nnodes: int | None, node_r
 
 
 def _refuse_findings(where: str, manifest: Manifest, cfg: ModelConfig | None) -> None:
-    """OutputError naming the first of verify's structural findings in the manifest (with config.json:
-    against the rule table)."""
+    """OutputError naming the first finding of the output check's part that needs no file of the output
+    (`spec.output_check.check_manifest`; with config.json: against the rule table)."""
     from ..engine.fetch import REPUBLISH
     from ..errors import OutputError
-    from ..proof.structure import manifest_findings
+    from ..spec.output_check import OutputCheck, check_manifest
 
-    findings = manifest_findings(manifest, cfg)
-    if findings:
-        raise OutputError(f"{where}: {' '.join(findings[0].split())}; {REPUBLISH}")
+    check = OutputCheck(Path(where), manifest)
+    check.repair = REPUBLISH
+    check_manifest(check, cfg)
+    if check.findings:
+        raise OutputError(f"{where}: {' '.join(check.findings[0].message.split())}")
 
 
 def _dry_lines(shown: str, wants: list[Want], hf: str | None) -> list[str]:

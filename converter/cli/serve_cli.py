@@ -278,7 +278,7 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
             line = None
             tail = ["no command: the preflight failed (the FAIL lines above say what to fix)"]
         else:
-            tail = [line] if line else ["no command: OUT's manifest cannot be read (the output check above says why)"]
+            tail = [line] if line else ["no command: OUT's manifest is refused (the output check above says why)"]
         if line and nodes is not None:  # every node's command, this one's marked
             tail = ["every node's command (each on its own share: lucifer-shard stage OUT DEST --nnodes "
                     f"{nnodes} --node-rank R, or convert ... --nnodes {nnodes} --node-rank R on that node; node 0 "

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..spec import footprint
-from ..spec.layouts import EXPERT_TENSORS, Layout, expert_layout
+from ..spec.layouts import Layout, tensor_layouts
 from ..spec.manifest import CONTENT_PLACEHOLDER, Options, conversion_id, file_metadata, part_path
 from ..spec.plan import Plan, make_plan
 from ..spec.rules import TensorSpec, build_specs
@@ -24,12 +24,6 @@ class Part:
     index: int
     names: list[str]
     bytes_per_rank: int
-
-
-def tensor_layouts(options: Options) -> dict[str, Layout]:
-    """The layout of each routed-expert tensor for these options."""
-    return {t: expert_layout(options.arch, options.expert_layout, options.flashinfer_layout, t)
-            for t in EXPERT_TENSORS}
 
 
 def stored_shape(spec: TensorSpec, layouts: dict[str, Layout]) -> tuple[int, ...]:
@@ -164,7 +158,8 @@ class Job:
         repo streamed through a download folder that is gone once the conversion is complete."""
         if self.on_disk:
             return str(self.ckpt.root.absolute())
-        return f"hf://{self.origin['repo']}@{self.origin['revision']}"
+        hub = self.ckpt.hub
+        return f"hf://{hub.repo}@{hub.commit}"
 
     @property
     def source_sizes(self) -> dict[str, int]:

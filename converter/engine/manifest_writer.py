@@ -9,15 +9,13 @@ from blake3 import blake3
 
 from .. import __version__
 from ..guarded_io import Tree
-from ..spec.arches import GENERATION_ARCHES, MOE_VARIANT
 from ..spec.drafts import draft_record
 from ..spec.content import ALGORITHM, BLOCK, checkpoint_digest, shard_digests
-from ..spec.layouts import LAYOUT_VERSION
 from ..guarded_io import JSON_LIMIT, read_regular
-from ..spec.manifest import (CARD_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME, manifest_text, part_content, part_path,
-                             runtime_record)
-from ..spec.manifest_types import (Content, Copy, Draft, FileRecord, LayoutRecord, Manifest, PlanRecord, RankRecord,
-                                   Source, TensorRecord)
+from ..spec.manifest import CARD_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME, manifest_text, part_content, part_path
+from ..spec.manifest_types import (Content, Copy, Draft, FileRecord, Manifest, PlanRecord, RankRecord, Source,
+                                   TensorRecord)
+from ..spec.output_check import recorded_fields
 from ..spec.source import side_files
 from .job import Job, layout_name, stored_shape
 
@@ -80,14 +78,7 @@ def build_manifest(job: Job, files: dict[str, dict], out: Path | None = None) ->
         tp_size=job.plan.tp,
         plan=PlanRecord(job.plan.tp, job.plan.axes),
         options=o,
-        arch=o.arch,  # null: model layout converted without --arch, for any GPU family
-        # null without arch, or on the b12x route: vLLM picks the variant for the GPU it runs on
-        moe_variant=None if o.moe_backend else MOE_VARIANT.get(o.arch),
-        expert_layout=o.expert_layout,
-        flashinfer_layout=o.flashinfer_layout if o.arch in GENERATION_ARCHES and o.expert_layout == "kernel" else None,
-        layouts={t: LayoutRecord(lay.name, tuple(lay.steps), lay.version) for t, lay in job.layouts.items()},
-        layout_version=LAYOUT_VERSION,
-        runtime=runtime_record(o),
+        **recorded_fields(o),  # what every reader derives from the options and compares (spec/output_check)
         dropped=dict(sorted(job.dropped.items())),
         roles={role: _ranks(job, role, files) for role in job.roles},
         draft=Draft(**draft_record(job.ckpt.config)) if "draft" in job.roles else None,

@@ -2,10 +2,11 @@
 
 Each file goes in by a hard link when DEST is on OUT's filesystem (no byte copied), otherwise by a
 copy that is hashed while it is written and read back before it is published. What is placed is
-checked against the manifest, not against OUT's bytes alone: every file's size; the manifest's and
-the small side files' digests always; a rank file's digest (over its header and tensor digests, as
-verify computes it) when it is copied. A file already in DEST is kept when it is the same inode as
-OUT's (a link) or verifies against the manifest (a copy), and is never replaced by bytes that do not.
+checked against the manifest, not against OUT's bytes alone: first the one output check every reader
+runs (spec/output_check), then every file's digest (a rank file's over its header and tensor
+digests, as verify computes it): a link is hashed once made (it is OUT's inode: a damaged OUT would
+otherwise publish a damaged share), a copy as it is written. A file already in DEST is kept only
+when it verifies against the manifest, and is never replaced by bytes that do not.
 Nothing outside DEST is written (guarded_io.Tree). Order: the manifest and the copies, the rank
 files, `lucifer-share.json`, `COMPLETE` last, so a stage stopped part-way is an unfinished share that
 the same command finishes; a file left half-written under its temporary name is removed by the next
@@ -18,6 +19,7 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,11 +29,12 @@ from pathlib import Path
 from blake3 import blake3
 
 from ..errors import Locked, MismatchError, OutputError, UsageRefused
-from ..guarded_io import Tree, naming, write_all
+from ..guarded_io import Refused, Tree, naming, write_all
 from ..outnames import strays
-from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, complete_problem, file_digest, read_manifest_bytes
+from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, file_digest, read_manifest_bytes
 from ..spec.manifest_types import Manifest
 from ..spec.outlock import reading
+from ..spec.output_check import check_output
 from ..spec.share import SHARE_NAME, describe, read_share, share_doc, share_text
 from ..spec.stheader import Header, HeaderError, read_header
 from ..units import duration, size
@@ -93,10 +96,7 @@ def stage(out: Path, dest: Path, ranks: list[int], nnodes: int | None = None, no
         raise UsageRefused(f"{out} is itself a node's share; stage from the whole output convert wrote")
     _refuse_dest_path(out, dest)
     with reading(out, "stage"):  # no convert rewrites OUT while its files are placed
-        manifest = Manifest.load(out)
-        problem = complete_problem(out, manifest.conversion_id)
-        if problem:
-            raise OutputError(f"{out}: {problem}")
+        manifest = check_output(out).refuse()  # what verify refuses without hashing, stage refuses
         wants = share_files(manifest, ranks, read_manifest_bytes(out))
         src = Tree(out)
         for want in wants:  # before DEST changes: a damaged OUT is named, not staged
@@ -140,10 +140,26 @@ def only_writer(dest: Path, command: str = "stage") -> Iterator[None]:
 
 
 def _refuse_dest_path(out: Path, dest: Path) -> None:
-    if dest.resolve() == out.resolve() or out.resolve() in dest.resolve().parents:
+    if _inside(out, dest):
         raise UsageRefused(f"{dest}: inside the output {out}; stage into a directory of its own")
     if dest.exists() and not dest.is_dir():
         raise OutputError(f"{dest}: a file, not a directory; choose another DEST")
+
+
+def _inside(out: Path, dest: Path) -> bool:
+    """Whether DEST is OUT or lies below it: by path, and by identity (a folder of DEST's path that is
+    OUT's very directory, st_dev and st_ino alike), which a bind mount of OUT (or of a folder above
+    it) shows and its path does not."""
+    st = os.stat(out)
+    here = dest.resolve()
+    for folder in (here, *here.parents):
+        try:
+            seen = os.stat(folder)
+        except OSError:  # not made yet: its parent may be OUT
+            continue
+        if (seen.st_dev, seen.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
 
 
 def refuse_dest(dest: Path, manifest: Manifest, ranks: list[int], wants: list[Want],
@@ -176,9 +192,12 @@ def refuse_dest(dest: Path, manifest: Manifest, ranks: list[int], wants: list[Wa
     foreign = [s for s in strays(tree, [w.rel for w in wants if w.rank_file], manifest.roles, manifest.tp_size)
                if not s.ours]
     if foreign:  # verify would fail on it: another rank's file, or one the tool did not write
-        raise OutputError(f"{tree.path(foreign[0].rel)}: {foreign[0].what.split(';')[0]}, not a file of this share "
-                          f"({len(foreign)} such entr{'y' if len(foreign) == 1 else 'ies'}); move it away or {command} "
-                          f"into a new or empty directory")
+        st = tree.lstat(foreign[0].rel)
+        plain = st is None or stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)
+        raise (OutputError if plain else Refused)(  # a link or a FIFO is never followed: kind refused
+            f"{tree.path(foreign[0].rel)}: {foreign[0].what.split(';')[0]}, not a file of this share "
+            f"({len(foreign)} such entr{'y' if len(foreign) == 1 else 'ies'}); move it away or {command} into a new or "
+            f"empty directory")
 
 
 # The fix of a damaged OUT named by stage ({root}: OUT).
@@ -191,36 +210,34 @@ def _damaged(src: Tree, rel: str, what: str, fix: str = STAGE_FIX) -> MismatchEr
 
 
 def _check_source(src: Tree, want: Want) -> None:
-    """OUT's file as the manifest records it: its size; the digest of a small file (the manifest, the
-    copies: a rank file's is checked as it is copied)."""
+    """OUT's file is there (its size and copies were the output check's; its digest is checked as it
+    is placed)."""
     with _named(src.path(want.rel)):
-        st = src.lstat(want.rel)
-        if st is None:
+        if src.lstat(want.rel) is None:
             raise _damaged(src, want.rel, "missing")
-        if st.st_size != want.bytes:
-            raise _damaged(src, want.rel, f"{st.st_size} bytes, the manifest records {want.bytes}")
-        if not want.rank_file and _digest(src, want.rel) != want.digest[7:]:
-            raise _damaged(src, want.rel, f"not the bytes the manifest records (blake3 {want.digest[7:23]}...)")
 
 
 def _place(src: Tree, tree: Tree, want: Want) -> str:
-    """Put OUT's file into DEST: 'kept' (already there: the same inode, or a copy that verifies),
-    'linked' or 'copied'."""
+    """Put OUT's file into DEST: 'kept' (already there and it verifies), 'linked' (then hashed: a link
+    is OUT's very bytes, which only the digest proves) or 'copied'."""
     rel = want.rel
     with _named(tree.path(rel)):
         there = tree.lstat(rel)
         if there is not None:
-            st = src.lstat(rel)
-            if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino) or (
-                    there.st_size == want.bytes and verifies(tree, want)):
+            if there.st_size == want.bytes and verifies(tree, want):
                 return "kept"
             tree.remove(rel)  # under the share's name but not its file: this stage wrote it, or it is stale
     try:
         tree.link_in(src, rel)
-        return "linked"
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
             raise OSError(e.errno, e.strerror, str(src.path(rel)), None, str(tree.path(rel))) from None
+    else:
+        with _named(src.path(rel)):  # a read the disk refuses names OUT's file: the link is its inode
+            if verifies(tree, want):
+                return "linked"
+        tree.remove(rel)  # DEST keeps no damaged link
+        raise _damaged(src, rel, f"not the bytes the manifest records (blake3 {want.digest[7:23]}...)")
     copy_checked(src, tree, want)
     return "copied"
 

@@ -52,28 +52,14 @@ from ..spec.manifest_types import Manifest, Source, TensorRecord
 from ..spec.rules import DTYPE_SIZE, TensorSpec
 from ..spec.source import Checkpoint, open_source
 from ..units import byte_bar, duration, rate, size
-from .diff_source import ChunkSources, ContentCheck, NarrowingError, ProofSourceReader, SourceStream
+from .diff_source import ChunkSources, ContentCheck, NarrowingError, ProofSourceReader, SourceStream, what_differs
 from .pads import (check_pads, check_scales, chunk_slices, element_index, file_offsets, first_positions, is_scale,
                    slice_starts, to_model)
 from .rankfile import CHUNK_BYTES, HeaderTensor, RankFile, byte_shape, read_rows_direct, row_chunks, scratch
 from .report import Problem, Report, fmt_index, hexbytes
-from .structure import check_manifest_rules, check_strays, open_files, read_manifest, usable
+from .structure import check_strays, open_files, read_manifest, usable
 
 logger = logging.getLogger("lucifer_shard.diff")  # -v: the source and a line per rank file, -vv: per tensor
-
-
-def _what_differs(src: Source, ckpt: Checkpoint, out: Path) -> str:
-    """What makes the checkpoint's fingerprint differ from the recorded one, in words."""
-    was, now = src.files, ckpt.files
-    gone, new = sorted(set(was) - set(now)), sorted(set(now) - set(was))
-    if gone or new:
-        return f"its shards are others ({len(gone)} missing, {len(new)} not converted; first {(gone or new)[0]})"
-    resized = [n for n in sorted(now) if now[n] != was[n]]
-    if resized:
-        return f"shard {resized[0]} has {now[resized[0]]:,} bytes, the converted one had {was[resized[0]]:,}"
-    if _read(out / "config.json", False) != ckpt.config_bytes:
-        return "its config.json differs from the one converted (OUT/config.json)"
-    return "its shard headers differ from the converted ones (same names and sizes)"
 
 
 def _read(path: Path, follow: bool) -> bytes | None:
@@ -95,7 +81,8 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
     if not out.is_dir():
         raise OutputError(f"{out}: no such output directory")
     report = Report("diff", max_mismatches)
-    manifest, held = read_manifest(report, out)
+    checked = read_manifest(report, out)
+    manifest, held = checked.manifest, checked.held
     check_strays(report, out, manifest, held)
     model, revision, recorded_model = source_model(out, manifest, model)
     ckpt = open_source(model, revision, tuple(manifest.roles))
@@ -110,27 +97,29 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
     stop = "" if keep_going else (f"MODEL is not the checkpoint {out} was converted from ({src.path}); pass "
                                   f"that one, or --keep-going to compare byte for byte anyway")
     if not report.info["fingerprint_ok"]:
-        what = _what_differs(src, ckpt, out)
+        what = what_differs(src, ckpt, out)
         if stop:
             raise MismatchError(f"diff: {root}: {what}; {stop}")
         report.add_first(Problem("source", f"{what}: source fingerprint {ckpt.fingerprint[:16]}... vs the manifest's "
                            f"{src.fingerprint[:16]}..."))
+    elif src.files != ckpt.files:  # issue 52 V: the fingerprint holds, so the manifest's shard list was edited
+        report.add(Problem("manifest", f"source.files: {what_differs(src, ckpt, out)}; the manifest was edited"))
     stream = SourceStream.of(ckpt, download_dir)  # a source on the Hub: its shards stream from here on
     for name in src.side_files:
         a = _read(out / name, False)
         if a is None or a != _read(stream.side(name), True):
             report.add(Problem("file", f"{name}: not a byte-identical copy of the source's {name}", file=name))
-    rules = check_manifest_rules(report, manifest, ckpt.config)
+    rules = checked.expected
     stats = {"rank_tensors": 0, "source_tensors": 0, "rank_bytes": 0, "source_bytes": 0, "source_bytes_read": 0,
              "pad_bytes": 0}
     if rules is None:
         _finish(report, stats, t0)
         return report
-    specs: dict[str, list[list[TensorSpec]]] = rules["specs"]
-    entries = rules["entries"]
+    specs: dict[str, list[list[TensorSpec]]] = rules.specs
+    entries = rules.entries
     _check_accounting(report, ckpt, specs, manifest.dropped)
     _check_coverage(report, ckpt, specs)
-    files = open_files(report, out, manifest, held, check_size=False)
+    files = open_files(report, out, manifest, held)
     keys = list(dict.fromkeys(k for role in specs for s in specs[role][0] for k in s.sources() if k in ckpt.tensors))
     content = ContentCheck(report, ckpt, keys, src.content.files, stop)
     reader = ProofSourceReader(ckpt, content.digests)
@@ -255,6 +244,7 @@ def _plan_groups(manifest: Manifest, specs: dict, entries: dict, files: dict) ->
     """Work groups: the four routed-expert tensors of a layer go together (their source tensors lie
     together, expert by expert), every other tensor alone. Per group and rank, the usable members."""
     work = []
+    recorded = {(role, e.rank): e for role, ranks in manifest.roles.items() for e in ranks}
     for role, rank_specs in specs.items():
         groups: list[list[int]] = []
         for i, spec in enumerate(rank_specs[0]):
@@ -270,10 +260,10 @@ def _plan_groups(manifest: Manifest, specs: dict, entries: dict, files: dict) ->
                 members = []
                 for i in idx:
                     spec = specs_r[i]
-                    entry = manifest.rank(role, r)
+                    entry = recorded.get((role, r))
                     rec = entry.tensors.get(spec.name) if entry is not None else None
                     if rec is None:
-                        continue  # reported by the manifest check
+                        continue  # reported by the output check
                     info = replace(entries[role][r][spec.name], file=rec.file)
                     rf = files.get(rec.file)
                     if usable(rf, spec.name, info):  # else reported by the file checks

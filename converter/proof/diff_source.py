@@ -13,9 +13,11 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MismatchError, NoRoom
+from ..guarded_io import JSON_LIMIT, Refused, read_regular
 from ..spec.content import ContentDigests, checkpoint_digest, shard_digests
 from ..spec.dtypes import CONVERSIONS, InexactConversion, convert_bytes
 from ..spec.rules import DTYPE_SIZE
+from ..spec.manifest_types import Source
 from ..spec.source import Checkpoint
 from .rankfile import DirectFile, ProofBufferPool, byte_shape
 from ..units import size
@@ -206,6 +208,24 @@ class ChunkSources:
                     self._converted[(key, r0, r1)] = got
             return got
         return raw
+
+
+def what_differs(src: Source, ckpt: Checkpoint, out: Path) -> str:
+    """What makes the checkpoint's fingerprint (or its recorded shard list) differ from the manifest's, in words."""
+    was, now = src.files, ckpt.files
+    gone, new = sorted(set(was) - set(now)), sorted(set(now) - set(was))
+    if gone or new:
+        return f"its shards are others ({len(gone)} missing, {len(new)} not converted; first {(gone or new)[0]})"
+    resized = [n for n in sorted(now) if now[n] != was[n]]
+    if resized:
+        return f"shard {resized[0]} has {now[resized[0]]:,} bytes, the converted one had {was[resized[0]]:,}"
+    try:
+        ours = read_regular(out / "config.json", JSON_LIMIT)  # an output's copy: never through a link
+    except (OSError, Refused):
+        ours = None
+    if ours != ckpt.config_bytes:
+        return "its config.json differs from the one converted (OUT/config.json)"
+    return "its shard headers differ from the converted ones (same names and sizes)"
 
 
 class SourceStream:

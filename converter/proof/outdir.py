@@ -13,10 +13,10 @@ from ..errors import OutputError
 from ..guarded_io import Refused, Tree, naming
 from ..spec.dtypes import TORCH_DTYPE
 from ..spec.layouts import layout_by_name
-from ..spec.manifest import complete_problem
-from ..spec.manifest_types import Manifest, RankRecord, TensorRecord
+from ..spec.manifest_types import RankRecord, TensorRecord
 from ..spec.rules import DTYPE_SIZE
-from ..spec.share import describe, read_share
+from ..spec.output_check import check_output
+from ..spec.share import describe
 from ..spec.stheader import Header, HeaderError, read_header
 from .report import REPAIR
 
@@ -26,15 +26,13 @@ logger = logging.getLogger("lucifer_shard.output")
 class Output:
     """A lucifer-shard output directory, opened through its manifest."""
 
-    def __init__(self, root: Path, check_digest: bool = True, require_complete: bool = True):
+    def __init__(self, root: Path):
         self.root = Path(root)
         if not self.root.is_dir():
             raise OutputError(f"{root}: no such output directory")
-        self.manifest = Manifest.load(self.root, check_digest)
-        problem = complete_problem(self.root, self.manifest.conversion_id) if require_complete else None
-        if problem:
-            raise OutputError(f"{root}: {problem}")
-        share = read_share(self.root, self.manifest.conversion_id, self.manifest.tp_size)
+        checked = check_output(self.root)
+        self.manifest = checked.refuse()  # what verify refuses without hashing is refused here
+        share = checked.share
         if share is not None:  # every rank's output is summed: a node's share cannot be checked alone
             raise OutputError(f"{root} is a node's share ({describe(share)}): check-numerics sums every rank's "
                               f"output, so it needs the whole output; run it where convert wrote OUT (lucifer-shard "

@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..spec.manifest import REPAIR  # noqa: F401  (the report's fix of a whole output; spec/output_check's too)
+
 SHOW_TENSORS = 20  # tensors listed in the human report
-# The fix of a damaged rank file: the repair rewrites just the files that fail, from the source; only
-# a mix it cannot repair (a link, an entry it did not write) needs the whole conversion again.
-REPAIR = "run the same convert command with --resume (it rewrites just the damaged files), or convert --force"
 
 
 @dataclass

@@ -26,17 +26,17 @@ import numpy as np
 from blake3 import blake3
 from tqdm import tqdm
 
-from ..errors import LuciferError, OutputError
+from ..errors import OutputError
 from ..guarded_io import naming
-from ..spec.config import load_config
 from ..spec.layouts import layout_by_name
-from ..spec.manifest import copy_problems, file_digest
+from ..spec.manifest import file_digest
 from ..spec.manifest_types import FileRecord, Manifest, TensorRecord
+from ..spec.output_check import Expected
 from ..units import byte_bar, duration, rate, size
 from .pads import check_pads, check_scales, chunk_slices, is_scale, to_model
 from .rankfile import CHUNK_BYTES, HeaderTensor, RankFile, byte_shape, read_rows, row_chunks, scratch
-from .report import REPAIR, Problem, Report
-from .structure import check_manifest_rules, check_strays, is_replicated, open_files, read_manifest, usable
+from .report import Problem, Report
+from .structure import check_strays, is_replicated, open_files, read_manifest, usable
 
 logger = logging.getLogger("lucifer_shard.verify")  # -v: a line per rank file, -vv: per tensor
 
@@ -56,16 +56,9 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
     report = Report("verify", max_problems)
     if not out.is_dir():
         raise OutputError(f"{out}: no such output directory")
-    manifest, held = read_manifest(report, out)
+    checked = read_manifest(report, out)
+    manifest, held, expected = checked.manifest, checked.held, checked.expected
     report.info.update({"out": str(out), "conversion_id": manifest.conversion_id})
-    cfg = None
-    try:
-        cfg = load_config(out / "config.json", follow=False)
-    except LuciferError as e:
-        report.add(Problem("manifest", f"{e}; cannot check the manifest against the rule table", file="config.json"))
-    rules = check_manifest_rules(report, manifest, cfg) if cfg is not None else None
-    for name, problem in copy_problems(out, manifest, None if report.repair == REPAIR else report.repair):
-        report.add(Problem("file", problem, file=name))
     check_strays(report, out, manifest, held)
     files = open_files(report, out, manifest, held)
     total = sum(t.end - t.start for rf in files.values() for t in rf.tensors.values())
@@ -79,7 +72,7 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
     try:
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="verify") as pool:
             futs = [pool.submit(_verify_file, max_problems, rf, f, role, rank,
-                                _as_planned(manifest.rank(role, rank).tensors, rules, role, rank), bar, chunk_bytes)
+                                _as_planned(manifest.rank(role, rank).tensors, expected, role, rank), bar, chunk_bytes)
                     for role, rank, f, rf in jobs]
             for fut in futs:  # merged in manifest order: the report does not depend on thread timing
                 sub, file_digests, n, pads = fut.result()
@@ -101,11 +94,12 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
     return report
 
 
-def _as_planned(got: dict[str, TensorRecord], rules: dict | None, role: str, rank: int) -> dict[str, TensorRecord]:
-    """The rank's records with the rule table's planned fields (`check_manifest_rules`' entries): pads and
+def _as_planned(got: dict[str, TensorRecord], expected: Expected | None, role: str,
+                rank: int) -> dict[str, TensorRecord]:
+    """The rank's records with the rule table's planned fields (the output check's entries): pads and
     scales are read as the rule table lays them out, whatever an edited record says (that record is a
     finding already); digests stay as recorded."""
-    ranks = rules["entries"].get(role, []) if rules else []
+    ranks = expected.entries.get(role, []) if expected else []
     want = ranks[rank] if rank < len(ranks) else {}
     return {name: replace(r, **{k: getattr(want[name], k) for k in TensorRecord.PLANNED}) if name in want else r
             for name, r in got.items()}

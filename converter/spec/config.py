@@ -43,20 +43,20 @@ MXFP4_GROUP = 32
 # The type and range of every field the tool reads: integers are JSON integers (not 256.7, "256", true
 # or null), every number is bounded, so no derived size overflows or goes negative. Bounds are far
 # above V4-Flash (vocab 129280, hidden 4096, 43 layers, 64 heads, 256 experts) and far below absurd.
-_SIZE = Int(1, 1 << 20)
+SIZE = Int(1, 1 << 20)
 FIELD_TYPES = Obj({
     "model_type": Str(), "architectures": ListOf(Str(), max_len=16),
-    "vocab_size": Int(1, 1 << 24), "hidden_size": _SIZE, "num_hidden_layers": Int(1, 1024),
+    "vocab_size": Int(1, 1 << 24), "hidden_size": SIZE, "num_hidden_layers": Int(1, 1024),
     "num_nextn_predict_layers": Int(0, 16), "num_attention_heads": Int(1, 4096), "head_dim": Int(1, 1 << 16),
-    "q_lora_rank": _SIZE, "o_lora_rank": _SIZE, "o_groups": Int(1, 4096),
+    "q_lora_rank": SIZE, "o_lora_rank": SIZE, "o_groups": Int(1, 4096),
     "compress_ratios": ListOf(Int(0, 1 << 16), max_len=1040), "index_n_heads": Int(1, 4096),
-    "index_head_dim": Int(1, 1 << 16), "hc_mult": Int(1, 64), "moe_intermediate_size": _SIZE,
+    "index_head_dim": Int(1, 1 << 16), "hc_mult": Int(1, 64), "moe_intermediate_size": SIZE,
     "n_routed_experts": Int(1, 1 << 16), "num_experts_per_tok": Int(1, 1 << 16), "n_shared_experts": Int(1, 64),
     "num_hash_layers": Int(0, 1024), "swiglu_limit": Num(0, 1e6),
     "quantization_config": Obj({"quant_method": Str(), "weight_block_size": ListOf(Int(1, 1 << 16), max_len=4)}),
 }, optional={"expert_dtype": Str(), "n_mtp_layers": Int(1, 16), "dspark_block_size": Int(1, 64),
               "dspark_noise_token_id": Int(0, 1 << 24), "dspark_target_layer_ids": ListOf(Int(0, 1023), 1, 16),
-              "dspark_markov_rank": _SIZE, "enable_confidence_head": Bool()})
+              "dspark_markov_rank": SIZE, "enable_confidence_head": Bool()})
 
 
 @dataclass(frozen=True)

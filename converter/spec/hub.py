@@ -232,7 +232,7 @@ class DownloadFolder:
         self.seconds = 0.0
 
     def marker(self) -> dict:
-        return {"format": "lucifer-shard-download", "repo": self.repo.repo, "commit": self.repo.commit}
+        return {"format": "lucifer-shard-download", "hf": f"{self.repo.repo}@{self.repo.commit}"}
 
     def claim(self) -> None:
         """Make the folder (or take over this download's), refusing one that holds anything else."""
@@ -244,8 +244,7 @@ class DownloadFolder:
             except (ValueError, UnicodeDecodeError):
                 theirs = None
             if theirs != self.marker():
-                what = (f"{theirs.get('repo')} at {str(theirs.get('commit'))[:12]}" if isinstance(theirs, dict)
-                        else "an unreadable marker")
+                what = str(theirs.get("hf"))[:80] if isinstance(theirs, dict) else "an unreadable marker"
                 raise SourceError(f"{self.root}: a download folder of {what}, not of {self.repo.repo} at "
                                   f"{self.repo.commit[:12]}; choose another --download-dir (or empty this one)")
         elif entries:

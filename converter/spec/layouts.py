@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from .arches import ARCHES, ARCH_TABLE
+
+if TYPE_CHECKING:
+    from .manifest import Options
 
 # Bump when any primitive's byte layout changes: files written with another version must be refused.
 LAYOUT_VERSION: int = 1
@@ -378,3 +381,9 @@ def expert_layout(arch: str | None, expert_layout: str, flashinfer_layout: str, 
             raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(map(str, allowed))}")
     steps = KERNEL_STEPS[(arch, flashinfer_layout)][tensor] if expert_layout == "kernel" else ()
     return layout_by_name("+".join(steps) or MODEL)
+
+
+def tensor_layouts(options: Options) -> dict[str, Layout]:
+    """The layout of each routed-expert tensor for these options."""
+    return {t: expert_layout(options.arch, options.expert_layout, options.flashinfer_layout, t)
+            for t in EXPERT_TENSORS}

@@ -51,6 +51,9 @@ FORK_BUILDS = "mlow/vllm (45c1582e9, cece381c4, 81564374e)"  # runtime_shim/comp
 # from spec/arches.py. serve, doctor and the manifest's runtime record all read this one table.
 STOCK_BACKENDS = {a: ARCH[a].backends("model") for a in ARCHES}
 ANY_GPU = "the serving GPU's (serve picks them)"
+# The fix of a damaged rank file: the repair rewrites just the files that fail, from the source; only a mix it
+# cannot repair (a link, an entry it did not write) needs the whole conversion again (a share: share.SHARE_REPAIR).
+REPAIR = "run the same convert command with --resume (it rewrites just the damaged files), or convert --force"
 
 
 def stock_backends(arch: str | None, expert_layout: str = "model", moe_backend: str | None = None
@@ -363,7 +366,7 @@ def copy_problems(out: Path, m: Manifest, fix: str | None = None) -> list[tuple[
         path = Path(out) / name
         card = name == CARD_NAME
         back = fix or ("run the same convert command with --resume (it writes the card again)" if card else
-                       f"copy the source's {name} back or re-run convert --force")
+                       f"copy the source's {name} back, or run the same convert command with --resume")
         try:
             data = read_regular(path, JSON_LIMIT)
         except FileNotFoundError:

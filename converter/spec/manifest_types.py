@@ -287,9 +287,14 @@ class Manifest:
                               f"after conversion; re-run convert --force")
         return m
 
-    def rank(self, role: str, rank: int) -> RankRecord | None:
-        """`role`'s entry of TP rank `rank` (by its `rank` field), None when the manifest lists none."""
-        return next((e for e in self.roles.get(role, ()) if e.rank == rank), None)
+    def rank(self, role: str, rank: int) -> RankRecord:
+        """`role`'s entry of TP rank `rank` (by its `rank` field); OutputError naming it when the manifest
+        lists none (spec/output_check refuses such a manifest before any reader asks)."""
+        entry = next((e for e in self.roles.get(role, ()) if e.rank == rank), None)
+        if entry is None:
+            raise OutputError(f"{MANIFEST_NAME}: lists no {role} entry for TP rank {rank} of {self.tp_size}: the "
+                              f"manifest was edited; lucifer-shard verify OUT names every problem")
+        return entry
 
     def files(self, ranks: list[int] | None = None) -> list[tuple[str, int, FileRecord]]:
         """(role, rank, file) for every rank file listed (of `ranks` only, when given)."""

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SourceError
+from .config import SIZE
 from .config import V41_MODEL_TYPE as MODEL_TYPE
+from .schema import Int, ListOf, Null, Obj, SchemaError, Where, check
 from .plan import HEADS_ALIGN, MAX_TP, ROUTED_ALIGN, SHARED_ALIGN, VOCAB_ALIGN, KERNEL_ALIGN, _virtual_axis, align_up
 
 BLOCK = 32  # FP8 weight_block_size [32, 32] (V4: 128)
@@ -46,14 +48,34 @@ class RankBytes:
         return sum(self.gpu.values())
 
 
+def _divides(heads_groups: dict[str, Any]) -> str | None:
+    h, g = heads_groups["num_attention_heads"], heads_groups["o_groups"]
+    return None if h % g == 0 else f"num_attention_heads {h} does not divide into o_groups {g}"
+
+
+# Every field the sizing reads, typed and bounded like V4's config.FIELD_TYPES (V4.1-Flash: hidden 5120,
+# 384 experts, two Engram tables of ~3.8e8 rows): a field outside is a one-line refusal, never a
+# negative size or a ZeroDivisionError.
+TEXT_FIELDS = Where(Obj({
+    "vocab_size": Int(1, 1 << 24), "hidden_size": SIZE, "moe_intermediate_size": SIZE,
+    "num_hidden_layers": Int(1, 1024), "num_attention_heads": Int(1, 4096), "head_dim": Int(1, 1 << 16),
+    "q_lora_rank": SIZE, "o_lora_rank": SIZE, "o_groups": Int(1, 4096), "n_routed_experts": Int(1, 1 << 16),
+    "engram_num_embeddings": ListOf(Int(1, 1 << 40), max_len=64), "engram_head_dim": Int(1, 1 << 16),
+    "hc_mult": Int(1, 64), "dspark_n_routed_experts": Int(1, 1 << 16), "dspark_markov_rank": SIZE,
+}, optional={"n_shared_experts": Int(1, 64), "engram_layer_ids": ListOf(Int(0, 1023), max_len=1024)}), _divides)
+VISION_FIELDS = Obj({}, optional={"num_hidden_layers": Int(0, 1024), "hidden_size": Int(0, 1 << 20),
+                                  "intermediate_size": Int(0, 1 << 20)})
+FIELDS = Obj({"text_config": TEXT_FIELDS}, optional={"vision_config": Null(VISION_FIELDS)})
+
+
 def _text(raw: dict[str, Any], where: str) -> dict[str, Any]:
-    text = raw.get("text_config")
-    need = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "n_routed_experts", "engram_num_embeddings",
-            "engram_head_dim", "hc_mult", "dspark_n_routed_experts", "dspark_markov_rank")
-    if not isinstance(text, dict) or any(not isinstance(text.get(k), (int, list)) for k in need):
-        raise SourceError(f"{where}: a DeepSeek-V4.1 config needs text_config with {', '.join(need)}")
-    return text
+    """`text_config`, once every field the sizing reads is typed and in range (FIELDS); SourceError otherwise."""
+    try:
+        check(FIELDS, raw)
+    except SchemaError as e:
+        raise SourceError(f"{where}: field {e}; a DeepSeek-V4.1 config's fields are as in its published config.json") \
+            from None
+    return raw["text_config"]
 
 
 def rank_bytes(raw: dict[str, Any], tp: int, where: str = "config.json") -> RankBytes:
