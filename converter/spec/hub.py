@@ -180,18 +180,20 @@ def cached_snapshot(repo: HubRepo, names: list[str]) -> Path | None:
 
 
 def download_resumed(repo: str, commit: str, name: str, tree: Tree, rel: str, size: int,
-                     report: Callable[[int], None], sync: bool = False) -> None:
+                     report: Callable[[int], None], sync: bool = False) -> str | None:
     """File `name` of `repo` at `commit` into `tree`'s `rel`, continuing the bytes a stopped run left there
     with a Range request, through huggingface_hub's own `http_get(resume_size=)` (its URL, headers,
     retries and range handling); `report(n)` gets the bytes as they come (those already there first).
     Not `hf_hub_download(local_dir=)`: huggingface_hub 2.4.0 writes each download to a process-unique
     `<etag>.<uuid>.incomplete` opened "wb" (file_download.py `_download_to_tmp_and_move`), so a killed run
-    would start the file again from byte 0. `sync`: flushed to the disk (for a file published by a link)."""
+    would start the file again from byte 0. `sync`: flushed to the disk (for a file published by a link).
+    Returns the file's SHA-256, hashed as its bytes were written (no second read), or None where
+    http_get rewound the file (a server that ignored the range): then the caller hashes it."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
-    def get() -> None:
+    def get() -> str | None:
         headers = build_hf_headers()
         location = get_hf_file_metadata(hf_hub_url(repo, name, revision=commit), headers=headers).location
         with os.fdopen(tree.open_own(rel, os.O_RDWR), "r+b") as f:
@@ -199,14 +201,43 @@ def download_resumed(repo: str, commit: str, name: str, tree: Tree, rel: str, si
             if have > size:  # not a start of this file: begin again
                 have = f.seek(0)
                 f.truncate()
+            out = _Hashing(f, have)
             report(have)
             if have < size:
-                http_get(location, f, resume_size=have, headers=headers, expected_size=size, displayed_filename=name,
+                http_get(location, out, resume_size=have, headers=headers, expected_size=size, displayed_filename=name,
                          tqdm_class=_bar(report))
             if sync:
                 f.flush()
                 os.fsync(f.fileno())
-    _guarded(repo, commit, name, get)
+            return out.sha.hexdigest() if out.whole else None
+    return _guarded(repo, commit, name, get)
+
+
+class _Hashing:
+    """The file http_get writes into, hashing (SHA-256) the bytes already there and each write, so a
+    download is checked without reading it again; a seek or truncate (http_get rewinds when a server
+    ignored the range) leaves the hash incomplete (`whole` False)."""
+
+    def __init__(self, f, have: int):
+        self.f, self.sha, self.whole = f, hashlib.sha256(), True
+        f.seek(0)
+        while f.tell() < have and (chunk := f.read(min(HASH_BLOCK, have - f.tell()))):
+            self.sha.update(chunk)
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def seek(self, *args: int) -> int:
+        self.whole = False
+        return self.f.seek(*args)
+
+    def truncate(self, *args: int) -> int:
+        self.whole = False
+        return self.f.truncate(*args)
 
 
 def _sha256(path: Path) -> str:
@@ -259,15 +290,16 @@ class DownloadFolder:
         removed and named."""
         remote = self.repo.get(name)
         st = self.tree.lstat(name)
+        sha = None
         if st is None or st.st_size != remote.size:
             t0 = time.perf_counter()
-            download_resumed(self.repo.repo, self.repo.commit, name, self.tree, name, remote.size, self.report)
+            sha = download_resumed(self.repo.repo, self.repo.commit, name, self.tree, name, remote.size, self.report)
             took = time.perf_counter() - t0
             self.seconds += took
             self.downloaded += remote.size - (st.st_size if st is not None else 0)
             logger.info("%s: downloaded, %d bytes in %.1f s", name, remote.size, took)
         t0 = time.perf_counter()
-        if remote.sha256 is not None and _sha256(self.tree.path(name)) != remote.sha256:
+        if remote.sha256 is not None and (sha or _sha256(self.tree.path(name))) != remote.sha256:
             self.remove(name)
             raise SourceError(f"{name} of {self.repo.repo} at {self.repo.commit[:12]}: its bytes do not have the "
                               f"SHA-256 the Hub publishes for it ({remote.sha256[:16]}...); removed. The download "
