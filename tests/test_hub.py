@@ -360,3 +360,24 @@ def test_plan_counts_the_download_where_it_lands(ckpts, hub, tmp_path):
     whole = sum(p.stat().st_size for p in (ckpts / "model").glob("*.safetensors"))
     room = kept["download_room"] or kept["footprint"]["room"]
     assert room["download_bytes"] >= whole
+
+
+def test_resume_repairs_a_streamed_output_from_the_hub(ckpts, hub, tmp_path):
+    """convert --resume on a finished output read from the Hub: the damaged rank file and copy are written
+    again from the shards that part reads (streamed again), every other file kept."""
+    out = tmp_path / "out"
+    cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub)
+    manifest = json.loads((out / "lucifer-manifest.json").read_text())
+    entry = manifest["roles"]["target"]["ranks"][1]["files"][-1]
+    damaged = out / entry["path"]
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    (out / "generation_config.json").write_text("{}")
+    n = len(weight_requests(hub))
+    r = cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, "--resume", hub=hub)
+    assert "repaired" in r.stdout and entry["path"] in r.stdout
+    same_conversion(out, ckpts / "disk")
+    fetched = {q.path for q in weight_requests(hub)[n:]}
+    assert fetched and len(fetched) < len(list((ckpts / "model").glob("*.safetensors")))
+    assert not (out / ".lucifer" / "download").exists()

@@ -108,7 +108,7 @@ def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) 
 
 
 def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str, dict], workers: int,
-                   progress: bool) -> Summary:
+                   progress: bool, download_dir: Path | None, keep_source: bool) -> Summary:
     """--resume on an output whose manifest is this job's: re-check every file against it and write
     again, from the source, only what fails (`repair`). COMPLETE goes first and comes back last, so
     a repair stopped part-way is an unfinished output that the next --resume finishes."""
@@ -116,8 +116,9 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
     summary = Summary(out, job.cid)
     planned = planned_files(job)
     left: list[int] = [e["bytes"] for e in planned.values()]  # until the survey says what is damaged
+    feed = None
     try:
-        rep = survey(out, manifest, job.ckpt.root, job.written_ranks)
+        rep = survey(out, manifest, job.ckpt.root if job.on_disk else None, job.written_ranks)
         summary.files_resumed = len(rep.entries) - len(rep.damaged)
         record = read_json(tree, RECORD_REL)
         record_ok = isinstance(record, dict) and record.get("conversion_id") == job.cid
@@ -130,12 +131,18 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
                                                 if removed else ""))
             return summary
         todo = rep.parts(job)
+        if not job.on_disk and not keep_source:  # the damaged parts' shards streamed, as a conversion's
+            ranks_of = {id(part): ranks for part, ranks in todo}
+            parts = stream_order([part for part, _ in todo], job_files(job, [part for part, _ in todo]), job.ckpt.files)
+            todo = [(part, ranks_of[id(part)]) for part in parts]
+        feed = SourceFeed(job, out, [part for part, _ in todo], download_dir, keep_source)
         left = [planned[rel]["bytes"] for rel in rep.damaged] + [sum(len(journal_line(planned[rel]))
                                                                    for rel in rep.damaged)]
         left += [manifest.copies[name].bytes for name in rep.copies] + [len(job.cid) + 1]
         if not record_ok:
             left.append(len(record_text(conversion_record(job)).encode()))
         check_room(out, left, partial_bytes(out, job), "run the same command with --resume")
+        feed.check_room(left, partial_bytes(out, job), "run the same command with --resume")
         remove_partials(out, job)  # the tool's own temporaries of a stopped run, not the output
         changed = False
 
@@ -149,7 +156,9 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
                 if not record_ok:  # what --force may delete, listed again
                     tree.write_bytes(RECORD_REL, record_text(conversion_record(job)).encode())
         with WriteLoop(job, out, todo, "repair", workers, progress, summary) as loop:
-            for part, ranks in todo:
+            feed.start(loop.bar)
+            for i, (part, ranks) in enumerate(todo):
+                feed.before(i)
                 for rank in ranks:
                     tree.make_dirs(rank_dir(part.role, rank))
                 rel = part_path(part.role, ranks[0], part.index)
@@ -160,6 +169,7 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
                     begin()
 
                 loop.write(part, ranks, source_digests(job, [part]), check)
+                feed.after(i)
                 logger.info("%s part %d: rewrote rank(s) %s", part.role, part.index, ", ".join(map(str, ranks)))
         begin()  # only copies or the record to rewrite: no part's check ran
         for name in rep.copies:
@@ -170,10 +180,17 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
                      + [COMPLETE_NAME])
         summary.notes.append(f"repaired: rewrote {', '.join(rewritten[:5])}{' ...' if len(rewritten) > 5 else ''}; "
                              f"every other file matched the manifest and was kept")
+        feed.finish()
         return summary
     except OSError as e:
         raise _os_fault(e, out, left, planned) from None
+    except BaseException:
+        if feed is not None:
+            feed.close(wait=False)  # Ctrl-C, SIGTERM, a refused source: leave now
+        raise
     finally:
+        if feed is not None:
+            feed.close()
         job.ckpt.close()
 
 
@@ -192,7 +209,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     manifest = reference(tree, job) if resume else None  # a finished output of this job: repair it
     journaled = check_out(out, job, resume, force, repair=manifest is not None)
     if manifest is not None:
-        return _repair_locked(job, out, manifest, journaled, workers, progress)
+        return _repair_locked(job, out, manifest, journaled, workers, progress, download_dir, keep_source)
     clearing = plan_clearing(tree) if force else None
     if clearing is not None:
         clearing.refuse_foreign(out)

@@ -136,6 +136,7 @@ class SourceFeed:
         its daemon thread with it (the next run continues the file where it stopped)."""
         if self._downloads is not None:
             self._downloads.stop(wait)
+            self._downloads = None
 
     def summary(self) -> str | None:
         if self.folder is None or not self.folder.downloaded:

@@ -72,14 +72,15 @@ def manifest_entries(manifest: Manifest, held: list[int] | None = None) -> tuple
     return entries, content
 
 
-def survey(out: Path, manifest: Manifest, source_root: Path, held: list[int] | None = None) -> Repair:
+def survey(out: Path, manifest: Manifest, source_root: Path | None, held: list[int] | None = None) -> Repair:
     """Re-check every file of OUT against `manifest` (one hashing pass over each rank file; a node's
     convert: of its `held` ranks). A damaged copy is refused when the source's own file is not the one
-    converted."""
+    converted (`source_root` None: a source on the Hub at the recorded commit, whose files are those
+    converted by their published identity, and not on disk yet)."""
     entries, content = manifest_entries(manifest, held)
     damaged = [rel for rel, entry in entries.items() if not part_valid(out, entry)]
     bad_copies = sorted({name for name, _ in copy_problems(out, manifest)})
-    if bad_copies:
+    if bad_copies and source_root is not None:
         now = copies(source_root, follow=True)
         for name in (n for n in bad_copies if n != CARD_NAME):  # the card is written again, not copied
             if now.get(name) != manifest.copies.get(name):
