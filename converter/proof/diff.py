@@ -48,7 +48,7 @@ from tqdm import tqdm
 from ..errors import MismatchError, OutputError
 from ..guarded_io import JSON_LIMIT, Refused, read_regular
 from ..spec.manifest import source_model
-from ..spec.manifest_types import Manifest, Source, TensorRecord
+from ..spec.manifest_types import Manifest, TensorRecord
 from ..spec.rules import DTYPE_SIZE, TensorSpec
 from ..spec.source import Checkpoint, open_source
 from ..units import byte_bar, duration, rate, size

@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
