@@ -32,8 +32,7 @@ from ..spec.plan import padding_only
 from ..spec.share import NodeShare
 from ..units import size
 from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, write_failed
-from ..spec.streaming import stream_order
-from .feed import DOWNLOAD_REL, SourceFeed, job_files
+from .feed import DOWNLOAD_REL, SourceFeed
 from .job import Job, part_keys, planned_paths, prepare
 from .manifest_writer import build_manifest, write_manifest
 from .nodeshare import SHARE_NAME, share_problem, write_share
@@ -130,12 +129,9 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
                                                 f"({', '.join(removed[:3])}{' ...' if len(removed) > 3 else ''})"
                                                 if removed else ""))
             return summary
-        todo = rep.parts(job)
-        if not job.on_disk and not keep_source:  # the damaged parts' shards streamed, as a conversion's
-            ranks_of = {id(part): ranks for part, ranks in todo}
-            parts = stream_order([part for part, _ in todo], job_files(job, [part for part, _ in todo]), job.ckpt.files)
-            todo = [(part, ranks_of[id(part)]) for part in parts]
-        feed = SourceFeed(job, out, [part for part, _ in todo], download_dir, keep_source)
+        ranks_of = {id(part): ranks for part, ranks in rep.parts(job)}
+        feed = SourceFeed(job, out, [part for part, _ in rep.parts(job)], download_dir, keep_source)
+        todo = [(part, ranks_of[id(part)]) for part in feed.order]  # a streamed source's order, as a conversion's
         left = [planned[rel]["bytes"] for rel in rep.damaged] + [sum(len(journal_line(planned[rel]))
                                                                    for rel in rep.damaged)]
         left += [manifest.copies[name].bytes for name in rep.copies] + [len(job.cid) + 1]
@@ -216,10 +212,9 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     summary = Summary(out, job.cid)
     by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
     results = _kept_parts(job, out, journaled, by_name) if journaled else {}
-    todo = [p for p in job.parts if part_path(p.role, 0, p.index) not in results]
-    if not job.on_disk and not keep_source:
-        todo = stream_order(todo, job_files(job, todo), job.ckpt.files)
-    feed = SourceFeed(job, out, todo, download_dir, keep_source)
+    feed = SourceFeed(job, out, [p for p in job.parts if part_path(p.role, 0, p.index) not in results], download_dir,
+                      keep_source)
+    todo = feed.order
     summary.files_resumed = sum(map(job.writes, results))  # a node's convert journals other ranks too
     # Nothing in OUT has changed yet: check the room first, counting what this run removes.
     planned = planned_files(job)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..spec.manifest import STATE_DIR
 from ..spec.source import download_whole
-from ..spec.streaming import peak_bytes
+from ..spec.streaming import peak_bytes, stream_order
 from ..units import rate, size
 from .diskspace import check_room, existing, filesystem
 from .job import Job, Part, part_keys
@@ -49,20 +49,22 @@ def job_files(job: Job, parts: list[Part]) -> dict[int, list[str]]:
 
 
 class SourceFeed:
-    """The route of `job`'s source (module docstring) over the parts `order` writes."""
+    """The route of `job`'s source (module docstring) over `parts`, which it writes in `order` (streamed:
+    the one that holds fewest shards at once; else as given)."""
 
-    def __init__(self, job: Job, out: Path, order: list[Part], download_dir: Path | None, keep: bool):
-        self.job, self.out, self.order = job, Path(out), order
+    def __init__(self, job: Job, out: Path, parts: list[Part], download_dir: Path | None, keep: bool):
+        self.job, self.out = job, Path(out)
         self.keep = keep and job.ckpt.hub is not None
         self.stream = job.ckpt.hub is not None and not keep
+        self.order = stream_order(parts, job_files(job, parts), job.ckpt.files) if self.stream else list(parts)
         self.root = Path(download_dir) if download_dir is not None else self.out / DOWNLOAD_REL
         self.folder = None
         self.bar = None
         self._downloads: _Downloads | None = None
         self.started = time.perf_counter()
         self._done = 0  # bytes downloaded, for the progress line
-        self._needed = {f: i for i, p in enumerate(order) for f in part_files(job, p)} if self.stream else {}
-        self.peak = (peak_bytes(order, job_files(job, order), job.ckpt.files) + sum(job.ckpt.side.values())
+        self._needed = {f: i for i, p in enumerate(self.order) for f in part_files(job, p)} if self.stream else {}
+        self.peak = (peak_bytes(self.order, job_files(job, self.order), job.ckpt.files) + sum(job.ckpt.side.values())
                      if self.stream else 0)
 
     def to_download(self) -> int:
