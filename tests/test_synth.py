@@ -172,3 +172,24 @@ def test_the_preset_bytes_synth_names_are_what_it_writes(tmp_path, preset):
     written = sum(p.stat().st_size for p in out.iterdir())
     assert 0 <= preset_bytes(preset) - written <= 64 << 10 << 1, (preset_bytes(preset), written)
     assert f"writes {size(preset_bytes(preset))}" in CliRunner().invoke(cli, ["synth", "--help"]).stdout
+
+
+@pytest.mark.parametrize("preset, layers, reads", [("flash-0731-layer", 2, [0, 1]), ("flash-0731-layer", None, [0]),
+                                                   ("flash-0731-layer", 5, [2, 3, 4]), ("dspark", 2, [0, 1])])
+def test_a_truncated_dspark_drafter_reads_the_last_decoder_layers(preset, layers, reads):
+    """flash-0731-layer (the GPU runs' Flash geometry with 0731's DSpark drafter, too large to write here):
+    its schema at Flash size, three DSpark stages with all 256 experts; a truncated decoder's drafter reads
+    its last layers, as 0731's reads layers 40-42 of 43, so vLLM's aux-state capture stays inside it."""
+    from lucifer_shard.engine.presets import preset_bytes, preset_config
+    from lucifer_shard.spec.config import DSPARK, parse_config
+
+    raw = preset_config(preset, layers)
+    cfg = parse_config(raw, preset)
+    assert raw["dspark_target_layer_ids"] == reads and cfg.draft_kind == DSPARK
+    assert len(raw["compress_ratios"]) == cfg.num_layers + 3  # the three stages keep their ratios
+    if preset == "flash-0731-layer":
+        want = expected_sources(cfg)
+        assert (cfg.hidden_size, cfg.n_experts, raw["dspark_markov_rank"]) == (4096, 256, 256)
+        assert "mtp.2.ffn.experts.255.w2.weight" in want and f"layers.{cfg.num_layers}.attn_norm.weight" not in want
+        # three Flash-size stages where flash-layer has one MTP layer
+        assert preset_bytes(preset, 2) - preset_bytes("flash-layer", 2) > 2 * 3 << 30

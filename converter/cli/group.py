@@ -427,9 +427,10 @@ class SizedPresets(click.Command):
 
 
 @cli.command(cls=SizedPresets)
-@click.argument("preset", type=click.Choice(["tiny", "flash-layer", "flash-moe", "forward", "dspark"]))
+@click.argument("preset", type=click.Choice(["tiny", "flash-layer", "flash-moe", "forward", "dspark",
+                                                   "flash-0731-layer"]))
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--layers", type=click.IntRange(1, 64), default=None, help="Decoder layers (flash-layer: default 1).")
+@click.option("--layers", type=click.IntRange(1, 64), default=None, help="Decoder layers (flash-layer, flash-0731-layer: default 1).")
 @click.option("--fill", type=click.Choice(list(FILLS)), default=DEFAULT_FILL, show_default=True,
               help="; ".join(f"{name}: {what}" for name, what in FILLS.items()) + ".")
 @click.option("--seed", type=click.IntRange(0, (1 << 32) - 1), default=0, show_default=True)
@@ -454,6 +455,9 @@ def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_m
     dspark       tiny's target with DeepSeek-V4-Flash-0731's draft: a three-stage DSpark
                  drafter (context projection, Markov rank 64, confidence head) under mtp.*;
                  writes {dspark}
+    flash-0731-layer  flash-layer's dimensions with DeepSeek-V4-Flash-0731's config and its
+                 three-stage DSpark drafter at Flash size (Markov rank 256), reading the last
+                 (up to three) decoder layers; writes {flash_0731_layer} at --layers 1
     (with the draft; --no-mtp writes less)
     """
     from ..engine.synth import synth as run

@@ -21,7 +21,11 @@ PRESETS = {
     # tiny's target with DeepSeek-V4-Flash-0731's draft: a three-stage DSpark drafter (the 0731 config's
     # dspark_* keys, 0731's stale num_nextn_predict_layers 1) reading target layers 1-3, Markov rank 64
     "dspark": "dspark.json",
+    # flash-layer's exact Flash dimensions with DeepSeek-V4-Flash-0731's config and draft: the three-stage
+    # DSpark drafter at Flash size (Markov rank 256), for GPU runs of the drafter's real shapes
+    "flash-0731-layer": "deepseek-v4-flash-0731.json",
 }
+TRUNCATED_BY_DEFAULT = ("flash-layer", "flash-0731-layer")  # 1 decoder layer unless --layers says more
 MAX_SHARD_BYTES = 1 << 30
 MIN_SHARDS = 4  # a small checkpoint's shards (synth --shards: more, for streaming from a Hub stand-in)
 # A bound on a shard's safetensors header per tensor (its name, dtype, shape and offsets as JSON, the
@@ -31,11 +35,12 @@ JSON_FILES_BYTES = 64 << 10
 
 
 def preset_config(preset: str, layers: int | None = None, mtp: bool = True) -> dict:
-    """The config dict of a preset; `layers` truncates the decoder (flash-layer), `mtp=False` drops MTP."""
+    """The config dict of a preset; `layers` truncates the decoder (flash-layer), `mtp=False` drops the draft.
+    A DSpark drafter of a truncated decoder reads its last layers, as 0731's reads layers 40-42 of 43."""
     if preset not in PRESETS:
         raise LuciferError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     raw = json.loads(resources.files("lucifer_shard.configs").joinpath(PRESETS[preset]).read_text())
-    if preset == "flash-layer" and layers is None:
+    if preset in TRUNCATED_BY_DEFAULT and layers is None:
         layers = 1
     if layers is not None:
         n, ratios = raw["num_hidden_layers"], raw["compress_ratios"]
@@ -44,6 +49,9 @@ def preset_config(preset: str, layers: int | None = None, mtp: bool = True) -> d
         raw["compress_ratios"] = ratios[:layers] + ratios[n:]
         raw["num_hidden_layers"] = layers
         raw["num_hash_layers"] = min(raw["num_hash_layers"], layers)
+        if "dspark_target_layer_ids" in raw:
+            reads = min(len(raw["dspark_target_layer_ids"]), layers)
+            raw["dspark_target_layer_ids"] = list(range(layers - reads, layers))
     if not mtp:
         raw["compress_ratios"] = raw["compress_ratios"][: raw["num_hidden_layers"]]
         raw["num_nextn_predict_layers"] = 0

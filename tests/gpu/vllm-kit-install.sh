@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device side of tools/gpu-vllm-kit.sh. Each call that carries a .vllmkitN/ folder runs this first:
+# Device side of tools/gpu-vllm-kit.sh. Each call that carries a .vllmkit*/ folder runs this first:
 # its piece is kept in KIT (/tmp survives between calls while the machine stays warm, ~30 s). When
 # every piece is there and the whole matches SHA256, the site-packages tree is unpacked into SITE
 # once, this checkout is installed into it (--no-deps; nothing is downloaded) and a `vllm` command
@@ -9,12 +9,13 @@ set -euo pipefail
 KIT=${LUCIFER_VLLM_KIT:-/tmp/vllmkit}
 SITE=${LUCIFER_VLLM_SITE:-/tmp/vllm-site}
 mkdir -p "$KIT"
-for d in .vllmkit[0-9]*/; do [ -d "$d" ] && cp -n "$d"* "$KIT"/ 2>/dev/null || true; done
+# .vllmkitN/ (0.33.0) or .vllmkit-<version>-N/
+for d in .vllmkit*/; do [ -d "$d" ] && cp -n "$d"* "$KIT"/ 2>/dev/null || true; done
 if [ ! -f "$SITE/.ready" ]; then
   [ -f "$KIT/PIECES" ] || { echo "vllm-kit: have $(ls "$KIT" | tr '\n' ' '); the last piece (PIECES, SHA256) is missing" >&2; exit 3; }
   n=$(cat "$KIT/PIECES")
   for i in $(seq 0 $((n - 1))); do
-    [ -f "$KIT/site.tar.xz.$i" ] || { echo "vllm-kit: piece $i of $n is missing; carry .vllmkit$((i + 1))" >&2; exit 3; }
+    [ -f "$KIT/site.tar.xz.$i" ] || { echo "vllm-kit: piece $i of $n is missing; carry the kit's folder $((i + 1))" >&2; exit 3; }
   done
   got=$(cat $(seq -f "$KIT/site.tar.xz.%g" 0 $((n - 1))) | sha256sum | cut -d' ' -f1)
   [ "$got" = "$(cat "$KIT/SHA256")" ] || { echo "vllm-kit: sha256 $got != $(cat "$KIT/SHA256"): rebuild the kit" >&2; exit 1; }

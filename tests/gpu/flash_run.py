@@ -1,0 +1,420 @@
+"""The Flash geometry on vLLM 0.34.0 on one GPU (docs/gpu-validation.md §10, issue 55): `synth flash-0731-layer
+--layers 2` (the real Flash dimensions: hidden 4096, 64 heads, 256 experts of 2048, vocabulary 129,280, and
+DeepSeek-V4-Flash-0731's three-stage DSpark drafter at that size) converted at TP1 and TP3 in model layout,
+served by stock vLLM 0.34.0's GPU model with its own SM90 kernels (Marlin MoE, FlashMLA sparse attention,
+DeepGEMM FP8 linears; no FlashInfer) against `vllm serve` on the checkpoint.
+
+    LUCIFER_FLASHINFER=none LUCIFER_RUN=tests/gpu/flash_run.py bash tests/gpu/serve-run.sh --phases ...
+
+Servers of TP > 1 on one GPU take tests/gpu/tp_run.py's replacements (gloo, device 0, eager; its docstring
+says why each); `--gpus 3` on three GPUs takes none. Phases (each recorded in WORK/results.json as it ends;
+a later call on the warm machine continues with the phases still missing):
+
+    probe     as the serving run's (versions; vLLM's extensions and DeepSeek-V4's NVIDIA model import)
+    prepare   the checkpoint; TP1 rank files (with the draft where the disk has room for it) and TP3 rank
+              files with the draft, converted at once; a hard-linked copy of the TP3 files whose rank-1
+              part holding FLIP_TENSOR is a real copy with one expert byte flipped; three `stage`d node
+              shares of the TP3 files (hard links)
+    tp        at once, eager: vLLM TP1 and TP2 on the checkpoint (TP2: vLLM's own TP noise), TP1 and TP3
+              rank files
+    graphs    at once: vLLM TP1 and TP1 rank files with vLLM's default compilation and CUDA graphs; TP3 rank
+              files with the DSpark draft; the flipped TP3 copy under verify=full (must refuse to start)
+    nodes     three `lucifer-shard serve --nnodes 3 --node-rank R --master-addr 127.0.0.1` processes, each
+              on its own share (node 0 answers); a node given another node's share (refused at preflight);
+              TP1 rank files with the DSpark draft, where prepared (with the graphs phase's servers, at once,
+              on a GPU of more than 120 GiB)
+    startup   one TP1 server at a time with CUDA graphs: `vllm serve` on the checkpoint and `lucifer-shard
+              serve` on the rank files, page cache dropped and vLLM's compile cache empty, then page cache
+              warm and the compile cache kept; each start split by vLLM's own log lines (startup_split)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import serve_run as S
+import tp_run as T
+
+sys.path.insert(0, str(S.ROOT / "tests" / "forward"))
+import compare  # noqa: E402
+from inputs import FLIP_TENSOR, SHORT  # noqa: E402
+
+PHASES = ("probe", "prepare", "tp", "graphs", "nodes", "startup")
+LAYERS = 2  # decoder layers: both hash-routed and sliding-window, as in flash-layer --layers 2
+# several servers share the GPU: a small KV cache each, and a utilisation floor below what the others leave free
+EXTRA = ["--kv-cache-memory-bytes", "1G", "--gpu-memory-utilization", "0.05"]
+MARLIN = S.MARLIN  # what serve picks for sm90 model layout; the checkpoint's servers take the same
+DRAFT_ROOM = 12 << 30  # the TP1 draft (three Flash-size stages, about 10 GiB) and some slack
+NODES, MASTER_PORT = 3, 29533
+BOTH_WAVES_BYTES = 120 << 30
+WRONG_SHARE = (1, 2)  # node 2 given node 1's share: refused at its preflight
+
+
+def vllm_serve(model: Path, tp: int, plan: T.Plan, flags: list[str] | None = None) -> tuple[list[str], dict]:
+    own = plan.flags(tp) if flags is None else flags
+    return S.vllm_serve(model, ["--tensor-parallel-size", str(tp), *EXTRA, *own], moe=MARLIN), plan.env(tp)
+
+
+def lucifer_serve(out: Path, tp: int, plan: T.Plan, draft: bool = False, verify: str | None = None,
+                  flags: list[str] | None = None) -> tuple[list[str], dict]:
+    argv, env = T.lucifer_serve(out, tp, plan, draft=draft, verify=verify)
+    if flags is not None:  # the plan's eager flags replaced (graphs at TP1)
+        for f in plan.flags(tp):
+            argv.remove(f)
+        argv += flags
+    return argv + EXTRA, env
+
+
+def node_argv(share: Path, rank: int, plan: T.Plan, nnodes: int = NODES) -> list[str]:
+    """`lucifer-shard serve SHARE --nnodes N --node-rank R --master-addr 127.0.0.1`: serve adds --headless
+    above node 0; each node runs TP size / N ranks, so with one GPU per node no one-GPU replacement but gloo
+    and eager is needed, and those apply only where the nodes share a GPU."""
+    argv = [sys.executable, "-m", "lucifer_shard.cli", "serve", str(share), "--nnodes", str(nnodes),
+            "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(MASTER_PORT), "--",
+            *S.COMMON, *EXTRA]
+    return argv + (T.ONE_GPU_FLAGS if plan.one_gpu(NODES) else [])
+
+
+# ---- prepare -------------------------------------------------------------------------------------------
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def flip_copy(out: Path, flipped: Path, model: Path, rank: int) -> dict:
+    """A copy of OUT by hard links, except rank RANK's part holding FLIP_TENSOR (a real copy), flipped there."""
+    from lucifer_shard.spec.stheader import read_header
+
+    from inputs import flip_routed_expert_byte
+
+    shutil.rmtree(flipped, ignore_errors=True)
+    shutil.copytree(out, flipped, copy_function=os.link)
+    part = next(p for p in sorted((flipped / "target" / f"rank-{rank}").glob("*.safetensors"))
+                if FLIP_TENSOR in read_header(p).tensors)
+    part.unlink()
+    shutil.copyfile(out / part.relative_to(flipped), part)  # its own inode: OUT keeps its byte
+    return flip_routed_expert_byte(model, flipped, rank=rank)
+
+
+def convert_args(tp: int, draft: bool) -> list[str]:
+    return ["--tp", str(tp), "--arch", "sm90", "--expert-layout", "model", "--workers", str(tp),
+            *([] if draft else ["--no-mtp"])]
+
+
+def phase_prepare(work: Path) -> dict:
+    res: dict = {}
+    t = time.monotonic()
+    model = work / "model"
+    if not (model / "config.json").exists():
+        shutil.rmtree(model, ignore_errors=True)
+        S.cli("synth", "flash-0731-layer", str(model), "--layers", str(LAYERS), "--fill", "random", "--seed", "0",
+              "--quiet")
+    res["synth_s"] = round(time.monotonic() - t, 1)
+    size = S.weight_bytes(model)
+    # TP1 with the draft only where the disk keeps room for it beside TP3 (about the checkpoint's size)
+    tp1_draft = free_bytes(work) > 2 * size + DRAFT_ROOM
+    procs = {name: subprocess.Popen([sys.executable, "-m", "lucifer_shard.cli", "convert", *convert_args(tp, d),
+                                     str(model), str(work / name), "--quiet", "--force"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, tp, d in (("out-tp1", 1, tp1_draft), ("out-tp3", 3, True))}
+    for name, p in procs.items():
+        text = p.communicate()[0]
+        if p.returncode:
+            raise RuntimeError(f"convert {name}: exit {p.returncode}: {text[-2000:]}")
+    res["convert_s"] = round(time.monotonic() - t - res["synth_s"], 1)
+    res["tp1_draft"] = tp1_draft
+    res["flipped"] = flip_copy(work / "out-tp3", work / "flipped-tp3", model, T.FLIP_RANK)
+    for r in range(NODES):
+        S.cli("stage", str(work / "out-tp3"), str(work / f"share-{r}"), "--nnodes", str(NODES), "--node-rank", str(r),
+              "--quiet")
+    res["sizes_bytes"] = {d: S.weight_bytes(work / d) for d in ("model", "out-tp1", "out-tp3")}
+    res["free_bytes_after"] = free_bytes(work)
+    res["tau"] = compare.tolerance(model)
+    res["prepare_s"] = round(time.monotonic() - t, 1)
+    return res
+
+
+# ---- the server phases ---------------------------------------------------------------------------------
+
+TP_PAIRS = (("ref_tp1", "files_tp1"), ("ref_tp1", "ref_tp2"), ("ref_tp1", "files_tp3"))
+
+
+def phase_tp(work: Path, logs: Path, plan: T.Plan, deadline: float, tau: float) -> dict:
+    specs = {"ref_tp1": vllm_serve(work / "model", 1, plan), "files_tp1": lucifer_serve(work / "out-tp1", 1, plan),
+             "ref_tp2": vllm_serve(work / "model", 2, plan), "files_tp3": lucifer_serve(work / "out-tp3", 3, plan)}
+    runs = T.run(specs, logs, deadline)
+    return {"runs": runs, "tau": tau, "compare": pairs(runs, TP_PAIRS, tau), "split": splits(runs, logs)}
+
+
+def phase_graphs(work: Path, logs: Path, plan: T.Plan, deadline: float, tau: float, tp: dict, tp1_draft: bool,
+                 with_nodes: bool) -> dict:
+    """WITH_NODES (a GPU with room for both waves): the nodes phase's servers start with these, at once."""
+    specs = {"ref_graphs": vllm_serve(work / "model", 1, plan, S.GRAPHS),
+             "files_graphs": lucifer_serve(work / "out-tp1", 1, plan, flags=S.GRAPHS),
+             "dspark_tp3": lucifer_serve(work / "out-tp3", 3, plan, draft=True),
+             "flip3_full": lucifer_serve(work / "flipped-tp3", 3, plan, verify="full")}
+    wanted = [("ref_graphs", "files_graphs"), ("ref_tp1@tp", "ref_graphs"), ("files_tp1@tp", "files_graphs"),
+              ("files_tp3@tp", "dspark_tp3")]
+    res: dict = {}
+    if with_nodes:
+        res["wrong_share"] = wrong_share(work, logs, plan)
+        specs.update(node_specs(work, plan, tp1_draft))
+        wanted += NODE_PAIRS
+    runs, res["headless_exit"] = wave(specs, headless(work, plan) if with_nodes else [], logs, deadline)
+    res.update(runs=runs, tau=tau, split=splits(runs, logs), compare=pairs(tagged(tp, runs), wanted, tau),
+               flip_full_refusal=refusal(logs / "flip3_full.log", runs), nodes_here=with_nodes)
+    return res
+
+
+def tagged(tp: dict, runs: dict) -> dict:
+    """This wave's servers and the tp phase's (as NAME@tp), for comparisons across the two."""
+    return {**{f"{k}@tp": v for k, v in tp.get("runs", {}).items()}, **runs}
+
+
+def refusal(log: Path, runs: dict) -> dict:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    lines = [ln for ln in text.splitlines() if "lucifer_tp3: verify=full" in ln]
+    return {"started": runs["flip3_full"]["started"], "lines": lines[:3],
+            "names_the_tensor": any(FLIP_TENSOR in ln for ln in lines),
+            "names_the_rank": any(f"rank-{T.FLIP_RANK}" in ln for ln in lines)}
+
+
+def pairs(runs: dict, wanted, tau: float) -> dict:
+    """T.against for each pair whose two servers answered, with its gain over the first-order bound tau / GAIN
+    (vLLM's own TP2 noise is ref_tp1 vs ref_tp2); a draft's pair carries vLLM's acceptance counters."""
+    out = {}
+    for a, b in wanted:
+        if runs.get(a, {}).get("started") and runs.get(b, {}).get("started"):
+            c = T.against(runs[a]["generates"], runs[b]["generates"], tau)
+            c["gain"] = c["max_abs_logprob_diff"] / (tau / compare.GAIN)
+            if "speculative" in runs[b] and "dspark" in b:
+                c["speculative"] = runs[b]["speculative"]
+            out[f"{a} vs {b}"] = c
+    return out
+
+
+NODE_PAIRS = [("files_tp3@tp", "node0"), ("files_tp1@tp", "dspark_tp1")]
+
+
+def node_specs(work: Path, plan: T.Plan, tp1_draft: bool) -> dict:
+    """Node 0 (it answers) and, where the TP1 files hold the draft, TP1 with the DSpark draft."""
+    specs = {"node0": (node_argv(work / "share-0", 0, plan), plan.env(NODES))}
+    if tp1_draft:
+        specs["dspark_tp1"] = lucifer_serve(work / "out-tp1", 1, plan, draft=True)
+    return specs
+
+
+def headless(work: Path, plan: T.Plan) -> list[tuple[str, list[str], dict]]:
+    return [(f"node{r}", node_argv(work / f"share-{r}", r, plan), plan.env(NODES)) for r in range(1, NODES)]
+
+
+def wave(specs: dict, quiet: list[tuple[str, list[str], dict]], logs: Path, deadline: float) -> tuple[dict, list]:
+    """T.run of SPECS (with vLLM's /metrics), with QUIET processes (headless nodes: no API) started beside them,
+    each logging to LOGS/<name>.log, and stopped with them; their exit codes (None: still running)."""
+    procs = [subprocess.Popen(argv, stdout=open(logs / f"{name}.log", "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True, env={**os.environ, **env}) for name, argv, env in quiet]
+    try:
+        return T.run(specs, logs, deadline, metrics=True), [p.poll() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def phase_nodes(work: Path, logs: Path, plan: T.Plan, deadline: float, tau: float, tp: dict, tp1_draft: bool) -> dict:
+    res: dict = {"wrong_share": wrong_share(work, logs, plan)}
+    runs, res["headless_exit"] = wave(node_specs(work, plan, tp1_draft), headless(work, plan), logs, deadline)
+    res.update(runs=runs, split=splits(runs, logs), compare=pairs(tagged(tp, runs), NODE_PAIRS, tau))
+    return res
+
+
+def wrong_share(work: Path, logs: Path, plan: T.Plan) -> dict:
+    """Node WRONG_SHARE[1] started on node WRONG_SHARE[0]'s share: serve's preflight must refuse it, before vLLM."""
+    have, claim = WRONG_SHARE
+    log = logs / "wrong_share.log"
+    p = subprocess.Popen(node_argv(work / f"share-{have}", claim, plan) + ["--port", "8190"], stdout=open(log, "w"),
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = p.wait(120)
+    except subprocess.TimeoutExpired:  # not refused: vLLM is starting
+        os.killpg(p.pid, signal.SIGKILL)
+        code = None
+    text = log.read_text(errors="replace")
+    return {"exit": code, "refused_before_vllm": bool(code) and "Initializing a V1 LLM engine" not in text,
+            "lines": [ln for ln in text.splitlines() if ln.strip()][-4:]}
+
+
+# ---- where a start goes --------------------------------------------------------------------------------
+
+STAMP = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d)")
+# vLLM 0.34.0's own lines for each step of a start (first match each), with the figure each one states
+EVENTS = {
+    "engine": (re.compile(r"Initializing a V1 LLM engine"), None),
+    "model_init": (re.compile(r"Initializing model took ([\d.]+) seconds"), "model_init_s"),
+    "weights_read": (re.compile(r"Loading weights took ([\d.]+) seconds"), "loading_weights_s"),
+    "loaded": (re.compile(r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds"), "model_loading_s"),
+    "compiled": (re.compile(r"torch\.compile took ([\d.]+) s in total"), "torch_compile_s"),
+    "kv": (re.compile(r"GPU KV cache size: ([\d,]+) tokens"), None),
+    "captured": (re.compile(r"Graph capturing finished in (\d+) secs"), "graph_capture_s"),
+    "engine_ready": (re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"),
+                     "init_engine_s"),
+    "serving": (re.compile(r"Starting vLLM server on"), None),
+}
+CACHE_HIT = re.compile(r"Directly load the compiled graph|Directly load the \S+ graph")
+
+
+def _stamp(line: str, year: int) -> float | None:
+    m = STAMP.search(line)
+    return datetime.strptime(f"{year}-{m.group(1)}", "%Y-%m-%d %H:%M:%S").timestamp() if m else None
+
+
+def startup_split(text: str, year: int = 2026) -> dict:
+    """A server log's start, from vLLM's own lines: each step's figure where vLLM states one (seconds), and
+    the seconds (log resolution) from the first line to each step; whether a compiled graph came from the
+    compile cache. Steps a start does not take (eager: compile, capture) are absent."""
+    lines = text.splitlines()
+    first = next((t for t in map(lambda ln: _stamp(ln, year), lines) if t is not None), None)
+    out: dict = {"at_s": {}}
+    for name, (pattern, figure) in EVENTS.items():
+        for ln in lines:
+            m = pattern.search(ln)
+            if m:
+                if figure:
+                    out[figure] = float(m.group(2 if name == "loaded" else 1).replace(",", ""))
+                t = _stamp(ln, year)
+                if t is not None and first is not None:
+                    out["at_s"][name] = t - first
+                break
+    m = re.search(r"warmup model\) took [\d.]+ s \(compilation: ([\d.]+) s", text)
+    if m:
+        out["compilation_s"] = float(m.group(1))
+    out["compile_cache_hit"] = bool(CACHE_HIT.search(text))
+    return out
+
+
+def splits(runs: dict, logs: Path) -> dict:
+    return {name: startup_split((logs / f"{name}.log").read_text(errors="replace"))
+            for name in runs if (logs / f"{name}.log").exists()}
+
+
+STARTS = (("default", "cold"), ("lucifer", "cold"), ("default", "warm"), ("lucifer", "warm"))
+
+
+def phase_startup(work: Path, logs: Path, deadline: float, done: dict, save) -> dict:
+    """STARTS one at a time, CUDA graphs: cold = page cache dropped and this loader's vLLM cache root
+    (torch.compile's cache) emptied; warm = the weights just read by the cold start and its cache kept.
+    Per start: ready and first-token seconds, startup_split of its log. Continues DONE (a cut call's rows)."""
+    plan = T.Plan(1)
+    res = dict(done)
+    argv = {"default": vllm_serve(work / "model", 1, plan, S.GRAPHS)[0],
+            "lucifer": lucifer_serve(work / "out-tp1", 1, plan, flags=S.GRAPHS)[0]}
+    for loader, mode in STARTS:
+        key = f"{loader}_{mode}"
+        if key in res:
+            continue
+        if deadline - time.monotonic() < 150:
+            res["stopped_early"] = f"before {key}: the call's time was running out"
+            return res
+        cache = work / f"vllm-cache-{loader}"
+        if mode == "cold":
+            shutil.rmtree(cache, ignore_errors=True)
+            S.drop_caches()
+        s = S.Server(f"startup_{key}", argv[loader], 8200, logs, {"VLLM_CACHE_ROOT": str(cache)})
+        row: dict = {"machine": S.MACHINE}
+        try:
+            ready = s.wait_ready(max(deadline - 15, time.monotonic() + 10))
+            row["ready_s"] = ready and round(ready, 2)
+            if ready is not None:
+                s.complete(SHORT[0], 1)
+                row["first_token_s"] = round(time.monotonic() - s.t0, 2)
+            else:
+                row["log_tail"] = s.tail()
+        except TimeoutError as e:
+            row["timed_out"] = str(e)
+        finally:
+            s.stop()
+        row["split"] = startup_split(s.log.read_text(errors="replace"))
+        res[key] = row
+        save(res)
+    res.pop("stopped_early", None)
+    res["complete"] = True
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/flash_run"))
+    ap.add_argument("--out", type=Path, required=True, help="where results.json and the server logs are copied")
+    ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs to spread ranks over (default: those visible)")
+    ap.add_argument("--seconds", type=float, default=560, help="end every phase within this many seconds")
+    args = ap.parse_args()
+    import torch
+
+    plan = T.Plan(args.gpus or torch.cuda.device_count())
+    # the graphs and nodes waves at once where the GPU holds both (an H200: about 100 GB; an H100 has 80)
+    both_waves = torch.cuda.get_device_properties(0).total_memory > BOTH_WAVES_BYTES
+    work, logs = args.work, args.work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    path = work / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    for key, value in S.HARNESS_ENV.items():
+        os.environ.setdefault(key, value)
+    deadline = time.monotonic() + args.seconds
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+
+    def save(partial: dict) -> None:
+        results["startup"] = partial
+        path.write_text(json.dumps(results, indent=1))
+
+    try:
+        for phase in args.phases.split(","):
+            if S._done(results.get(phase)):
+                continue
+            if phase not in ("probe", "prepare") and "tau" not in results.get("prepare", {}):
+                print(f"== {phase}: not run, prepare has not finished", flush=True)
+                continue
+            t = time.monotonic()
+            print(f"== {phase}", flush=True)
+            prep, left = results.get("prepare", {}), deadline - 15
+            try:
+                results[phase] = {
+                    "probe": lambda: S.phase_probe(work), "prepare": lambda: phase_prepare(work),
+                    "tp": lambda: phase_tp(work, logs, plan, left, prep["tau"]),
+                    "graphs": lambda: phase_graphs(work, logs, plan, left, prep["tau"], results.get("tp", {}),
+                                                   prep["tp1_draft"], both_waves),
+                    "nodes": lambda: phase_nodes(work, logs, plan, left, prep["tau"], results.get("tp", {}),
+                                                 prep["tp1_draft"]),
+                    "startup": lambda: phase_startup(work, logs, deadline, dict(results.get("startup", {})), save),
+                }[phase]()
+            except Exception as e:  # recorded with the phase; the next phases still run
+                results[phase] = {"error": f"{type(e).__name__}: {e}"}
+            if phase == "graphs" and results[phase].get("nodes_here"):
+                results["nodes"] = {"ran_with": "graphs"}  # one wave: its results are the graphs phase's
+            results[phase]["phase_s"] = round(time.monotonic() - t, 1)
+            results[phase]["gpus"] = plan.gpus
+            path.write_text(json.dumps(results, indent=1))
+            print(json.dumps({phase: S._brief(results[phase])})[:4000], flush=True)
+            S._export(path, logs, args.out)
+    finally:
+        S._export(path, logs, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
