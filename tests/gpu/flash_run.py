@@ -15,6 +15,8 @@ a later call on the warm machine continues with the phases still missing):
               files with the draft, converted at once; a hard-linked copy of the TP3 files whose rank-1
               part holding FLIP_TENSOR is a real copy with one expert byte flipped; three `stage`d node
               shares of the TP3 files (hard links)
+    first     the first start on the fresh machine (every JIT cache empty): `vllm serve` on the checkpoint
+              with CUDA graphs, as soon as synth has written it, split like the startup phase's starts
     tp        at once, eager: vLLM TP1 and TP2 on the checkpoint (TP2: vLLM's own TP noise), TP1 and TP3
               rank files
     graphs    at once: vLLM TP1 and TP1 rank files with vLLM's default compilation and CUDA graphs; TP3 rank
@@ -48,7 +50,7 @@ sys.path.insert(0, str(S.ROOT / "tests" / "forward"))
 import compare  # noqa: E402
 from inputs import FLIP_TENSOR, SHORT  # noqa: E402
 
-PHASES = ("probe", "prepare", "tp", "graphs", "nodes", "startup")
+PHASES = ("probe", "prepare", "first", "tp", "graphs", "nodes", "startup")
 LAYERS = 2  # decoder layers: both hash-routed and sliding-window, as in flash-layer --layers 2
 # several servers share the GPU: a small KV cache each, and a utilisation floor below what the others leave free
 EXTRA = ["--kv-cache-memory-bytes", "1G", "--gpu-memory-utilization", "0.05"]
@@ -120,6 +122,7 @@ def phase_prepare(work: Path) -> dict:
         S.cli("synth", "flash-0731-layer", str(model), "--layers", str(LAYERS), "--fill", "random", "--seed", "0",
               "--quiet")
     res["synth_s"] = round(time.monotonic() - t, 1)
+    (work / SYNTHESIZED).touch()  # the first start may begin (phase_first)
     size = S.weight_bytes(model)
     # TP1 with the draft only where the disk keeps room for it beside TP3 (about the checkpoint's size)
     tp1_draft = free_bytes(work) > 2 * size + DRAFT_ROOM
@@ -312,6 +315,42 @@ def splits(runs: dict, logs: Path) -> dict:
             for name in runs if (logs / f"{name}.log").exists()}
 
 
+SYNTHESIZED = "synthesized"
+
+
+def phase_first(work: Path, logs: Path, deadline: float) -> dict:
+    """The first start on a fresh machine: `vllm serve` on the checkpoint with CUDA graphs, as soon as synth has
+    written it (the conversions still running beside it), every JIT cache empty; its ready and first-token
+    seconds and startup_split. It fills the kernel caches every later start of the run reads."""
+    while not (work / SYNTHESIZED).exists():
+        if time.monotonic() > deadline:
+            return {"error": "the checkpoint was not written in time"}
+        time.sleep(5)
+    argv, _ = vllm_serve(work / "model", 1, T.Plan(1), S.GRAPHS)
+    return {**one_start("first_default_graphs", argv, logs, deadline), "argv": argv}
+
+
+def one_start(name: str, argv: list[str], logs: Path, deadline: float, env: dict | None = None) -> dict:
+    """Start one server, ask for one token once it is ready, stop it: its ready and first-token seconds (from
+    process start) and startup_split of its log."""
+    s = S.Server(name, argv, 8300, logs, env)
+    row: dict = {"machine": S.MACHINE}
+    try:
+        ready = s.wait_ready(deadline)
+        row["ready_s"] = ready and round(ready, 2)
+        if ready is not None:
+            s.complete(SHORT[0], 1)
+            row["first_token_s"] = round(time.monotonic() - s.t0, 2)
+        else:
+            row["log_tail"] = s.tail()
+    except TimeoutError as e:
+        row["timed_out"] = str(e)
+    finally:
+        s.stop()
+    row["split"] = startup_split(s.log.read_text(errors="replace"))
+    return row
+
+
 STARTS = (("default", "cold"), ("lucifer", "cold"), ("default", "warm"), ("lucifer", "warm"))
 
 
@@ -334,21 +373,8 @@ def phase_startup(work: Path, logs: Path, deadline: float, done: dict, save) -> 
         if mode == "cold":
             shutil.rmtree(cache, ignore_errors=True)
             S.drop_caches()
-        s = S.Server(f"startup_{key}", argv[loader], 8200, logs, {"VLLM_CACHE_ROOT": str(cache)})
-        row: dict = {"machine": S.MACHINE}
-        try:
-            ready = s.wait_ready(max(deadline - 15, time.monotonic() + 10))
-            row["ready_s"] = ready and round(ready, 2)
-            if ready is not None:
-                s.complete(SHORT[0], 1)
-                row["first_token_s"] = round(time.monotonic() - s.t0, 2)
-            else:
-                row["log_tail"] = s.tail()
-        except TimeoutError as e:
-            row["timed_out"] = str(e)
-        finally:
-            s.stop()
-        row["split"] = startup_split(s.log.read_text(errors="replace"))
+        row = one_start(f"startup_{key}", argv[loader], logs, max(deadline - 15, time.monotonic() + 10),
+                        {"VLLM_CACHE_ROOT": str(cache)})
         res[key] = row
         save(res)
     res.pop("stopped_early", None)
@@ -378,15 +404,16 @@ def main() -> int:
     deadline = time.monotonic() + args.seconds
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
 
-    def save(partial: dict) -> None:
-        results["startup"] = partial
-        path.write_text(json.dumps(results, indent=1))
+    def save(partial: dict | None = None) -> None:
+        if partial is not None:
+            results["startup"] = partial
+        write_merged(path, results)
 
     try:
         for phase in args.phases.split(","):
             if S._done(results.get(phase)):
                 continue
-            if phase not in ("probe", "prepare") and "tau" not in results.get("prepare", {}):
+            if phase not in ("probe", "prepare", "first") and not awaited(path, results, "tau", deadline - 200):
                 print(f"== {phase}: not run, prepare has not finished", flush=True)
                 continue
             t = time.monotonic()
@@ -395,6 +422,7 @@ def main() -> int:
             try:
                 results[phase] = {
                     "probe": lambda: S.phase_probe(work), "prepare": lambda: phase_prepare(work),
+                    "first": lambda: phase_first(work, logs, left),
                     "tp": lambda: phase_tp(work, logs, plan, left, prep["tau"]),
                     "graphs": lambda: phase_graphs(work, logs, plan, left, prep["tau"], results.get("tp", {}),
                                                    prep["tp1_draft"], both_waves),
@@ -408,12 +436,37 @@ def main() -> int:
                 results["nodes"] = {"ran_with": "graphs"}  # one wave: its results are the graphs phase's
             results[phase]["phase_s"] = round(time.monotonic() - t, 1)
             results[phase]["gpus"] = plan.gpus
-            path.write_text(json.dumps(results, indent=1))
+            save()
             print(json.dumps({phase: S._brief(results[phase])})[:4000], flush=True)
             S._export(path, logs, args.out)
     finally:
         S._export(path, logs, args.out)
     return 0
+
+
+def write_merged(path: Path, results: dict) -> None:
+    """RESULTS into PATH, keeping the phases another process wrote there meanwhile (prepare runs in the background
+    while the first start is measured)."""
+    if path.exists():
+        for phase, value in json.loads(path.read_text()).items():
+            results.setdefault(phase, value)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(path)
+
+
+def awaited(path: Path, results: dict, key: str, until: float) -> bool:
+    """Whether prepare's KEY is in RESULTS, taking it from PATH (a background prepare) as it appears, until UNTIL."""
+    while key not in results.get("prepare", {}):
+        if path.exists():
+            results.setdefault("prepare", json.loads(path.read_text()).get("prepare", {}))
+            if key in results["prepare"]:
+                break
+            results.pop("prepare")
+        if time.monotonic() > until:
+            return False
+        time.sleep(5)
+    return True
 
 
 if __name__ == "__main__":
