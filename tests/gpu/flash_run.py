@@ -197,7 +197,7 @@ def pairs(runs: dict, wanted, tau: float) -> dict:
     (vLLM's own TP2 noise is ref_tp1 vs ref_tp2); a draft's pair carries vLLM's acceptance counters."""
     out = {}
     for a, b in wanted:
-        if runs.get(a, {}).get("started") and runs.get(b, {}).get("started"):
+        if "generates" in runs.get(a, {}) and "generates" in runs.get(b, {}):
             c = T.against(runs[a]["generates"], runs[b]["generates"], tau)
             c["gain"] = c["max_abs_logprob_diff"] / (tau / compare.GAIN)
             if "speculative" in runs[b] and "dspark" in b:
@@ -227,7 +227,7 @@ def wave(specs: dict, quiet: list[tuple[str, list[str], dict]], logs: Path, dead
     procs = [subprocess.Popen(argv, stdout=open(logs / f"{name}.log", "w"), stderr=subprocess.STDOUT,
                               start_new_session=True, env={**os.environ, **env}) for name, argv, env in quiet]
     try:
-        return T.run(specs, logs, deadline, metrics=True), [p.poll() for p in procs]
+        return T.run(specs, logs, deadline, metrics=True, after=smoke), [p.poll() for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -237,6 +237,20 @@ def wave(specs: dict, quiet: list[tuple[str, list[str], dict]], logs: Path, dead
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
+
+
+def smoke(name: str, server: S.Server) -> dict:
+    """`lucifer-shard smoke URL --expect-draft` against a server with the DSpark draft, where this checkout's CLI
+    has the command (issue 55, item 6); its exit code and last lines. The random-fill drafter's acceptance and
+    the missing tokenizer are expected to fail its checks: what runs here is the command against a GPU server."""
+    if "dspark" not in name or S.sh([sys.executable, "-m", "lucifer_shard.cli", "smoke", "--help"]).returncode:
+        return {}
+    try:
+        r = S.sh([sys.executable, "-m", "lucifer_shard.cli", "smoke", server.url(""), "--expect-draft", "--timeout",
+                  "60"], timeout=75)
+    except subprocess.TimeoutExpired:
+        return {"smoke": {"exit": None, "tail": "smoke did not end within 75 s"}}
+    return {"smoke": {"exit": r.returncode, "tail": (r.stdout + r.stderr)[-3000:]}}
 
 
 def phase_nodes(work: Path, logs: Path, plan: T.Plan, deadline: float, tau: float, tp: dict, tp1_draft: bool) -> dict:

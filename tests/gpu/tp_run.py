@@ -139,9 +139,12 @@ def acceptance(text: str) -> dict:
             "drafts": got["vllm:spec_decode_num_drafts_total"], "acceptance_rate": rate}
 
 
-def run(specs: dict[str, tuple[list[str], dict]], logs: Path, deadline: float, metrics: bool = False) -> dict:
+def run(specs: dict[str, tuple[list[str], dict]], logs: Path, deadline: float, metrics: bool = False,
+        after=None) -> dict:
     """Start every server at once; per server its ready time, generations, load figures (and with METRICS
-    vLLM's acceptance counters), or why it did not start or was not ready by DEADLINE (its log's tail)."""
+    vLLM's acceptance counters), or why it did not start, was not ready by DEADLINE or failed a request (its
+    log's tail). AFTER(name, server), if given, runs while each answering server is still up; its dict joins
+    the server's row."""
     servers = {name: S.Server(name, argv, 8100 + i, logs, env) for i, (name, (argv, env)) in enumerate(specs.items())}
     out = {}
     try:
@@ -156,12 +159,18 @@ def run(specs: dict[str, tuple[list[str], dict]], logs: Path, deadline: float, m
                 out[name] = {**row, "started": False, "exit": s.proc.returncode, "log_tail": s.tail()}
                 continue
             t = time.monotonic()
-            gens = s.generate()
+            try:
+                gens = s.generate()
+            except OSError as e:  # the server died or refused mid-run: keep its evidence, go on with the others
+                out[name] = {**row, "started": True, "error": f"{type(e).__name__}: {e}", "log_tail": s.tail()}
+                continue
             row.update(started=True, ready_s=round(ready, 2), generate_s=round(time.monotonic() - t, 2),
                        **s.load_figures(), generates=gens, repeat_identical=gens["short"] == gens["short_again"])
             if metrics:
                 with urllib.request.urlopen(s.url("/metrics"), timeout=10) as r:
                     row["speculative"] = acceptance(r.read().decode())
+            if after:
+                row.update(after(name, s))
             out[name] = row
     finally:
         stop_all(servers.values())
