@@ -446,6 +446,9 @@ def main() -> int:
                 }[phase]()
             except Exception as e:  # recorded with the phase; the next phases still run
                 results[phase] = {"error": f"{type(e).__name__}: {e}"}
+            cut = [k for k, v in results[phase].get("runs", {}).items() if "timed_out" in v]
+            if cut:  # the call's time ran out before these answered: the next call runs the phase again
+                results[phase]["stopped_early"] = f"not ready in time: {', '.join(cut)}"
             if phase == "graphs" and results[phase].get("nodes_here"):
                 results["nodes"] = {"ran_with": "graphs"}  # one wave: its results are the graphs phase's
             results[phase]["phase_s"] = round(time.monotonic() - t, 1)

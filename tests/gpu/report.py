@@ -72,7 +72,8 @@ in `tests/gpu/results/`, and this page is rendered from them:
 ```bash
 python3 tests/gpu/report.py tests/gpu/results/gpu-results.json tests/gpu/results/machine.txt \\
     --log tests/gpu/results/gpu-tests.log --notes tests/gpu/results/notes.md \\
-    --serving tests/gpu/results/serving.md --one-gpu-tp tests/gpu/results/tp-one-gpu.md --command "..." \\
+    --serving tests/gpu/results/serving.md --one-gpu-tp tests/gpu/results/tp-one-gpu.md \\
+    --flash tests/gpu/results/flash-0.34.0.md --command "..." \\
     -o docs/gpu-validation.md
 ```
 """
@@ -233,10 +234,12 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 ONE_GPU_TP_TITLE = "TP3 on the one GPU: the harness, and what ran (2026-12-04)"
+FLASH_TITLE = "vLLM 0.34.0 on the GPU: the Flash geometry at TP1 and TP3, three nodes, where a start goes (2026-12-06)"
 
 
 def render(recs: list[dict], machine_text: str, log_text: str = "", build: dict | None = None,
-           command: str = DEFAULT_COMMAND, notes: str = "", serving: str = "", one_gpu_tp: str = "") -> str:
+           command: str = DEFAULT_COMMAND, notes: str = "", serving: str = "", one_gpu_tp: str = "",
+           flash: str = "") -> str:
     go, checks = evaluate(recs)
     mach = parse_machine(machine_text)
     kind = lambda k: [r for r in recs if r.get("kind") == k]  # noqa: E731
@@ -432,6 +435,8 @@ def render(recs: list[dict], machine_text: str, log_text: str = "", build: dict 
         L += ["## 8. Served inside vLLM: stock vLLM 0.33.0 on the H200 (a separate run)", "", serving.strip(), ""]
     if one_gpu_tp.strip():
         L += [f"## 9. {ONE_GPU_TP_TITLE}", "", one_gpu_tp.strip(), ""]
+    if flash.strip():
+        L += [f"## 10. {FLASH_TITLE}", "", flash.strip(), ""]
 
     L += [RECIPE.strip(), ""]
 
@@ -466,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--notes", type=Path, help="markdown quoted under 'Notes on this run'")
     ap.add_argument("--serving", type=Path, help="markdown of the serving run (tests/gpu/serve_run.py), section 8")
     ap.add_argument("--one-gpu-tp", type=Path, help="markdown of TP on one GPU (tests/gpu/tp_run.py), section 9")
+    ap.add_argument("--flash", type=Path, help="markdown of vLLM 0.34.0 on the Flash geometry (tests/gpu/flash_run.py), "
+                                               "section 10")
     ap.add_argument("-o", "--output", type=Path)
     a = ap.parse_args(argv)
     recs = load_records(a.results)
@@ -474,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     build = json.loads(a.build_status.read_text()) if a.build_status and a.build_status.exists() else None
     notes = a.notes.read_text() if a.notes else ""
     text = render(recs, machine, log, build, a.command, notes, a.serving.read_text() if a.serving else "",
-                  a.one_gpu_tp.read_text() if a.one_gpu_tp else "")
+                  a.one_gpu_tp.read_text() if a.one_gpu_tp else "", a.flash.read_text() if a.flash else "")
     if a.output:
         a.output.parent.mkdir(parents=True, exist_ok=True)
         a.output.write_text(text)
