@@ -17,14 +17,13 @@ a later call on the warm machine continues with the phases still missing):
               shares of the TP3 files (hard links)
     first     the first start on the fresh machine (every JIT cache empty): `vllm serve` on the checkpoint
               with CUDA graphs, as soon as synth has written it, split like the startup phase's starts
-    tp        at once, eager: vLLM TP1 and TP2 on the checkpoint (TP2: vLLM's own TP noise), TP1 and TP3
-              rank files
-    graphs    at once: vLLM TP1 and TP1 rank files with vLLM's default compilation and CUDA graphs; TP3 rank
-              files with the DSpark draft; the flipped TP3 copy under verify=full (must refuse to start)
-    nodes     three `lucifer-shard serve --nnodes 3 --node-rank R --master-addr 127.0.0.1` processes, each
-              on its own share (node 0 answers); a node given another node's share (refused at preflight);
-              TP1 rank files with the DSpark draft, where prepared (with the graphs phase's servers, at once,
-              on a GPU of more than 120 GiB)
+    tp, graphs, nodes   three waves of servers started at once (WAVES; on a GPU of more than 120 GiB two,
+              WAVES_BIG): vLLM TP1 and TP2 on the checkpoint (TP2: vLLM's own TP noise, eager) and TP1 and TP3 rank
+              files, eager; vLLM TP1 and TP1 rank files with vLLM's default compilation and CUDA graphs; TP3 rank
+              files with the DSpark draft; the flipped TP3 copy under verify=full (must refuse to start); three
+              `lucifer-shard serve --nnodes 3 --node-rank R --master-addr 127.0.0.1` processes, each on its own
+              share (node 0 answers), after a node given another node's share (refused at preflight); TP1 rank
+              files with the DSpark draft, where prepared. PAIRS are compared across waves
     startup   one TP1 server at a time with CUDA graphs: `vllm serve` on the checkpoint and `lucifer-shard
               serve` on the rank files, page cache dropped and vLLM's compile cache empty, then page cache
               warm and the compile cache kept; each start split by vLLM's own log lines (startup_split)
@@ -149,39 +148,50 @@ def phase_prepare(work: Path) -> dict:
 
 # ---- the server phases ---------------------------------------------------------------------------------
 
-TP_PAIRS = (("ref_tp1", "files_tp1"), ("ref_tp1", "ref_tp2"), ("ref_tp1", "files_tp3"))
+# Every server of the run, by name: how it is started (from WORK and the plan). Names are unique across waves,
+# so any two servers compare, whichever waves they ran in.
+SERVERS = {
+    "ref_tp1": lambda w, p: vllm_serve(w / "model", 1, p),
+    "files_tp1": lambda w, p: lucifer_serve(w / "out-tp1", 1, p),
+    "ref_tp2": lambda w, p: vllm_serve(w / "model", 2, p),
+    "files_tp3": lambda w, p: lucifer_serve(w / "out-tp3", 3, p),
+    "ref_graphs": lambda w, p: vllm_serve(w / "model", 1, p, S.GRAPHS),
+    "files_graphs": lambda w, p: lucifer_serve(w / "out-tp1", 1, p, flags=S.GRAPHS),
+    "dspark_tp3": lambda w, p: lucifer_serve(w / "out-tp3", 3, p, draft=True),
+    "flip3_full": lambda w, p: lucifer_serve(w / "flipped-tp3", 3, p, verify="full"),
+    "node0": lambda w, p: (node_argv(w / "share-0", 0, p), p.env(NODES)),
+    "dspark_tp1": lambda w, p: lucifer_serve(w / "out-tp1", 1, p, draft=True),
+}
+# Which servers start together in each phase: on an H100 (80 GB) three waves; on a GPU of more than
+# BOTH_WAVES_BYTES (an H200) the graphs pair joins the tp wave and the nodes the graphs wave.
+WAVES = {"tp": ["ref_tp1", "files_tp1", "ref_tp2", "files_tp3"], "graphs": ["ref_graphs", "files_graphs",
+                                                                              "dspark_tp3", "flip3_full"],
+         "nodes": ["node0", "dspark_tp1"]}
+WAVES_BIG = {"tp": WAVES["tp"] + ["ref_graphs", "files_graphs"],
+             "graphs": ["dspark_tp3", "flip3_full", "node0", "dspark_tp1"], "nodes": []}
+# the comparisons (reference first), each made once both servers have answered
+PAIRS = (("ref_tp1", "files_tp1"), ("ref_tp1", "ref_tp2"), ("ref_tp1", "files_tp3"), ("ref_graphs", "files_graphs"),
+         ("ref_tp1", "ref_graphs"), ("files_tp1", "files_graphs"), ("files_tp3", "dspark_tp3"),
+         ("files_tp3", "node0"), ("files_tp1", "dspark_tp1"))
 
 
-def phase_tp(work: Path, logs: Path, plan: T.Plan, deadline: float, tau: float) -> dict:
-    specs = {"ref_tp1": vllm_serve(work / "model", 1, plan), "files_tp1": lucifer_serve(work / "out-tp1", 1, plan),
-             "ref_tp2": vllm_serve(work / "model", 2, plan), "files_tp3": lucifer_serve(work / "out-tp3", 3, plan)}
-    runs = T.run(specs, logs, deadline)
-    return {"runs": runs, "tau": tau, "compare": pairs(runs, TP_PAIRS, tau), "split": splits(runs, logs)}
-
-
-def phase_graphs(work: Path, logs: Path, plan: T.Plan, deadline: float, tau: float, tp: dict, tp1_draft: bool,
-                 with_nodes: bool) -> dict:
-    """WITH_NODES (a GPU with room for both waves): the nodes phase's servers start with these, at once."""
-    specs = {"ref_graphs": vllm_serve(work / "model", 1, plan, S.GRAPHS),
-             "files_graphs": lucifer_serve(work / "out-tp1", 1, plan, flags=S.GRAPHS),
-             "dspark_tp3": lucifer_serve(work / "out-tp3", 3, plan, draft=True),
-             "flip3_full": lucifer_serve(work / "flipped-tp3", 3, plan, verify="full")}
-    wanted = [("ref_graphs", "files_graphs"), ("ref_tp1@tp", "ref_graphs"), ("files_tp1@tp", "files_graphs"),
-              ("files_tp3@tp", "dspark_tp3")]
+def phase_wave(names: list[str], work: Path, logs: Path, plan: T.Plan, deadline: float, tp1_draft: bool) -> dict:
+    """NAMES started at once (dspark_tp1 only where the TP1 files hold the draft; with node0 its headless nodes
+    and the wrong-share refusal first); per server its row and startup_split; the flip's refusal."""
+    names = [n for n in names if n != "dspark_tp1" or tp1_draft]
     res: dict = {}
-    if with_nodes:
+    if "node0" in names:
         res["wrong_share"] = wrong_share(work, logs, plan)
-        specs.update(node_specs(work, plan, tp1_draft))
-        wanted += NODE_PAIRS
-    runs, res["headless_exit"] = wave(specs, headless(work, plan) if with_nodes else [], logs, deadline)
-    res.update(runs=runs, tau=tau, split=splits(runs, logs), compare=pairs(tagged(tp, runs), wanted, tau),
-               flip_full_refusal=refusal(logs / "flip3_full.log", runs), nodes_here=with_nodes)
+    quiet = headless(work, plan) if "node0" in names else []
+    runs, res["headless_exit"] = wave({n: SERVERS[n](work, plan) for n in names}, quiet, logs, deadline)
+    res.update(runs=runs, split=splits(runs, logs))
+    if "flip3_full" in runs:
+        res["flip_full_refusal"] = refusal(logs / "flip3_full.log", runs)
     return res
 
 
-def tagged(tp: dict, runs: dict) -> dict:
-    """This wave's servers and the tp phase's (as NAME@tp), for comparisons across the two."""
-    return {**{f"{k}@tp": v for k, v in tp.get("runs", {}).items()}, **runs}
+def all_runs(results: dict) -> dict:
+    return {k: v for phase in WAVES for k, v in results.get(phase, {}).get("runs", {}).items()}
 
 
 def refusal(log: Path, runs: dict) -> dict:
@@ -204,17 +214,6 @@ def pairs(runs: dict, wanted, tau: float) -> dict:
                 c["speculative"] = runs[b]["speculative"]
             out[f"{a} vs {b}"] = c
     return out
-
-
-NODE_PAIRS = [("files_tp3@tp", "node0"), ("files_tp1@tp", "dspark_tp1")]
-
-
-def node_specs(work: Path, plan: T.Plan, tp1_draft: bool) -> dict:
-    """Node 0 (it answers) and, where the TP1 files hold the draft, TP1 with the DSpark draft."""
-    specs = {"node0": (node_argv(work / "share-0", 0, plan), plan.env(NODES))}
-    if tp1_draft:
-        specs["dspark_tp1"] = lucifer_serve(work / "out-tp1", 1, plan, draft=True)
-    return specs
 
 
 def headless(work: Path, plan: T.Plan) -> list[tuple[str, list[str], dict]]:
@@ -251,13 +250,6 @@ def smoke(name: str, server: S.Server) -> dict:
     except subprocess.TimeoutExpired:
         return {"smoke": {"exit": None, "tail": "smoke did not end within 75 s"}}
     return {"smoke": {"exit": r.returncode, "tail": (r.stdout + r.stderr)[-3000:]}}
-
-
-def phase_nodes(work: Path, logs: Path, plan: T.Plan, deadline: float, tau: float, tp: dict, tp1_draft: bool) -> dict:
-    res: dict = {"wrong_share": wrong_share(work, logs, plan)}
-    runs, res["headless_exit"] = wave(node_specs(work, plan, tp1_draft), headless(work, plan), logs, deadline)
-    res.update(runs=runs, split=splits(runs, logs), compare=pairs(tagged(tp, runs), NODE_PAIRS, tau))
-    return res
 
 
 def wrong_share(work: Path, logs: Path, plan: T.Plan) -> dict:
@@ -407,8 +399,7 @@ def main() -> int:
     import torch
 
     plan = T.Plan(args.gpus or torch.cuda.device_count())
-    # the graphs and nodes waves at once where the GPU holds both (an H200: about 100 GB; an H100 has 80)
-    both_waves = torch.cuda.get_device_properties(0).total_memory > BOTH_WAVES_BYTES
+    waves = WAVES_BIG if torch.cuda.get_device_properties(0).total_memory > BOTH_WAVES_BYTES else WAVES
     work, logs = args.work, args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     path = work / "results.json"
@@ -437,11 +428,7 @@ def main() -> int:
                 results[phase] = {
                     "probe": lambda: S.phase_probe(work), "prepare": lambda: phase_prepare(work),
                     "first": lambda: phase_first(work, logs, left),
-                    "tp": lambda: phase_tp(work, logs, plan, left, prep["tau"]),
-                    "graphs": lambda: phase_graphs(work, logs, plan, left, prep["tau"], results.get("tp", {}),
-                                                   prep["tp1_draft"], both_waves),
-                    "nodes": lambda: phase_nodes(work, logs, plan, left, prep["tau"], results.get("tp", {}),
-                                                 prep["tp1_draft"]),
+                    **{w: (lambda w=w: phase_wave(waves[w], work, logs, plan, left, prep["tp1_draft"])) for w in WAVES},
                     "startup": lambda: phase_startup(work, logs, deadline, dict(results.get("startup", {})), save),
                 }[phase]()
             except Exception as e:  # recorded with the phase; the next phases still run
@@ -449,8 +436,9 @@ def main() -> int:
             cut = [k for k, v in results[phase].get("runs", {}).items() if "timed_out" in v]
             if cut:  # the call's time ran out before these answered: the next call runs the phase again
                 results[phase]["stopped_early"] = f"not ready in time: {', '.join(cut)}"
-            if phase == "graphs" and results[phase].get("nodes_here"):
-                results["nodes"] = {"ran_with": "graphs"}  # one wave: its results are the graphs phase's
+            if phase in WAVES:
+                results["compare"] = pairs(all_runs(results), PAIRS, prep["tau"])
+                results["tau"] = prep["tau"]
             results[phase]["phase_s"] = round(time.monotonic() - t, 1)
             results[phase]["gpus"] = plan.gpus
             save()

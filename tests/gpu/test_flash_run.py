@@ -96,3 +96,12 @@ def test_the_flipped_copy_changes_one_byte_of_its_own_file_only(converted, tiny_
     assert len(a) == len(b) and [i for i in range(len(a)) if a[i] != b[i]] == [got["offset"]]
     others = [p for p in flipped.rglob("*.safetensors") if p != part]
     assert others and all(p.stat().st_ino == (out / p.relative_to(flipped)).stat().st_ino for p in others)
+
+
+def test_both_wave_layouts_start_every_server_once_and_every_pair_names_servers():
+    for waves in (F.WAVES, F.WAVES_BIG):
+        started = [n for names in waves.values() for n in names]
+        assert sorted(started) == sorted(F.SERVERS) and set(waves) == set(F.WAVES)
+    assert {n for pair in F.PAIRS for n in pair} <= set(F.SERVERS)
+    # a pair's servers in the same layout ran under the same flags but TP and draft: eager with eager
+    assert ("ref_tp1", "files_tp1") in F.PAIRS and ("files_tp3", "node0") in F.PAIRS
