@@ -4,6 +4,7 @@ what it reports): where a start goes, read from vLLM's log lines; the commands i
 the flipped copy that leaves the output it links from intact."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -103,5 +104,25 @@ def test_both_wave_layouts_start_every_server_once_and_every_pair_names_servers(
         started = [n for names in waves.values() for n in names]
         assert sorted(started) == sorted(F.SERVERS) and set(waves) == set(F.WAVES)
     assert {n for pair in F.PAIRS for n in pair} <= set(F.SERVERS)
-    # a pair's servers in the same layout ran under the same flags but TP and draft: eager with eager
     assert ("ref_tp1", "files_tp1") in F.PAIRS and ("files_tp3", "node0") in F.PAIRS
+
+
+RESULTS = S.ROOT / "tests" / "gpu" / "results"
+
+
+def test_the_committed_h100_comparisons_are_what_this_code_judges():
+    """docs/gpu-validation.md §10's token table: the H100 call's recorded generations, judged again here."""
+    got = json.loads((RESULTS / "flash-0.34.0-2026-12-06" / "call7" / "serve-results.json").read_text())
+    again = F.pairs(got["tp"]["runs"], F.PAIRS, got["tau"])
+    assert again == got["compare"]
+    assert again["ref_tp1 vs files_tp1"]["identical"] and not again["ref_tp1 vs files_tp3"]["violations"]
+
+
+def test_report_renders_section_10_from_its_committed_text():
+    import report
+    from test_gpu_report import MACHINE
+
+    text = (RESULTS / "flash-0.34.0.md").read_text()
+    section = f"## 10. {report.FLASH_TITLE}\n\n{text.strip()}\n"
+    assert section in report.render([], MACHINE, flash=text)
+    assert section in (S.ROOT / "docs" / "gpu-validation.md").read_text()
