@@ -52,7 +52,7 @@ if [ "${1:-}" = --resolve ]; then
   else  # pip has no overrides: resolve vLLM's own requirements less the left-out, then walk the graph
     python3 -m pip download -q --no-deps "${TARGET[@]}" -d "$tmp" "vllm==$VLLM_VERSION"
     unzip -p "$tmp"/vllm-*.whl "vllm-$VLLM_VERSION.dist-info/METADATA" | sed -n 's/^Requires-Dist: //p' \
-      | grep -v 'extra ==' | grep -v -i -E "^($(IFS='|'; echo "${LEFT_OUT[*]}"))( |[<>=!;~]|$)" > "$tmp/req.in"
+      | grep -v 'extra ==' | grep -v -i -E "^($(IFS='|'; echo "${LEFT_OUT[*]}"))( |[][<>=!;~]|$)" > "$tmp/req.in"
     python3 -m pip install -q --dry-run --ignore-installed --report "$tmp/report.json" "${TARGET[@]}" \
       --target "$tmp/t" -r "$tmp/req.in"
     { python3 "$ROOT/tools/gpu_kit_pins.py" "$tmp/report.json" "$tmp/req.in" "$excluded"; echo "vllm==$VLLM_VERSION"; } > "$tmp/pins"
