@@ -21,6 +21,7 @@ from lucifer_shard.spec.arches import arch_of_capability, family, gpu_families
 from lucifer_shard.spec.config import DSPARK
 from lucifer_shard.spec.drafts import DRAFT_KINDS
 from lucifer_shard.spec.manifest import flashinfer_problem
+from lucifer_shard.spec.share import identity_line
 
 from . import compat, stock_vtp
 from .checks import ENVIRONMENT, FAIL, INFO, OK, OUTPUT, SKIP, WARN, Check, format_report  # noqa: F401 (doctor's names)
@@ -357,7 +358,8 @@ def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | 
         return [_out("output", FAIL, str(e), "lucifer-shard verify OUT; if it is damaged, run the same convert with "
                      "--resume (it rewrites only the damaged files)", damage=True)]
     variant = f" ({m.moe_variant})" if m.moe_variant else ""
-    checks = [_out("output", OK, f"{m.out}: conversion {m.conversion_id[:12]}, tp {m.tp_size}, arch "
+    checks = [_out("output", OK, f"{m.out}: {identity_line(m.conversion_id, m.doc.source.content.digest)}, "
+                   f"tp {m.tp_size}, arch "
                    f"{m.arch or ANY_ARCH}, experts {m.expert_layout} layout{variant}, roles {', '.join(m.roles)}")]
     checks.extend(share_checks(m, node_ranks))  # the copies vLLM reads were checked by load_manifest
     checks.append(rank_files_check(m, node_ranks))

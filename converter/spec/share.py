@@ -21,6 +21,7 @@ from .manifest import RECORD_REL, rank_of
 SHARE_NAME = "lucifer-share.json"
 SHARE_FORMAT = "lucifer-shard-share"
 SHARE_VERSION = 1
+SHORT_DIGEST = 12  # hex digits of a digest shown where nodes' lines are compared by eye
 
 
 def node_ranks(tp: int, nnodes: int, node_rank: int) -> list[int]:
@@ -157,6 +158,13 @@ def record_problem(doc: object, tp: int | None = None) -> str | None:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def identity_line(conversion_id: str, content: str) -> str:
+    """'conversion 40e5d952756d, content 1f0c2a9b3d4e': an output's identity as serve, doctor, inspect and the
+    loader's cross-node check print it, so that every node's line compares by eye. The conversion id covers
+    config, headers, sizes and options; the source content digest, the weights (spec/content.py)."""
+    return f"conversion {conversion_id[:SHORT_DIGEST]}, content {content.rpartition(':')[2][:SHORT_DIGEST]}"
 
 
 def describe(doc: dict) -> str:
