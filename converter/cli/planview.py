@@ -275,7 +275,7 @@ def v41_report(raw: dict, tp: int, where: str) -> tuple[list[str], dict]:
     lines += ["", f"convert refuses it: {v41.refusal(where)}"]
     doc = {"model": "DeepSeek-V4.1-Flash", "convertible": False, "estimate": True,
            "per_tp": {t: {"gpu_bytes": r.gpu_total, "host_bytes": r.host} for t, r in sizes.items()},
-           "families": at.gpu, "boxes": [boxfit.fit_json(f) for f in fits]}
+           "families": at.gpu, "fit": boxes_json(fits, None)}
     return lines, doc
 
 
@@ -325,8 +325,8 @@ def box_lines(fits: list[boxfit.Fit], pool: boxfit.KVPool | None, tp: int, weigh
                      f"{boxfit.per_token_bytes(pool):,.0f} bytes a token of context, and per request its windows "
                      f"(sliding window, compressor states): {windows}; --max-model-len: one request's longest, at most "
                      f"{pool.max_len:,}")
-    lines.append("  DGX Spark: host and GPU share the memory: the rest is all the OS and vLLM's host side get; vLLM "
-                 "0.34.0 takes all memory left after warm-up unless --gpu-memory-utilization is given: give it there")
+    lines.append("  vLLM 0.34.0 on CUDA sizes the cache from all the memory warm-up leaves unless --gpu-memory-utilization "
+                 "is given (a little more room on a discrete GPU); a DGX Spark's host shares that memory: give it there")
     return lines
 
 

@@ -26,6 +26,7 @@ tests/gpu/results, the CPU server of docs/serving-proof.md) gives the same token
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ MIB = 1 << 20
 @dataclass(frozen=True)
 class Box:
     name: str
-    memory: int  # bytes of GPU memory (the whole unified memory on a GB10)
+    memory: int  # bytes of GPU memory vLLM takes its share of (the whole unified memory on a GB10)
     unified: bool  # host and GPU share the memory: the host's part of the model counts against it
     batched_tokens: int  # vLLM's default --max-num-batched-tokens for `vllm serve` there
     source: str  # where `memory` comes from
@@ -48,7 +49,7 @@ class Box:
 BOXES = (
     Box("DGX Spark (GB10)", 121 * GIB, True, 2048, "121 GiB of unified memory, host and GPU together"),
     Box("RTX PRO 6000", 97_887 * MIB, False, 8192, "96 GB: 97,887 MiB in published nvidia-smi output, not measured here"),
-    Box("H100", 81_559 * MIB, False, 8192, "80 GB: 81,559 MiB, nvidia-smi on the H100 lent to this project"),
+    Box("H100", 85_017_493_504, False, 8192, "80 GB: torch.cuda.mem_get_info's total on the H100 lent to this project"),
     Box("H200", 143_771 * MIB, False, 8192, "141 GB: 143,771 MiB, nvidia-smi on this project's H200"),
 )
 # vLLM's default --gpu-memory-utilization: 0.92 (config/cache.py:186, 0.33.0 cache.py:215). 0.34.0 on CUDA
@@ -219,7 +220,7 @@ def besides(box: Box) -> int:
 
 def fit(box: Box, weights: int, pool: KVPool | None) -> Fit:
     """One box, one rank: the room its KV cache gets and the context that room holds."""
-    room = int(box.memory * UTILIZATION) - weights - besides(box)
+    room = math.ceil(box.memory * UTILIZATION) - weights - besides(box)  # v1/worker/utils.py:743
     if pool is None or room <= 0:
         return Fit(box, weights, besides(box), room, None if pool is None else 0, None)
     in_flight = IN_FLIGHT_BATCHES * box.batched_tokens

@@ -67,7 +67,7 @@ def main(spec: dict) -> dict:
             cfg.model_config.max_model_len = max_model_len
             for memory in spec["memory"]:
                 config = get_kv_cache_configs(cfg, [specs], [memory], groups)[0]
-                tokens, concurrency = get_kv_cache_capacity(cfg, config)
+                tokens, _ = get_kv_cache_capacity(cfg, config)
                 pools.append({"memory": memory, "max_model_len": max_model_len, "blocks": config.num_blocks,
                               "tokens": tokens})
     return {"cache_dtype": cfg.cache_config.cache_dtype, "layers": len(specs),
