@@ -317,7 +317,8 @@ def box_lines(fits: list[boxfit.Fit], pool: boxfit.KVPool | None, tp: int, weigh
     lines.append(f"  weights: {weights}; besides (assumed, not measured on this model: a real run's \"Available KV "
                  f"cache memory\" line is the measure): " + ", ".join(f"{what} {size(n)}" for what, n in boxfit.BESIDES)
                  + f", activations {size(boxfit.ACTIVATION_BYTES_PER_BATCHED_TOKEN)} a batched token "
-                   f"(vLLM's default --max-num-batched-tokens: 2048 on a GB10, 8192 on the others)")
+                   f"at vLLM's default --max-num-batched-tokens (" + ", ".join(
+                       f"{f.box.batched_tokens:,} on {f.box.name}" for f in fits) + ")")
     if pool is not None:
         flights = sorted({boxfit.IN_FLIGHT_BATCHES * f.box.batched_tokens for f in fits})
         windows = ", ".join(f"{size(boxfit.window_bytes(pool, n))} at {n:,} tokens in flight" for n in flights)
