@@ -253,7 +253,9 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     config.json, so a Hugging Face repo id is planned before any weight is downloaded. Prints
     the axis table (original, padded, per rank, kernel-local), per tensor family the source
     range of each rank in stored units with its zero tail, per rank its tensors, files and
-    bytes, and ranks that hold only padding; then the bytes to read and write, the free space
+    bytes, and ranks that hold only padding; what fits per box, one rank a box (DGX Spark, RTX
+    PRO 6000, H100, H200): weights, what vLLM keeps besides, the KV-cache room and the
+    --max-model-len it allows; then the bytes to read and write, the free space
     of OUT's filesystem (with OUT given; exit 1 when it is short) and a time estimate. Takes
     convert's options and makes convert's refusals of MODEL and OUT (a file, a non-empty
     directory, a finished output, --resume/--force that do not apply), with the same words, so
@@ -275,9 +277,10 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     from dataclasses import replace
 
     from ..spec.share import chosen_share
-    from .planview import (footprint_json, footprint_lines, node_footprint, node_lines, per_node, plan_footprint_of,
-                           plan_json, plan_lines, plan_specs, planned_paths, room_of, route_lines, route_saving,
-                           routes_lines, routes_of, source_layout, download_room, download_lines)
+    from .planview import (box_fits, box_lines, boxes_json, footprint_json, footprint_lines, node_footprint,
+                           node_lines, per_node, plan_footprint_of, plan_json, plan_lines, plan_specs, planned_paths,
+                           room_of, route_lines, route_saving, routes_lines, routes_of, source_layout, download_room,
+                           download_lines)
     from ..spec.source import is_repo_id
 
     # --workers changes no number plan shows: it is taken so that plan's command line is convert's.
@@ -315,10 +318,14 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
                 if room is not None and is_repo_id(model) else None)
     if download is not None and download.out == room.out:  # on OUT's filesystem: OUT's room counts it
         room, download = download, None
+    fits, pool = box_fits(cfg, specs, fp)
     Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(mine, room), "per_node": nodes,
                        "draft": draft_record(cfg) if "draft" in specs else None, "route_saving": saving,
-                       "routes": routes, "download_room": download.to_dict() if download else None},
+                       "routes": routes, "download_room": download.to_dict() if download else None,
+                       "fit": boxes_json(fits, pool)},
                       plan_lines(specs, p, options, fp, cfg) + node_lines(nodes, sum(n["bytes"] for n in nodes))
+                      + box_lines(fits, pool, p.tp, "the largest rank's files, target"
+                                  + (" and draft" if "draft" in specs else ""))
                       + (routes_lines(routes) if routes else []) + route_lines(saving)
                       + footprint_lines(mine, room, node) + download_lines(download))
     for r, what in ((room, "OUT"), (download, "--download-dir" if not keep_source else "HF_HUB_CACHE")):
