@@ -501,9 +501,10 @@ def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_ran
 from . import cmd_check  # noqa: E402
 from .cmd_fetch import fetch  # noqa: E402
 from .cmd_numerics import check_numerics  # noqa: E402
+from .cmd_smoke import smoke  # noqa: E402
 from .serve_cli import doctor, serve  # noqa: E402  (vLLM is imported inside the commands)
 
-for _command in (cmd_check.diff, cmd_check.verify, cmd_check.inspect, check_numerics, fetch, doctor, serve):
+for _command in (cmd_check.diff, cmd_check.verify, cmd_check.inspect, check_numerics, fetch, doctor, serve, smoke):
     cli.add_command(_command)
 
 
