@@ -104,6 +104,12 @@ def test_stream_rates_exclude_the_first_token():
     assert lat.tokens == 8 and lat.total_tok_s == 4.0 and lat.to_dict()["ttft_median_s"] == pytest.approx(0.6)
 
 
+def test_the_models_check():
+    assert sm.model_check(["a", "b"], None) == sm.Check("models", sm.OK, "serves a, b")
+    assert sm.model_check(["a", "b"], "b").status == sm.OK
+    assert sm.model_check(["a"], "c").status == sm.FAIL and sm.model_check([], None).status == sm.FAIL
+
+
 def test_the_greedy_repeat_names_where_the_outputs_differ():
     assert sm.repeat_check("abc", "abc", 3).status == sm.OK
     bad = sm.repeat_check("the cat", "the dog", 2)

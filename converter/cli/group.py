@@ -226,6 +226,7 @@ def cli() -> None:
       lucifer-shard doctor out/                                      # in the serving image
       lucifer-shard serve out/ --mtp --dry-run                       # the exact vllm serve command
       lucifer-shard serve out/ --mtp -- --max-model-len 65536        # start vLLM (MTP draft included)
+      lucifer-shard smoke http://127.0.0.1:8000                      # check the running server
 
     MODEL is a local directory or a Hugging Face repo id (--revision picks a branch, tag or
     commit; huggingface_hub's cache and HF_HUB_OFFLINE are honoured); plan also takes a

@@ -74,11 +74,11 @@ class SpecCounters:
     per_position: tuple[float, ...]  # accepted tokens at draft position 0, 1, ...
 
     def minus(self, before: "SpecCounters") -> "SpecCounters":
+        """The counts between `before` and this moment (a position first seen now started at 0)."""
         k = max(len(self.per_position), len(before.per_position))
-        pad = lambda v: v + (0.0,) * (k - len(v))  # noqa: E731
+        now, then = (v + (0.0,) * (k - len(v)) for v in (self.per_position, before.per_position))
         return SpecCounters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
-                            self.accepted - before.accepted,
-                            tuple(a - b for a, b in zip(pad(self.per_position), pad(before.per_position))))
+                            self.accepted - before.accepted, tuple(a - b for a, b in zip(now, then)))
 
 
 def spec_counters(samples: dict[str, list[tuple[dict[str, str], float]]]) -> SpecCounters | None:
@@ -188,6 +188,8 @@ class Check:
 
 
 def model_check(served: list[str], expected: str | None) -> Check:
+    if not served:
+        return Check("models", FAIL, "/v1/models lists no model: the server has not finished loading, or serves none")
     if expected is None:
         return Check("models", OK, f"serves {', '.join(served)}")
     if expected in served:

@@ -10,6 +10,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 from urllib.parse import urlsplit
 
 from ..errors import ServerError, UsageRefused
@@ -207,11 +208,11 @@ def identify(server: Server, expected: str | None) -> tuple[str, str, Check]:
                           f"vLLM's metrics and options, so point it at a vLLM server")
     served = [m["id"] for m in data]
     check = model_check(served, expected)
-    return version, expected if expected in served else (served[0] if served else ""), check
+    return version, expected or (served[0] if served else ""), check
 
 
-def run(url: str, options: SmokeOptions, log=lambda message: None) -> Report:
-    """Every step against the server at `url`; the report (smoke.py's checks)."""
+def run(url: str, options: SmokeOptions, log: Callable[[str], None]) -> Report:
+    """Every step against the server at `url`, each announced to `log`; the report (smoke.py's checks)."""
     server = Server(url, options.timeout)
     version, model, models = identify(server, options.model)
     report = Report(server.url, version, model, [models])

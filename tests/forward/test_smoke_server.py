@@ -34,7 +34,7 @@ import pytest
 
 from vllm_forward import engine_env
 
-BOOT_TIMEOUT = 420  # s; measured 35-90 s on this 2-core machine with other work running
+BOOT_TIMEOUT = 420  # s; measured 34-81 s (three runs) on this 2-core machine with other work running
 SMOKE_ARGS = ("--max-tokens", "8", "--concurrency", "2", "--timeout", "300")
 
 
