@@ -226,6 +226,7 @@ def cli() -> None:
       lucifer-shard doctor out/                                      # in the serving image
       lucifer-shard serve out/ --mtp --dry-run                       # the exact vllm serve command
       lucifer-shard serve out/ --mtp -- --max-model-len 65536        # start vLLM (MTP draft included)
+      lucifer-shard smoke http://127.0.0.1:8000                      # check the running server
 
     MODEL is a local directory or a Hugging Face repo id (--revision picks a branch, tag or
     commit; huggingface_hub's cache and HF_HUB_OFFLINE are honoured); plan also takes a
@@ -508,9 +509,10 @@ def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_ran
 from . import cmd_check  # noqa: E402
 from .cmd_fetch import fetch  # noqa: E402
 from .cmd_numerics import check_numerics  # noqa: E402
+from .cmd_smoke import smoke  # noqa: E402
 from .serve_cli import doctor, serve  # noqa: E402  (vLLM is imported inside the commands)
 
-for _command in (cmd_check.diff, cmd_check.verify, cmd_check.inspect, check_numerics, fetch, doctor, serve):
+for _command in (cmd_check.diff, cmd_check.verify, cmd_check.inspect, check_numerics, fetch, doctor, serve, smoke):
     cli.add_command(_command)
 
 
