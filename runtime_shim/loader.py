@@ -248,8 +248,11 @@ class LuciferTP3Loader(BaseModelLoader):
 
     @staticmethod
     def _role_from_config(vllm_config, model_config) -> str:
+        """The draft's when vLLM loads the draft model's config; a drafter without weights (ngram) has the
+        target's config as its `draft_model_config` (vllm/config/speculative.py), so that one is the target's."""
         spec = getattr(vllm_config, "speculative_config", None)
-        if spec is not None and model_config is getattr(spec, "draft_model_config", None):
+        draft = getattr(spec, "draft_model_config", None)
+        if draft is not None and model_config is draft and draft is not getattr(vllm_config, "model_config", None):
             return "draft"
         return "target"
 

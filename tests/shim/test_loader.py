@@ -109,6 +109,22 @@ def test_a_share_of_other_weights_stops_every_rank_at_load(out_model, tmp_path, 
         assert "other source weights" in msg and "lucifer-shard stage OUT DEST --nnodes N --node-rank R" in msg
 
 
+def test_a_drafter_without_weights_loads_the_target_as_the_target(shim):
+    """vLLM's ngram drafter has no model: its speculative config's draft_model_config is the target's own
+    (vllm/config/speculative.py), and the target's load must not be taken for the draft's."""
+    from types import SimpleNamespace
+
+    from lucifer_shard.runtime_shim.loader import LuciferTP3Loader
+
+    target, draft = SimpleNamespace(), SimpleNamespace()
+    ngram = SimpleNamespace(model_config=target, speculative_config=SimpleNamespace(draft_model_config=target))
+    assert LuciferTP3Loader._role_from_config(ngram, target) == "target"
+    dspark = SimpleNamespace(model_config=target, speculative_config=SimpleNamespace(draft_model_config=draft))
+    assert [LuciferTP3Loader._role_from_config(dspark, c) for c in (target, draft)] == ["target", "draft"]
+    alone = SimpleNamespace(model_config=target, speculative_config=None)
+    assert LuciferTP3Loader._role_from_config(alone, target) == "target"
+
+
 def test_in_process_each_rank_byte_exact_and_hooks_replayed(out_kernel, tp_world):
     man = sf.manifest(out_kernel)
     for rank in range(3):
