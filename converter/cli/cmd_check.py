@@ -31,7 +31,7 @@ CHECK_INTERRUPTED = "interrupted: {} stopped before checking everything (it writ
 
 
 def _fail(report, noun: str, fix: str) -> None:
-    first = report.first()
+    first = report.first().replace(f"; {report.repair}", "")  # the fix is said once, at the end
     p = report.problems[0] if report.problems else None
     where = ""
     if p is not None and p.file and p.file not in first:

@@ -153,10 +153,12 @@ def doctor(out: Path | None, draft: bool, mtp: bool) -> None:
     Prints each check with its fix: given OUT, its TP size, arch, layout and roles first; then
     lucifer-shard's install and dependencies, the vLLM version and commit, each symbol the shim
     needs with its source hash, virtual-TP support, the plugin registration and the GPU. Then which
-    vLLM builds serve which outputs (--arch, expert layout, MTP draft), where to get one, and how to
-    put lucifer-shard into it. Runs with or without vLLM. Exit 1 if a check fails.
+    vLLM builds serve which outputs (--arch, expert layout, draft) and how far each is proven, where
+    to get one (inside a vetted build: that one first), and how to put lucifer-shard into it. Runs
+    with or without vLLM. Exit 1 if a check fails.
     """
-    from ..runtime_shim.doctor import builds, doctor_report, format_report, guide_lines, routes
+    from ..runtime_shim.doctor import doctor_report, format_report
+    from ..runtime_shim.guide import builds, guide_lines, installed_build, routes
 
     if (draft or mtp) and out is None:
         raise UsageRefused(f"--{'draft' if draft else 'mtp'} checks an output's draft: pass OUT")
@@ -165,9 +167,10 @@ def doctor(out: Path | None, draft: bool, mtp: bool) -> None:
     asked = draft_asked(draft, mtp, _manifest_or_none(out))
     _importing_note(con)
     checks = doctor_report(out, asked)
+    here = installed_build()
     con.emit({"checks": [c.to_dict() for c in checks], "builds": builds(),
-              "routes": [{"route": r, "how": h} for r, h in routes()]},
-             [format_report(checks, verbose=con.verbosity > 0), "", *guide_lines()])
+              "routes": [{"route": r, "how": h} for r, h in routes(here)]},
+             [format_report(checks, verbose=con.verbosity > 0), "", *guide_lines(here)])
     failed = _failed(checks)
     if failed:
         raise _refusal(failed, f"doctor: {len(failed)} check(s) failed; first: {failed[0]}", CheckFailed)
@@ -236,7 +239,8 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     Three boxes: lucifer-shard serve OUT --nnodes 3 --master-addr H --ifname IFACE --write-launch DIR
     writes DIR/node-R.sh, each node's serve on its share (docs/three-boxes.md).
     Before exec, the preflight checks OUT and what needs no vLLM import (package versions, the
-    vllm command, the plugin's entry point): it adds well under 2 s to the start. The checks that
+    vllm command, the plugin's entry point, an NVIDIA GPU in sight of nvidia-smi unless vLLM is the
+    CPU build): it adds well under 2 s to the start. The checks that
     need vLLM (symbols, source hashes, virtual TP, the GPU) run inside vLLM's own process as it
     starts, where the plugin is loaded anyway; a failed check stops serve, or vLLM, with exit 1.
     --dry-run runs every check (`lucifer-shard doctor OUT`).
