@@ -17,6 +17,7 @@ from ..errors import MismatchError, OutputError
 from ..proof.report import Report
 from ..proof.structure import open_files, read_manifest
 from ..spec.drafts import DRAFT_KINDS
+from ..spec.plan import serving_arch
 from ..spec.share import describe, identity_line, read_share
 from ..spec.manifest import MANIFEST_NAME, complete_problem, read_manifest_bytes
 from ..spec.manifest_types import Manifest
@@ -248,7 +249,8 @@ def summary_lines(d: dict) -> list[str]:
         *([f"drafting       {dr['label']}: {dr['stage_count']} stage(s), {dr['tokens_per_step']} draft token(s) per "
            f"step by default (serve --draft)"] if (dr := d.get("drafter")) else []),
         f"tp             {d['tp_size']}",
-        f"arch           {d['arch'] or 'any'}  MoE variant {d['moe_variant'] or 'any (vLLM picks it for the GPU)'}",
+        f"arch           {serving_arch(d['arch'], (d.get('options') or {}).get('moe_backend')).removeprefix('arch ')}  "
+        f"MoE variant {d['moe_variant'] or 'any (vLLM picks it for the GPU)'}",
         f"experts        {d['expert_layout']} layout"
         + (f", FlashInfer {d['flashinfer_layout']} generation" if d.get("flashinfer_layout") else "")
         + (f", routed width for vLLM's {moe} MoE" if (moe := (d.get("options") or {}).get("moe_backend")) else "")
