@@ -66,8 +66,15 @@ test-forward:
 fuzz: installed
 	$(PY) -m pytest -q -m fuzz tests/test_fuzz.py
 
+# DEMO is removed and made again only when make demo made it (its DEMO_MARK); a folder of yours (the
+# quickstart's demo/, say) is refused, never removed.
+DEMO_MARK = $(DEMO)/.made-by-make-demo
+DEMO_OURS = if [ -e "$(DEMO)" ] && [ ! -e "$(DEMO_MARK)" ] && [ -n "$$(ls -A "$(DEMO)")" ]; then \
+	echo "make: $(DEMO)/ holds files make demo did not write ($$(ls -A "$(DEMO)" | head -3 | tr '\n' ' ')): left alone; remove it yourself or pass DEMO=another-folder" >&2; exit 2; fi
 demo: installed
+	@$(DEMO_OURS)
 	rm -rf $(DEMO)
+	mkdir -p $(DEMO) && : > $(DEMO_MARK)
 	lucifer-shard synth dspark $(DEMO)/model --fill random --quiet
 	lucifer-shard plan --tp 3 --arch sm120 $(DEMO)/model
 	lucifer-shard convert --tp 3 --arch sm120 $(DEMO)/model $(DEMO)/out --quiet
@@ -89,13 +96,20 @@ bench-serve:
 	$(VLLM_ENV) python bench/serve_start.py --reps 5
 
 # The wheel to install into the vLLM serving image: pip install --no-deps dist/lucifer_shard-*.whl
-# (the image's vLLM already brings every dependency; see `lucifer-shard doctor`).
+# (the image's vLLM already brings every dependency; see `lucifer-shard doctor`). Built beside DIST and
+# moved there only once built, so a failed build leaves DIST as it was. Where PY's setuptools can build a
+# wheel (70.1+, or older with `wheel`) it builds offline (--no-build-isolation); elsewhere (a Python 3.12 venv
+# has no setuptools) pip fetches the build requirements of pyproject.toml.
 DIST ?= dist
+CAN_BUILD = import setuptools, importlib.util as u, sys; \
+	sys.exit(not (tuple(map(int, setuptools.__version__.split(".")[:2])) >= (70, 1) or u.find_spec("wheel")))
 wheel:
-	rm -rf $(DIST)
-	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST) .
-	rm -rf build
+	rm -rf $(DIST).new
+	$(PY) -m pip wheel -q --no-deps $$($(PY) -c '$(CAN_BUILD)' 2>/dev/null && echo --no-build-isolation) \
+		-w $(DIST).new . || { rm -rf $(DIST).new; exit 1; }
+	rm -rf $(DIST) build && mv $(DIST).new $(DIST)
 	@ls $(DIST)/*.whl
 
 clean:
+	@$(DEMO_OURS)
 	rm -rf $(DEMO) .pytest_cache .make-test build dist *.egg-info

@@ -33,6 +33,11 @@ date +%s.%N > "$LUCIFER_BENCH_STAMP"
 printf '%s\\n' "$@" > "$LUCIFER_BENCH_STAMP.argv"
 """
 STANDIN_VERSION = "0.34.0"  # the package metadata added where no vLLM is installed
+# A stand-in nvidia-smi: serve refuses to start vLLM's CUDA build where no GPU is visible, and its users run it on
+# a GPU host (serve asks nvidia-smi, as there)
+STANDIN_GPU = """#!/bin/sh
+echo "NVIDIA H200, 9.0"
+"""
 
 
 def installed_vllm() -> str | None:
@@ -44,13 +49,14 @@ def installed_vllm() -> str | None:
 
 
 def standin(root: Path) -> dict[str, str]:
-    """A stand-in `vllm` command under `root` and the environment that puts it first on PATH (and, where
-    no vLLM is installed, PYTHONPATH for its package metadata)."""
+    """A stand-in `vllm` command (and `nvidia-smi`) under `root` and the environment that puts it first on PATH
+    (and, where no vLLM is installed, PYTHONPATH for its package metadata)."""
     bin_dir, site = root / "bin", root / "site"
     bin_dir.mkdir(parents=True, exist_ok=True)
-    exe = bin_dir / "vllm"
-    exe.write_text(STANDIN)
-    exe.chmod(0o755)
+    for name, text in (("vllm", STANDIN), ("nvidia-smi", STANDIN_GPU)):
+        exe = bin_dir / name
+        exe.write_text(text)
+        exe.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     if installed_vllm() is None:
         info = site / f"vllm-{STANDIN_VERSION}.dist-info"

@@ -24,9 +24,11 @@ ERROR_KINDS: dict[str, tuple[int, str]] = {
                    "(plan reports it with exit 1)"),
     "environment": (2, "the machine refused an operation: permissions, a read-only disk, an I/O error, "
                        "file-descriptor, file-size, memory or thread limits"),
+    "server": (2, "smoke's URL: nothing answers there, it is not a vLLM OpenAI-compatible server, or it ran past "
+                  "--timeout"),
     "mismatch": (1, "a check found a problem: diff or verify findings, numerics past tolerance, a damaged or "
                     "edited output"),
-    "check_failed": (1, "a doctor check failed"),
+    "check_failed": (1, "a doctor or smoke check failed"),
     "preflight_failed": (1, "serve's preflight failed (the doctor's checks for this output)"),
     "internal": (70, "a bug: the message names the log file that holds the traceback"),
     "interrupted": (130, "Ctrl-C"),
@@ -97,9 +99,15 @@ class MismatchError(LuciferError):
 
 
 class CheckFailed(LuciferError):
-    """A doctor check failed."""
+    """A doctor or smoke check failed."""
 
     kind = "check_failed"
+
+
+class ServerError(LuciferError):
+    """smoke: nothing answers at the URL, it is not a vLLM OpenAI-compatible server, or it ran past --timeout."""
+
+    kind = "server"
 
 
 class PreflightFailed(LuciferError):
@@ -116,7 +124,7 @@ BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a reader that went 
 EXIT_SUMMARIES: dict[int, str] = {
     OK: "ok",
     1: "a check found a problem (plan: OUT is short of room)",
-    2: "refused: the command line, MODEL, OUT or the machine is not what the command needs",
+    2: "refused: the command line, MODEL, OUT, the machine or the server is not what the command needs",
     BROKEN_PIPE: "stdout was closed before the output was written (a reader such as `head` went away)",
 }
 

@@ -19,6 +19,7 @@ class Check:
     scope: str = ENVIRONMENT  # OUTPUT or ENVIRONMENT
     verbose: bool = False  # shown only with -v (a fact about other builds, not this one)
     damage: bool = False  # a failure that finds OUT damaged or edited: kind mismatch, as every reader of OUT
+    blocks: bool = False  # a warning that keeps lucifer_tp3 from serving on this host (no GPU): the summary says so
 
     def __str__(self) -> str:
         s = f"[{self.status:>4}] {self.name}: {self.detail}"
@@ -44,6 +45,9 @@ def format_report(checks: list[Check], verbose: bool = True) -> str:
         tail = f"{fails} check(s) failed{skipped}: lucifer_tp3 serving will not work " + ("from OUT" if skips else "here")
     elif skips:
         tail = f"OUT's checks passed{skipped}: run lucifer-shard doctor OUT on the serving host"
+    elif blocked := [c for c in checks if c.blocks and c.status == WARN]:
+        tail = (f"no check failed, but lucifer_tp3 cannot serve on this host: {blocked[0].name}: {blocked[0].detail}; "
+                f"the other checks hold for this environment on a host that has it")
     else:
         tail = "lucifer_tp3 serving can work here" + (f" ({warns} warning(s))" if warns else "")
     return "\n".join(str(c) for c in checks if verbose or not c.verbose) + "\n" + tail

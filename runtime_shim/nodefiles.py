@@ -42,10 +42,9 @@ def share_checks(m: Manifest, node_ranks: list[int] | None) -> list[Check]:
                "H), staged for that node (lucifer-shard stage OUT DEST --nnodes N --node-rank R)")
         return checks + [out_check("output node ranks", FAIL, f"this share holds rank(s) {held} only: {how}")]
     problem = node_problem(m.out, m.conversion_id, node_ranks, m.tp_size)
-    return checks + [out_check("output node ranks", FAIL if problem else OK,
-                               problem or f"holds this node's TP rank(s) {', '.join(map(str, node_ranks))}",
-                               "stage this node's share (lucifer-shard stage) or pass its --node-rank" if problem
-                               else "")]
+    if problem:
+        return checks + [out_check("output node ranks", FAIL, *problem)]
+    return checks + [out_check("output node ranks", OK, f"holds this node's TP rank(s) {', '.join(map(str, node_ranks))}")]
 
 
 def rank_files_check(m: Manifest, node_ranks: list[int] | None) -> Check:

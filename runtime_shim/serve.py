@@ -19,8 +19,9 @@ from .patches import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND
 
 SERVE_FLAGS = ("--tensor-parallel-size", "--load-format", "--attention-backend", "--moe-backend")
 # vLLM's multi-node flags: serve's own options (before `--`), passed on; node 1.. run headless (no API
-# server: node 0 serves it), as vLLM's multi-node mp launch does.
-NODE_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless")
+# server: node 0 serves it), as vLLM's multi-node mp launch does: serve adds --headless itself.
+NODE_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port")
+HEADLESS_FLAG = "--headless"
 # --hf-overrides: the plugin gives vLLM the manifest's padded sizes through it, and refuses a user's at
 # load (the model must be the config that was converted); refused here before vLLM starts, like the rest.
 HF_OVERRIDES_FLAG = "--hf-overrides"
@@ -88,6 +89,7 @@ def serve_argv(out_dir: str | Path, tp: int, extra_args: list[str] | tuple[str, 
     if user_moe:
         del owned["--moe-backend"]
     owned.update({flag: "it is serve's own option: pass it before `--`" for flag in NODE_FLAGS})
+    owned[HEADLESS_FLAG] = "serve adds it itself on the nodes above 0 (serve --nnodes N --node-rank R --master-addr H)"
     owned[HF_OVERRIDES_FLAG] = ("the plugin sets it from the manifest (the model must be the config that was "
                                 "converted)")
     if mtp_tokens:
@@ -108,7 +110,7 @@ def serve_argv(out_dir: str | Path, tp: int, extra_args: list[str] | tuple[str, 
     if node is not None:
         argv += ["--nnodes", str(node["nnodes"]), "--node-rank", str(node["node_rank"]), "--master-addr",
                  node["master_addr"], *(["--master-port", str(node["master_port"])] if node.get("master_port") else []),
-                 *(["--headless"] if node["node_rank"] > 0 else [])]
+                 *([HEADLESS_FLAG] if node["node_rank"] > 0 else [])]
     return argv + extra
 
 

@@ -276,7 +276,7 @@ def test_help_teaches_the_flow_and_the_exit_codes():
     out = run("--help").output
     for cmd in ("plan", "convert", "synth", "diff", "doctor", "serve"):
         assert cmd in out
-    assert "serve out/ --mtp -- --max-model-len 65536" in out
+    assert "serve out/ --draft -- --max-model-len 65536" in out
     for code in ("0  ok", "1  a check found a problem", "2  refused: the command line", "70  a bug",
                  "130  Ctrl-C  [interrupted]", "141  stdout was closed"):
         assert code in out

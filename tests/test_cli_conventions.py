@@ -12,6 +12,7 @@ import itertools
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from lucifer_shard.cli.console import QUIET, SCHEMA_VERSION, exit_code_lines
 from lucifer_shard.errors import BROKEN_PIPE, ERROR_KINDS, exit_codes
 
 from helpers import scratch
+from vllmstandin import StandIn
 
 REPO = Path(__file__).resolve().parent.parent
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -96,6 +98,10 @@ ROWS: dict[str, Row] = {
                  ("serve", "{out}", "--mtp", "--mtp-tokens", "0", "--dry-run"), ("serve", "{out}", "--bogus"),
                  ("serve",),
                  ((("serve", MISSING_OUT, "--dry-run"), "output"), (("serve", OUT_A_FILE, "--dry-run"), "output"))),
+    # {url}: a stand-in vLLM server (tests/vllmstandin.py); {nothing}: a port where nothing listens
+    "smoke": Row(("smoke", "{url}", "--max-tokens", "2", "--concurrency", "1"), None,
+                 ("smoke", "{url}", "--concurrency", "99"), ("smoke", "{url}", "--bogus"), ("smoke",),
+                 ((("smoke", "{nothing}"), "server"), (("smoke", "{file}"), "usage"))),
 }
 USAGE_CASES = ("bad_value", "unknown_option", "missing_argument")
 
@@ -116,8 +122,13 @@ def shared_paths(tmp_path_factory, tiny_random, converted) -> Iterator[dict[str,
         unfinished = root / "unfinished"  # a convert stopped after its manifest, before COMPLETE
         shutil.copytree(out, unfinished)
         (unfinished / "COMPLETE").unlink()
-        yield {"model": tiny_random, "out": out, "file": root / "afile", "missing": root / "missing",
-               "damaged": damaged, "empty": root / "empty", "unfinished": unfinished}
+        with socket.socket() as sock:  # a port that was free a moment ago: nothing answers there
+            sock.bind(("127.0.0.1", 0))
+            nothing = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with StandIn() as server:
+            yield {"model": tiny_random, "out": out, "file": root / "afile", "missing": root / "missing",
+                   "damaged": damaged, "empty": root / "empty", "unfinished": unfinished, "url": server.url,
+                   "nothing": nothing}
 
 
 @pytest.fixture

@@ -188,6 +188,7 @@ def test_rank_sums_equal_unsharded(layer_weights, tiny_cfg, layout, tokens):
     assert results[ROUTED].rel_fro <= 5e-3  # docs/design/kernel-layouts.md §5.4: TP3 sum vs TP1
     assert results[SHARED].rel_fro <= 1e-5 and results[ATTN].rel_fro <= 1e-5  # exact up to summation order
     assert results[VIRTUAL].max_abs == 0.0
+    assert results[VIRTUAL].detail == "heads 64..71, groups 8"  # one group: not "8..8" (issue 53)
 
 
 def test_virtual_heads_and_group_8_contribute_exactly_zero(layer_weights, tiny_cfg):

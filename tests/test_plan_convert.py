@@ -67,7 +67,8 @@ def test_repo_id_offline_names_the_missing_file_and_the_fix(tmp_path):
     r = cli_subprocess("plan", "--tp", "3", "--arch", "sm120", "--revision", "v2", "deepseek-ai/DeepSeek-V4-Flash",
                        env={"HF_HUB_CACHE": str(tmp_path / "hub")})
     assert r.returncode == 2, r.stderr
-    assert (f"error: deepseek-ai/DeepSeek-V4-Flash: config.json of deepseek-ai/DeepSeek-V4-Flash at v2 is not in "
+    assert (f"error: deepseek-ai/DeepSeek-V4-Flash: no such directory here, and as a Hugging Face repo id: config.json "
+            f"of deepseek-ai/DeepSeek-V4-Flash at v2 is not in "
             f"the local Hugging Face cache ({tmp_path / 'hub'}) and HF_HUB_OFFLINE is set; run `hf download "
             f"deepseek-ai/DeepSeek-V4-Flash config.json --revision v2` where the hub is reachable, or pass the path "
             f"of a config.json") in r.stderr

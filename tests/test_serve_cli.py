@@ -308,12 +308,16 @@ def test_doctor_without_vllm_says_which_build_and_how_to_install(converted):
     assert "[FAIL] vllm: not installed in this environment" in text and "-> run doctor inside the serving environment" in text
     assert "vetted vLLM builds for lucifer_tp3:" in text and "pip install vllm==0.34.0" in text
     cols = list(compat.SUPPORTED_BUILDS[0].serves())
+    assert not [c for c in cols if "--mtp" in c]  # the drafts' columns: --draft serves either kind
+    table, how = text.split("vetted vLLM builds", 1)[1].split("how to get each:", 1)
     for b in compat.SUPPORTED_BUILDS:
-        row = next(line for line in text.splitlines() if line.strip().startswith(b.commit + " "))
-        assert b.install in row if b.stock else all(branch in row for branch in b.branches), row
+        row = next(line for line in table.splitlines() if line.strip().startswith(b.commit + " "))
         words = row.split()
         assert words[1] == b.flashinfer
         assert words[2:2 + len(cols)] == ["yes" if ok else "no" for ok in b.serves().values()], row
+        assert b.proven and row.endswith(b.proven), row  # each build's proof level (docs/serving.md's table has one)
+        got = next(line for line in how.splitlines() if line.strip().startswith(b.commit + " "))
+        assert b.install in got if b.stock else all(branch in got for branch in b.branches), got
     wheel = f"lucifer_shard-{__version__}-py3-none-any.whl"
     assert "make wheel" in text and f"pip install --no-deps {wheel}" in text and "pip check" in text
     assert "[  ok] output: " in text and "tp 3, arch sm120" in text
@@ -322,7 +326,7 @@ def test_doctor_without_vllm_says_which_build_and_how_to_install(converted):
     assert not doc["ok"] and doc["error"]["exit_code"] == 1
     assert [b["commit"] for b in doc["result"]["builds"]] == ["45c1582e9", "cece381c4", "81564374e", "0.34.0", "0.33.0",
                                                               "0.32.0"]
-    assert doc["result"]["builds"][1]["serves"]["MTP draft (--mtp)"] is False
+    assert doc["result"]["builds"][1]["serves"]["MTP draft"] is False
     failed = [c for c in doc["result"]["checks"] if c["status"] == FAIL]
     assert failed and all(c["fix"] for c in failed)
     assert run("doctor", "--mtp").output.startswith("error: --mtp checks an output's draft: pass OUT")
@@ -347,23 +351,72 @@ def test_no_serve_extra_and_the_wheel_carries_the_plugin(tmp_path):
 
 
 def test_where_to_get_a_server_is_one_table_in_doctor_and_readme():
-    """The serving page's "Where to get a server" and doctor's guide say the same routes, in the same order,
-    from doctor.routes(); the audit's image is named by tag and ID, the stock route comes first."""
+    """The serving page's "Where to get a server" and doctor's guide (here, without vLLM) say the same routes, in
+    the same order, from guide.routes(); the stock route comes first, with the install that works where the index
+    lacks 0.34.0's FlashInfer pin (tools/vllm-env.sh's re-pin); no route names an image no one can pull."""
+    from lucifer_shard.runtime_shim import guide
+
     readme = (REPO / "docs" / "serving.md").read_text()
     section = readme.split("## Where to get a server", 1)[1].split("\n## ", 1)[0]
     items = [" ".join(item.replace("`", "").split()) for item in re.split(r"\n\d\. ", section)[1:]]
-    expected = [f"{route}: {how}" for route, how in doctor.routes()]
+    expected = [f"{route}: {how}" for route, how in guide.routes()]
     assert items == expected
-    guide = run("doctor").stdout
+    text = run("doctor").stdout
     assert [f"  {i}. {line}" for i, line in enumerate(expected, 1)] == [
-        line for line in guide.splitlines() if re.match(r"  \d\. ", line)]
-    assert expected[0].startswith("stock vLLM 0.34.0, the route to take: pip install vllm==0.34.0")
+        line for line in text.splitlines() if re.match(r"  \d\. ", line)]
+    assert expected[0].startswith("stock vLLM 0.34.0, the route to take: pip install vllm==0.34.0 (where the package "
+                                  "index lacks flashinfer-python==0.7.3")
+    repin = re.search(r'DEFAULT_REPIN="flashinfer-python==([\w.]+)->flashinfer-python==([\w.]+)"',
+                      (REPO / "tools" / "vllm-env.sh").read_text())
+    assert (doctor.STOCK.flashinfer, doctor.STOCK.flashinfer_repin) == repin.groups()
+    assert doctor.STOCK.repinned_install() in expected[0]
+    commits = {b.commit for b in compat.SUPPORTED_BUILDS}  # the annotations name builds of the table, forks all
+    assert set(compat.FLASHINFER_REPIN) <= commits and {b.commit for b in compat.SUPPORTED_BUILDS if not b.stock} \
+        <= set(compat.PROVEN) <= commits
     image = compat.AUDIT_IMAGE
-    assert image["tag"] in expected[1] and image["id"] in expected[1] and "cannot be pulled" in expected[1]
+    assert not [r for r in expected if image["tag"] in r or image["id"] in r]
     assert readme.index("## Where to get a server") < readme.index("## From a checkpoint to a running server")
     doc = json.loads(run("doctor", "--json").stdout)["result"]
-    assert [r["route"] for r in doc["routes"]] == [r for r, _ in doctor.routes()]
+    assert [r["route"] for r in doc["routes"]] == [r for r, _ in guide.routes()]
     assert [b["image"] for b in doc["builds"] if b["image"]] == [image]
+
+
+@pytest.mark.parametrize("commit", ["0.33.0", "0.34.0", "0.32.0"])
+def test_inside_a_vetted_build_doctor_names_it_first_and_points_nowhere_else(commit):
+    """Issue 53: inside a working vetted build, that build is the first route (serve with it here), marked in the
+    table; no other is "the route to take"."""
+    from lucifer_shard.runtime_shim import guide
+
+    here = next(b for b in compat.SUPPORTED_BUILDS if b.commit == commit)
+    found = guide.routes(here)
+    assert found[0][0] == f"this environment's {here.label}, a vetted build" and here.proven in found[0][1]
+    assert not [r for r, _ in found if "the route to take" in r]
+    assert [r for r, _ in found[1:] if r.startswith("stock vLLM")] == (
+        [] if here is doctor.STOCK else [f"stock vLLM {doctor.STOCK.commit}, the newest vetted release"])
+    lines = guide.guide_lines(here)
+    assert lines[0] == f"vetted vLLM builds for lucifer_tp3 (this environment: {commit}, marked *):"
+    assert [line.split()[1] for line in lines if line.startswith("* ")] == [commit]
+
+
+def test_the_repinned_install_is_the_release_then_its_requirements():
+    """The 0.34.0 install without its FlashInfer pin: the release with no dependencies, then its own requirements
+    (no extra's) with the one pin swapped, read from the installed metadata (what tools/vllm-env.sh installs)."""
+    line = doctor.STOCK.repinned_install()
+    first, second = line.split(" && ", 1)
+    assert first == f"pip install --no-deps vllm=={doctor.STOCK.commit}"
+    code = re.fullmatch(r'python -c "(.*)" \| pip install -r /dev/stdin', second).group(1)
+    reqs = ['flashinfer-python==0.7.3', 'torch==2.14.0; extra == "x"', 'torch==2.14.0', 'six; python_version > "3.11"']
+    import contextlib
+    import importlib.metadata as md
+    import io
+    from unittest import mock
+
+    assert not set(code) & set('$`"')  # bash passes the double-quoted code to python as it stands
+    out = io.StringIO()
+    with mock.patch.object(md, "requires", lambda name: reqs if name == "vllm" else None), \
+            contextlib.redirect_stdout(out):
+        exec(code, {})
+    assert out.getvalue().splitlines() == ["flashinfer-python==0.7.4", "torch==2.14.0", 'six; python_version > "3.11"']
 
 
 def _bench_serve_start():

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from helpers import CONFIGS
 from lucifer_shard.cli import cli
-from lucifer_shard.spec import v41
+from lucifer_shard.spec import boxfit, v41
 
 CONFIG = CONFIGS / "deepseek-v4.1-flash.json"
 # From the V4.1 tensor inventory (the team's checkpoint notes): TP3 routed-expert bytes per rank, main model
@@ -29,7 +29,9 @@ def test_tp3_bytes_per_rank():
     assert r.gpu["routed experts"] == ROUTED_TP3
     assert ENGRAM_TP3[0] <= r.host <= ENGRAM_TP3[1]
     assert 96.5 < r.gpu_total / 2**30 < 97.0  # the inventory's 96.91 GiB less the compressors and indexer
-    assert [ok for _, ok, _ in v41.fits(r)] == [True, False, False]  # H200 yes; RTX PRO 6000, Spark no
+    # GPU weights, and on the Spark's unified memory the Engram tables too: only the H200 has room left
+    assert [f.fits for f in boxfit.fits(r.gpu_total, None, r.host)] == [False, False, False, True]
+    assert [b.name for b in boxfit.BOXES] == ["DGX Spark (GB10)", "RTX PRO 6000", "H100", "H200"]
 
 
 def test_plan_shows_gpu_and_host_bytes_and_the_boxes():
@@ -37,9 +39,14 @@ def test_plan_shows_gpu_and_host_bytes_and_the_boxes():
     assert r.exit_code == 0, r.output
     assert "not convertible yet" in r.output and "an estimate" in r.output
     assert "    3      96.69 GiB                62.94 GiB" in r.output
-    assert "3x H200              fits" in r.output and "3x DGX Spark (GB10)  does not fit" in r.output
+    rows = {line.split()[0]: line for line in r.output.splitlines() if line.startswith(("  DGX Spark (", "  H200 "))}
+    assert "fits (tokens not modelled)" in rows["H200"] and "does not fit" in rows["DGX"]
+    doc = (CONFIGS.parent / "docs" / "deepseek-v4.1.md").read_text()
+    for figure in ("27.97 GiB", "13.25", "28.35 GiB short", "51.32 GiB short"):  # what the doc quotes of this table
+        assert figure in r.output and figure.removesuffix(" short") in doc, figure
     doc = json.loads(run("plan", "--tp", "3", str(CONFIG), "--json").output)["result"]
     assert doc["convertible"] is False and doc["per_tp"]["3"]["host_bytes"] > 0
+    assert [b["fits"] for b in doc["fit"]["boxes"]] == [False, False, False, True] and doc["fit"]["kv_cache"] is None
 
 
 def test_convert_refuses_it_in_one_line_and_writes_nothing(tmp_path):

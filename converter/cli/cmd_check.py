@@ -16,7 +16,9 @@ import click
 from ..errors import MismatchError, OutputError
 from ..proof.report import Report
 from ..proof.structure import open_files, read_manifest
-from ..spec.share import describe, read_share
+from ..spec.drafts import DRAFT_KINDS
+from ..spec.plan import serving_arch
+from ..spec.share import describe, identity_line, read_share
 from ..spec.manifest import MANIFEST_NAME, complete_problem, read_manifest_bytes
 from ..spec.manifest_types import Manifest
 from ..spec.outwatch import ReadWatch
@@ -30,7 +32,7 @@ CHECK_INTERRUPTED = "interrupted: {} stopped before checking everything (it writ
 
 
 def _fail(report, noun: str, fix: str) -> None:
-    first = report.first()
+    first = report.first().replace(f"; {report.repair}", "")  # the fix is said once, at the end
     p = report.problems[0] if report.problems else None
     where = ""
     if p is not None and p.file and p.file not in first:
@@ -204,6 +206,9 @@ def summarize(out: Path) -> dict:
         "source": {"path": src.path, "hub": f"{src.repo}@{src.revision}" if src.repo else None,
                    "fingerprint": src.fingerprint, "content": src.content.digest,
                    "content_tensors": src.content.tensors, "files": len(src.files), "bytes": sum(src.files.values())},
+        "identity": identity_line(m.conversion_id, src.content.digest),
+        "drafter": None if m.draft is None else {"label": DRAFT_KINDS[m.draft.kind].label, "stage_count": m.draft.stages,
+                                                 "tokens_per_step": m.draft.tokens},
         "tp_size": m.tp_size,
         "plan": m.plan.to_dict(),
         "options": m.options.to_dict(),
@@ -239,8 +244,13 @@ def summary_lines(d: dict) -> list[str]:
         f"{size(src['bytes'])})",
         f"content        {src['content'] or 'not recorded'}  (BLAKE3 of {src['content_tensors'] or 0} converted "
         f"tensors' bytes)",
+        f"identity       {d['identity']}  (every node's serve, doctor and inspect print this line: equal lines, "
+        f"one conversion of the same weights)",
+        *([f"drafting       {dr['label']}: {dr['stage_count']} stage(s), {dr['tokens_per_step']} draft token(s) per "
+           f"step by default (serve --draft)"] if (dr := d.get("drafter")) else []),
         f"tp             {d['tp_size']}",
-        f"arch           {d['arch'] or 'any'}  MoE variant {d['moe_variant'] or 'any (vLLM picks it for the GPU)'}",
+        f"arch           {serving_arch(d['arch'], (d.get('options') or {}).get('moe_backend')).removeprefix('arch ')}  "
+        f"MoE variant {d['moe_variant'] or 'any (vLLM picks it for the GPU)'}",
         f"experts        {d['expert_layout']} layout"
         + (f", FlashInfer {d['flashinfer_layout']} generation" if d.get("flashinfer_layout") else "")
         + (f", routed width for vLLM's {moe} MoE" if (moe := (d.get("options") or {}).get("moe_backend")) else "")

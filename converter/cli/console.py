@@ -63,6 +63,7 @@ QUIET: dict[str, tuple[str, tuple[str, ...]]] = {
     "fetch": ("only DEST", ("dest",)),
     "doctor": ("nothing (the exit code is the answer)", ()),
     "serve": ("only the vllm command line (with --dry-run, when the preflight passes)", ("command",)),
+    "smoke": ("nothing (the exit code is the answer)", ()),
 }
 
 

@@ -24,7 +24,9 @@ MAX_FILE_BYTES = 1 << 50
 # about 4,600 for Flash at TP3), each with its own header, open and fsync.
 MIN_FILE_BYTES = 1 << 20
 TP = click.option("--tp", "-tp", "--tensor-parallel-size", "tp", type=int, required=True,
-                  help="Tensor-parallel size, 1..8 (3 is the mission); -tp and --tensor-parallel-size as in vLLM.")
+                  help="Tensor-parallel size, 1..8: the GPUs that serve the model together, one rank file set each "
+                       "(3: DeepSeek-V4-Flash's 64 heads, 2048-wide experts and vocabulary do not divide by it, so "
+                       "the rank files are padded); -tp and --tensor-parallel-size as in vLLM.")
 REVISION = click.option("--revision", default=None,
                         help="With a Hugging Face repo id: the branch, tag or commit to use (as `hf download "
                              "--revision`); the manifest records the commit, so `diff OUT` finds it again.")
@@ -84,7 +86,8 @@ def conversion_options(f):
         click.option("--align", type=int, default=8, show_default=True,
                      help="Start the data section and every tensor whose size is a multiple of ALIGN at a "
                           "multiple of ALIGN bytes (e.g. 4096 for O_DIRECT loaders); a power of two >= 8."),
-        click.option("--no-mtp", is_flag=True, help="Leave the MTP draft model (draft/) out."),
+        click.option("--no-mtp", is_flag=True, help="Leave the draft model (draft/: the MTP layer, or "
+                                                    "DeepSeek-V4-Flash-0731's DSpark drafter) out."),
         REVISION,
     )):
         f = option(f)
@@ -224,13 +227,17 @@ def cli() -> None:
       lucifer-shard convert --tp 3 --arch sm120 MODEL out/           # per-rank rank files
       lucifer-shard diff out/                                        # byte-exact proof (MODEL from the manifest)
       lucifer-shard doctor out/                                      # in the serving image
-      lucifer-shard serve out/ --mtp --dry-run                       # the exact vllm serve command
-      lucifer-shard serve out/ --mtp -- --max-model-len 65536        # start vLLM (MTP draft included)
+      lucifer-shard serve out/ --draft --dry-run                     # the exact vllm serve command
+      lucifer-shard serve out/ --draft -- --max-model-len 65536      # start vLLM with the draft (MTP or DSpark)
+      lucifer-shard smoke http://127.0.0.1:8000                      # check the running server
 
-    MODEL is a local directory or a Hugging Face repo id (--revision picks a branch, tag or
-    commit; huggingface_hub's cache and HF_HUB_OFFLINE are honoured); plan also takes a
-    config.json file. Every command takes -q/-v and --json. Try it on a synthetic checkpoint:
-    `make demo`.
+    MODEL is a local directory or a Hugging Face repo id owner/name (--revision picks a branch,
+    tag or commit; huggingface_hub's cache and HF_HUB_OFFLINE are honoured); a path that
+    exists here, ends in .json or starts with ./ / or ~ is never taken for a repo id. plan also
+    takes a config.json file, or a shipped config by name from anywhere:
+    deepseek-v4-flash, deepseek-v4-flash-0731, deepseek-v4.1-flash (plan --tp 3
+    deepseek-v4-flash-0731). Every command takes -q/-v and --json. Try it on a synthetic
+    checkpoint: `make demo`.
     """
 
 
@@ -249,11 +256,14 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
          download_dir: Path | None, keep_source: bool) -> None:
     """Dry run of convert: the virtual-TP plan and the conversion's disk footprint. Writes nothing.
 
-    MODEL is a checkpoint directory, a repo id or a config.json file: plan needs only
+    MODEL is a checkpoint directory, a repo id, a config.json file or a shipped config by name
+    (deepseek-v4-flash, deepseek-v4-flash-0731, deepseek-v4.1-flash): plan needs only
     config.json, so a Hugging Face repo id is planned before any weight is downloaded. Prints
     the axis table (original, padded, per rank, kernel-local), per tensor family the source
     range of each rank in stored units with its zero tail, per rank its tensors, files and
-    bytes, and ranks that hold only padding; then the bytes to read and write, the free space
+    bytes, and ranks that hold only padding; what fits per box, one rank a box (DGX Spark, RTX
+    PRO 6000, H100, H200): weights, what vLLM keeps besides, the KV-cache room and the
+    --max-model-len it allows; then the bytes to read and write, the free space
     of OUT's filesystem (with OUT given; exit 1 when it is short) and a time estimate. Takes
     convert's options and makes convert's refusals of MODEL and OUT (a file, a non-empty
     directory, a finished output, --resume/--force that do not apply), with the same words, so
@@ -275,9 +285,10 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     from dataclasses import replace
 
     from ..spec.share import chosen_share
-    from .planview import (footprint_json, footprint_lines, node_footprint, node_lines, per_node, plan_footprint_of,
-                           plan_json, plan_lines, plan_specs, planned_paths, room_of, route_lines, route_saving,
-                           routes_lines, routes_of, source_layout, download_room, download_lines)
+    from .planview import (box_fits, box_lines, boxes_json, footprint_json, footprint_lines, node_footprint,
+                           node_lines, per_node, plan_footprint_of, plan_json, plan_lines, plan_specs, planned_paths,
+                           room_of, route_lines, route_saving, routes_lines, routes_of, source_layout, download_room,
+                           download_lines)
     from ..spec.source import is_repo_id
 
     # --workers changes no number plan shows: it is taken so that plan's command line is convert's.
@@ -315,10 +326,14 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
                 if room is not None and is_repo_id(model) else None)
     if download is not None and download.out == room.out:  # on OUT's filesystem: OUT's room counts it
         room, download = download, None
+    fits, pool = box_fits(cfg, specs, fp)
     Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(mine, room), "per_node": nodes,
                        "draft": draft_record(cfg) if "draft" in specs else None, "route_saving": saving,
-                       "routes": routes, "download_room": download.to_dict() if download else None},
+                       "routes": routes, "download_room": download.to_dict() if download else None,
+                       "fit": boxes_json(fits, pool)},
                       plan_lines(specs, p, options, fp, cfg) + node_lines(nodes, sum(n["bytes"] for n in nodes))
+                      + box_lines(fits, pool, p.tp, "the largest rank's files, target"
+                                  + (" and draft" if "draft" in specs else ""))
                       + (routes_lines(routes) if routes else []) + route_lines(saving)
                       + footprint_lines(mine, room, node) + download_lines(download))
     for r, what in ((room, "OUT"), (download, "--download-dir" if not keep_source else "HF_HUB_CACHE")):
@@ -351,7 +366,7 @@ def convert(tp: int, model: str, out: Path, arch: str | None, expert_layout: str
     OUT/config.json (+ tokenizer files)   copied byte-identical
     OUT/README.md                          the Hub model card (to publish OUT: docs/output-format.md)
     OUT/target/rank-<r>/part-*.safetensors main model, vLLM parameter names
-    OUT/draft/rank-<r>/part-*.safetensors  MTP draft layer (unless --no-mtp)
+    OUT/draft/rank-<r>/part-*.safetensors  the draft: MTP layer or DSpark drafter (unless --no-mtp)
     OUT/lucifer-manifest.json              plan, layouts, source fingerprint and content digests
     OUT/COMPLETE                           written last
 
@@ -428,7 +443,7 @@ class SizedPresets(click.Command):
 
 @cli.command(cls=SizedPresets)
 @click.argument("preset", type=click.Choice(["tiny", "flash-layer", "flash-moe", "forward", "dspark",
-                                                   "flash-0731-layer"]))
+                                                   "flash-0731-layer"]), metavar="PRESET")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--layers", type=click.IntRange(1, 64), default=None, help="Decoder layers (flash-layer, flash-0731-layer: default 1).")
 @click.option("--fill", type=click.Choice(list(FILLS)), default=DEFAULT_FILL, show_default=True,
@@ -505,9 +520,10 @@ def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_ran
 from . import cmd_check  # noqa: E402
 from .cmd_fetch import fetch  # noqa: E402
 from .cmd_numerics import check_numerics  # noqa: E402
+from .cmd_smoke import smoke  # noqa: E402
 from .serve_cli import doctor, serve  # noqa: E402  (vLLM is imported inside the commands)
 
-for _command in (cmd_check.diff, cmd_check.verify, cmd_check.inspect, check_numerics, fetch, doctor, serve):
+for _command in (cmd_check.diff, cmd_check.verify, cmd_check.inspect, check_numerics, fetch, doctor, serve, smoke):
     cli.add_command(_command)
 
 

@@ -18,7 +18,7 @@ from ..spec.config import DSPARK, ModelConfig
 from ..spec.drafts import DRAFT_KINDS
 from ..spec.manifest import Options, part_path
 from ..spec.plan import MOE_ROUTES, Plan, make_plan, padding_only
-from ..spec import v41
+from ..spec import boxfit, v41
 from ..spec.share import NodeShare
 from ..spec.rules import DTYPE_SIZE, TensorSpec, build_specs, expected_sources
 from ..units import duration, rate, size
@@ -268,14 +268,67 @@ def v41_report(raw: dict, tp: int, where: str) -> tuple[list[str], dict]:
     lines += [f"  {t:>3} {size(r.gpu_total):>14} {size(r.host):>24}" for t, r in sizes.items()]
     lines += ["", f"per family at --tp {tp}, on each rank's GPU:"]
     lines += [f"  {name:<24} {size(n):>12}" for name, n in at.gpu.items()]
-    lines += [f"  {'Engram tables (host)':<24} {size(at.host):>12}", "", f"at --tp {tp}, weights alone (the KV cache "
-              f"needs what is left):"]
-    lines += [f"  {box:<20} {'fits' if ok else 'does not fit':<13} {why}" for box, ok, why in v41.fits(at)]
+    lines += [f"  {'Engram tables (host)':<24} {size(at.host):>12}"]
+    fits = boxfit.fits(at.gpu_total, None, at.host)
+    lines += box_lines(fits, None, tp, "GPU weights (with the Engram tables on unified memory); its KV cache is "
+                                       "not modelled (vLLM's DeepseekV41 spec is another)")
     lines += ["", f"convert refuses it: {v41.refusal(where)}"]
     doc = {"model": "DeepSeek-V4.1-Flash", "convertible": False, "estimate": True,
            "per_tp": {t: {"gpu_bytes": r.gpu_total, "host_bytes": r.host} for t, r in sizes.items()},
-           "families": at.gpu, "fits": [{"box": b, "fits": ok, "why": why} for b, ok, why in v41.fits(at)]}
+           "families": at.gpu, "fit": boxes_json(fits, None)}
     return lines, doc
+
+
+def box_fits(cfg: ModelConfig, specs: dict[str, list[list[TensorSpec]]], fp: fpm.Footprint
+             ) -> tuple[list[boxfit.Fit], boxfit.KVPool | None]:
+    """Each common box against the largest rank's files (target and draft) and the KV cache of the layers
+    vLLM serves (the draft's too when the plan has one)."""
+    served = cfg.num_layers + (cfg.num_mtp if "draft" in specs else 0)
+    pool = boxfit.kv_pool(cfg.raw, list(cfg.compress_ratios[:served]))
+    weights = max(n["bytes"] for n in per_node(fp, len(next(iter(specs.values())))))
+    return boxfit.fits(weights, pool), pool
+
+
+def boxes_json(fits: list[boxfit.Fit], pool: boxfit.KVPool | None) -> dict:
+    kv = None if pool is None else {"block_bytes": pool.block_bytes, "bytes_per_token": boxfit.per_token_bytes(pool),
+                                    "groups": [vars(g) for g in pool.groups], "max_position_embeddings": pool.max_len}
+    return {"boxes": [boxfit.fit_json(f) for f in fits], "kv_cache": kv,
+            "assumed": {"gpu_memory_utilization": boxfit.UTILIZATION, "besides": dict(boxfit.BESIDES),
+                        "activation_bytes_per_batched_token": boxfit.ACTIVATION_BYTES_PER_BATCHED_TOKEN,
+                        "in_flight_batches": boxfit.IN_FLIGHT_BATCHES}}
+
+
+def box_lines(fits: list[boxfit.Fit], pool: boxfit.KVPool | None, tp: int, weights: str) -> list[str]:
+    """The per-box table: one rank on each of `tp` boxes (spec/boxfit.py says where each figure comes from)."""
+    at = f"at {boxfit.SERVED_LEN:,}: tokens (requests)"
+    lines = ["", f"what fits, per rank, one rank a box ({tp}x each box); memory x {boxfit.UTILIZATION} (vLLM's default "
+                 f"--gpu-memory-utilization) less weights and what vLLM keeps besides is the KV cache's room:",
+             f"  {'box':<17} {'memory':>11} {'weights':>10} {'besides':>9} {'KV room':>10}  {'--max-model-len':>15}  {at}"]
+    for f in fits:
+        if f.room <= 0 or f.longest == 0:
+            tail = f"does not fit: {size(-f.room)} short" if f.room <= 0 else "does not fit: no room for one block"
+        elif f.longest is None:
+            tail = "fits (tokens not modelled)"
+        else:
+            short = f" at {f.longest:,}" if f.longest < boxfit.SERVED_LEN else ""
+            tail = f"{f.longest:>15,}  {f.served[0]:,} ({f.served[1]:.1f}){short}"
+        lines.append(f"  {f.box.name:<17} {size(f.box.memory):>11} {size(f.weights):>10} {size(f.besides):>9} "
+                     f"{size(f.room) if f.room > 0 else '-':>10}  {tail}")
+    lines.append(f"  weights: {weights}; besides (assumed, not measured on this model: a real run's \"Available KV "
+                 f"cache memory\" line is the measure): " + ", ".join(f"{what} {size(n)}" for what, n in boxfit.BESIDES)
+                 + f", activations {size(boxfit.ACTIVATION_BYTES_PER_BATCHED_TOKEN)} a batched token "
+                   f"at vLLM's default --max-num-batched-tokens (" + ", ".join(
+                       f"{f.box.batched_tokens:,} on {f.box.name}" for f in fits) + ")")
+    if pool is not None:
+        flights = sorted({boxfit.IN_FLIGHT_BATCHES * f.box.batched_tokens for f in fits})
+        windows = ", ".join(f"{size(boxfit.window_bytes(pool, n))} at {n:,} tokens in flight" for n in flights)
+        lines.append(f"  KV cache (vLLM's fp8_ds_mla spec for DeepSeek-V4, on every rank whole): "
+                     f"{boxfit.per_token_bytes(pool):,.0f} bytes a token of context, and per request its windows "
+                     f"(sliding window, compressor states): {windows}; --max-model-len: one request's longest, at most "
+                     f"{pool.max_len:,}")
+    lines.append("  vLLM 0.34.0 on CUDA sizes the cache from all the memory warm-up leaves unless --gpu-memory-utilization "
+                 "is given (a little more room on a discrete GPU); a DGX Spark's host shares that memory: give it there")
+    return lines
 
 
 # DeepSeek-V4-Flash-0731 on the Hub: 166,878,536,440 bytes in 48 shards, laid out by layer (docs/checkpoints.md);

@@ -17,6 +17,7 @@ from ..errors import CheckFailed, MismatchError, OutputError, PreflightFailed, U
 from ..spec.arches import backends_help
 from ..spec.config import MTP
 from ..spec.drafts import DRAFT_KINDS
+from ..spec.share import identity_line
 from .console import Console, conventions
 
 SERVE_EXAMPLE = "lucifer-shard serve OUT [OPTIONS] -- --max-model-len 65536"
@@ -152,10 +153,12 @@ def doctor(out: Path | None, draft: bool, mtp: bool) -> None:
     Prints each check with its fix: given OUT, its TP size, arch, layout and roles first; then
     lucifer-shard's install and dependencies, the vLLM version and commit, each symbol the shim
     needs with its source hash, virtual-TP support, the plugin registration and the GPU. Then which
-    vLLM builds serve which outputs (--arch, expert layout, MTP draft), where to get one, and how to
-    put lucifer-shard into it. Runs with or without vLLM. Exit 1 if a check fails.
+    vLLM builds serve which outputs (--arch, expert layout, draft) and how far each is proven, where
+    to get one (inside a vetted build: that one first), and how to put lucifer-shard into it. Runs
+    with or without vLLM. Exit 1 if a check fails.
     """
-    from ..runtime_shim.doctor import builds, doctor_report, format_report, guide_lines, routes
+    from ..runtime_shim.doctor import doctor_report, format_report
+    from ..runtime_shim.guide import builds, guide_lines, installed_build, routes
 
     if (draft or mtp) and out is None:
         raise UsageRefused(f"--{'draft' if draft else 'mtp'} checks an output's draft: pass OUT")
@@ -164,9 +167,10 @@ def doctor(out: Path | None, draft: bool, mtp: bool) -> None:
     asked = draft_asked(draft, mtp, _manifest_or_none(out))
     _importing_note(con)
     checks = doctor_report(out, asked)
+    here = installed_build()
     con.emit({"checks": [c.to_dict() for c in checks], "builds": builds(),
-              "routes": [{"route": r, "how": h} for r, h in routes()]},
-             [format_report(checks, verbose=con.verbosity > 0), "", *guide_lines()])
+              "routes": [{"route": r, "how": h} for r, h in routes(here)]},
+             [format_report(checks, verbose=con.verbosity > 0), "", *guide_lines(here)])
     failed = _failed(checks)
     if failed:
         raise _refusal(failed, f"doctor: {len(failed)} check(s) failed; first: {failed[0]}", CheckFailed)
@@ -199,10 +203,21 @@ def _with_backends(f):
 @click.option("--master-addr", default=None, help="With --nnodes: node 0's address, as vLLM takes it.")
 @click.option("--master-port", type=click.IntRange(1, 65535), default=None,
               help="With --nnodes: node 0's port (vLLM's default when left out).")
+@click.option("--ifname", default=None, metavar="IFACE",
+              help="With --nnodes: the network interface of the link between the boxes (e.g. a ConnectX port; "
+                   "`ip -br addr` lists them). vLLM gets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME=IFACE; refused "
+                   "before vLLM starts where this host has no such interface.")
+@click.option("--ib-hca", default=None, metavar="HCAS",
+              help="With --nnodes: the RDMA devices NCCL may use (NCCL_IB_HCA, e.g. mlx5_0,mlx5_1; `ibdev2netdev` "
+                   "pairs them with interfaces).")
+@click.option("--write-launch", type=click.Path(path_type=Path, file_okay=False), default=None, metavar="DIR",
+              help="With --nnodes and --master-addr (--node-rank defaults to 0): run the dry run, then write "
+                   "DIR/node-R.sh for every node: each runs lucifer-shard serve on that node's share with these "
+                   "options (copy each to its box; LUCIFER_SHARE=PATH names a share at another path). Starts nothing.")
 @conventions(interrupted="interrupted: serve started nothing")
 def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | None, nnodes: int | None,
-          node_rank: int | None,
-          master_addr: str | None, master_port: int | None, vllm_args: tuple[str, ...]) -> None:
+          node_rank: int | None, master_addr: str | None, master_port: int | None, ifname: str | None,
+          ib_hca: str | None, write_launch: Path | None, vllm_args: tuple[str, ...]) -> None:
     """Preflight OUT against the installed vLLM, then exec `vllm serve OUT` with the flags it needs.
 
     \b
@@ -221,8 +236,11 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     prefill-context parallel size above 1, --enable-expert-parallel, --enable-eplb, --enable-lora,
     a --model-loader-extra-config that is not an object of the loader's keys (verify, role).
     e.g. lucifer-shard serve out/ --draft -- --max-model-len 65536 --port 8000
+    Three boxes: lucifer-shard serve OUT --nnodes 3 --master-addr H --ifname IFACE --write-launch DIR
+    writes DIR/node-R.sh, each node's serve on its share (docs/three-boxes.md).
     Before exec, the preflight checks OUT and what needs no vLLM import (package versions, the
-    vllm command, the plugin's entry point): it adds well under 2 s to the start. The checks that
+    vllm command, the plugin's entry point, an NVIDIA GPU in sight of nvidia-smi unless vLLM is the
+    CPU build): it adds well under 2 s to the start. The checks that
     need vLLM (symbols, source hashes, virtual TP, the GPU) run inside vLLM's own process as it
     starts, where the plugin is loaded anyway; a failed check stops serve, or vLLM, with exit 1.
     --dry-run runs every check (`lucifer-shard doctor OUT`).
@@ -237,7 +255,13 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
         raise UsageRefused("--draft-tokens applies only with --draft")
     if con.json and not dry_run:
         raise UsageRefused("--json applies only with --dry-run (serve otherwise becomes vLLM)")
+    if write_launch is not None:
+        if nnodes is None:
+            raise UsageRefused("--write-launch writes every node's launch: pass --nnodes N and --master-addr H")
+        node_rank, dry_run = 0 if node_rank is None else node_rank, True
     nodes = _nodes(nnodes, node_rank, master_addr, master_port)
+    if (ifname or ib_hca) and nodes is None:
+        raise UsageRefused(f"--{'ifname' if ifname else 'ib-hca'} sets the link between nodes: it applies with --nnodes")
     out = _output_dir(out)
     try:
         manifest = load_manifest(out)
@@ -251,9 +275,11 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     backends = dr.serve_backends(arch, layout, manifest.moe_backend) if manifest is not None else None
     node_ranks = None  # the TP ranks this node runs: all of them on one node
     if tp is not None:
-        from ..spec.share import node_ranks as ranks_of
+        from ..spec.share import SHARE_NAME, node_ranks as ranks_of
 
-        node_ranks = ranks_of(tp, nnodes, node_rank) if nodes is not None else list(range(tp))
+        # --write-launch on a whole output (the conversion box) checks every node's ranks; on a share, its own
+        every_node = write_launch is not None and not (out / SHARE_NAME).exists()
+        node_ranks = ranks_of(tp, nnodes, node_rank) if nodes is not None and not every_node else list(range(tp))
     argv = None
     try:  # the refused vLLM arguments are refused whatever OUT is
         argv = sv.serve_argv(out, tp or 1, vllm_args, tokens, backends=backends, node=nodes, expert_layout=layout,
@@ -279,7 +305,9 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
             tail = ["no command: the preflight failed (the FAIL lines above say what to fix)"]
         else:
             tail = [line] if line else ["no command: OUT's manifest is refused (the output check above says why)"]
-        if line and nodes is not None:  # every node's command, this one's marked
+        if line and write_launch is not None and verdict.output_ok:
+            tail = _write_launch(write_launch, out, manifest, nodes, mtp, mtp_tokens, ifname, ib_hca, vllm_args)
+        elif line and nodes is not None:  # every node's command, this one's marked
             tail = ["every node's command (each on its own share: lucifer-shard stage OUT DEST --nnodes "
                     f"{nnodes} --node-rank R, or convert ... --nnodes {nnodes} --node-rank R on that node; node 0 "
                     f"serves the API, start it first). Each names this box's "
@@ -296,9 +324,29 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
         click.echo("\n".join(str(c) for c in verdict.failed), err=True)
     else:
         con.note("; ".join([f"preflight passed ({len(checks)} checks before vLLM; vLLM's own run as it starts)",
-                            *notes, f"exec {line}"]))
+                            identity_line(manifest.conversion_id, manifest.doc.source.content.digest), *notes,
+                            f"exec {line}"]))
     if not verdict.ok:
         raise _refusal(list(verdict.failed), f"serve: preflight failed ({len(verdict.failed)} check(s)); first: "
                        f"{verdict.failed[0]}; lucifer-shard doctor OUT shows every check", PreflightFailed)
     if not dry_run:
-        sv.exec_vllm(argv, sv.serve_environment(out, mtp))
+        from ..runtime_shim import launch
+
+        problem = launch.interface_problem(ifname) if ifname else None
+        if problem:
+            raise UsageRefused(problem)
+        sv.exec_vllm(argv, {**sv.serve_environment(out, mtp), **launch.link_environment(ifname, ib_hca)})
+
+
+def _write_launch(folder: Path, out: Path, manifest, nodes: dict, draft: bool, tokens: int | None, ifname: str | None,
+                  ib_hca: str | None, vllm_args: tuple[str, ...]) -> list[str]:
+    """serve --write-launch: every node's script (runtime_shim/launch.py); the lines the dry run ends with."""
+    from ..runtime_shim import launch
+
+    identity = identity_line(manifest.conversion_id, manifest.doc.source.content.digest)
+    scripts = {r: launch.launch_script(out, r, nodes["nnodes"], identity, launch.node_serve_args(
+        nodes["nnodes"], r, nodes["master_addr"], nodes["master_port"], draft, tokens, ifname, ib_hca, vllm_args))
+        for r in range(nodes["nnodes"])}
+    written = launch.write_launch(folder, scripts)
+    return [f"every node's launch, written (copy node-R.sh to node R's box, which holds its share at {out} or at "
+            f"LUCIFER_SHARE; start node 0 first):", *(f"  {p}" for p in written)]

@@ -360,12 +360,18 @@ def evaluate(lw: LayerWeights, inp: Inputs) -> list[Result]:
         hpg = lw.heads_per_group
         results.append(Result(layer, VIRTUAL, worst, float(o_virtual.float().abs().max()), worst, 0.0,
                               finite and worst == 0.0,
-                              f"heads {lw.num_heads}..{lh * tp - 1}, groups {lw.num_heads // hpg}..{lh * tp // hpg - 1}"))
+                              f"{span('heads', lw.num_heads, lh * tp - 1)}, "
+                              f"{span('groups', lw.num_heads // hpg, lh * tp // hpg - 1)}"))
     for r in results:
         logger.debug("layer %d %s: relative error %s (tolerance %s), max |diff| %s of max |ref| %s %s", layer,
                      r.component, r.rel_fro, r.tol, r.max_abs, r.max_ref, r.detail)
     logger.info("layer %d: %d of %d component(s) within tolerance", layer, sum(r.ok for r in results), len(results))
     return results
+
+
+def span(what: str, first: int, last: int) -> str:
+    """'groups 8' for one index, 'groups 8..9' for a range."""
+    return f"{what} {first}" if first == last else f"{what} {first}..{last}"
 
 
 def attn_rank_partials(o: torch.Tensor, lw: LayerWeights) -> list[torch.Tensor]:

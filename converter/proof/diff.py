@@ -49,6 +49,7 @@ from ..errors import MismatchError, OutputError
 from ..guarded_io import JSON_LIMIT, Refused, read_regular
 from ..spec.manifest import source_model
 from ..spec.manifest_types import Manifest, TensorRecord
+from ..spec.plan import serving_arch
 from ..spec.rules import DTYPE_SIZE, TensorSpec
 from ..spec.source import Checkpoint, open_source
 from ..units import byte_bar, duration, rate, size
@@ -91,7 +92,8 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
     report.info.update({"out": str(out), "model": str(root), "model_from_manifest": recorded_model,
                         "conversion_id": manifest.conversion_id, "fingerprint": ckpt.fingerprint,
                         "fingerprint_ok": src.fingerprint == ckpt.fingerprint, "tp_size": manifest.tp_size,
-                        "arch": manifest.arch, "expert_layout": manifest.expert_layout})
+                        "arch": manifest.arch, "moe_backend": manifest.options.moe_backend,
+                        "expert_layout": manifest.expert_layout})
     logger.info("source %s (%s): fingerprint %s", root, "recorded in the manifest" if recorded_model else "given",
                 "as recorded" if report.info["fingerprint_ok"] else "differs from the manifest's")
     stop = "" if keep_going else (f"MODEL is not the checkpoint {out} was converted from ({src.path}); pass "
@@ -134,7 +136,7 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
     try:
         _diff_data(report, reader, work, stats, bar, chunk_bytes, workers, content.settle, stream)
         content.settle()
-        report.info["content"] = content.info()
+        report.info["content"] = {**content.info(), "share": held is not None}
     finally:
         bar.close()
         reader.close()
@@ -562,8 +564,11 @@ def _content_line(c: dict | None) -> str:
     what = f"{c['shards_checked']} of {c['shards']} shard(s) checked"
     if c["differs"]:
         return f"DIFFERS in {len(c['differs'])} shard(s) (first {c['differs'][0]}); {what}"
-    return (f"{str(c['digest'])[:23]}... equal to the converted checkpoint's" if c["digest"] else
-            f"equal where checked; {what} (the rest of their rank files could not be read)")
+    if c["digest"]:
+        return f"{str(c['digest'])[:23]}... equal to the converted checkpoint's"
+    why = ("a node's share reads only its ranks' slices, and a shard's digest needs all of its bytes; those slices "
+           "are compared byte for byte below") if c.get("share") else "the rest of their rank files could not be read"
+    return f"equal where checked; {what} ({why})"
 
 
 def diff_lines(report: Report) -> list[str]:
@@ -574,7 +579,8 @@ def diff_lines(report: Report) -> list[str]:
         f"diff {i.get('out')} against {i.get('model')}{where}",
         f"  source fingerprint  {str(i.get('fingerprint'))[:16]}... {fp} (config.json, shard headers and sizes)",
         f"  source content      {_content_line(i.get('content'))} (BLAKE3 of every converted tensor's bytes)",
-        f"  conversion          {str(i.get('conversion_id'))[:16]}...  tp {i.get('tp_size')}  arch {i.get('arch')}  "
+        f"  conversion          {str(i.get('conversion_id'))[:16]}...  tp {i.get('tp_size')}  "
+        f"{serving_arch(i.get('arch'), i.get('moe_backend'))}  "
         f"experts {i.get('expert_layout')} layout",
         "",
         f"  rank tensors checked   {s.get('rank_tensors', 0)}",

@@ -51,6 +51,8 @@ class Report:
     info: dict = field(default_factory=dict)
     lead: int = 0  # problems listed first (add_first)
     repair: str = REPAIR  # the fix its findings name (a node's share: stage it again, spec/share.py)
+    # rank files already reported whole (a wrong size): one finding a file, not one per tensor it holds
+    reported_files: set[str] = field(default_factory=set)
 
     @property
     def ok(self) -> bool:

@@ -35,6 +35,8 @@ def read_manifest(report: Report, out: Path) -> OutputCheck:
         report.info["share"] = checked.share
     for f in checked.findings:
         report.add(Problem(f.kind, f.message, f.role, f.rank, f.tensor, f.file))
+        if f.kind == "file" and f.rank is not None:
+            report.reported_files.add(f.file)
     return checked
 
 
@@ -72,8 +74,9 @@ def open_files(report: Report, out: Path, manifest: Manifest, held: list[int] | 
                                role, rank, file=rel))
             continue
         except HeaderError as e:
-            report.add(Problem("file", f"{rel}: unreadable safetensors header: {e.reason}; {report.repair}",
-                               role, rank, file=rel))
+            if rel not in report.reported_files:  # a short file's header is part of its one finding
+                report.add(Problem("file", f"{rel}: unreadable safetensors header: {e.reason}; {report.repair}",
+                                   role, rank, file=rel))
             continue
         except OSError as e:  # the machine's fault (EIO, EACCES, EMFILE...), not a finding about OUT
             raise fault(OSError(e.errno, e.strerror, str(path)), command=report.command,
@@ -101,7 +104,7 @@ def open_files(report: Report, out: Path, manifest: Manifest, held: list[int] | 
             if ht.dtype != info.dtype or tuple(ht.shape) != info.shape:
                 report.add(Problem("header", f"{rel} stores {ht.dtype}{list(ht.shape)}, the manifest says "
                                    f"{info.dtype}{list(info.shape)}", role, rank, name, rel))
-            if rf.truncated(name):
+            if rf.truncated(name) and rel not in report.reported_files:
                 report.add(Problem("file", f"{rel} is truncated inside this tensor (it ends at byte {ht.end}, the "
                                    f"file has {rf.size}); {report.repair}", role, rank, name, rel))
         for name in sorted(set(rf.tensors) - set(names)):

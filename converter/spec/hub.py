@@ -75,19 +75,21 @@ def _hub_error(repo: str, revision: str | None, what: str, e: Exception) -> Sour
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RemoteEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
+    from .source import NOT_HERE
+
     at = revision or "main"
     if isinstance(e, GatedRepoError):
         return SourceError(f"{repo}: gated; accept its terms on the Hub and log in (`hf auth login` or HF_TOKEN)")
     if isinstance(e, RepositoryNotFoundError):
-        return SourceError(f"{repo}: no such model repo on {constants.ENDPOINT} (or it is private: log in with "
-                           f"`hf auth login` or HF_TOKEN); check the repo id, or pass a local checkpoint directory")
+        return SourceError(f"{repo}: {NOT_HERE}: no model repo on {constants.ENDPOINT} (or it is private: log "
+                           f"in with `hf auth login` or HF_TOKEN); check the path or the repo id")
     if isinstance(e, RevisionNotFoundError):
         return SourceError(f"{repo}: no revision {at}; pass an existing branch, tag or commit to --revision")
     if isinstance(e, RemoteEntryNotFoundError):
         return SourceError(f"{repo} at {at}: has no {what}; not a safetensors checkpoint (check the repo id)")
     if isinstance(e, LocalEntryNotFoundError):
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub is unreachable"
-        return SourceError(f"{repo}: {what} of {repo} at {at} is not in the local Hugging Face cache "
+        return SourceError(f"{repo}: {NOT_HERE}: {what} of {repo} at {at} is not in the local Hugging Face cache "
                            f"({constants.HF_HUB_CACHE}) and {why}; run `hf download {repo}"
                            f"{' --revision ' + revision if revision else ''}` where the Hub is reachable, or pass a "
                            f"local checkpoint directory")

@@ -26,7 +26,7 @@ from .config import ModelConfig, load_config
 from .content import ALGORITHM, BLOCK, checkpoint_digest
 from .drafts import draft_record
 from .layouts import LAYOUT_VERSION, tensor_layouts
-from .manifest import (COMPLETE_NAME, FORMAT_VERSION, MANIFEST_NAME, REPAIR, Options, complete_problem,
+from .manifest import (COMPLETE_NAME, FORMAT_VERSION, MANIFEST_NAME, RECORD_REL, REPAIR, Options, complete_problem,
                        conversion_id, copy_problems, read_manifest_bytes, runtime_record)
 from .manifest_types import Draft, LayoutRecord, Manifest, TensorRecord
 from .plan import Plan, make_plan
@@ -142,6 +142,44 @@ def _share(check: OutputCheck) -> None:
         check.held = []
         return
     check.held = check.share["ranks"] if check.share is not None else None
+    if check.share is None and not _recorded(check.out):
+        check.repair = copy_repair(check.out, m)
+
+
+def _recorded(out: Path) -> bool:
+    """Whether OUT keeps a conversion record (convert wrote it here; a .lucifer/ that is a link counts, refused
+    by the commands that read it)."""
+    try:
+        return Tree(out).lstat(RECORD_REL) is not None
+    except (Refused, NotADirectoryError):
+        return True
+
+
+# A whole output without its conversion record (.lucifer/, left behind as the README says): a copy on a
+# serving host, where the source convert --resume reads is rarely at hand.
+COPY_REPAIR = ("copy the damaged files again from the output they were copied from (lucifer-shard fetch, for a "
+               "published one); with the source at hand, the same convert command with --resume rewrites just them")
+
+
+def copy_repair(out: Path, m: Manifest) -> str:
+    """The fix for a copy of an output (no conversion record): a node's share that lost its lucifer-share.json
+    (some ranks' folders there, the others absent) is copied or staged again, anything else copied again."""
+    tree = Tree(out)
+
+    def there(rel: str) -> bool:
+        try:
+            return tree.lstat(str(Path(rel).parent)) is not None
+        except (Refused, NotADirectoryError):
+            return True  # not absent: the file readers name what is wrong with it
+
+    present = sorted({rank for _, rank, f in m.files(None) if there(f.path)})
+    if not present or len(present) == m.tp_size:
+        return COPY_REPAIR
+    ranks = ",".join(map(str, present))
+    return (f"OUT holds rank(s) {ranks} of tp {m.tp_size} only, as a node's share does, but no {SHARE_NAME}: copy "
+            f"{SHARE_NAME} from the share it came from, or stage or fetch that node's share again (lucifer-shard "
+            f"stage OUT DEST --ranks {ranks}; lucifer-shard fetch REPO DEST --ranks {ranks}); convert --resume "
+            f"would write every rank's files here")
 
 
 def expected_entries(cfg: ModelConfig, options: Options) -> Expected:

@@ -51,6 +51,14 @@ MOE_ROUTES = {
 }
 
 
+def serving_arch(arch: str | None, moe_backend: str | None) -> str:
+    """What an output converted for `arch` on MoE route `moe_backend` (`Options`) serves on, in words: a route
+    fixes the GPU families whatever --arch said (diff and doctor print it)."""
+    if moe_backend is not None:
+        return f"arch {'/'.join(MOE_ROUTES[moe_backend].arches)} only (--moe-backend {moe_backend})"
+    return f"arch {arch}" if arch else "arch any (converted without --arch)"
+
+
 def align_up(x: int, a: int) -> int:
     return -(-x // a) * a
 

@@ -21,6 +21,7 @@ from .manifest import RECORD_REL, rank_of
 SHARE_NAME = "lucifer-share.json"
 SHARE_FORMAT = "lucifer-shard-share"
 SHARE_VERSION = 1
+SHORT_DIGEST = 12  # hex digits of a digest shown where nodes' lines are compared by eye
 
 
 def node_ranks(tp: int, nnodes: int, node_rank: int) -> list[int]:
@@ -159,6 +160,13 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def identity_line(conversion_id: str, content: str) -> str:
+    """'conversion 40e5d952756d, content 1f0c2a9b3d4e': an output's identity as serve, doctor, inspect and the
+    loader's cross-node check print it, so that every node's line compares by eye. The conversion id covers
+    config, headers, sizes and options; the source content digest, the weights (spec/content.py)."""
+    return f"conversion {conversion_id[:SHORT_DIGEST]}, content {content.rpartition(':')[2][:SHORT_DIGEST]}"
+
+
 def describe(doc: dict) -> str:
     """'ranks 1 of tp 3 (node 1 of 3)'."""
     node = f" (node {doc['node_rank']} of {doc['nnodes']})" if doc.get("nnodes") else ""
@@ -167,14 +175,19 @@ def describe(doc: dict) -> str:
 
 def missing_rank(doc: dict, rank: int, where: Path | str) -> str:
     """The one line for a worker whose TP rank is not in the share it was given: node, rank and fix."""
+    return ": ".join(missing_rank_parts(doc, rank, where))
+
+
+def missing_rank_parts(doc: dict, rank: int, where: Path | str) -> tuple[str, str]:
+    """missing_rank's line as (what is wrong, the fix), for a report that shows the fix apart."""
     nnodes = doc.get("nnodes")
     node = rank // (doc["tp_size"] // nnodes) if nnodes else None
     here = f"node {doc['node_rank']}'s share" if doc.get("node_rank") is not None else "a share"
     stage = (f"lucifer-shard stage OUT DEST --nnodes {nnodes} --node-rank {node}" if nnodes
              else f"lucifer-shard stage OUT DEST --ranks {rank}")
     return (f"{where} is {here} ({describe(doc)}) but this worker runs TP rank {rank}"
-            + (f", node {node}'s" if node is not None else "")
-            + f": start this node with the --node-rank its share was staged for, or stage its rank here ({stage})")
+            + (f", node {node}'s" if node is not None else ""),
+            f"start this node with the --node-rank its share was staged for, or stage its rank here ({stage})")
 
 
 def share_problem(out: Path | str, conversion_id: str, rank: int, tp: int | None = None) -> str | None:
@@ -187,11 +200,13 @@ def share_problem(out: Path | str, conversion_id: str, rank: int, tp: int | None
     return missing_rank(doc, rank, out) if doc is not None and rank not in doc["ranks"] else None
 
 
-def node_problem(out: Path | str, conversion_id: str, ranks: list[int], tp: int | None = None) -> str | None:
-    """Why OUT (of TP size `tp`) cannot serve a node that runs `ranks` (a share lacking some), None when it can."""
+def node_problem(out: Path | str, conversion_id: str, ranks: list[int], tp: int | None = None
+                 ) -> tuple[str, str] | None:
+    """Why OUT (of TP size `tp`) cannot serve a node that runs `ranks` (a share lacking some), and the fix;
+    None when it can."""
     try:
         doc = read_share(out, conversion_id, tp)
     except OutputError as e:
-        return str(e)
+        return str(e), share_repair(out)
     lacking = [r for r in ranks if doc is not None and r not in doc["ranks"]]
-    return missing_rank(doc, lacking[0], out) if lacking else None
+    return missing_rank_parts(doc, lacking[0], out) if lacking else None

@@ -43,12 +43,33 @@ def _refuse_output(path: Path) -> None:
                           f"converted from (`lucifer-shard inspect {path}` shows its source)")
 
 
+# The configs shipped in the package (lucifer_shard.configs), which plan takes by name from anywhere (no
+# clone needed): `lucifer-shard plan --tp 3 deepseek-v4-flash-0731`
+SHIPPED_CONFIGS = ("deepseek-v4-flash", "deepseek-v4-flash-0731", "deepseek-v4.1-flash")
+
+
+def shipped_config(model: str) -> Path | None:
+    """The shipped config.json MODEL names (with or without .json) where no such local path exists; else None."""
+    from importlib import resources
+
+    name = model.removesuffix(".json")
+    if name not in SHIPPED_CONFIGS or Path(model).exists():
+        return None
+    return Path(str(resources.files("lucifer_shard.configs").joinpath(f"{name}.json")))
+
+
 def _local(model: str) -> Path | None:
-    """MODEL as a local path, or None when it has the shape of a repo id (owner/name) and is not there."""
+    """MODEL as a local path, or None when it has the shape of a repo id (owner/name) and is not there: what
+    exists here, ends in .json, or starts with . / or ~ is a path."""
     path = Path(model)
-    if path.exists() or path.is_symlink() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+    if path.exists() or path.is_symlink() or model.startswith((".", "/", "~")) or model.endswith(".json") \
+            or model.count("/") != 1:
         return path
     return None
+
+
+# Both readings of a MODEL of the shape owner/name that is not a path here: the path's, then the repo id's
+NOT_HERE = "no such directory here, and as a Hugging Face repo id"
 
 
 def _no_revision(model: str, revision: str | None) -> None:
@@ -70,11 +91,11 @@ def _from_hub(repo: str, revision: str | None, what: str, fetch: str, patterns: 
         return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns, local_files_only=cached_only))
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub is unreachable"
-        raise SourceError(f"{repo}: {what} of {repo} at {at} is not in the local Hugging Face cache "
+        raise SourceError(f"{repo}: {NOT_HERE}: {what} of {repo} at {at} is not in the local Hugging Face cache "
                           f"({constants.HF_HUB_CACHE}) and {why}; run `hf download {repo}{fetch}{flag}` where the "
                           f"hub is reachable, or {instead}") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
-        raise SourceError(f"{repo}: cannot resolve {repo} at {at} on the Hugging Face hub "
+        raise SourceError(f"{repo}: {NOT_HERE}: cannot resolve {repo} at {at} on the Hugging Face hub "
                           f"({type(e).__name__}: {e})") from None
 
 
@@ -90,11 +111,13 @@ def resolve_model(model: str, revision: str | None = None, cached_only: bool = F
     if path.is_dir():
         _refuse_output(path)
         return path
-    if path.is_file():
-        raise SourceError(f"MODEL {model} is a file; convert needs the checkpoint directory (config.json with its "
-                          f"safetensors shards); a config.json alone is enough for plan")
-    raise SourceError(f"{model}: not a model directory (expected a directory with config.json, a config.json "
-                      f"file for plan, or a repo id owner/name)")
+    if path.is_file() or shipped_config(model):
+        raise SourceError(f"MODEL {model} is a {'file' if path.is_file() else 'shipped config.json'}; convert needs "
+                          f"the checkpoint directory (config.json with its safetensors shards); a config.json alone "
+                          f"is enough for plan")
+    raise SourceError(f"{model}: no such directory or file (MODEL is a checkpoint directory, a config.json file "
+                      f"for plan, a repo id owner/name, or for plan a shipped config by name: "
+                      f"{', '.join(SHIPPED_CONFIGS)})")
 
 
 def resolve_config(model: str, revision: str | None = None) -> Path:
@@ -105,12 +128,14 @@ def resolve_config(model: str, revision: str | None = None) -> Path:
         return _from_hub(model, revision, "config.json", " config.json", ["config.json"],
                          "pass the path of a config.json") / "config.json"
     _no_revision(model, revision)
-    return path if path.is_file() else resolve_model(model) / "config.json"
+    if path.is_file():
+        return path
+    return shipped_config(model) or resolve_model(model) / "config.json"
 
 
 def config_root(model: str, config: Path) -> Path | None:
-    """The checkpoint directory a config.json belongs to (None for a config file given alone)."""
-    return None if Path(model).is_file() else config.parent
+    """The checkpoint directory a config.json belongs to (None for a config file given alone, or shipped)."""
+    return None if Path(model).is_file() or shipped_config(model) else config.parent
 
 
 def is_repo_id(model: str) -> bool:

@@ -22,9 +22,6 @@ from .plan import HEADS_ALIGN, MAX_TP, ROUTED_ALIGN, SHARED_ALIGN, VOCAB_ALIGN, 
 BLOCK = 32  # FP8 weight_block_size [32, 32] (V4: 128)
 ENGRAM_HEADS_PER_TABLE = 24  # hash heads per Engram table (the rows are split by head, whole heads per rank)
 DSPARK_STAGES = 3
-# The common three-box setups of the field: GPU memory per box (bytes) and whether host and GPU share it.
-BOXES = (("3x H200", 141 * 10**9, False), ("3x RTX PRO 6000", 96 * 10**9, False),
-         ("3x DGX Spark (GB10)", 121 * 2**30, True))
 FP4_BYTES = 17 / 32  # one packed E2M1 byte per 2 elements and one E8M0 scale per 32: bytes per element
 
 
@@ -122,16 +119,6 @@ def _vision(v: dict[str, Any]) -> int:
     """The vision tower in BF16, replicated: per block q, k, v, o and a gated MLP (an estimate)."""
     n, d, inter = v.get("num_hidden_layers", 0), v.get("hidden_size", 0), v.get("intermediate_size", 0)
     return 2 * n * (4 * d * d + 3 * d * inter)
-
-
-def fits(r: RankBytes) -> list[tuple[str, bool, str]]:
-    """(box, fits, why) for the common three-box setups, weights alone (the KV cache needs the rest)."""
-    out = []
-    for name, memory, unified in BOXES:
-        need = r.gpu_total + (r.host if unified else 0)
-        what = "GPU weights + Engram tables in the one unified memory" if unified else "GPU weights"
-        out.append((name, need <= memory, f"{what}: {need / 2**30:.2f} GiB of {memory / 2**30:.2f} GiB"))
-    return out
 
 
 def refusal(where: str) -> SourceError:

@@ -1,7 +1,8 @@
 """3 processes, vLLM's own parallel state on gloo (CPU, TP=3): each loads its rank with the shim.
 
 Usage: python dist_load_worker.py OUT PORT RESULTS_DIR   (writes RESULTS_DIR/rank-<r>.json)
-OUT may hold `{rank}`: each process reads its own directory (a node's share, lucifer-shard stage).
+OUT may hold `{rank}`: each process reads its own directory (a node's share, lucifer-shard stage). A rank
+the loader refuses reports the refusal under "error" and loads nothing more.
 """
 from __future__ import annotations
 
@@ -39,7 +40,12 @@ def worker(rank: int, out: str, port: int, results: str) -> None:
         for role in ("target", "draft"):
             model = sf.build_model(man, role, rank=tp_rank)
             loader.loaded.clear()
-            loader.load_weights(model, sf.model_config(out_p))
+            try:
+                loader.load_weights(model, sf.model_config(out_p))
+            except ValueError as e:  # the loader's refusal (ShimError): reported, and this rank loads no more
+                report["error"] = str(e)
+                Path(results, f"rank-{rank}.json").write_text(json.dumps(report))
+                return
             n = sf.assert_byte_exact(model, sf.file_tensors(out_p, man, role, tp_rank))
             report[role] = {"tensors": n, "files": sorted(set(loader.loaded.values())),
                             "params": {k: [list(v.shape), str(v.dtype)] for k, v in model.named_parameters()

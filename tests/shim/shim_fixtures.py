@@ -65,14 +65,15 @@ def cli(*args: str) -> None:
         raise AssertionError(f"lucifer-shard {' '.join(args)} failed ({r.returncode}): {r.stderr or r.stdout}")
 
 
-def synth_tiny(path: Path, experts: int, preset: str = "tiny") -> None:
+def synth_tiny(path: Path, experts: int, preset: str = "tiny", fill: str = "pattern", seed: int = 0) -> None:
     """`synth tiny` (or another preset) with another routed-expert count: lucifer-shard's own synth, its
     preset changed in that process only. vLLM's CPU DeepSeek-V4 class asserts `n_routed_experts % tp_size
     == 0` (values it never uses); tiny's 8 experts do not divide by 3, 6 do."""
     code = ("import sys, lucifer_shard.engine.synth as s; base = s.preset_config; "
             "s.preset_config = lambda *a, **k: {**base(*a, **k), 'n_routed_experts': int(sys.argv[2])}; "
-            "s.synth(sys.argv[3], sys.argv[1], fill='pattern', progress=False)")
-    subprocess.run([sys.executable, "-c", code, str(path), str(experts), preset], check=True, capture_output=True)
+            "s.synth(sys.argv[3], sys.argv[1], fill=sys.argv[4], seed=int(sys.argv[5]), progress=False)")
+    subprocess.run([sys.executable, "-c", code, str(path), str(experts), preset, fill, str(seed)], check=True,
+                   capture_output=True)
 
 
 def convert_tiny(base: Path, *options: str) -> Path:

@@ -56,7 +56,7 @@ def test_allow_list_entries_are_well_formed():
     assert by["cece381c4"].draft_virtual_tp is False and by["81564374e"].draft_virtual_tp is True
     assert by["0.34.0"].serves() == by["0.33.0"].serves() == {
         "TP3 (virtual TP)": True, "sm120/sm100 kernel": True, "model layout": True, "sm90 kernel": True,
-        "MTP draft (--mtp)": True, "DSpark draft (--draft)": True}
+        "MTP draft": True, "DSpark draft": True}
     assert by["0.32.0"].serves()["sm120/sm100 kernel"] is False and by["45c1582e9"].serves()["sm90 kernel"] is False
 
 

@@ -35,9 +35,12 @@ def test_doctor_on_the_stock_release_reports_plugin_virtual_tp(shim):
     assert c["load format lucifer_tp3"].status == OK
     for mod_attr in ("vllm.model_executor.model_loader.register_model_loader", "vllm.config.LoadConfig"):
         assert c[f"symbol {mod_attr}"].status == OK
-    assert c["GPU"].status == WARN  # CPU box
+    assert c["GPU"].status == WARN and c["GPU"].blocks  # CPU box, vLLM's CUDA build
     assert not [x for x in checks if x.status == FAIL], [str(x) for x in checks if x.status == FAIL]
-    assert "lucifer_tp3 serving can work here" in format_report(checks)
+    # issue 53: what is missing here, not "can work here"
+    tail = format_report(checks).splitlines()[-1]
+    assert tail.startswith("no check failed, but lucifer_tp3 cannot serve on this host: GPU: ") and \
+        "needs an NVIDIA GPU" in tail and "can work here" not in tail, tail
     assert all(x.fix for x in checks if x.status in (FAIL, WARN)), [str(x) for x in checks if not x.fix]
 
 
@@ -107,7 +110,7 @@ def test_unvetted_vllm_fails_in_one_line_naming_the_function_the_pin_and_the_vet
     assert "source hash of vllm.engine.arg_utils.EngineArgs.create_engine_config sha256:" in vt.detail
     vetted = ", ".join(b.commit for b in compat.SUPPORTED_BUILDS if compat.STOCK_CONFIG in b.wrappers)
     assert f"matches no build vetted for it ({vetted})" in vt.detail
-    assert vt.fix.startswith(f"pip install vllm=={STOCK.commit} (the newest vetted release), or vet vLLM ")
+    assert vt.fix.startswith(f"pip install vllm=={STOCK.commit}") and ": the newest vetted release; or vet vLLM " in vt.fix
     assert f"python tools/vet.py {sf.vllm_version()} " in vt.fix
     assert not patches.installed(compat.STOCK_CONFIG)
     assert all(x.status != FAIL for x in checks.values() if x.name != "virtual TP")
@@ -121,11 +124,12 @@ def test_unvetted_vllm_doctor_exits_non_zero_for_tp3_and_not_for_tp2(unvetted, o
 
     from lucifer_shard.runtime_shim.doctor import STOCK
 
-    fix = f"-> pip install vllm=={STOCK.commit} (the newest vetted release), or vet vLLM"
+    fix = f"-> pip install vllm=={STOCK.commit}"
     for args in ([], [str(out_model)]):  # without OUT, and with a TP3 output
         r = CliRunner().invoke(cli, ["doctor", *args])
         assert r.exit_code == 1, r.output
         assert "[FAIL] virtual TP: not available" in r.stdout and fix in r.stdout, r.stdout
+        assert ": the newest vetted release; or vet vLLM" in r.stdout
     assert "[FAIL] output needs virtual TP" in r.stdout
     tp2 = tmp_path / "tp2"
     sf.cli("convert", "--tp", "2", "--arch", "sm120", "--expert-layout", "model", str(out_model.parent / "model"),
@@ -197,6 +201,9 @@ def test_serve_checks_what_needs_vllm_inside_vllm(out_kernel, out_model, shim, m
 
     execs = []
     monkeypatch.setattr(serve, "exec_vllm", lambda argv, env: execs.append((argv, env)))
+    r = CliRunner().invoke(cli, ["serve", str(out_kernel)])  # this CPU box: refused before exec (issue 53)
+    assert r.exit_code == 1 and not execs and "[FAIL] GPU: no NVIDIA GPU visible" in r.stderr, r.output
+    monkeypatch.setattr(doctor, "host_gpu", lambda: ("NVIDIA H200", "9.0"))  # as on the serving host
     r = CliRunner().invoke(cli, ["serve", str(out_kernel)])
     assert r.exit_code == 0 and "preflight passed" in r.stderr, r.output
     (argv, env), = execs
@@ -386,3 +393,24 @@ def test_a_gpu_of_no_supported_family_is_told_unsupported(shim, monkeypatch):
     gpu = _by_name(doctor_report())["GPU"]
     assert gpu.status == FAIL and "capability 8.0: unsupported" in gpu.detail and "H100" in gpu.detail
     assert "serving host" not in str(gpu)
+
+
+def test_doctor_inside_this_vetted_release_names_it_first_with_its_flashinfer(shim):
+    """Issue 53: inside a working vetted release doctor's first route is this environment's build (serve here),
+    marked in the table, with no other "route to take"; 0.34.0's venv holds FlashInfer 0.7.4, the release that
+    stands in for its 0.7.3 pin where the index lacks it (tools/vllm-env.sh), and that is no warning."""
+    from click.testing import CliRunner
+
+    import shim_fixtures as sf
+    from lucifer_shard.cli import cli
+    from lucifer_shard.runtime_shim.doctor import OK, dist_version, doctor_report
+
+    v = sf.vllm_version()
+    text = CliRunner().invoke(cli, ["doctor"]).stdout
+    routes = [line for line in text.splitlines() if re.match(r"  \d\. ", line)]
+    assert routes[0].startswith(f"  1. this environment's vLLM {v} (PyPI, CUDA 13 wheel), a vetted build: serve with "
+                                f"it here"), routes
+    assert "route to take" not in text and f"* {v} " in text
+    fi = _by_name(doctor_report())["flashinfer"]
+    assert fi.status == OK and fi.detail.startswith(f"flashinfer-python {dist_version('flashinfer-python')} (build "
+                                                    f"pins "), fi

@@ -81,6 +81,50 @@ def test_three_processes_each_on_a_share_of_its_own_rank_only(out_model, tmp_pat
                                               for f in rep[role]["files"]), rep[role]["files"]
 
 
+def test_a_share_of_other_weights_stops_every_rank_at_load(out_model, tmp_path, shim):
+    """Issue 53: node 1 given a share of another checkpoint of the same schema (other weights: the same
+    conversion id, another content digest), nodes 0 and 2 shares of out_model. Every node's own checks pass;
+    at load the three gloo processes compare identities over vLLM's CPU group and each stops in one line
+    naming node 1's and node 0's content digests and the fix."""
+    other_model, other = tmp_path / "model2", tmp_path / "out2"
+    sf.cli("synth", "tiny", str(other_model), "--fill", "random", "--seed", "1", "--quiet")
+    sf.cli("convert", "--tp", "3", "--arch", "sm120", "--expert-layout", "model", str(other_model), str(other), "-q")
+    base, derived = sf.manifest(out_model), sf.manifest(other)
+    assert base["conversion_id"] == derived["conversion_id"]
+    assert base["source"]["content"]["digest"] != derived["source"]["content"]["digest"]
+    for r in range(3):
+        sf.cli("stage", str(other if r == 1 else out_model), str(tmp_path / f"node{r}"), "--nnodes", "3",
+               "--node-rank", str(r), "-q")
+    results = tmp_path / "results"
+    results.mkdir()
+    r = subprocess.run([sys.executable, str(HERE / "dist_load_worker.py"), str(tmp_path / "node{rank}"),
+                        str(_free_port()), str(results)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    ours, theirs = (m["source"]["content"]["digest"].removeprefix("blake3:")[:12] for m in (base, derived))
+    for rank in range(3):
+        msg = json.loads((results / f"rank-{rank}.json").read_text())["error"]
+        assert "\n" not in msg and msg.startswith("lucifer_tp3: the nodes hold shares of different outputs: "), msg
+        assert f"TP rank 1 (node 1's share, host " in msg and f"content {theirs}" in msg, msg
+        assert f"TP rank 0 (node 0's share, host " in msg and f"content {ours}" in msg, msg
+        assert "other source weights" in msg and "lucifer-shard stage OUT DEST --nnodes N --node-rank R" in msg
+
+
+def test_a_drafter_without_weights_loads_the_target_as_the_target(shim):
+    """vLLM's ngram drafter has no model: its speculative config's draft_model_config is the target's own
+    (vllm/config/speculative.py), and the target's load must not be taken for the draft's."""
+    from types import SimpleNamespace
+
+    from lucifer_shard.runtime_shim.loader import LuciferTP3Loader
+
+    target, draft = SimpleNamespace(), SimpleNamespace()
+    ngram = SimpleNamespace(model_config=target, speculative_config=SimpleNamespace(draft_model_config=target))
+    assert LuciferTP3Loader._role_from_config(ngram, target) == "target"
+    dspark = SimpleNamespace(model_config=target, speculative_config=SimpleNamespace(draft_model_config=draft))
+    assert [LuciferTP3Loader._role_from_config(dspark, c) for c in (target, draft)] == ["target", "draft"]
+    alone = SimpleNamespace(model_config=target, speculative_config=None)
+    assert LuciferTP3Loader._role_from_config(alone, target) == "target"
+
+
 def test_in_process_each_rank_byte_exact_and_hooks_replayed(out_kernel, tp_world):
     man = sf.manifest(out_kernel)
     for rank in range(3):

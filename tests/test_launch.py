@@ -1,0 +1,125 @@
+"""Three boxes from one command: serve --write-launch writes each node's script, --ifname/--ib-hca reach vLLM's
+environment, and every node's line (serve, doctor, inspect) carries the identity the loader compares across nodes."""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from lucifer_shard.cli import cli
+from lucifer_shard.runtime_shim import doctor, launch, serve
+from lucifer_shard.runtime_shim.doctor import OK, Check
+from lucifer_shard.spec.manifest_types import Manifest
+
+ADDR = "10.0.0.1"
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def identity(out: Path) -> str:
+    m = Manifest.load(out)
+    return f"conversion {m.conversion_id[:12]}, content {m.source.content.digest.removeprefix('blake3:')[:12]}"
+
+
+def test_write_launch_writes_a_script_per_node_that_serves_its_share(converted, tmp_path):
+    """Each script, run on its box with a PATH whose lucifer-shard records its arguments, starts serve on the
+    share LUCIFER_SHARE names with that node's rank and the options given; that node's own dry run with exactly
+    those options passes on the share staged for it."""
+    out = converted(expert_layout="model")
+    folder = tmp_path / "launch"
+    r = run("serve", out, "--nnodes", 3, "--master-addr", ADDR, "--ifname", "eth9", "--ib-hca", "mlx5_0",
+            "--write-launch", folder, "--", "--max-model-len", "4096")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in folder.iterdir()) == ["node-0.sh", "node-1.sh", "node-2.sh"]
+    assert f"every node's launch, written" in r.stdout and str(folder / "node-2.sh") in r.stdout
+    stub = tmp_path / "bin" / "lucifer-shard"
+    stub.parent.mkdir()
+    stub.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\n')
+    stub.chmod(0o755)
+    for rank in range(3):
+        script = folder / f"node-{rank}.sh"
+        assert os.access(script, os.X_OK) and identity(out) in script.read_text()
+        share = tmp_path / f"node{rank}"
+        assert run("stage", out, share, "--nnodes", 3, "--node-rank", rank, "-q").exit_code == 0
+        record = tmp_path / f"args-{rank}"
+        env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}", "LUCIFER_SHARE": str(share),
+               "RECORD": str(record)}
+        subprocess.run(["bash", str(script)], env=env, check=True)
+        args = record.read_text().splitlines()
+        assert args == ["serve", str(share), "--nnodes", "3", "--node-rank", str(rank), "--master-addr", ADDR,
+                        "--ifname", "eth9", "--ib-hca", "mlx5_0", "--", "--max-model-len", "4096"]
+        own = args[:args.index("--")]
+        r = run(*own, "--dry-run", "--", *args[args.index("--") + 1:])
+        assert r.exit_code == 0 and f"rank(s) {rank}: present" in r.stdout, r.output
+        assert identity(out) in r.stdout  # the output line of this node's dry run: compared by eye across nodes
+    written = {p.name: p.read_bytes() for p in folder.iterdir()}
+    r = run("serve", out, "--nnodes", 3, "--master-addr", ADDR, "--write-launch", folder)
+    assert r.exit_code == 2 and "node-0.sh, node-1.sh, node-2.sh already there" in r.stderr, r.output
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == written
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--write-launch", "L"], "--write-launch writes every node's launch: pass --nnodes N and --master-addr H"),
+    (["--ifname", "eth0"], "--ifname sets the link between nodes: it applies with --nnodes"),
+    (["--ib-hca", "mlx5_0"], "--ib-hca sets the link between nodes: it applies with --nnodes"),
+])
+def test_link_and_launch_options_need_nodes(converted, tmp_path, args, needle):
+    r = run("serve", converted(), *args)
+    assert r.exit_code == 2 and needle in r.stderr, r.output
+    assert not (tmp_path / "L").exists()
+
+
+def test_a_launch_for_a_refused_output_writes_nothing(converted, tmp_path):
+    out = tmp_path / "copy"
+    out.mkdir()
+    for p in converted().rglob("*"):
+        if p.is_file():
+            (out / p.relative_to(converted())).parent.mkdir(parents=True, exist_ok=True)
+            os.link(p, out / p.relative_to(converted()))
+    (out / "target" / "rank-2" / "part-00000.safetensors").unlink()
+    r = run("serve", out, "--nnodes", 3, "--master-addr", ADDR, "--write-launch", tmp_path / "L")
+    assert r.exit_code == 1 and not (tmp_path / "L").exists(), r.output
+
+
+def test_the_interface_reaches_vllm_and_a_missing_one_is_refused_before_it_starts(converted, monkeypatch):
+    ran = []
+    passed = [Check("vllm", OK, "vetted build")]
+    monkeypatch.setattr(doctor, "quick_checks", lambda out, mtp=False, node_ranks=None, manifest=None: passed)
+    monkeypatch.setattr(serve, "exec_vllm", lambda argv, env: ran.append(env))
+    here = [name for _, name in __import__("socket").if_nameindex()][0]
+    r = run("serve", converted(), "--nnodes", 1, "--node-rank", 0, "--master-addr", ADDR, "--ifname", here,
+            "--ib-hca", "mlx5_0,mlx5_1")
+    assert r.exit_code == 0, r.output
+    assert {k: ran[0][k] for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA")} == {
+        "NCCL_SOCKET_IFNAME": here, "GLOO_SOCKET_IFNAME": here, "NCCL_IB_HCA": "mlx5_0,mlx5_1"}
+    r = run("serve", converted(), "--nnodes", 1, "--node-rank", 0, "--master-addr", ADDR, "--ifname", "nosuch0")
+    assert r.exit_code == 2 and "--ifname nosuch0: no such network interface on this host (it has " in r.stderr
+    assert len(ran) == 1
+
+
+def test_link_environment_and_interface_problem():
+    assert launch.link_environment(None, None) == {}
+    assert launch.link_environment("enp1s0f0np0", None) == {"NCCL_SOCKET_IFNAME": "enp1s0f0np0",
+                                                            "GLOO_SOCKET_IFNAME": "enp1s0f0np0"}
+    assert launch.interface_problem("eth0", ["lo", "eth0"]) is None
+    assert launch.interface_problem("eth1", ["lo", "eth0"]).startswith("--ifname eth1: no such network interface "
+                                                                       "on this host (it has eth0, lo)")
+
+
+def test_scripts_quote_what_the_shell_would_split(tmp_path):
+    args = launch.node_serve_args(3, 1, ADDR, 29500, True, 5, None, None, ["--served-model-name", "a b; rm -rf /"])
+    text = launch.launch_script(tmp_path / "my share", 1, 3, "conversion x, content y", args)
+    exec_line = text.splitlines()[-1]
+    assert shlex.split(exec_line)[4:] == args and "SHARE=\"${LUCIFER_SHARE:-'" in text
+
+
+def test_inspect_and_doctor_print_the_identity_every_node_compares(converted):
+    out = converted(expert_layout="model")
+    assert f"identity       {identity(out)}" in run("inspect", out).stdout
+    assert f": {identity(out)}, tp 3" in run("doctor", out).stdout
