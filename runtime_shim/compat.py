@@ -90,7 +90,9 @@ FORK_WRAPPERS = (POLICY, RELAYOUT)
 # forks ran only as Python source on CPU, with a hand-built overlay (tests/shim/test_fork_model.py). doctor's
 # build table prints it.
 CPU_PROVEN = "CPU only: its classes take the rank files byte for byte; never run on a GPU"
-PROVEN = {"0.33.0": "GPU: served on one H200 (TP1; TP3 as three ranks sharing it); CPU as 0.34.0",
+PROVEN = {"0.34.0": "GPU, eager: served on one H100 without FlashInfer (TP1; TP3 as three ranks sharing it); not yet "
+                    "with CUDA graphs or a draft; CPU: its classes take the rank files byte for byte",
+          "0.33.0": "GPU: served on one H200 (TP1; TP3 as three ranks sharing it); CPU as 0.34.0",
           "0.32.0": "CPU: tokens out of vLLM's CPU forward from rank files (TP 1, 2, 3)",
           **dict.fromkeys(("45c1582e9", "cece381c4", "81564374e"),
                           "CPU: its classes take the rank files (its Python source, a hand-built overlay); never run "

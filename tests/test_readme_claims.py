@@ -48,7 +48,7 @@ def test_the_never_run_list_is_the_tables_not_proven_rows():
     items = [item.strip() for item in NEVER.strip().rstrip(".").split(", ")]
     rows = [claim.split(":", 1)[0] for claim, status in proof_rows() if status.startswith("**not proven**")]
     assert items == rows, (items, rows)
-    assert len(items) >= 5  # three GPUs, SM12x, three boxes, vLLM 0.34.0 on a GPU, the real checkpoint
+    assert len(items) >= 5  # three GPUs, SM12x, three boxes, vLLM 0.34.0 with graphs or a draft, the real checkpoint
 
 
 def test_what_ran_on_a_gpu_is_every_gpu_rows():
@@ -57,7 +57,7 @@ def test_what_ran_on_a_gpu_is_every_gpu_rows():
     rows = gpu_rows()
     assert rows
     machines = {m for _, status in rows for m in MACHINE.findall(status)}
-    assert machines == set(MACHINE.findall(RAN)) and len(machines) == 1, (machines, RAN)
+    assert machines == set(MACHINE.findall(RAN)), (machines, RAN)
     assert all(MACHINE.search(status) for _, status in rows), "a GPU row names no machine"
     assert {v for _, s in rows for v in VLLM.findall(s)} == set(VLLM.findall(RAN))
     assert {v for _, s in rows for v in FLASHINFER.findall(s)} == set(FLASHINFER.findall(RAN))
