@@ -400,14 +400,7 @@ def main() -> int:
 
     plan = T.Plan(args.gpus or torch.cuda.device_count())
     waves = WAVES_BIG if torch.cuda.get_device_properties(0).total_memory > BOTH_WAVES_BYTES else WAVES
-    work, logs = args.work, args.work / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    path = work / "results.json"
-    results = json.loads(path.read_text()) if path.exists() else {}
-    for key, value in S.HARNESS_ENV.items():
-        os.environ.setdefault(key, value)
-    deadline = time.monotonic() + args.seconds
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    work, logs, path, results, deadline = S.harness_start(args.work, args.seconds)
 
     def save(partial: dict | None = None) -> None:
         if partial is not None:

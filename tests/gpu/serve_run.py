@@ -483,6 +483,20 @@ def _timed_starts(starts: list[tuple[int, str, str]], argv: dict[str, list[str]]
     return res
 
 
+def harness_start(work: Path, seconds: float) -> tuple[Path, Path, Path, dict, float]:
+    """What every run's main does first (this one's, tp_run's, flash_run's): the work and log folders, the
+    results an earlier call on this machine recorded, the harness's environment, the deadline, and SIGTERM
+    (`timeout`, the device call's limit) turned into an unwind, so the servers stop and the logs come back."""
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    path = work / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    for key, value in HARNESS_ENV.items():
+        os.environ.setdefault(key, value)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    return work, logs, path, results, time.monotonic() + seconds
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/serve-run"))
@@ -495,17 +509,9 @@ def main() -> int:
                     help="an earlier call's results (a machine since given back): its load rows count, each "
                          "tagged with its machine, and this call runs the starts still missing")
     args = ap.parse_args()
-    work, logs = args.work, args.work / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    results_path = work / "results.json"
-    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    work, logs, results_path, results, deadline = harness_start(args.work, args.seconds)
     if args.continue_load and "load" not in results:
         results["load"] = carried_load(json.loads(args.continue_load.read_text()), str(args.continue_load))
-    for key, value in HARNESS_ENV.items():
-        os.environ.setdefault(key, value)
-    deadline = time.monotonic() + args.seconds
-    # `timeout` (the device call's limit) sends SIGTERM: unwind, so the servers stop and the logs come back
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     try:
         _run_phases(args.phases.split(","), results, results_path, work, logs, args.out, deadline, args.swa_only)
     finally:

@@ -308,14 +308,7 @@ def main() -> int:
     import torch
 
     plan = Plan(args.gpus or torch.cuda.device_count())
-    work, logs = args.work, args.work / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    path = work / "results.json"
-    results = json.loads(path.read_text()) if path.exists() else {}
-    for key, value in S.HARNESS_ENV.items():
-        os.environ.setdefault(key, value)
-    deadline = time.monotonic() + args.seconds
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    work, logs, path, results, deadline = S.harness_start(args.work, args.seconds)
     try:
         for phase in args.phases.split(","):
             if phase in results and "error" not in results[phase] and results[phase].get("import_ok", True):
