@@ -56,7 +56,7 @@ test-shim:
 test-shim-previous:
 	$(SUITE_ENV) LUCIFER_VLLM_VENV= LUCIFER_VLLM_VERSION=$(VLLM_PREVIOUS) $(VLLM_ENV) python -m pytest -q -rs -m vllm $(STOCK_PROOFS) $(PREVIOUS_TESTS); $(COLLECTED)
 
-# vLLM's own DeepSeek-V4 CPU forward from the checkpoint and from rank files, TP 1, 2 and 3 (about 10 minutes
+# vLLM's own DeepSeek-V4 CPU forward from the checkpoint and from rank files, TP 1, 2 and 3, and smoke against its server (about 13 minutes
 # on 2 cores; skips, saying why, on a CPU without avx512_bf16). -rsx prints skip and xfail reasons.
 test-forward:
 	$(SUITE_ENV) $(VLLM_CPU_ENV) python -m pytest -q -rsx tests/forward -m forward; $(COLLECTED)
