@@ -1,8 +1,11 @@
-"""Test helpers: read tensors as raw bytes with the safetensors library itself; scratch folders for fixtures."""
+"""Test helpers: read tensors as raw bytes with the safetensors library itself; scratch folders for fixtures;
+the repository's scripts imported by path."""
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from contextlib import contextmanager
+from types import ModuleType
 from pathlib import Path
 from typing import Iterator
 
@@ -11,7 +14,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+
+
+def script_module(rel: str) -> ModuleType:
+    """A script of the repository that is no package module (bench/, tools/), imported from its path."""
+    path = REPO / rel
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def raw(t: torch.Tensor) -> np.ndarray:

@@ -1,19 +1,15 @@
 """tools/gpu_kit_pins.py: the GPU kit's pins from pip's resolution report, walked as uv's overrides would be."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 from packaging.requirements import Requirement
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import script_module
+
 
 
 def _pins():
-    spec = importlib.util.spec_from_file_location("gpu_kit_pins", REPO / "tools" / "gpu_kit_pins.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return script_module("tools/gpu_kit_pins.py")
 
 
 def _meta(name: str, version: str, *requires: str) -> dict:

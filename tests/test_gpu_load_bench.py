@@ -3,22 +3,18 @@ every loader run cold and warm and checked, the JSON written, the scratch tree r
 themselves come from the H200 run, not from here."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+from helpers import script_module
+
 
 
 @pytest.fixture(scope="module")
 def gpu_load():
-    spec = importlib.util.spec_from_file_location("gpu_load", REPO / "bench" / "gpu_load.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module("bench/gpu_load.py")
 
 
 def test_one_invocation_measures_and_checks_every_loader(gpu_load, tmp_path, capsys):
@@ -53,9 +49,7 @@ def test_a_wrong_byte_fails_the_check(gpu_load):
 def test_digest_cost_bench_measures_every_setting_on_a_small_file(tmp_path):
     """bench/digest_cost.py's plumbing on CPU with small sizes: every measurement written, the reader's runs
     positive, the warm file removed (its figures come from the GPU host)."""
-    spec = importlib.util.spec_from_file_location("digest_cost", REPO / "bench" / "digest_cost.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = script_module("bench/digest_cost.py")
     out, warm = tmp_path / "d.json", tmp_path / "warm.bin"
     module.main(["--device", "cpu", "--gb", "0.012", "--tensor-mb", "4", "--buffer-mib", "4", "--file", str(warm),
                  "--json", str(out)])

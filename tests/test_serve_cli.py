@@ -22,6 +22,8 @@ from lucifer_shard.runtime_shim import compat, doctor, serve
 from lucifer_shard.runtime_shim.doctor import FAIL, OK, Check
 from lucifer_shard.spec.manifest import MANIFEST_NAME, manifest_text
 
+from helpers import script_module
+
 REPO = Path(__file__).resolve().parent.parent
 SPEC = '{"method":"mtp","num_speculative_tokens":%d}'
 
@@ -420,12 +422,7 @@ def test_the_repinned_install_is_the_release_then_its_requirements():
 
 
 def _bench_serve_start():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("serve_start", REPO / "bench" / "serve_start.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module("bench/serve_start.py")
 
 
 def test_serve_adds_at_most_two_seconds_before_vllm_starts(converted, tmp_path):

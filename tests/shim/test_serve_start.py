@@ -5,18 +5,14 @@ none of vllm, torch or flashinfer on the way (it imported all of vLLM through fi
 venv."""
 from __future__ import annotations
 
-import importlib.util
 import statistics
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers import script_module
+
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("serve_start", REPO / "bench" / "serve_start.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module("bench/serve_start.py")
 
 
 def test_serve_execs_vllm_within_two_seconds_in_a_vllm_environment(out_model, tmp_path):
