@@ -12,10 +12,10 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lucifer_shard.errors import LuciferError
-from lucifer_shard.spec.share import identity_line, read_share
+from lucifer_shard.spec.share import identity_line
 
 from .manifest import Manifest
+from .nodefiles import share_record
 
 FIX = ("every node must serve a share of one output: stage each node's share from the same OUT "
        "(lucifer-shard stage OUT DEST --nnodes N --node-rank R, or fetch it), compare the conversion and content "
@@ -36,10 +36,7 @@ class ShareIdentity:
 
     @classmethod
     def of(cls, m: Manifest, tp_rank: int) -> ShareIdentity:
-        try:
-            share = read_share(m.out, m.conversion_id, m.tp_size)
-        except LuciferError:  # the loader's share check names it
-            share = None
+        share = share_record(m)  # an invalid one: the loader's share check names it
         return cls(tp_rank, socket.gethostname(), str(m.out), m.conversion_id, m.doc.source.content.digest,
                    share.get("node_rank") if share else None)
 

@@ -14,7 +14,8 @@ from .checks import FAIL, INFO, OK, Check, out_check
 from .manifest import Manifest
 
 
-def _share(m: Manifest) -> dict | None:
+def share_record(m: Manifest) -> dict | None:
+    """OUT's share record, None for a whole output or one that is not valid (share_checks says why)."""
     try:
         return read_share(m.out, m.conversion_id, m.tp_size)
     except LuciferError:  # share_checks says why
@@ -51,7 +52,7 @@ def rank_files_check(m: Manifest, node_ranks: list[int] | None) -> Check:
     """This node's rank files (of `node_ranks`, all without; those a share holds): present, sized, headed
     and stamped as the manifest records. An I/O error reading one is the machine's fault (kind
     environment), raised as every reader of OUT raises it."""
-    share = _share(m)
+    share = share_record(m)
     ranks = [r for r in (range(m.tp_size) if node_ranks is None else node_ranks)
              if share is None or r in share["ranks"]]
     report = Report("doctor")
