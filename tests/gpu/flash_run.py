@@ -176,6 +176,7 @@ WAVES = {"tp": ["ref_tp1", "files_tp1", "ref_tp2", "files_tp3"], "graphs": ["ref
 # a later session (the tp wave and the flip's refusal on record from an earlier one): what it still lacked, with
 # the single-node TP3 server (eager) beside the three nodes, whose tokens it must equal
 WAVES_LATER = {"tp": [], "graphs": ["ref_graphs", "files_graphs", "dspark_tp3"], "nodes": ["files_tp3", "node0"]}
+WAVES_LATER_BIG = {"tp": [], "graphs": WAVES_LATER["graphs"] + WAVES_LATER["nodes"], "nodes": []}
 WAVES_BIG = {"tp": WAVES["tp"] + ["ref_graphs", "files_graphs"],
              "graphs": ["dspark_tp3", "flip3_full", "node0", "dspark_tp1"], "nodes": []}
 # the comparisons (reference first), each made once both servers have answered
@@ -417,8 +418,8 @@ def main() -> int:
     import torch
 
     plan = T.Plan(args.gpus or torch.cuda.device_count())
-    waves = WAVES_LATER if args.later else (
-        WAVES_BIG if torch.cuda.get_device_properties(0).total_memory > BOTH_WAVES_BYTES else WAVES)
+    big = torch.cuda.get_device_properties(0).total_memory > BOTH_WAVES_BYTES
+    waves = (WAVES_LATER_BIG if big else WAVES_LATER) if args.later else (WAVES_BIG if big else WAVES)
     work, logs, path, results, deadline = S.harness_start(args.work, args.seconds)
 
     def save(partial: dict | None = None) -> None:
