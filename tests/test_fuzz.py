@@ -18,7 +18,7 @@ The readers, from the inside out:
 
 The default suite runs a sample of each (`sample`); `make fuzz` runs the thousands (marker
 `fuzz`). With LUCIFER_FUZZ_LOG=path every case appends {target, kind, outcome} as a JSON line
-(docs/reliability.md's figures come from it through tools/reliability_table.py).
+(docs/evidence/reliability.md's figures come from it through tools/reliability_table.py).
 """
 from __future__ import annotations
 

@@ -324,7 +324,7 @@ def test_zero_padding_with_scale_byte_0_contributes_exactly_zero(layer_weights, 
 
 
 def test_planted_0xff_scale_yields_nan_in_the_reference(layer_weights, tiny_cfg):
-    """As the kernel on an H200 (docs/gpu-validation.md): a 0xFF scale makes its GEMM output NaN
+    """As the kernel on an H200 (docs/evidence/gpu-validation.md): a 0xFF scale makes its GEMM output NaN
     (inf * 0); in W2 that reaches the output, in W13 the clamped SwiGLU's fminf turns the NaN gate
     into the limit (a finite, wrong row), and only without a limit does it reach the output."""
     w13, w13s, w2, w2s = (t.clone() for t in _stacked(layer_weights("sm120").rank_moe[0]))

@@ -3,7 +3,7 @@
 Every case runs the real CLI in a subprocess and checks: a non-zero exit with one `error:` line
 (no traceback) naming what is wrong; no incomplete file under a final name; and the source's
 bytes and mtimes unchanged. With LUCIFER_RELIABILITY_LOG=path each case appends its outcome as a
-JSON line (docs/reliability.md is rendered from it by tools/reliability_table.py).
+JSON line (docs/evidence/reliability.md is rendered from it by tools/reliability_table.py).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ renamed into place only when every byte was written. Each tensor is digested wit
 it streams; the file digest is BLAKE3 over the header and the tensor digests (so verifying a
 file costs one pass over its data).
 
-How bytes reach the disk (docs/performance.md has the measurements):
+How bytes reach the disk (docs/evidence/performance.md has the measurements):
 
 * Direct I/O first: the file is opened with O_DIRECT and bytes are staged in a page-aligned
   STAGE_BYTES buffer that is written whole, so the page cache (which on the 2-core box cost

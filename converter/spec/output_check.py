@@ -8,7 +8,7 @@ the TP size; the plan and every tensor entry against the rule table; the fields 
 options (layouts, MoE variant, runtime record), from config.json (the draft record, runtime_owned)
 and from the per-shard digests (the source content digest); the dropped source tensors; every held
 rank file's size; the config and tokenizer copies. The self-digest is public (`manifest.seal`): what a
-re-sealed edit can still change is only what no reader derives (docs/reliability.md, threat model).
+re-sealed edit can still change is only what no reader derives (docs/evidence/reliability.md, threat model).
 A node's share (lucifer-share.json) is checked on disk for its own ranks only, but every rank's
 entry must be in the manifest.
 """

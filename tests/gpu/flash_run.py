@@ -1,4 +1,4 @@
-"""The Flash geometry on vLLM 0.34.0 on one GPU (docs/gpu-validation.md §10, issue 55): `synth flash-0731-layer
+"""The Flash geometry on vLLM 0.34.0 on one GPU (docs/evidence/gpu-validation.md §10, issue 55): `synth flash-0731-layer
 --layers 2` (the real Flash dimensions: hidden 4096, 64 heads, 256 experts of 2048, vocabulary 129,280, and
 DeepSeek-V4-Flash-0731's three-stage DSpark drafter at that size) converted at TP1 and TP3 in model layout,
 served by stock vLLM 0.34.0's GPU model with its own SM90 kernels (Marlin MoE, FlashMLA sparse attention,
