@@ -28,6 +28,15 @@ MAX_DIM = (1 << 63) - 1  # torch and numpy index with int64
 MAX_ELEMENTS = (1 << 64) - 1  # safetensors multiplies shapes in u64 and refuses an overflow
 ENTRY_FIELDS = ("data_offsets", "dtype", "shape")
 
+# A rank file's identity stamp: its `__metadata__` keys (spec/manifest.file_metadata writes them).
+META_FORMAT = "lucifer.format"
+META_CONVERSION_ID = "lucifer.conversion_id"
+META_ROLE = "lucifer.role"
+META_RANK = "lucifer.rank"
+META_PART = "lucifer.part"
+META_TP_SIZE = "lucifer.tp_size"
+META_CONTENT = "lucifer.content"
+
 
 class HeaderError(ValueError):
     """A safetensors file whose header cannot be trusted; one line naming the file (and tensor)."""
