@@ -217,7 +217,7 @@ def _applies(rule: Rule, cfg: ModelConfig, layer: int | None) -> bool:
 
 
 @dataclass(frozen=True)
-class Source:
+class ExpectedTensor:
     """One checkpoint tensor as the schema expects it."""
 
     key: str
@@ -266,9 +266,9 @@ def _scopes(cfg: ModelConfig, role: str):
                     yield rule, f"mtp.{j}.", *found
 
 
-def expected_sources(cfg: ModelConfig, roles: tuple[str, ...] = ROLES) -> dict[str, Source]:
+def expected_sources(cfg: ModelConfig, roles: tuple[str, ...] = ROLES) -> dict[str, ExpectedTensor]:
     """Every checkpoint key the config implies, with its shape and dtype (the schema)."""
-    out: dict[str, Source] = {}
+    out: dict[str, ExpectedTensor] = {}
     for role in roles:
         for rule, sprefix, _tprefix, layer in _scopes(cfg, role):
             if rule.alias or not _applies(rule, cfg, layer):
@@ -280,7 +280,7 @@ def expected_sources(cfg: ModelConfig, roles: tuple[str, ...] = ROLES) -> dict[s
                 key = sprefix + (rule.key.format(e=e) if e is not None else rule.key)
                 if key in out:
                     raise AssertionError(f"two rules produce checkpoint key {key}")
-                out[key] = Source(key, shape, rule.dtype, rule, layer, e)
+                out[key] = ExpectedTensor(key, shape, rule.dtype, rule, layer, e)
     return out
 
 

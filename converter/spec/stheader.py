@@ -49,8 +49,8 @@ class HeaderError(ValueError):
 
 
 @dataclass(frozen=True)
-class TensorRecord:
-    """One tensor of a header; `start`/`end` are offsets in the data section."""
+class HeaderEntry:
+    """One tensor entry of a header; `start`/`end` are offsets in the data section."""
 
     name: str
     dtype: str
@@ -63,7 +63,7 @@ class TensorRecord:
 class Header:
     path: Path
     block: bytes  # the 8-byte length prefix and the JSON, as file digests cover them
-    tensors: dict[str, TensorRecord]  # in data order
+    tensors: dict[str, HeaderEntry]  # in data order
     metadata: dict[str, str]
     file_size: int
 
@@ -178,7 +178,7 @@ def _metadata(path: Path, meta: object) -> dict[str, str]:
     return meta
 
 
-def _records(path: Path, doc: dict) -> list[TensorRecord]:
+def _records(path: Path, doc: dict) -> list[HeaderEntry]:
     """Every tensor entry, validated on its own, in data order."""
     records = []
     for name, info in doc.items():
@@ -206,11 +206,11 @@ def _records(path: Path, doc: dict) -> list[TensorRecord]:
         if end - start != nbytes:
             raise HeaderError(path, f"tensor {name!r} data_offsets [{start}, {end}) hold {end - start} bytes, "
                                     f"{dtype}{_short(shape)} needs {nbytes}", name)
-        records.append(TensorRecord(name, dtype, tuple(shape), start, end))
+        records.append(HeaderEntry(name, dtype, tuple(shape), start, end))
     return sorted(records, key=lambda t: (t.start, t.end))
 
 
-def _check_tiling(path: Path, records: list[TensorRecord]) -> None:
+def _check_tiling(path: Path, records: list[HeaderEntry]) -> None:
     """Tensors cover the data section from byte 0 without gaps or overlaps, as safetensors requires."""
     at, prev = 0, None
     for t in records:
