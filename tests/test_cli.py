@@ -85,7 +85,8 @@ def test_plan_prints_the_audit_table_and_the_footprint(flash_dir):
 
 
 def test_plan_json_carries_byte_counts(flash_dir, flash_cfg):
-    from lucifer_shard.spec.rules import DTYPE_SIZE, expected_sources
+    from lucifer_shard.spec.rules import DTYPE_SIZE
+    from lucifer_shard.spec.tensorspecs import expected_sources
 
     doc = envelope(run("plan", "--tp", 3, "--arch", "sm90", "--json", flash_dir))
     assert doc["ok"] and doc["command"] == "plan" and doc["error"] is None

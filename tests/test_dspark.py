@@ -23,7 +23,7 @@ from lucifer_shard.cli import cli
 from lucifer_shard.errors import SourceError
 from lucifer_shard.spec.config import DSPARK, parse_config
 from lucifer_shard.spec.plan import make_plan
-from lucifer_shard.spec.rules import build_specs
+from lucifer_shard.spec.tensorspecs import build_specs
 
 CONFIG_0731 = CONFIGS / "deepseek-v4-flash-0731.json"
 # the pin of the published config (OpenTallas checkpoint_source.json, in the team's checkpoint notes)

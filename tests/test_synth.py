@@ -9,7 +9,7 @@ import pytest
 from safetensors import safe_open
 
 from lucifer_shard.engine.synth import synth
-from lucifer_shard.spec.rules import expected_sources
+from lucifer_shard.spec.tensorspecs import expected_sources
 from lucifer_shard.spec.source import open_checkpoint
 
 

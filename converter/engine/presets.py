@@ -8,7 +8,8 @@ from importlib import resources
 
 from ..errors import LuciferError
 from ..spec.config import DSPARK_FIELDS, parse_config
-from ..spec.rules import DTYPE_SIZE, ExpectedTensor, expected_sources
+from ..spec.rules import DTYPE_SIZE
+from ..spec.tensorspecs import ExpectedTensor, expected_sources
 
 PRESETS = {
     "tiny": "tiny.json",

@@ -25,7 +25,8 @@ from ..guarded_io import Tree, kind, probe
 from ..spec.manifest import MANIFEST_NAME, STATE_DIR
 from ..spec.dtypes import TORCH_DTYPE
 from ..spec.config import ModelConfig, parse_config
-from ..spec.rules import DTYPE_SIZE, ExpectedTensor
+from ..spec.rules import DTYPE_SIZE
+from ..spec.tensorspecs import ExpectedTensor
 from ..units import byte_bar
 from .diskspace import check_room
 from .fills import DEFAULT_FILL, FILLS
