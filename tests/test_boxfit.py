@@ -11,10 +11,8 @@ import math
 import re
 
 import pytest
-from click.testing import CliRunner
 
-from helpers import CONFIGS
-from lucifer_shard.cli import cli
+from helpers import CONFIGS, run
 from lucifer_shard.spec import boxfit
 
 GIB = 1 << 30
@@ -23,10 +21,6 @@ ALIGN = 576  # vLLM pads every DeepSeek-V4 KV page to 576 bytes (fp8_ds_mla)
 
 def page(n: int) -> int:
     return math.ceil(n / ALIGN) * ALIGN
-
-
-def run(*args: str):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
 # Every run that printed vLLM's own "GPU KV cache size" line (tests/gpu/results: vLLM 0.33.0 on the H200,

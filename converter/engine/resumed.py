@@ -15,7 +15,7 @@ from ..guarded_io import open_regular
 from ..spec.content import ContentDigests
 from ..spec.manifest import part_content
 from ..spec.source import Checkpoint
-from ..spec.stheader import HeaderError, read_header
+from ..spec.stheader import META_CONTENT, HeaderError, read_header
 from .assemble import read_failed
 
 BLOCK = 16 << 20
@@ -57,7 +57,7 @@ def stamped_sources(out: Path, journaled: dict[str, dict], candidates: list) -> 
     for _, paths in candidates:
         entry = journaled[paths[0]]
         try:
-            stamp = read_header(Path(out) / paths[0]).metadata.get("lucifer.content")
+            stamp = read_header(Path(out) / paths[0]).metadata.get(META_CONTENT)
         except (OSError, HeaderError):
             continue
         if stamp == part_content(entry["sources"]):

@@ -27,7 +27,7 @@ from ..guarded_io import Tree, naming, partial_name, write_all
 from ..spec.content import ContentDigests
 from ..spec.layouts import Layout
 from ..spec.manifest import CONTENT_PLACEHOLDER, file_metadata, part_content, part_path
-from ..spec.rules import TensorSpec
+from ..spec.tensorspecs import TensorSpec
 from ..units import byte_bar, duration, rate, size
 from .assemble import Assembler, EngineBufferPool, chunks, swap_folded
 from .job import Job, Part, part_headers, part_keys

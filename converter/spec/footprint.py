@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .manifest import rank_of
-from .rules import TensorSpec
+from .tensorspecs import TensorSpec
 
 # What `make bench` measured for `convert --tp 3` (1 worker) on the 2-vCPU VM with a virtio disk
 # described in docs/evidence/performance.md: bench/results.json, summary "L1 convert w1", 19,563,768,880

@@ -27,6 +27,8 @@ from .drafts import DRAFT_KINDS
 from .plan import DEFAULT_ROUTE, MAX_TP, MOE_ROUTES
 from .rules import DTYPE_SIZE, ROLES
 from .source import SIDE_FILES
+from .stheader import (META_CONTENT, META_CONVERSION_ID, META_FORMAT, META_PART, META_RANK, META_ROLE,
+                       META_TP_SIZE)
 from .schema import Bool, Int, ListOf, MapOf, Null, Obj, OneOf, SchemaError, Str, Where, check, loads
 
 if TYPE_CHECKING:
@@ -188,9 +190,8 @@ def rank_of(rel: str) -> int:
 def file_metadata(cid: str, role: str, rank: int, part: int, tp: int, content: str) -> dict[str, str]:
     """A rank file's identity stamp. `content`: the digest of the source tensors the file was made
     from (`part_content`), so files of two checkpoints with the same headers differ in their stamp."""
-    return {"lucifer.format": str(FORMAT_VERSION), "lucifer.conversion_id": cid, "lucifer.role": role,
-            "lucifer.rank": str(rank), "lucifer.part": str(part), "lucifer.tp_size": str(tp),
-            "lucifer.content": content}
+    return {META_FORMAT: str(FORMAT_VERSION), META_CONVERSION_ID: cid, META_ROLE: role, META_RANK: str(rank),
+            META_PART: str(part), META_TP_SIZE: str(tp), META_CONTENT: content}
 
 
 CONTENT_PLACEHOLDER = "blake3:" + "0" * 64  # as long as every content stamp: header sizes are known up front

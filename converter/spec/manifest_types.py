@@ -12,7 +12,8 @@ from pathlib import Path
 from ..errors import OutputError
 from .manifest import MANIFEST_NAME, Options, digest_ok, parse_manifest, read_manifest_bytes
 from .plan import Axis
-from .rules import DTYPE_SIZE, TensorSpec
+from .rules import DTYPE_SIZE
+from .tensorspecs import TensorSpec
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from .manifest import (COMPLETE_NAME, FORMAT_VERSION, MANIFEST_NAME, RECORD_REL,
                        conversion_id, copy_problems, read_manifest_bytes, runtime_record)
 from .manifest_types import Draft, LayoutRecord, Manifest, TensorRecord
 from .plan import Plan, make_plan
-from .rules import TensorSpec, build_specs
+from .tensorspecs import TensorSpec, build_specs
 from .share import SHARE_NAME, read_share, share_repair
 
 EDITED = "the manifest was edited or written by another plan"
