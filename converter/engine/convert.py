@@ -36,8 +36,9 @@ from .feed import DOWNLOAD_REL, SourceFeed
 from .job import Job, part_keys, planned_paths, prepare
 from .manifest_writer import build_manifest, write_manifest
 from .nodeshare import SHARE_NAME, share_problem, write_share
-from .outstate import (check_out, conversion_record, journal_line, part_valid, partial_bytes, planned_files,
-                       record_text, refuse_target, remove_partials, sizes_to_write, source_changed, truncate_journal)
+from .journal import JournalEntry, journal_line, truncate_journal
+from .outstate import (check_out, conversion_record, part_valid, partial_bytes, planned_files, record_text,
+                       refuse_target, remove_partials, sizes_to_write, source_changed)
 from .owned import RECORD_REL, clear, plan_clearing, read_json
 from .card import write_card
 from .repair import check_content, reference, restore_copy, survey
@@ -77,20 +78,21 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     return summary
 
 
-def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) -> dict[str, dict]:
+def _kept_parts(job: Job, out: Path, journaled: dict[str, JournalEntry], by_name: dict) -> dict[str, JournalEntry]:
     """The journal entries --resume keeps: every rank file of the part still hashes to its journaled
     file and tensor digests, and the part's source tensors, read again, to its journaled source
     digests (the manifest copies all three; a journal edited or torn elsewhere redoes the part).
     A source on the Hub is not read again (its shards may be gone): its commit and the SHA-256 of
     every shard pin its bytes (`check_out` refused a change), and the journaled source digests must
     give the content stamp the part's files carry (`stamped_sources`)."""
-    kept: dict[str, dict] = {}
+    kept: dict[str, JournalEntry] = {}
     candidates = []
     for part in job.parts:
         paths = [part_path(part.role, r, part.index) for r in range(job.plan.tp)]
         # the first rank's entry carries the part's source digests (a journal without them is redone); a
         # node's convert journals the other ranks' digests, with no file to check (`nodeshare`)
-        if "sources" in journaled.get(paths[0], {}) and all(p in journaled and (not job.writes(p) or
+        first = journaled.get(paths[0])
+        if first is not None and first.sources is not None and all(p in journaled and (not job.writes(p) or
                                                                                  part_valid(out, journaled[p]))
                                                              for p in paths):
             candidates.append((part, paths))
@@ -98,7 +100,7 @@ def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) 
     sources = resumed_sources(job.ckpt, keys) if job.on_disk else stamped_sources(out, journaled, candidates)
     for part, paths in candidates:
         want = {k: sources.get(k) for k in part_keys(by_name[part.role], part)}
-        if journaled[paths[0]]["sources"] == want:
+        if journaled[paths[0]].sources == want:
             kept.update({p: journaled[p] for p in paths})
         else:
             logger.info("%s part %d: journaled source digests differ from the source; redoing it", part.role,
@@ -106,7 +108,7 @@ def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) 
     return kept
 
 
-def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str, dict], workers: int,
+def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str, JournalEntry], workers: int,
                    progress: bool, download_dir: Path | None, keep_source: bool) -> Summary:
     """--resume on an output whose manifest is this job's: re-check every file against it and write
     again, from the source, only what fails (`repair`). COMPLETE goes first and comes back last, so
@@ -114,7 +116,7 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
     tree = Tree(out)
     summary = Summary(out, job.cid)
     planned = planned_files(job)
-    left: list[int] = [e["bytes"] for e in planned.values()]  # until the survey says what is damaged
+    left: list[int] = [e.bytes for e in planned.values()]  # until the survey says what is damaged
     feed = None
     try:
         rep = survey(out, manifest, job.ckpt.root if job.on_disk else None, job.written_ranks)
@@ -132,7 +134,7 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
         ranks_of = {id(part): ranks for part, ranks in rep.parts(job)}
         feed = SourceFeed(job, out, [part for part, _ in rep.parts(job)], download_dir, keep_source)
         todo = [(part, ranks_of[id(part)]) for part in feed.order]  # a streamed source's order, as a conversion's
-        left = [planned[rel]["bytes"] for rel in rep.damaged] + [sum(len(journal_line(planned[rel]))
+        left = [planned[rel].bytes for rel in rep.damaged] + [sum(len(journal_line(planned[rel]))
                                                                    for rel in rep.damaged)]
         left += [manifest.copies[name].bytes for name in rep.copies] + [len(job.cid) + 1]
         if not record_ok:
@@ -158,7 +160,8 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
                 for rank in ranks:
                     tree.make_dirs(rank_dir(part.role, rank))
                 rel = part_path(part.role, ranks[0], part.index)
-                first = journaled.get(part_path(part.role, 0, part.index), {}).get("sources")
+                entry = journaled.get(part_path(part.role, 0, part.index))
+                first = entry.sources if entry is not None else None
 
                 def check(content: str, sources: dict[str, str], rel: str = rel, first: dict | None = first) -> None:
                     check_content(rel, rep.content[rel], content, sources, first, job.ckpt.root)
@@ -190,12 +193,12 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
         job.ckpt.close()
 
 
-def _os_fault(e: OSError, out: Path, left: list[int], planned: dict[str, dict]) -> BaseException:
+def _os_fault(e: OSError, out: Path, left: list[int], planned: dict[str, JournalEntry]) -> BaseException:
     """A write that ran out of room or hit the file-size limit (`write_failed`: what is still to write,
     the largest of the `planned` files), or another fault of the machine (`errors.fault`), each ending
     with --resume; else `e` (a bug)."""
     if e.errno in WRITE_LIMITS:
-        return write_failed(e, out, left, max(f["bytes"] for f in planned.values()))
+        return write_failed(e, out, left, max(f.bytes for f in planned.values()))
     return fault(e, "convert", "run the same command with --resume (finished files are kept)") or e
 
 
@@ -256,7 +259,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
                 written += [rel for rel in entries if job.writes(rel)]
                 results.update(entries)  # only now kept
                 logger.info("%s part %d: %d file(s), %s, %.1f s", part.role, part.index, len(entries),
-                            size(sum(e["bytes"] for e in entries.values())), time.perf_counter() - t_part)
+                            size(sum(e.bytes for e in entries.values())), time.perf_counter() - t_part)
         for name in job.ckpt.side:
             tree.copy_in(job.ckpt.root / name, name)
         write_card(out, job, results)
