@@ -183,7 +183,7 @@ def test_only_the_same_node_resumes_or_replaces_its_share(converted, tiny_patter
     (out / "lucifer-share.json").unlink()
     r = node_convert(tiny_pattern, out, "model", NODE1, "--resume")  # and repair it
     assert r.exit_code == 0 and "lucifer-share.json" in r.stdout and listing(out) == before, r.output
-    assert read_share(out)["ranks"] == [1]
+    assert read_share(out).ranks == (1,)
 
 
 def test_a_share_stage_made_is_never_converted_into(converted, tiny_pattern, tmp_path):
@@ -243,8 +243,8 @@ def test_the_room_convert_checks_is_the_nodes_and_within_plans(tiny_pattern, tmp
         left = sum(sizes_to_write(job, planned, set(), conversion_record(job)))
     finally:
         job.ckpt.close()
-    files = sum(e["bytes"] for rel, e in planned.items() if "/rank-1/" in rel)
+    files = sum(e.bytes for rel, e in planned.items() if "/rank-1/" in rel)
     doc = json.loads(run("plan", "--json", "--tp", 3, "--max-file-size", "1M", *NODE1, tiny_pattern,
                          tmp_path / "node1").stdout)["result"]["footprint"]
-    assert files < left <= doc["room"]["needed_bytes"] < sum(e["bytes"] for e in planned.values())
+    assert files < left <= doc["room"]["needed_bytes"] < sum(e.bytes for e in planned.values())
     assert doc["write_bytes"] == files

@@ -16,7 +16,7 @@ import pytest
 from helpers import CONFIGS, rank_tensors, run, run_process
 from lucifer_shard.cli import cli
 from lucifer_shard.errors import OutputError
-from lucifer_shard.spec.manifest import FLASHINFER_VERSIONS, MANIFEST_NAME, manifest_text, parse_manifest
+from lucifer_shard.spec.manifest import FLASHINFER_VERSIONS, MANIFEST_NAME, manifest_text
 from lucifer_shard.spec.manifest_types import Manifest
 from lucifer_shard.units import parse_size
 
@@ -263,7 +263,7 @@ def test_a_manifest_with_no_arch_but_kernel_layout_is_refused(converted):
     doc = Manifest.load(converted(expert_layout="model", arch=None)).to_dict()
     edited = {**doc, "expert_layout": "kernel"}
     with pytest.raises(OutputError, match="arch is null .* but the experts are in kernel layout"):
-        parse_manifest(manifest_text({k: v for k, v in edited.items() if k != "manifest_digest"}).encode(), "m")
+        Manifest.parse(manifest_text({k: v for k, v in edited.items() if k != "manifest_digest"}).encode(), "m")
 
 
 # ---------------------------------------------------------------- 4. sizes

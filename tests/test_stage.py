@@ -44,7 +44,7 @@ def test_a_share_holds_its_ranks_and_verifies(converted, tmp_path):
     assert (dest / "lucifer-manifest.json").read_bytes() == (out / "lucifer-manifest.json").read_bytes()
     assert not (dest / ".lucifer").exists()
     share = read_share(dest)
-    assert (share["ranks"], share["nnodes"], share["node_rank"], share["tp_size"]) == ([1], 3, 1, 3)
+    assert (share.ranks, share.nnodes, share.node_rank, share.tp_size) == ((1,), 3, 1, 3)
     for rel in (p for p in listing(dest) if p.endswith(".safetensors")):  # linked: the same inode
         assert (dest / rel).stat().st_ino == (out / rel).stat().st_ino
     assert listing(out) == before  # nothing of OUT changed
@@ -59,7 +59,7 @@ def test_a_share_holds_its_ranks_and_verifies(converted, tmp_path):
                                  if line.startswith(("target ", "draft "))] == [["target", "1"], ["draft", "1"]]
     assert run("diff", dest).exit_code == 0  # the ranks present, byte for byte against the source
     assert run("stage", "-q", out, tmp_path / "ranks02", "--ranks", "2,0").stdout == f"{tmp_path / 'ranks02'}\n"
-    assert read_share(tmp_path / "ranks02")["ranks"] == [0, 2]
+    assert read_share(tmp_path / "ranks02").ranks == (0, 2)
 
 
 def test_a_damaged_file_in_a_share_is_found_and_a_missing_one_named(converted, tmp_path):

@@ -36,8 +36,9 @@ from .feed import DOWNLOAD_REL, SourceFeed
 from .job import Job, part_keys, planned_paths, prepare
 from .manifest_writer import build_manifest, write_manifest
 from .nodeshare import SHARE_NAME, share_problem, write_share
-from .outstate import (check_out, conversion_record, journal_line, part_valid, partial_bytes, planned_files,
-                       record_text, refuse_target, remove_partials, sizes_to_write, source_changed, truncate_journal)
+from .journal import JournalEntry, journal_line, truncate_journal
+from .outstate import (check_out, conversion_record, part_valid, partial_bytes, planned_files, record_text,
+                       refuse_target, remove_partials, sizes_to_write, source_changed)
 from .owned import RECORD_REL, clear, plan_clearing, read_json
 from .card import write_card
 from .repair import check_content, reference, restore_copy, survey
@@ -77,20 +78,21 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     return summary
 
 
-def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) -> dict[str, dict]:
+def _kept_parts(job: Job, out: Path, journaled: dict[str, JournalEntry], by_name: dict) -> dict[str, JournalEntry]:
     """The journal entries --resume keeps: every rank file of the part still hashes to its journaled
     file and tensor digests, and the part's source tensors, read again, to its journaled source
     digests (the manifest copies all three; a journal edited or torn elsewhere redoes the part).
     A source on the Hub is not read again (its shards may be gone): its commit and the SHA-256 of
     every shard pin its bytes (`check_out` refused a change), and the journaled source digests must
     give the content stamp the part's files carry (`stamped_sources`)."""
-    kept: dict[str, dict] = {}
+    kept: dict[str, JournalEntry] = {}
     candidates = []
     for part in job.parts:
         paths = [part_path(part.role, r, part.index) for r in range(job.plan.tp)]
         # the first rank's entry carries the part's source digests (a journal without them is redone); a
         # node's convert journals the other ranks' digests, with no file to check (`nodeshare`)
-        if "sources" in journaled.get(paths[0], {}) and all(p in journaled and (not job.writes(p) or
+        first = journaled.get(paths[0])
+        if first is not None and first.sources is not None and all(p in journaled and (not job.writes(p) or
                                                                                  part_valid(out, journaled[p]))
                                                              for p in paths):
             candidates.append((part, paths))
@@ -98,7 +100,7 @@ def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) 
     sources = resumed_sources(job.ckpt, keys) if job.on_disk else stamped_sources(out, journaled, candidates)
     for part, paths in candidates:
         want = {k: sources.get(k) for k in part_keys(by_name[part.role], part)}
-        if journaled[paths[0]]["sources"] == want:
+        if journaled[paths[0]].sources == want:
             kept.update({p: journaled[p] for p in paths})
         else:
             logger.info("%s part %d: journaled source digests differ from the source; redoing it", part.role,
@@ -114,7 +116,7 @@ class _Writing:
     --resume; any other exit leaves at once without waiting for the downloader. The feed and the
     source are closed whatever happens."""
 
-    def __init__(self, job: Job, out: Path, planned: dict[str, dict], left: Callable[[], list[int]]):
+    def __init__(self, job: Job, out: Path, planned: dict[str, JournalEntry], left: Callable[[], list[int]]):
         self.job, self.out, self.planned, self.left = job, out, planned, left
         self.feed: SourceFeed | None = None  # set once the parts to write are known
 
@@ -124,7 +126,7 @@ class _Writing:
 
     def _fault(self, err: OSError) -> BaseException:
         if err.errno in WRITE_LIMITS:
-            return write_failed(err, self.out, self.left(), max(f["bytes"] for f in self.planned.values()))
+            return write_failed(err, self.out, self.left(), max(f.bytes for f in self.planned.values()))
         return fault(err, "convert", "run the same command with --resume (finished files are kept)") or err
 
     def __enter__(self) -> _Writing:
@@ -142,7 +144,7 @@ class _Writing:
             self.job.ckpt.close()
 
 
-def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str, dict], workers: int,
+def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str, JournalEntry], workers: int,
                    progress: bool, download_dir: Path | None, keep_source: bool) -> Summary:
     """--resume on an output whose manifest is this job's: re-check every file against it and write
     again, from the source, only what fails (`repair`). COMPLETE goes first and comes back last, so
@@ -150,7 +152,7 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
     tree = Tree(out)
     summary = Summary(out, job.cid)
     planned = planned_files(job)
-    left: list[int] = [e["bytes"] for e in planned.values()]  # until the survey says what is damaged
+    left: list[int] = [e.bytes for e in planned.values()]  # until the survey says what is damaged
     with _Writing(job, out, planned, lambda: left) as writing:
         rep = survey(out, manifest, job.ckpt.root if job.on_disk else None, job.written_ranks)
         summary.files_resumed = len(rep.entries) - len(rep.damaged)
@@ -167,7 +169,7 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
         ranks_of = {id(part): ranks for part, ranks in rep.parts(job)}
         writing.feed = feed = SourceFeed(job, out, [part for part, _ in rep.parts(job)], download_dir, keep_source)
         todo = [(part, ranks_of[id(part)]) for part in feed.order]  # a streamed source's order, as a conversion's
-        left = [planned[rel]["bytes"] for rel in rep.damaged] + [sum(len(journal_line(planned[rel]))
+        left = [planned[rel].bytes for rel in rep.damaged] + [sum(len(journal_line(planned[rel]))
                                                                    for rel in rep.damaged)]
         left += [manifest.copies[name].bytes for name in rep.copies] + [len(job.cid) + 1]
         if not record_ok:
@@ -192,7 +194,8 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
                 for rank in ranks:
                     tree.make_dirs(rank_dir(part.role, rank))
                 rel = part_path(part.role, ranks[0], part.index)
-                first = journaled.get(part_path(part.role, 0, part.index), {}).get("sources")
+                entry = journaled.get(part_path(part.role, 0, part.index))
+                first = entry.sources if entry is not None else None
 
                 def check(content: str, sources: dict[str, str], rel: str = rel, first: dict | None = first) -> None:
                     check_content(rel, rep.content[rel], content, sources, first, job.ckpt.root)
@@ -227,7 +230,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     summary = Summary(out, job.cid)
     planned = planned_files(job)
     record = conversion_record(job)
-    results: dict[str, dict] = {}  # journal entries of the files kept or written
+    results: dict[str, JournalEntry] = {}  # journal entries of the files kept or written
     unwritten: dict | None = record  # the record, until it is written
     with _Writing(job, out, planned, lambda: sizes_to_write(job, planned, set(results), unwritten)) as writing:
         by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
@@ -271,7 +274,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
                     written += [rel for rel in entries if job.writes(rel)]
                     results.update(entries)  # only now kept
                     logger.info("%s part %d: %d file(s), %s, %.1f s", part.role, part.index, len(entries),
-                                size(sum(e["bytes"] for e in entries.values())), time.perf_counter() - t_part)
+                                size(sum(e.bytes for e in entries.values())), time.perf_counter() - t_part)
             for name in job.ckpt.side:
                 tree.copy_in(job.ckpt.root / name, name)
             write_card(out, job, results)

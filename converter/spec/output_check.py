@@ -141,7 +141,7 @@ def _share(check: OutputCheck) -> None:
         check.add("manifest", str(e), file=SHARE_NAME, fix=False)
         check.held = []
         return
-    check.held = check.share["ranks"] if check.share is not None else None
+    check.held = list(check.share.ranks) if check.share is not None else None
     if check.share is None and not _recorded(check.out):
         check.repair = copy_repair(check.out, m)
 
