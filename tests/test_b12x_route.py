@@ -13,8 +13,9 @@ from click.testing import CliRunner
 from lucifer_shard.cli import cli
 from lucifer_shard.proof.diff import diff
 from lucifer_shard.proof.verify import verify
-from lucifer_shard.spec.manifest import Options, conversion_id, runtime_record, stock_backends
+from lucifer_shard.spec.manifest import Options, conversion_id
 from lucifer_shard.spec.plan import make_plan
+from lucifer_shard.spec.runtimes import runtime_record, stock_backends
 
 from helpers import CONFIGS
 
