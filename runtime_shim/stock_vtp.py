@@ -17,10 +17,10 @@ from lucifer_shard.spec.arches import ARCH_TABLE, FLASHINFER_MLA
 from lucifer_shard.spec.plan import MOE_ROUTES
 from lucifer_shard.spec.runtimes import RELAYOUT, STOCK_CONFIG
 
+from . import lucifer_tuple
 from .compat import installed, why_not_installed
 from .configview import backend_name, model_problems, text_config
 from .errors import ShimError
-from . import lucifer_tuple
 from .lucifer_tuple import parallel_problems, runtime_plan
 from .manifest import Manifest, compare_plan
 

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 # builds' policy accepts.
 LOAD_FORMAT = "lucifer_tp3"
 ATTENTION_BACKEND, MOE_BACKEND = FORK_TUPLE
-RUNTIME = {"load_format": LOAD_FORMAT, "moe_backend": MOE_BACKEND, "attention_backend": ATTENTION_BACKEND}
 
 # The shim's wrappers, by name (runtime_shim/wrappers/ holds one file each); which build gets which is its row.
 POLICY = "virtual_tp_policy"
