@@ -329,6 +329,7 @@ def test_doctor_without_vllm_says_which_build_and_how_to_install(converted):
     assert [b["commit"] for b in doc["result"]["builds"]] == ["45c1582e9", "cece381c4", "81564374e", "0.34.0", "0.33.0",
                                                               "0.32.0"]
     assert doc["result"]["builds"][1]["serves"]["MTP draft"] is False
+    assert [b["cells"] for b in doc["result"]["builds"]] == [b.cells() for b in runtimes.SUPPORTED_BUILDS]
     failed = [c for c in doc["result"]["checks"] if c["status"] == FAIL]
     assert failed and all(c["fix"] for c in failed)
     assert run("doctor", "--mtp").output.startswith("error: --mtp checks an output's draft: pass OUT")
