@@ -29,20 +29,21 @@ def register() -> None:
     try:
         from vllm.model_executor.model_loader import register_model_loader
 
-        from . import patches, wrappers
+        from lucifer_shard.spec.runtimes import LOAD_FORMAT, STOCK
+
+        from . import compat, wrappers
         from .loader import LuciferTP3Loader
 
         wrappers.install()
-        why = patches.virtual_tp_missing()
+        why = compat.virtual_tp_missing()
         if why:
-            newest = next(b.commit for b in patches.compat.SUPPORTED_BUILDS if b.stock)  # stock releases newest first
             logger.warning("lucifer_tp3: no virtual TP on this vLLM (%s): outputs whose plan pads (TP3) cannot be "
-                           "served; pip install vllm==%s or run lucifer-shard doctor", why, newest)
+                           "served; pip install vllm==%s or run lucifer-shard doctor", why, STOCK.commit)
         from vllm.model_executor import model_loader as ml
 
         registry = getattr(ml, "_LOAD_FORMAT_TO_MODEL_LOADER", {})
-        if registry.get(patches.LOAD_FORMAT) is not LuciferTP3Loader:
-            register_model_loader(patches.LOAD_FORMAT)(LuciferTP3Loader)
+        if registry.get(LOAD_FORMAT) is not LuciferTP3Loader:
+            register_model_loader(LOAD_FORMAT)(LuciferTP3Loader)
         _state["registered"] = True
         _state["error"] = None
     except Exception as e:  # noqa: BLE001 - a plugin must never raise into vLLM

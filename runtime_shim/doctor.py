@@ -17,20 +17,19 @@ from pathlib import Path
 from lucifer_shard import __version__
 from lucifer_shard.guarded_io import read_regular
 
+from lucifer_shard.spec import runtimes
 from lucifer_shard.spec.arches import arch_of_capability, family, gpu_families
-from lucifer_shard.spec.config import DSPARK
 from lucifer_shard.spec.drafts import DRAFT_KINDS
-from lucifer_shard.spec.manifest import flashinfer_problem
 from lucifer_shard.spec.plan import serving_arch
+from lucifer_shard.spec.runtimes import (ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND, STOCK, draft_column,
+                                          flashinfer_problem, stock_backends)
 from lucifer_shard.spec.share import identity_line
 
-from . import compat, stock_vtp
-from .compat import STOCK
+from . import compat
 from .checks import ENVIRONMENT, FAIL, INFO, OK, OUTPUT, SKIP, WARN, Check, format_report  # noqa: F401 (doctor's names)
 from .checks import out_check as _out
 from .nodefiles import rank_files_check, share_checks
 from .errors import ShimError
-from .patches import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND
 
 # The newest vetted release's install, for a fix line (doctor's guide prints the whole route without the pin)
 STOCK_INSTALL = STOCK.install + (f" (where the package index lacks flashinfer-python=={STOCK.flashinfer}: the "
@@ -137,7 +136,7 @@ def quick_checks(out_dir: str | Path, mtp: bool = False, node_ranks: list[int] |
     return [*_output_checks(out_dir, None, build, mtp, node_ranks, manifest), *checks, *_host_gpu_check()]
 
 
-def _static_environment_checks() -> tuple[list[Check], compat.Build | None]:
+def _static_environment_checks() -> tuple[list[Check], runtimes.Build | None]:
     """This environment's checks that import nothing of vLLM, and the vetted build it claims to be."""
     checks: list[Check] = [Check("python", INFO, sys.version.split()[0]), *_package_checks()]
     version, commit = vllm_identity()
@@ -151,7 +150,7 @@ def _static_environment_checks() -> tuple[list[Check], compat.Build | None]:
     build = identify_build(version, commit)
     checks.append(Check("vllm", OK if build else INFO, f"{version} (commit {commit or 'unknown'})"
                         + (f" = vetted build {build.label}" if build else "; not one of the vetted builds "
-                           + ", ".join(b.commit for b in compat.SUPPORTED_BUILDS)),
+                           + ", ".join(b.commit for b in runtimes.SUPPORTED_BUILDS)),
                         "" if build else f"{STOCK_INSTALL}, or a vetted mlow/vllm build (below)"))
     exe = vllm_command()
     checks.append(Check("vllm command", OK if exe else FAIL, exe or f"not on PATH nor beside {sys.executable} "
@@ -159,16 +158,16 @@ def _static_environment_checks() -> tuple[list[Check], compat.Build | None]:
     checks.extend(_flashinfer_check(build))
     checks.append(_torch_check())
     checks.extend(_entry_point_checks())
-    from . import patches
+    from .lucifer_tuple import b12x_moe_env
 
-    b12x = patches.b12x_moe_env()
+    b12x = b12x_moe_env()
     if b12x is not None:
         checks.append(Check("env VLLM_USE_B12X_MOE", FAIL, f"set to {b12x!r}: the MoE backend would resolve to B12X",
                             "unset VLLM_USE_B12X_MOE"))
     return checks, build
 
 
-def _flashinfer_check(build: compat.Build | None) -> list[Check]:
+def _flashinfer_check(build: runtimes.Build | None) -> list[Check]:
     """FlashInfer against the build's pin, or the release standing in where the index lacks it (the CPU build: none)."""
     fi = dist_version("flashinfer-python")
     want = build.flashinfer if build else None
@@ -213,7 +212,7 @@ def _vllm_checks(out_dir) -> tuple[list[Check], dict | None]:
     any_installed = any(v.ok for v in verdicts.values())
     for key, sym in wrappers.SYMBOLS.items():
         st = compat.inspect_symbol(sym)
-        good = [b.commit for b in compat.SUPPORTED_BUILDS if st.hash and wrappers.vetted_hash(b.commit, key) == st.hash]
+        good = [b.commit for b in runtimes.SUPPORTED_BUILDS if st.hash and wrappers.vetted_hash(b.commit, key) == st.hash]
         if not st.present:
             checks.append(Check(f"source {sym.dotted}", INFO, st.detail, verbose=True))
         elif good:
@@ -226,7 +225,7 @@ def _vllm_checks(out_dir) -> tuple[list[Check], dict | None]:
                                 verbose=any_installed))
     out_needs = _output_needs(out_dir)
     checks.append(_virtual_tp_check(verdicts, out_needs))
-    rel = verdicts[compat.RELAYOUT]
+    rel = verdicts[runtimes.RELAYOUT]
     if rel.ok:
         archs = [k.replace(" kernel", "") for k, v in rel.build.serves().items() if k.endswith(" kernel") and v]
         checks.append(Check("expert re-layout wrapper", OK, f"installed (build {rel.build.commit}): kernel-layout "
@@ -241,9 +240,9 @@ def _vllm_checks(out_dir) -> tuple[list[Check], dict | None]:
     return checks, verdicts
 
 
-def identify_build(version: str | None, commit: str | None) -> compat.Build | None:
+def identify_build(version: str | None, commit: str | None) -> runtimes.Build | None:
     """The vetted build this vLLM claims to be: a fork build by commit, a stock release by version."""
-    for b in compat.SUPPORTED_BUILDS:
+    for b in runtimes.SUPPORTED_BUILDS:
         if b.stock and version == b.commit:
             return b
         if not b.stock and commit and (commit.startswith(b.commit) or b.commit.startswith(commit)):
@@ -265,20 +264,18 @@ def _output_needs(out_dir) -> dict | None:
 
 
 def _virtual_tp_check(verdicts: dict, needs: dict | None) -> Check:
-    from . import patches
-
-    pol = verdicts[compat.POLICY]
+    pol = verdicts[runtimes.POLICY]
     if pol.ok:
         return Check("virtual TP", OK, f"present; policy wrapper installed (build {pol.build.commit}): "
                      f"--load-format lucifer_tp3 builds the padded plan for the Lucifer tuple")
-    stock = [verdicts[w] for w in compat.STOCK_WRAPPERS]
+    stock = [verdicts[w] for w in runtimes.STOCK_WRAPPERS]
     if all(v.ok for v in stock):
         return Check("virtual TP", OK, f"supplied by the plugin on {stock[0].build.label}: --load-format lucifer_tp3 "
                      f"pads heads, output groups, experts and vocabulary to the manifest's plan")
     # TP sizes that divide DeepSeek-V4's geometry (64 heads: TP 1/2/4/8) need none; without OUT, the TP3
     # lucifer_tp3 exists for does
     status = INFO if needs is not None and not needs["virtual_tp"] else FAIL
-    why = patches.virtual_tp_missing()
+    why = compat.virtual_tp_missing()
     return Check("virtual TP", status,
                  f"not available: this vLLM has no virtual TP of its own and the plugin's stock wrappers are off "
                  f"({why}); outputs whose plan pads (TP3) cannot be served here",
@@ -298,9 +295,9 @@ def _torch_check() -> Check:
 
 
 def _gpu_check() -> Check:
-    from . import patches
+    from . import lucifer_tuple
 
-    arch, cap = patches.device_arch()
+    arch, cap = lucifer_tuple.device_arch()
     if arch is not None:
         return Check("GPU", OK, f"capability {cap} -> {arch}")
     if cap[:1].isdigit():  # a GPU, of a family no layout or backend pair is made for
@@ -377,11 +374,11 @@ def _registration_check() -> Check:
 
 
 def _wrapper_verdicts() -> dict[str, compat.WrapperVerdict]:
-    from . import patches, wrappers
+    from . import wrappers
 
-    if not patches.VERDICTS:
+    if not compat.VERDICTS:
         wrappers.install()
-    return dict(patches.VERDICTS)
+    return dict(compat.VERDICTS)
 
 
 def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | None = None,
@@ -409,7 +406,7 @@ def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | 
 
 def _draft_checks(m, build, asked: bool) -> list[Check]:
     """OUT's draft against the request (`asked`: serve with it) and the build: present, and a build with the
-    kind's model class that applies virtual TP to it (spec/drafts.DRAFT_KINDS, compat.Build.draft_kinds)."""
+    kind's model class that applies virtual TP to it (spec/drafts.DRAFT_KINDS, spec/runtimes.Build.draft_kinds)."""
     kind = DRAFT_KINDS.get(m.draft_kind or "")
     if kind is None:
         return [_out("output draft", FAIL, "OUT has no draft/ (converted with --no-mtp)",
@@ -417,14 +414,14 @@ def _draft_checks(m, build, asked: bool) -> list[Check]:
     what = f"OUT/draft holds the {kind.label} ({kind.vllm_class}, --speculative-config method {kind.method!r})"
     if not asked:
         return [_out("output draft", INFO, what, "serve --draft to use it for speculative decoding")]
-    column = "DSpark" if kind.name == DSPARK else "MTP"
+    column = draft_column(kind.name)
     if build is not None and kind.name not in build.draft_kinds:
         return [_out("output draft", FAIL, f"build {build.commit} has no model class for the {kind.label}",
-                     f"serve without --draft on this build, or use a build whose {column} draft column says yes "
+                     f"serve without --draft on this build, or use a build whose {column} column says yes "
                      f"(below)")]
     if build is not None and not build.draft_virtual_tp and m.needs_virtual_tp():
         return [_out("output draft", FAIL, f"build {build.commit} does not apply virtual TP to the draft model",
-                     f"serve without --draft on this build, or use a build whose {column} draft column says yes "
+                     f"serve without --draft on this build, or use a build whose {column} column says yes "
                      f"(below)")]
     return [_out("output draft", OK, what)]
 
@@ -432,27 +429,27 @@ def _draft_checks(m, build, asked: bool) -> list[Check]:
 def _output_vllm_checks(m, verdicts: dict) -> list[Check]:
     """OUT against this vLLM's wrappers and GPU."""
     checks: list[Check] = []
-    plugin_vtp = all(verdicts[w].ok for w in compat.STOCK_WRAPPERS)
-    if m.needs_virtual_tp() and not (verdicts[compat.POLICY].ok or plugin_vtp):
+    plugin_vtp = all(verdicts[w].ok for w in runtimes.STOCK_WRAPPERS)
+    if m.needs_virtual_tp() and not (verdicts[runtimes.POLICY].ok or plugin_vtp):
         checks.append(_out("output needs virtual TP", FAIL, f"the plan pads tp {m.tp_size} but neither the fork's "
                            f"policy wrapper nor the plugin's stock virtual TP is installed "
-                           f"({verdicts[compat.STOCK_CONFIG].reason})", unvetted_fix()))
-    if m.expert_layout != "model" and not verdicts[compat.RELAYOUT].ok:
+                           f"({verdicts[runtimes.STOCK_CONFIG].reason})", unvetted_fix()))
+    if m.expert_layout != "model" and not verdicts[runtimes.RELAYOUT].ok:
         checks.append(_out("output kernel-layout experts", FAIL, f"this vLLM cannot load experts in kernel layout "
-                           f"verbatim: the re-layout wrapper is not installed ({verdicts[compat.RELAYOUT].reason})",
+                           f"verbatim: the re-layout wrapper is not installed ({verdicts[runtimes.RELAYOUT].reason})",
                            f"{STOCK_INSTALL}, or re-convert with --expert-layout model"))
     checks.extend(_flashinfer_layout_checks(m))
-    from . import patches
+    from . import lucifer_tuple
 
-    arch, cap = patches.device_arch()
+    arch, cap = lucifer_tuple.device_arch()
     checks.extend(_route_checks(m, arch, cap))
     if arch is not None:
-        checks.extend(_arch_checks(m, arch, cap, verdicts[compat.POLICY].ok))
+        checks.extend(_arch_checks(m, arch, cap, verdicts[runtimes.POLICY].ok))
     return checks
 
 
 def _flashinfer_layout_checks(m) -> list[Check]:
-    """sm90 kernel-layout experts against the installed FlashInfer's layout generation (spec/manifest.flashinfer_problem)."""
+    """sm90 kernel-layout experts against the installed FlashInfer's layout generation (spec/runtimes.flashinfer_problem)."""
     if m.flashinfer_layout is None:
         return []
     installed = dist_version("flashinfer-python")
@@ -543,16 +540,16 @@ def serve_backends(arch: str | None, expert_layout: str = "model", moe_backend: 
                    ) -> tuple[str, str] | None:
     """(attention backend, MoE backend) `serve` passes for an output converted for `arch` (and MoE route
     `moe_backend`, `Options.moe_backend`): the Lucifer tuple on a vetted fork build (its policy accepts nothing
-    else); on stock vLLM what it runs on that GPU family (`stock_vtp.STOCK_BACKENDS`), also where vLLM is absent
+    else); on stock vLLM what it runs on that GPU family (`spec/runtimes.STOCK_BACKENDS`), also where vLLM is absent
     (the conversion box). For an output converted without --arch (None), this GPU's family's (the b12x route:
     its own family's); None where no GPU says which (the serving host chooses). Imports no vLLM: the build is
     known from its package metadata, the GPU from nvidia-smi."""
     build = identify_build(*vllm_identity())
-    if build is not None and compat.POLICY in build.wrappers:
+    if build is not None and runtimes.POLICY in build.wrappers:
         return ATTENTION_BACKEND, MOE_BACKEND
     if arch is None and moe_backend is None:
         arch = local_arch()
-    return stock_vtp.stock_backends(arch, expert_layout, moe_backend) if arch or moe_backend else None
+    return stock_backends(arch, expert_layout, moe_backend) if arch or moe_backend else None
 
 
 def local_arch() -> str | None:

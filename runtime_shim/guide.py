@@ -3,34 +3,37 @@ where a server comes from (this environment's build first, where it is a vetted 
 lucifer-shard into it. Imports nothing of vLLM."""
 from __future__ import annotations
 
-from . import compat
-from .compat import STOCK
+from lucifer_shard.spec import runtimes
+from lucifer_shard.spec.runtimes import REPOSITORY, STOCK
+
 from .doctor import WHEEL, identify_build, vllm_identity
 
 
-def installed_build() -> compat.Build | None:
+def installed_build() -> runtimes.Build | None:
     """The vetted build this environment holds (package metadata, no vLLM import); None without one."""
     return identify_build(*vllm_identity())
 
 
 def builds() -> list[dict]:
-    """The vetted builds: name, where from, FlashInfer pin, what lucifer_tp3 can load on each, how far proven."""
+    """The vetted builds: name, where from, FlashInfer pin, what lucifer_tp3 can load on each, how far proven (in
+    one line, and per kind of output: `cells`)."""
     return [{"commit": b.commit, "label": b.label, "stock": b.stock,
-             "repository": None if b.stock else compat.REPOSITORY, "branches": list(b.branches),
+             "repository": None if b.stock else REPOSITORY, "branches": list(b.branches),
              "install": b.install_line(), "flashinfer": b.flashinfer, "flashinfer_repin": b.flashinfer_repin or None,
-             "wrappers": list(b.wrappers), "serves": b.serves(), "proven": b.proven, "image": b.image}
-            for b in compat.SUPPORTED_BUILDS]
+             "wrappers": list(b.wrappers), "serves": b.serves(), "cells": b.cells(), "proven": b.proven,
+             "image": b.image}
+            for b in runtimes.SUPPORTED_BUILDS]
 
 
-def routes(installed: compat.Build | None = None) -> list[tuple[str, str]]:
+def routes(installed: runtimes.Build | None = None) -> list[tuple[str, str]]:
     """Where a vLLM that serves lucifer-shard outputs comes from, in the order to take them: (route, how). Inside
     a vetted build (`installed`) that build comes first: it serves here. docs/serving.md's "Where to get a
     server" says the same as a machine without vLLM prints, line for line (a test compares them)."""
     stock = (f"{STOCK.install_line()}, then lucifer-shard into it with pip install --no-deps (make wheel); the plugin "
              f"supplies virtual TP and loads kernel-layout experts verbatim, so TP3 serves from any output")
     fork = ("a fork build",
-            f"from source only: git clone {compat.REPOSITORY} && git -C vllm checkout <commit> && pip install -e vllm "
-            f"(the CUDA toolchain of vLLM's build-from-source guide); {compat.FORK_TUPLE_KERNEL} layout and model "
+            f"from source only: git clone {REPOSITORY} && git -C vllm checkout <commit> && pip install -e vllm "
+            f"(the CUDA toolchain of vLLM's build-from-source guide); {runtimes.FORK_TUPLE_KERNEL} layout and model "
             f"layout")
     if installed is None:
         return [(f"stock vLLM {STOCK.commit}, the route to take", stock), fork]
@@ -40,14 +43,14 @@ def routes(installed: compat.Build | None = None) -> list[tuple[str, str]]:
             *([fork] if installed.stock else [])]
 
 
-def guide_lines(installed: compat.Build | None = None) -> list[str]:
+def guide_lines(installed: runtimes.Build | None = None) -> list[str]:
     """Which vLLM builds serve lucifer-shard outputs, how far each is proven, where they come from (`installed`:
     this environment's build, marked and named first), and how to put lucifer-shard in."""
-    cols = list(compat.SUPPORTED_BUILDS[0].serves())
+    cols = list(runtimes.SUPPORTED_BUILDS[0].serves())
     head = f"  {'build':<10} {'FlashInfer':<11} " + "  ".join(cols) + "  proven"
     here = f" (this environment: {installed.commit}, marked *)" if installed else ""
     lines = [f"vetted vLLM builds for lucifer_tp3{here}:", head]
-    ordered = sorted(compat.SUPPORTED_BUILDS, key=lambda b: not b.stock)
+    ordered = sorted(runtimes.SUPPORTED_BUILDS, key=lambda b: not b.stock)
     for b in ordered:
         cells = "  ".join(f"{'yes' if ok else 'no':<{len(c)}}" for c, ok in b.serves().items())
         lines.append(f"{'*' if b is installed else ' '} {b.commit:<10} {b.flashinfer:<11} {cells}  {b.proven}")

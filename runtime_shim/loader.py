@@ -18,15 +18,17 @@ from lucifer_shard.spec.config import ARCHITECTURE
 from lucifer_shard.spec.drafts import DRAFT_KINDS, owned_by_runtime
 from lucifer_shard.spec.dtypes import TORCH_DTYPE as TORCH_DTYPES
 from lucifer_shard.spec.layouts import EXPERT_TENSORS, layout_by_name
-from lucifer_shard.spec.manifest import file_digest, file_metadata, flashinfer_problem
+from lucifer_shard.spec.manifest import file_digest, file_metadata
 from lucifer_shard.spec.manifest_types import FileRecord, RankRecord, TensorRecord
+from lucifer_shard.spec.runtimes import MOE_BACKEND, RELAYOUT, flashinfer_problem
 from lucifer_shard.spec.share import share_problem
 from lucifer_shard.spec.stheader import Header
 
-from . import compat, crossnode, patches, reader, settings
+from . import compat, crossnode, lucifer_tuple, reader, settings, stock_vtp
 from .configview import backend_name
 from .doctor import dist_version
 from .errors import ShimError, ShimRuntimeError
+from .wrappers.relayout import TAG_ATTR, ExpertTag
 from .manifest import (
     Manifest,
     check_watch,
@@ -110,7 +112,7 @@ class LuciferTP3Loader(BaseModelLoader):
     def __init__(self, load_config):
         super().__init__(load_config)
         self.options = settings.parse_extra_config(getattr(load_config, "model_loader_extra_config", None))
-        self.tags: dict[str, patches.ExpertTag] = {}
+        self.tags: dict[str, ExpertTag] = {}
         self.hooks_called: list[str] = []
         self.loaded: dict[str, str] = {}  # param name -> file it came from
         self._role_hint: str | None = None
@@ -126,9 +128,9 @@ class LuciferTP3Loader(BaseModelLoader):
         self._role_hint = self._role_from_config(vllm_config, model_config)
         manifest = load_manifest(self._dir(model_config))
         self._check_parallel_config(vllm_config, manifest)
-        if manifest.expert_layout != "model" and not patches.installed(compat.RELAYOUT):
+        if manifest.expert_layout != "model" and not compat.installed(RELAYOUT):
             raise ShimError(f"{manifest.path} has routed experts in kernel layout ({manifest.moe_variant}), but the "
-                            f"expert re-layout wrapper is not installed: {patches.why_not_installed(compat.RELAYOUT)}; "
+                            f"expert re-layout wrapper is not installed: {compat.why_not_installed(RELAYOUT)}; "
                             f"use a supported vLLM build (lucifer-shard doctor) or convert with --expert-layout model")
         problem = flashinfer_problem(manifest.flashinfer_layout, dist_version("flashinfer-python"))
         if problem:
@@ -142,7 +144,7 @@ class LuciferTP3Loader(BaseModelLoader):
         seen = watch(self._dir(model_config))
         tp, rank = self._tp_rank()
         manifest = self._manifest_everywhere(self._dir(model_config), rank, check_digest=verify != "none")
-        mismatch = patches.tp_mismatch(manifest, tp)
+        mismatch = lucifer_tuple.tp_mismatch(manifest, tp)
         if mismatch:
             raise ShimError(mismatch)
         missing = share_problem(manifest.out, manifest.conversion_id, rank, manifest.tp_size)  # a node's share without this rank
@@ -154,7 +156,7 @@ class LuciferTP3Loader(BaseModelLoader):
         files = self._check_files(manifest, role, rank, entry, identity=verify != "none")
         params, buffers = self._targets(model)
         self._check_keys(manifest, role, rank, entry, params, buffers)
-        diff = patches.plan_difference(model_config, manifest)
+        diff = stock_vtp.plan_difference(model_config, manifest)
         if diff:
             raise ShimError(f"{diff}; start vLLM through lucifer-shard serve (the plugin's virtual-TP wrappers must "
                             f"be active) and check B12X_MOE_FORCE_A8 / NVFP4 env")
@@ -187,7 +189,7 @@ class LuciferTP3Loader(BaseModelLoader):
             qm = getattr(module, "quant_method", None)
             if qm is not None and getattr(qm, "moe_kernel", None) is None:
                 raise ShimRuntimeError(f"no MoE kernel was built for {prefix} after post-load processing; check "
-                                       f"--moe-backend {patches.MOE_BACKEND} and the FlashInfer install")
+                                       f"--moe-backend {MOE_BACKEND} and the FlashInfer install")
             for name, ptr in tag.data_ptrs.items():
                 now = getattr(module, name).data_ptr()
                 if now != ptr:
@@ -216,7 +218,7 @@ class LuciferTP3Loader(BaseModelLoader):
         return manifest
 
     def _dir(self, model_config) -> Path:
-        return Path(patches.model_dir(model_config))
+        return Path(lucifer_tuple.model_dir(model_config))
 
     def _tp_rank(self) -> tuple[int, int]:
         from vllm.distributed import parallel_state as ps
@@ -242,7 +244,7 @@ class LuciferTP3Loader(BaseModelLoader):
         problems = settings.config_problems(vllm_config)
         if problems:
             raise ShimError("cannot load per-TP-rank files with " + "; ".join(problems))
-        mismatch = patches.tp_mismatch(manifest, vllm_config.parallel_config.tensor_parallel_size)
+        mismatch = lucifer_tuple.tp_mismatch(manifest, vllm_config.parallel_config.tensor_parallel_size)
         if mismatch:
             raise ShimError(mismatch)
 
@@ -420,7 +422,7 @@ class LuciferTP3Loader(BaseModelLoader):
     def _check_expert_modules(self, model: nn.Module, manifest: Manifest, groups: dict[str, list[str]], rank: int, tp: int) -> None:
         if not groups:
             return
-        arch, cap = patches.device_arch()
+        arch, cap = lucifer_tuple.device_arch()
         if arch is not None and arch != manifest.arch:
             raise ShimError(f"GPU capability {cap} but files were laid out for {manifest.arch} "
                             f"({manifest.moe_variant}); re-convert with --arch {arch} or --expert-layout model")
@@ -429,14 +431,14 @@ class LuciferTP3Loader(BaseModelLoader):
             qm = getattr(module, "quant_method", None)
             if qm is None:
                 continue
-            if not patches.installed(compat.RELAYOUT):
+            if not compat.installed(RELAYOUT):
                 raise ShimError(f"{prefix}: experts arrive in kernel layout but the re-layout wrapper is not "
-                                f"installed ({patches.why_not_installed(compat.RELAYOUT)}); use a supported vLLM build "
+                                f"installed ({compat.why_not_installed(RELAYOUT)}); use a supported vLLM build "
                                 f"or convert with --expert-layout model")
             backend = backend_name(getattr(qm, "mxfp4_backend", None))
             if backend != manifest.moe_variant:
                 raise ShimError(f"MoE backend resolved to {backend} on layer {prefix}; files require "
-                                f"{manifest.moe_variant} (--moe-backend {patches.MOE_BACKEND}, unset VLLM_USE_B12X_MOE)")
+                                f"{manifest.moe_variant} (--moe-backend {MOE_BACKEND}, unset VLLM_USE_B12X_MOE)")
             mpc = getattr(getattr(qm, "moe", None), "moe_parallel_config", None)
             if mpc is not None:
                 got = (getattr(mpc, "tp_rank", rank), getattr(mpc, "tp_size", tp), getattr(mpc, "ep_size", 1))
@@ -480,10 +482,10 @@ class LuciferTP3Loader(BaseModelLoader):
         layouts = {k: v.name for k, v in manifest.doc.layouts.items()}
         for prefix in groups:
             module = model.get_submodule(prefix)
-            tag = patches.ExpertTag(prefix=prefix, moe_variant=manifest.moe_variant, layout=layouts)
+            tag = ExpertTag(prefix=prefix, moe_variant=manifest.moe_variant, layout=layouts)
             tag.data_ptrs = {n: getattr(module, n).data_ptr() for n in EXPERT_TENSORS}
             tag.shapes = {n: entry_tensors[f"{prefix}.{n}"].shape for n in EXPERT_TENSORS}
-            setattr(module, patches.TAG_ATTR, tag)
+            setattr(module, TAG_ATTR, tag)
             self.tags[prefix] = tag
 
     @staticmethod

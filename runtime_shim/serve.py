@@ -10,12 +10,12 @@ from pathlib import Path
 
 from lucifer_shard.spec.config import MTP
 from lucifer_shard.spec.drafts import DRAFT_KINDS, speculative_config
+from lucifer_shard.spec.runtimes import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND, STOCK_BACKENDS
 
-from . import settings, stock_vtp
+from . import settings
 from .checks import ENVIRONMENT, FAIL, OUTPUT, SKIP, Check
 from .doctor import vllm_identity
 from .errors import ShimError
-from .patches import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND
 
 SERVE_FLAGS = ("--tensor-parallel-size", "--load-format", "--attention-backend", "--moe-backend")
 # vLLM's multi-node flags: serve's own options (before `--`), passed on; node 1.. run headless (no API
@@ -56,8 +56,8 @@ def speculative_problem(extra: list[str], kind: str | None) -> str | None:
 
 def backends_remark() -> str:
     """What the dry run says when it cannot know the serving GPU (an output converted without --arch)."""
-    table = "; ".join(f"{', '.join(a for a, b in stock_vtp.STOCK_BACKENDS.items() if b == pair)}: {' + '.join(pair)}"
-                      for pair in dict.fromkeys(stock_vtp.STOCK_BACKENDS.values()))
+    table = "; ".join(f"{', '.join(a for a, b in STOCK_BACKENDS.items() if b == pair)}: {' + '.join(pair)}"
+                      for pair in dict.fromkeys(STOCK_BACKENDS.values()))
     return (f"backends: OUT was converted without --arch (any GPU family) and no GPU is visible here, so the command "
             f"leaves --attention-backend and --moe-backend to vLLM; serve on a GPU host adds its family's ({table})")
 

@@ -14,13 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 from lucifer_shard.spec.arches import ARCH_TABLE, FLASHINFER_MLA
-from lucifer_shard.spec.manifest import STOCK_BACKENDS, stock_backends  # noqa: F401 - one table, re-exported
 from lucifer_shard.spec.plan import MOE_ROUTES
+from lucifer_shard.spec.runtimes import RELAYOUT, STOCK_CONFIG
 
-from . import compat
+from . import lucifer_tuple
+from .compat import installed, why_not_installed
 from .configview import backend_name, model_problems, text_config
 from .errors import ShimError
-from .manifest import Manifest
+from .lucifer_tuple import parallel_problems, runtime_plan
+from .manifest import Manifest, compare_plan
 
 FP8_BLOCK = 128  # the block-FP8 weights' block (quantization_config.weight_block_size)
 # manifest plan axis -> the hf config key vLLM sizes it from
@@ -83,6 +85,15 @@ def applied(model_config) -> dict[str, Any] | None:
     return getattr(text_config(model_config), MARKER, None)
 
 
+def plan_difference(model_config, manifest: Manifest) -> str | None:
+    """How the live model config's virtual-TP geometry differs from the manifest's plan (None: equal):
+    the fork's `vllm_virtual_tp_plan`, or on stock vLLM the padding the plugin applied."""
+    fork_plan = runtime_plan(model_config)
+    if fork_plan is None and (applied(model_config) is not None or installed(STOCK_CONFIG)):
+        return geometry_problem(model_config, manifest)
+    return compare_plan(fork_plan, manifest.plan)
+
+
 def geometry_problem(model_config, manifest: Manifest) -> str | None:
     """How a model config's padded geometry differs from the manifest's plan (None: equal)."""
     want = padding(manifest) if manifest.needs_virtual_tp() else None
@@ -107,13 +118,11 @@ def stock_problems(vllm_config, manifest: Manifest) -> list[str]:
     """Each way a stock vLLM config cannot serve `manifest` with lucifer_tp3 (empty: it can)."""
     from vllm.platforms import current_platform
 
-    from . import patches
-
     mc = vllm_config.model_config
-    problems = model_problems(vllm_config) + patches.parallel_problems(vllm_config, manifest)
-    if manifest.expert_layout != "model" and not patches.installed(compat.RELAYOUT):
+    problems = model_problems(vllm_config) + parallel_problems(vllm_config, manifest)
+    if manifest.expert_layout != "model" and not installed(RELAYOUT):
         problems.append(f"routed experts in kernel layout ({manifest.moe_variant}), which this vLLM cannot load "
-                        f"verbatim: {patches.why_not_installed(compat.RELAYOUT)} (use a vetted build, see lucifer-shard "
+                        f"verbatim: {why_not_installed(RELAYOUT)} (use a vetted build, see lucifer-shard "
                         f"doctor, or re-convert with --expert-layout model)")
     for role, cfg in (("target", mc), ("draft", getattr(getattr(vllm_config, "speculative_config", None),
                                                          "draft_model_config", None))):
@@ -133,7 +142,7 @@ def stock_problems(vllm_config, manifest: Manifest) -> list[str]:
             problems.append(f"vLLM's CPU DeepSeek-V4 class requires n_routed_experts ({experts}) % tp "
                             f"({manifest.tp_size}) == 0; serve on GPUs (the NVIDIA class has no such requirement)")
         return problems
-    arch, cap = patches.device_arch()
+    arch, cap = lucifer_tuple.device_arch()
     attn = backend_name(getattr(getattr(vllm_config, "attention_config", None), "backend", None))
     instead = UNRUNNABLE_ATTENTION.get(arch or "", {}).get(attn or "")
     if instead:

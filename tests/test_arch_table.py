@@ -1,15 +1,13 @@
 """The GPU-arch facts live in one table, converter/spec/arches.py: no other module of the converter or the shim
 spells an --arch, a CUDA capability, a MoE variant or a backend name as a value (checked from the source with
-`ast`; prose in messages and docstrings is not a value). The build table, runtime_shim/compat.py, imports nothing
-of the package, so its copies are tied to their sources here."""
+`ast`; prose in messages and docstrings is not a value). The build table (spec/runtimes.py) derives its columns
+from this one; what it derives is pinned here."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from lucifer_shard.runtime_shim import compat
-from lucifer_shard.spec import arches
-from lucifer_shard.spec.manifest import FORK_BUILDS
+from lucifer_shard.spec import arches, runtimes
 
 REPO = Path(__file__).resolve().parent.parent
 TABLE = REPO / "converter" / "spec" / "arches.py"
@@ -46,16 +44,16 @@ def test_the_check_finds_a_copy(tmp_path):
 
 
 def test_fork_builds_names_the_fork_builds_of_supported_builds():
-    forks = [b.commit for b in compat.SUPPORTED_BUILDS if not b.stock]
-    assert forks and FORK_BUILDS == f"mlow/vllm ({', '.join(forks)})"
-    assert compat.REPOSITORY.endswith("/mlow/vllm")
+    forks = [b.commit for b in runtimes.SUPPORTED_BUILDS if not b.stock]
+    assert forks and runtimes.FORK_BUILDS == f"mlow/vllm ({', '.join(forks)})"
+    assert runtimes.REPOSITORY.endswith("/mlow/vllm")
 
 
 def test_the_build_tables_kernel_columns_are_the_arch_tables_families():
-    def column(fork: bool) -> str:
-        return "/".join(f for f in arches.FAMILIES if (f in arches.FORK_KERNEL_ARCHES) == fork) + " kernel"
-
-    assert (compat.FORK_TUPLE_KERNEL, compat.OTHER_KERNEL) == (column(True), column(False))
+    """The columns doctor and docs/serving.md print, derived from the arch table and the draft kinds."""
+    assert (runtimes.FORK_TUPLE_KERNEL, runtimes.OTHER_KERNEL) == ("sm120/sm100 kernel", "sm90 kernel")
+    assert runtimes.COLUMNS == ("TP3 (virtual TP)", "sm120/sm100 kernel", "model layout", "sm90 kernel", "MTP draft",
+                                "DSpark draft")
 
 
 def test_the_table_is_consistent():

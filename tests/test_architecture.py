@@ -162,10 +162,13 @@ def test_a_forbidden_import_is_found_wherever_it_is(tmp_path):
 
 
 # Inside the runtime shim: vLLM at module level only where a vLLM class is subclassed (the loader),
-# so that doctor and `serve --dry-run` import on a machine without vLLM; compat.py (the one table
-# of builds -> wrappers) imports no other shim module; no other module decides by version or commit.
+# so that doctor and `serve --dry-run` import on a machine without vLLM. The one table of builds is
+# spec/runtimes.py (no other module of either package defines a build row); compat.py, the judge the
+# wrapper files import, imports no other shim module; and no two shim modules import each other, by
+# any path (a package's __init__ aside: `from . import x` names the package too).
 SHIM_VLLM_AT_IMPORT = {"lucifer_shard.runtime_shim.loader"}
-SHIM_TABLE = "lucifer_shard.runtime_shim.compat"
+BUILD_TABLE = "lucifer_shard.spec.runtimes"
+SHIM_JUDGE = "lucifer_shard.runtime_shim.compat"
 
 
 def module_level_imports(path: Path) -> set[str]:
@@ -178,25 +181,49 @@ def module_level_imports(path: Path) -> set[str]:
     return found
 
 
+def import_circles(mods: dict[str, Path]) -> list[str]:
+    """'a -> b -> a' for each pair of shim modules that reach each other through imports (anywhere in a file)."""
+    shim = {n: p for n, p in mods.items() if n.startswith("lucifer_shard.runtime_shim")}
+    packages = {n for n, p in shim.items() if p.name == "__init__.py"}
+    graph = {n: sorted(m for m in imported(n, p) if m in shim and m not in packages and m != n) for n, p in shim.items()}
+
+    def path(start: str, goal: str) -> list[str] | None:
+        todo, came = [start], {start: None}
+        while todo:
+            node = todo.pop(0)
+            if node == goal:
+                found = [node]
+                while came[found[-1]] is not None:
+                    found.append(came[found[-1]])
+                return found[::-1]
+            for nxt in graph[node]:
+                if nxt not in came:
+                    came[nxt] = node
+                    todo.append(nxt)
+        return None
+
+    return [" -> ".join([a, *back]) for a in sorted(graph) for b in graph[a] if (back := path(b, a)) and a < b]
+
+
 def shim_problems(mods: dict[str, Path]) -> list[str]:
     problems = []
     for name, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        builds = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Build"]
+        if builds and name != BUILD_TABLE:
+            problems.append(f"{name} defines vLLM builds (line {builds[0].lineno}); the table is {BUILD_TABLE}")
         if not name.startswith("lucifer_shard.runtime_shim"):
             continue
         at_import = {m for m in module_level_imports(path) if m.split(".")[0] == "vllm"}
         if at_import and name not in SHIM_VLLM_AT_IMPORT:
             problems.append(f"{name} imports {sorted(at_import)} at module level")
-        tree = ast.parse(path.read_text(), str(path))
-        builds = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Build"]
-        if builds and name != SHIM_TABLE:
-            problems.append(f"{name} defines vLLM builds (line {builds[0].lineno}); the table is {SHIM_TABLE}")
-    table = {m for m in imported(SHIM_TABLE, mods[SHIM_TABLE]) if m.startswith("lucifer_shard.")}
-    if table:
-        problems.append(f"{SHIM_TABLE} imports {sorted(table)}")
-    return problems
+    judge = {m for m in imported(SHIM_JUDGE, mods[SHIM_JUDGE]) if m.startswith("lucifer_shard.runtime_shim")}
+    if judge:
+        problems.append(f"{SHIM_JUDGE} imports {sorted(judge)}")
+    return problems + [f"import circle: {c}" for c in import_circles(mods)]
 
 
-def test_the_shim_keeps_vllm_lazy_and_its_build_table_in_one_place():
+def test_the_shim_keeps_vllm_lazy_its_build_table_in_one_place_and_no_import_circle():
     assert shim_problems(modules(PACKAGES)) == []
 
 
@@ -205,14 +232,18 @@ def test_the_shim_check_finds_each_kind(tmp_path):
     root.mkdir()
     (root / "__init__.py").write_text("")
     (root / "compat.py").write_text("from lucifer_shard.runtime_shim import patches\nB = 1\n")
-    (root / "patches.py").write_text("import vllm.config\nX = Build('1.0', 'x', {}, True, '', ())\n")
+    (root / "patches.py").write_text("import vllm.config\nX = Build('1.0', 'x', {}, True, '', ())\n"
+                                     "def f():\n    from . import stock_vtp\n")
+    (root / "stock_vtp.py").write_text("from .patches import X\n")
     (root / "loader.py").write_text("from vllm.model_executor import model_loader\n")
     found = shim_problems(modules({"lucifer_shard.runtime_shim": root}))
-    assert found == ["lucifer_shard.runtime_shim.patches imports ['vllm.config'] at module level",
-                     "lucifer_shard.runtime_shim.patches defines vLLM builds (line 2); the table is "
-                     "lucifer_shard.runtime_shim.compat",
+    assert found == ["lucifer_shard.runtime_shim.patches defines vLLM builds (line 2); the table is "
+                     "lucifer_shard.spec.runtimes",
+                     "lucifer_shard.runtime_shim.patches imports ['vllm.config'] at module level",
                      "lucifer_shard.runtime_shim.compat imports ['lucifer_shard.runtime_shim', "
-                     "'lucifer_shard.runtime_shim.patches']"], found
+                     "'lucifer_shard.runtime_shim.patches']",
+                     "import circle: lucifer_shard.runtime_shim.patches -> lucifer_shard.runtime_shim.stock_vtp -> "
+                     "lucifer_shard.runtime_shim.patches"], found
 
 
 # File I/O goes through lucifer_shard.guarded_io (issue 26): no other module opens, deletes or

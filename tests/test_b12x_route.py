@@ -11,8 +11,9 @@ import pytest
 
 from lucifer_shard.proof.diff import diff
 from lucifer_shard.proof.verify import verify
-from lucifer_shard.spec.manifest import Options, conversion_id, runtime_record, stock_backends
+from lucifer_shard.spec.manifest import Options, conversion_id
 from lucifer_shard.spec.plan import make_plan
+from lucifer_shard.spec.runtimes import runtime_record, stock_backends
 
 from helpers import CONFIGS, run
 

@@ -1,12 +1,12 @@
-"""Which sm90 layout generation an installed FlashInfer reads (`spec/manifest.flashinfer_generation`, read off
+"""Which sm90 layout generation an installed FlashInfer reads (`spec/runtimes.flashinfer_generation`, read off
 the one table FLASHINFER_VERSIONS) and what serving sm90 kernel-layout files on the other one is told
 (`flashinfer_problem`, which doctor and the loader report): docs/design/kernel-layouts.md §1."""
 from __future__ import annotations
 
 import pytest
 
-from lucifer_shard.runtime_shim import compat
-from lucifer_shard.spec.manifest import FLASHINFER_VERSIONS, flashinfer_generation, flashinfer_problem
+from lucifer_shard.spec import runtimes
+from lucifer_shard.spec.runtimes import FLASHINFER_VERSIONS, flashinfer_generation, flashinfer_problem
 
 
 @pytest.mark.parametrize("version,generation", [
@@ -29,8 +29,8 @@ def test_every_version_the_table_names_maps_to_its_own_generation():
 def test_the_builds_pins_read_the_generation_their_files_are_written_in():
     """The vetted stock releases pin a folded FlashInfer (the default --flashinfer-layout); the mlow/vllm
     forks pin legacy ones; the CPU build has none."""
-    for b in compat.SUPPORTED_BUILDS:
-        want = None if b.flashinfer == "none" else "folded" if compat.STOCK_CONFIG in b.wrappers else "legacy"
+    for b in runtimes.SUPPORTED_BUILDS:
+        want = None if b.flashinfer == "none" else "folded" if runtimes.STOCK_CONFIG in b.wrappers else "legacy"
         assert flashinfer_generation(b.flashinfer) == want, b.commit
 
 

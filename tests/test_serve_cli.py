@@ -17,8 +17,9 @@ import pytest
 
 from lucifer_shard import __version__
 from lucifer_shard.cli import cli
-from lucifer_shard.runtime_shim import compat, doctor, serve
+from lucifer_shard.runtime_shim import doctor, serve
 from lucifer_shard.runtime_shim.doctor import FAIL, OK, Check
+from lucifer_shard.spec import runtimes
 from lucifer_shard.spec.manifest import MANIFEST_NAME, manifest_text
 
 from helpers import run, script_module
@@ -196,8 +197,7 @@ def test_what_is_no_output_is_an_output_error_naming_the_next_step(tmp_path, tin
 
 def test_an_output_for_any_arch_gets_the_serving_gpus_backends(any_arch, monkeypatch):
     """manifest "arch": null (convert without --arch, experts in model layout): serve takes the backends of
-    the GPU it finds (stock_vtp.STOCK_BACKENDS); without one the command leaves them to vLLM, and says so."""
-    from lucifer_shard.runtime_shim import stock_vtp
+    the GPU it finds (runtimes.STOCK_BACKENDS); without one the command leaves them to vLLM, and says so."""
 
     r = run("doctor", any_arch)
     assert "tp 3, arch any (converted without --arch), experts model layout" in r.stdout, r.output
@@ -213,7 +213,7 @@ def test_an_output_for_any_arch_gets_the_serving_gpus_backends(any_arch, monkeyp
     for arch in ("sm90", "sm100", "sm120"):
         monkeypatch.setattr(doctor, "local_arch", lambda a=arch: a)
         r = run("serve", any_arch, "--dry-run")
-        attn, moe = stock_vtp.STOCK_BACKENDS[arch]
+        attn, moe = runtimes.STOCK_BACKENDS[arch]
         assert r.stdout.strip().splitlines()[-1] == command_of(any_arch).replace(
             "FLASHINFER_MLA_SPARSE_DSV4 --moe-backend flashinfer_cutlass", f"{attn} --moe-backend {moe}"), arch
         assert "backends:" not in r.stdout
@@ -304,10 +304,10 @@ def test_doctor_without_vllm_says_which_build_and_how_to_install(converted):
     assert "[  ok] lucifer-shard dependencies: all present" in text
     assert "[FAIL] vllm: not installed in this environment" in text and "-> run doctor inside the serving environment" in text
     assert "vetted vLLM builds for lucifer_tp3:" in text and "pip install vllm==0.34.0" in text
-    cols = list(compat.SUPPORTED_BUILDS[0].serves())
+    cols = list(runtimes.SUPPORTED_BUILDS[0].serves())
     assert not [c for c in cols if "--mtp" in c]  # the drafts' columns: --draft serves either kind
     table, how = text.split("vetted vLLM builds", 1)[1].split("how to get each:", 1)
-    for b in compat.SUPPORTED_BUILDS:
+    for b in runtimes.SUPPORTED_BUILDS:
         row = next(line for line in table.splitlines() if line.strip().startswith(b.commit + " "))
         words = row.split()
         assert words[1] == b.flashinfer
@@ -324,6 +324,7 @@ def test_doctor_without_vllm_says_which_build_and_how_to_install(converted):
     assert [b["commit"] for b in doc["result"]["builds"]] == ["45c1582e9", "cece381c4", "81564374e", "0.34.0", "0.33.0",
                                                               "0.32.0"]
     assert doc["result"]["builds"][1]["serves"]["MTP draft"] is False
+    assert [b["cells"] for b in doc["result"]["builds"]] == [b.cells() for b in runtimes.SUPPORTED_BUILDS]
     failed = [c for c in doc["result"]["checks"] if c["status"] == FAIL]
     assert failed and all(c["fix"] for c in failed)
     assert run("doctor", "--mtp").output.startswith("error: --mtp checks an output's draft: pass OUT")
@@ -343,7 +344,8 @@ def test_no_serve_extra_and_the_wheel_carries_the_plugin(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         entry = z.read(f"lucifer_shard-{__version__}.dist-info/entry_points.txt").decode()
-    assert {"lucifer_shard/runtime_shim/loader.py", "lucifer_shard/configs/deepseek-v4-flash.json"} <= names
+    assert {"lucifer_shard/runtime_shim/loader.py", "lucifer_shard/configs/deepseek-v4-flash.json",
+            "lucifer_shard/runtime_shim/wrappers/hashes.json"} <= names
     assert "lucifer_tp3 = lucifer_shard.runtime_shim:register" in entry and "lucifer-shard = lucifer_shard.cli:main" in entry
 
 
@@ -367,10 +369,10 @@ def test_where_to_get_a_server_is_one_table_in_doctor_and_readme():
                       (REPO / "tools" / "vllm-env.sh").read_text())
     assert (doctor.STOCK.flashinfer, doctor.STOCK.flashinfer_repin) == repin.groups()
     assert doctor.STOCK.repinned_install() in expected[0]
-    commits = {b.commit for b in compat.SUPPORTED_BUILDS}  # the annotations name builds of the table, forks all
-    assert set(compat.FLASHINFER_REPIN) <= commits and {b.commit for b in compat.SUPPORTED_BUILDS if not b.stock} \
-        <= set(compat.PROVEN) <= commits
-    image = compat.AUDIT_IMAGE
+    commits = {b.commit for b in runtimes.SUPPORTED_BUILDS}  # the annotations name builds of the table, forks all
+    assert set(runtimes.FLASHINFER_REPIN) <= commits and {b.commit for b in runtimes.SUPPORTED_BUILDS if not b.stock} \
+        <= set(runtimes.PROVEN) <= commits
+    image = runtimes.AUDIT_IMAGE
     assert not [r for r in expected if image["tag"] in r or image["id"] in r]
     assert readme.index("## Where to get a server") < readme.index("## From a checkpoint to a running server")
     doc = json.loads(run("doctor", "--json").stdout)["result"]
@@ -384,7 +386,7 @@ def test_inside_a_vetted_build_doctor_names_it_first_and_points_nowhere_else(com
     table; no other is "the route to take"."""
     from lucifer_shard.runtime_shim import guide
 
-    here = next(b for b in compat.SUPPORTED_BUILDS if b.commit == commit)
+    here = next(b for b in runtimes.SUPPORTED_BUILDS if b.commit == commit)
     found = guide.routes(here)
     assert found[0][0] == f"this environment's {here.label}, a vetted build" and here.proven in found[0][1]
     assert not [r for r, _ in found if "the route to take" in r]
@@ -444,7 +446,7 @@ def test_the_preflight_before_exec_imports_no_vllm_or_torch(converted, monkeypat
 
 
 def test_the_readme_checklist_names_the_vetted_stock_pin_and_the_gpu_families():
-    """The serving checklist's vLLM pin is the shim's vetted stock build (compat's table: update one, the
+    """The serving checklist's vLLM pin is the shim's vetted stock build (spec/runtimes' table: update one, the
     other must follow), and its GPU families are doctor's, by product name."""
     readme = (REPO / "README.md").read_text()
     checklist = readme.split("## Serving checklist", 1)[1].split("\n## ", 1)[0]

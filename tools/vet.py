@@ -1,6 +1,6 @@
 """Vet a stock vLLM release for the shim's wrappers, in one command (docs/vllm-releases.md):
 
-    python tools/vet.py VERSION [--against VETTED] [--hashes-only] [--wheels DIR]
+    python tools/vet.py VERSION [--against VETTED] [--hashes-only] [--wheels DIR] [--hashes-file FILE]
 
 1. fetches the release's wheel and the last vetted release's (`pip download --no-deps`: pip's cache
    when a test venv was built from it);
@@ -11,13 +11,14 @@
 4. builds the release's CPU test venv (tools/vllm-env.sh: --venv, else $LUCIFER_VLLM_VENV, else
    ~/.cache/lucifer-shard/vllm-VERSION) and runs the stock proofs on it, the candidate row allowed in
    the test harness only (LUCIFER_VET_CANDIDATE, read by tests/shim);
-5. on success prints the `compat.Build` row to add to `compat.SUPPORTED_BUILDS` and, for each wrapper's
-   file (runtime_shim/wrappers/), the hashes to add to its `hashes`.
+5. on success writes the release's hashes into the data file the shim reads (runtime_shim/wrappers/hashes.json:
+   review it with git diff) and prints the `Build` row to add to `spec/runtimes.SUPPORTED_BUILDS`; until that row
+   names the release, its hashes vet nothing (tests/test_build_table.py refuses one without the other).
 
 A maintainer tool: it runs from a checkout of lucifer-shard installed editable (it needs tools/ and
 tests/, and is not in the wheel). Imports nothing from vLLM.
-Exit 0: the row is printed; 1: the release failed vetting (a wrapped function gone or changed, or the
-stock proofs failed); 2: it could not be vetted (no such release, no wheel, a venv it may not use).
+Exit 0: the hashes are written and the row is printed; 1: the release failed vetting (a wrapped function gone
+or changed, or the stock proofs failed); 2: it could not be vetted (no such release, no wheel, a venv it may not use).
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ from pathlib import Path
 import vllm_hashes  # tools/vllm_hashes.py, beside this file
 
 from lucifer_shard.guarded_io import read_regular
-from lucifer_shard.spec.manifest import release_numbers
 from lucifer_shard.runtime_shim import compat, wrappers
+from lucifer_shard.spec import runtimes
+from lucifer_shard.spec.runtimes import release_numbers
 
 DIST = "vllm"
 ROOT = Path(__file__).resolve().parent.parent  # the checkout
@@ -50,10 +52,10 @@ CANDIDATE_ENV = "LUCIFER_VET_CANDIDATE"  # the candidate, JSON, for the test har
 
 @dataclass(frozen=True)
 class Candidate:
-    """What vetting a release adds to the tables: its build row, and the hashes its wrappers' files get."""
+    """What vetting a release adds: its build row, and its entry in the data file of hashes."""
 
-    build: compat.Build
-    hashes: dict[str, dict[str, str]]  # wrapper name -> symbol key -> source hash in the release
+    build: runtimes.Build
+    hashes: dict[str, str]  # symbol key -> source hash in the release, for each symbol of the row's wrappers
 
 
 class VetError(Exception):
@@ -92,17 +94,17 @@ def venv_problem(venv: Path) -> str | None:
     return None
 
 
-def stock_releases() -> list[compat.Build]:
+def stock_releases() -> list[runtimes.Build]:
     """The vetted releases of the `vllm` distribution, newest first."""
-    found = [b for b in compat.SUPPORTED_BUILDS if b.stock and b.install == f"pip install {DIST}=={b.commit}"]
+    found = [b for b in runtimes.SUPPORTED_BUILDS if b.stock and b.install == f"pip install {DIST}=={b.commit}"]
     return sorted(found, key=lambda b: release_numbers(b.commit), reverse=True)
 
 
-def last_vetted(version: str) -> compat.Build:
+def last_vetted(version: str) -> runtimes.Build:
     """The release a new one is compared with: the newest vetted one other than `version`."""
     others = [b for b in stock_releases() if b.commit != version]
     if not others:
-        raise VetError(f"no vetted {DIST} release other than {version} in compat.SUPPORTED_BUILDS to compare with")
+        raise VetError(f"no vetted {DIST} release other than {version} in spec/runtimes.SUPPORTED_BUILDS to compare with")
     return others[0]
 
 
@@ -129,7 +131,7 @@ def wheel_pin(wheel: Path, name: str) -> str:
     return m.group(1) if m else "none"
 
 
-def candidate(version: str, wheel: Path, against: compat.Build) -> Candidate:
+def candidate(version: str, wheel: Path, against: runtimes.Build) -> Candidate:
     """What a release gets: the wrappers of the release it is compared with and the hashes of their
     symbols in this wheel; its FlashInfer pin, the draft kinds whose class is in the wheel (the stock proofs
     then load each). Raises VetError when a symbol they rely on is gone."""
@@ -145,12 +147,11 @@ def candidate(version: str, wheel: Path, against: compat.Build) -> Candidate:
                        f"installed on it as they are; port them first", exit_code=1)
     build = dataclasses.replace(against, commit=version, label=against.label.replace(against.commit, version),
                                 flashinfer=wheel_pin(wheel, "flashinfer-python"), install=f"pip install {DIST}=={version}",
-                                draft_kinds=tuple(k for k, path in compat.DRAFT_CLASS_FILES.items() if text_of(path)))
-    return Candidate(build, {w: {s.key: compat.source_hash(sources[s.key]) for s in wrappers.WRAPPERS[w].symbols}
-                             for w in against.wrappers})
+                                draft_kinds=tuple(k for k, path in runtimes.DRAFT_CLASS_FILES.items() if text_of(path)))
+    return Candidate(build, {s.key: compat.source_hash(sources[s.key]) for s in needed})
 
 
-def changes(version: str, wheel: Path, against: compat.Build, against_wheel: Path) -> list[str]:
+def changes(version: str, wheel: Path, against: runtimes.Build, against_wheel: Path) -> list[str]:
     """For each symbol of wrappers.SYMBOLS whose source differs between the two wheels: a header line,
     the parameter check, what its wrapper's file says to read, and the unified diff of the two sources."""
     new_text, old_text = vllm_hashes.wheel_text_of(str(wheel)), vllm_hashes.wheel_text_of(str(against_wheel))
@@ -176,22 +177,23 @@ def changes(version: str, wheel: Path, against: compat.Build, against_wheel: Pat
     return out
 
 
-def row_text(b: compat.Build) -> str:
-    """The Python text of a row of compat.SUPPORTED_BUILDS (evaluates to an equal Build)."""
+def row_text(b: runtimes.Build) -> str:
+    """The Python text of a row of spec/runtimes.SUPPORTED_BUILDS (evaluates to an equal Build)."""
     return (f"    Build(\n        commit={b.commit!r},\n        label={b.label!r},\n"
             f"        draft_virtual_tp={b.draft_virtual_tp!r},\n        flashinfer={b.flashinfer!r},\n"
             f"        branches={b.branches!r},\n        wrappers={b.wrappers!r},\n        install={b.install!r},\n"
             f"        draft_kinds={b.draft_kinds!r},\n    ),")
 
 
-def hashes_text(c: Candidate) -> list[str]:
-    """For each wrapper's file, the entry its `hashes` gets (the value evaluates to an equal dict)."""
-    return [f"{wrapper_file(w)}: {c.build.commit!r}: {h!r}," for w, h in c.hashes.items()]
-
-
-def wrapper_file(name: str) -> str:
-    """The file of a wrapper, relative to the checkout (runtime_shim/wrappers/<module>.py)."""
-    return f"runtime_shim/wrappers/{wrappers.WRAPPERS[name].install.__module__.rsplit('.', 1)[1]}.py"
+def write_hashes(c: Candidate, path: Path) -> str:
+    """Put the release's hashes into the data file `path` (its entry replaced, the others kept, the text
+    compat.hashes_text's); what changed, in words."""
+    hashes = compat.read_hashes(path)
+    before = hashes.get(c.build.commit)
+    hashes[c.build.commit] = c.hashes
+    path.write_text(compat.hashes_text(hashes))
+    what = "added" if before is None else "unchanged" if before == c.hashes else "changed"
+    return f"{path}: the hashes of {c.build.commit} {what} (review: git diff {path.name})"
 
 
 def candidate_json(c: Candidate) -> str:
@@ -201,7 +203,7 @@ def candidate_json(c: Candidate) -> str:
 def candidate_from_json(text: str) -> Candidate:
     d = json.loads(text)
     b = d["build"]
-    return Candidate(compat.Build(**{**b, **{k: tuple(b[k]) for k in ("branches", "wrappers", "draft_kinds")}}),
+    return Candidate(runtimes.Build(**{**b, **{k: tuple(b[k]) for k in ("branches", "wrappers", "draft_kinds")}}),
                      d["hashes"])
 
 
@@ -224,7 +226,8 @@ def run_proofs(version: str, found: Candidate, venv: Path) -> int:
     return subprocess.run(cmd, cwd=ROOT, env={**env, CANDIDATE_ENV: candidate_json(found)}).returncode
 
 
-def vet(version: str, against_version: str | None, hashes_only: bool, work: Path, venv: Path) -> int:
+def vet(version: str, against_version: str | None, hashes_only: bool, work: Path, venv: Path, hashes_file: Path
+        ) -> int:
     against = next((b for b in stock_releases() if b.commit == against_version), None) if against_version \
         else last_vetted(version)
     if against is None:
@@ -246,23 +249,26 @@ def vet(version: str, against_version: str | None, hashes_only: bool, work: Path
         if rc:
             print(f"vet {version}: the stock proofs failed (pytest exit {rc}); do not add the row", file=sys.stderr)
             return 1
-    print(f"row for compat.SUPPORTED_BUILDS{' (hashes only: the stock proofs did not run)' if hashes_only else ''} "
-          f"(stock releases newest first):")
+    print(write_hashes(found, hashes_file))
+    unproven = " (hashes only: the stock proofs did not run)" if hashes_only else ""
+    print(f"row for spec/runtimes.SUPPORTED_BUILDS{unproven} (stock releases newest first):")
     print(row_text(found.build))
-    print("hashes for each wrapper's file:")
-    print("\n".join(hashes_text(found)))
     return 0
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python tools/vet.py",
                                 description="Vet a stock vLLM release for the shim's wrappers (docs/vllm-releases.md).",
-                                epilog="Exit 0: the row is printed; 1: the release failed vetting; 2: it could not "
+                                epilog="Exit 0: the hashes are written and the row is printed; 1: the release failed "
+                                       "vetting; 2: it could not "
                                        "be vetted (no such release, a folder or venv it may not use).")
     p.add_argument("version", help="the vLLM release, e.g. 0.35.0")
     p.add_argument("--against", help="the vetted release to diff with (default: the newest other one)")
     p.add_argument("--hashes-only", action="store_true", help="fetch, hash and diff; no venv, no proofs")
     p.add_argument("--wheels", type=Path, help="keep the wheels in this folder (default: a temporary one)")
+    p.add_argument("--hashes-file", type=Path, default=compat.HASHES_FILE,
+                   help="the data file of vetted hashes that gets the release's (default: the one the shim reads, "
+                        "runtime_shim/wrappers/hashes.json; review the change with git diff)")
     p.add_argument("--venv", type=Path, help=f"the release's test venv for the stock proofs, built there once and "
                    f"reused (about {VENV_GIB} GiB, a few minutes); its editable install is pointed at this checkout, "
                    f"so vet refuses one installed for another checkout (default: $LUCIFER_VLLM_VENV, else "
@@ -276,9 +282,9 @@ def main(argv: list[str]) -> int:
     try:
         if args.wheels:
             args.wheels.mkdir(parents=True, exist_ok=True)
-            return vet(args.version, args.against, args.hashes_only, args.wheels, venv)
+            return vet(args.version, args.against, args.hashes_only, args.wheels, venv, args.hashes_file)
         with tempfile.TemporaryDirectory(prefix="lucifer-vet-") as work:
-            return vet(args.version, args.against, args.hashes_only, Path(work), venv)
+            return vet(args.version, args.against, args.hashes_only, Path(work), venv, args.hashes_file)
     except VetError as e:
         print(f"error: vet: {e}", file=sys.stderr)
         return e.exit_code

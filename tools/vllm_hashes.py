@@ -6,8 +6,8 @@ imports the installed lucifer_shard, and vLLM not at all):
     python tools/vllm_hashes.py wheel <vllm-*.whl>...
 
 For each symbol the wrappers rely on (`wrappers.SYMBOLS`) that the vLLM has, `compat.source_hash` of
-its `inspect.getsource` text (`compat.source_from_module_text`): the values each wrapper's file keeps
-per build (runtime_shim/wrappers/). tools/vet.py uses these functions on a stock release's wheel.
+its `inspect.getsource` text (`compat.source_from_module_text`): the values the data file
+runtime_shim/wrappers/hashes.json keeps per build. tools/vet.py uses these functions on a stock release's wheel.
 """
 from __future__ import annotations
 

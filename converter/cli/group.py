@@ -9,7 +9,8 @@ import click
 from .. import __version__
 from ..engine.fills import DEFAULT_FILL, FILLS
 from ..errors import NoRoom, UsageRefused
-from ..spec.manifest import FLASHINFER_VERSIONS, MAX_ALIGN, Options
+from ..spec.manifest import MAX_ALIGN, Options
+from ..spec.runtimes import FLASHINFER_VERSIONS
 from ..spec.arches import (ARCH, ARCHES, B12X, FAMILIES, FORK_KERNEL_ARCHES, GENERATION_ARCHES, MOE_VARIANT,
                            family)
 from ..spec.plan import DEFAULT_ROUTE, MOE_ROUTES

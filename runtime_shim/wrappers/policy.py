@@ -8,20 +8,21 @@ mis-slices W2); everything else goes to the original unchanged.
 from __future__ import annotations
 
 import importlib
+import logging
+
+from lucifer_shard.spec.runtimes import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND, POLICY, REPOSITORY
 
 from .. import compat
 from ..errors import ShimError
+from ..lucifer_tuple import is_lucifer_request, load_format, model_dir, runtime_plan, tuple_problems
 from ..manifest import compare_plan, load_manifest
-from ..patches import (ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND, is_lucifer_request, load_format, logger,
-                       model_dir, replace, runtime_plan, tuple_problems)
+
+logger = logging.getLogger("lucifer_shard.runtime_shim")
 
 MAYBE_APPLY = compat.Symbol("maybe_apply_b12x_virtual_tp_padding", "vllm.config.virtual_tp",
                             "maybe_apply_b12x_virtual_tp_padding", ("vllm_config",))
 APPLY = compat.Symbol("apply_b12x_virtual_tp_padding_to_model_config", "vllm.config.virtual_tp",
                       "apply_b12x_virtual_tp_padding_to_model_config", ("model_config", "parallel_config"))
-# the fork's builds share both functions (python tools/vllm_hashes.py git ...: compat.SUPPORTED_BUILDS)
-_FORK = {MAYBE_APPLY.key: "sha256:d2b413ba3ed7f38fd1fbecfe0109b730458552e37972b26d4b35b12f1174893a",
-         APPLY.key: "sha256:277638f6c6527fee272792f44abc5f4d216d221da9c16b397a6fb8d3f64166a3"}
 
 
 def make_policy_wrapper(original, apply_to_model_config):
@@ -56,21 +57,20 @@ def make_policy_wrapper(original, apply_to_model_config):
 
 def install() -> None:
     mod = importlib.import_module(APPLY.module)
-    replace(MAYBE_APPLY, lambda current: make_policy_wrapper(current, mod.apply_b12x_virtual_tp_padding_to_model_config))
+    compat.replace(MAYBE_APPLY, lambda current: make_policy_wrapper(current, mod.apply_b12x_virtual_tp_padding_to_model_config))
 
 
 WRAPPER = compat.Wrapper(
-    name=compat.POLICY,
+    name=POLICY,
     symbols=(MAYBE_APPLY, APPLY),
     process="engine",
     does="with lucifer_tp3, accepts exactly the Lucifer tuple, applies the fork's plan without its B12X gate "
          "and checks it equals the manifest's; refuses the tuple with any other load format",
     why="the fork pads only for its B12X backends, and its stock loader mis-slices packed FP4 W2",
     remove_when="the fork's loader slices packed FP4 in storage units and its plan accepts FlashInfer CUTLASS",
-    upstream=f"{compat.REPOSITORY}/blob/45c1582e9/vllm/config/virtual_tp.py",
+    upstream=f"{REPOSITORY}/blob/45c1582e9/vllm/config/virtual_tp.py",
     read_in_diff="the fork's plan function must still take (model_config, parallel_config), write "
                  "`vllm_virtual_tp_plan` on the hf text config and pad heads, o_groups and moe_intermediate_size "
                  "keeping `original_<key>`; the policy must still be the one call that decides whether to pad",
-    hashes={"45c1582e9": _FORK, "cece381c4": _FORK, "81564374e": _FORK},
     install=install,
 )

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
+from dataclasses import dataclass, field
 
 from lucifer_shard.spec.layouts import EXPERT_TENSORS
+from lucifer_shard.spec.runtimes import MOE_BACKEND, RELAYOUT
 
 from .. import compat
 from ..configview import backend_name
 from ..errors import ShimError, ShimRuntimeError
-from ..patches import MOE_BACKEND, TAG_ATTR, ExpertTag, logger
+
+logger = logging.getLogger("lucifer_shard.runtime_shim")
+TAG_ATTR = "_lucifer_tp3_tag"  # the attribute the loader sets on a layer whose experts it filled in kernel layout
 
 CONVERT = compat.Symbol(
     "convert_weight_to_mxfp4_moe_kernel_format", "vllm.model_executor.layers.fused_moe.oracle.mxfp4",
@@ -33,24 +38,17 @@ SETUP_KERNEL = compat.Symbol("Mxfp4MoEMethod._setup_kernel", "vllm.model_executo
 PATCH_MODULE = SETUP_KERNEL.module
 PATCH_ATTR = CONVERT.qualname
 
-_FORK_SETUP_KERNEL = "sha256:c0affd064e176be46068a4bf65c8a9a72da33bae8faab50fae29f23c5ba47a86"
-# cece381c4 and 81564374e share every vetted function
-_FORK_FF = {CONVERT.key: "sha256:450a446ab3afb7d3626aa9870434b54f318e01984b3ceede81a87f4abc63b4f0",
-            SETUP_KERNEL.key: _FORK_SETUP_KERNEL}
-HASHES = {
-    "45c1582e9": {CONVERT.key: "sha256:ee8705dcabd3eec6a0b27b9a3f721de8b496a7c9bcd75a045477f2abc58c3acd",
-                  SETUP_KERNEL.key: _FORK_SETUP_KERNEL},
-    "cece381c4": _FORK_FF,
-    "81564374e": _FORK_FF,
-    # 0.34.0 changed both only in their Humming and Triton branches (docs/vllm-releases.md, Record)
-    "0.34.0": {CONVERT.key: "sha256:2a7916b08841b51c9d770588ee56fd36569d2c5b389f7a02f384c7f6fbb96c99",
-               SETUP_KERNEL.key: "sha256:64874c8a1b11399cfa3ac93aefbd3572269354f05727e08f50b8bcfecf8c9826"},
-    # 0.33.0's re-layout: its FlashInfer-CUTLASS branch is the forks' (swap, then the 128x4 swizzle or the SM90
-    # interleaves) behind three new pass-through parameters; _setup_kernel checks the 3-D shapes, calls it,
-    # replace_parameter()s the result onto the same parameters and builds the kernel from them
-    "0.33.0": {CONVERT.key: "sha256:171d153b1ce8445d970d97a3ced3238cbb6dd76300dc9990ae3fee3d50b1391e",
-               SETUP_KERNEL.key: "sha256:447956c52e78fb61ca47c8664b2e0efb5fc03c06694a8120c34ff403c2aa5127"},
-}
+
+@dataclass
+class ExpertTag:
+    """Marks a RoutedExperts module whose four expert tensors were loaded in kernel layout."""
+
+    prefix: str
+    moe_variant: str
+    layout: dict[str, str]
+    data_ptrs: dict[str, int] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the files' (kernel) shapes
+    relayout_calls: int = 0
 
 
 def make_relayout_wrapper(original):
@@ -97,7 +95,7 @@ def install() -> None:
 
 
 WRAPPER = compat.Wrapper(
-    name=compat.RELAYOUT,
+    name=RELAYOUT,
     symbols=(CONVERT, SETUP_KERNEL),
     process="worker",
     does="identity re-layout for MoE layers whose experts the loader filled in kernel layout",
@@ -107,6 +105,5 @@ WRAPPER = compat.Wrapper(
     read_in_diff="the FlashInfer CUTLASS MXFP4 x MXFP8 branch of the conversion must be unchanged, and "
                  "`_setup_kernel` must still look the conversion function up by its module-level name at call "
                  "time (the wrapper replaces that name)",
-    hashes=HASHES,
     install=install,
 )

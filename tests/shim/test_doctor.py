@@ -6,6 +6,8 @@ import re
 
 import pytest
 
+from lucifer_shard.spec import runtimes
+
 
 # The git commit each wheel was built from (its vllm/_version.py)
 WHEEL_COMMITS = {"0.33.0": "4ba787ec9", "0.34.0": "62d4bc3c7"}
@@ -86,14 +88,13 @@ def test_doctor_checks_sm90_kernel_layout_against_the_installed_flashinfers_gene
 @pytest.fixture
 def unvetted(monkeypatch, shim):
     """This vLLM as an unvetted release: no vetted build has its create_engine_config."""
-    import dataclasses
+    from lucifer_shard.runtime_shim import compat, wrappers
 
-    from lucifer_shard.runtime_shim import compat, patches, wrappers
-
-    w = wrappers.WRAPPERS[compat.STOCK_CONFIG]
-    other = {commit: {key: "sha256:" + "0" * 64 for key in hashes} for commit, hashes in w.hashes.items()}
-    monkeypatch.setitem(wrappers.WRAPPERS, compat.STOCK_CONFIG, dataclasses.replace(w, hashes=other))
-    monkeypatch.setattr(patches, "VERDICTS", {})
+    keys = {s.key for s in wrappers.WRAPPERS[runtimes.STOCK_CONFIG].symbols}
+    other = {commit: {key: "sha256:" + "0" * 64 if key in keys else h for key, h in hashes.items()}
+             for commit, hashes in wrappers.HASHES.items()}
+    monkeypatch.setattr(wrappers, "HASHES", other)
+    monkeypatch.setattr(compat, "VERDICTS", {})
 
 
 def test_unvetted_vllm_fails_in_one_line_naming_the_function_the_pin_and_the_vet_command(unvetted):
@@ -101,18 +102,18 @@ def test_unvetted_vllm_fails_in_one_line_naming_the_function_the_pin_and_the_vet
     doctor fails without OUT (lucifer_tp3 is there for TP3), saying in one line which function's hash did
     not match, the newest vetted release to install and the command that vets this one."""
     import shim_fixtures as sf
-    from lucifer_shard.runtime_shim import compat, patches
+    from lucifer_shard.runtime_shim import compat
     from lucifer_shard.runtime_shim.doctor import FAIL, STOCK, doctor_report
 
     checks = _by_name(doctor_report())
     vt = checks["virtual TP"]
     assert vt.status == FAIL and "\n" not in str(vt), vt
     assert "source hash of vllm.engine.arg_utils.EngineArgs.create_engine_config sha256:" in vt.detail
-    vetted = ", ".join(b.commit for b in compat.SUPPORTED_BUILDS if compat.STOCK_CONFIG in b.wrappers)
+    vetted = ", ".join(b.commit for b in runtimes.SUPPORTED_BUILDS if runtimes.STOCK_CONFIG in b.wrappers)
     assert f"matches no build vetted for it ({vetted})" in vt.detail
     assert vt.fix.startswith(f"pip install vllm=={STOCK.commit}") and ": the newest vetted release; or vet vLLM " in vt.fix
     assert f"python tools/vet.py {sf.vllm_version()} " in vt.fix
-    assert not patches.installed(compat.STOCK_CONFIG)
+    assert not compat.installed(runtimes.STOCK_CONFIG)
     assert all(x.status != FAIL for x in checks.values() if x.name != "virtual TP")
 
 
@@ -196,7 +197,7 @@ def test_serve_checks_what_needs_vllm_inside_vllm(out_kernel, out_model, shim, m
 
     from lucifer_shard import runtime_shim
     from lucifer_shard.cli import cli
-    from lucifer_shard.runtime_shim import doctor, serve
+    from lucifer_shard.runtime_shim import compat, doctor, serve
     from lucifer_shard.runtime_shim.settings import SERVE_ENV
 
     execs = []
@@ -210,10 +211,10 @@ def test_serve_checks_what_needs_vllm_inside_vllm(out_kernel, out_model, shim, m
     assert os.path.basename(argv[0]) == "vllm" and argv[1:3] == ["serve", str(out_kernel)] and SERVE_ENV in env
     assert [str(c) for c in doctor.in_vllm_failures(out_model, False)] == []
     assert [str(c) for c in doctor.in_vllm_failures(out_kernel, False)] == []  # the release's re-layout is vetted
-    from lucifer_shard.runtime_shim import compat, patches
+    from lucifer_shard.runtime_shim import compat
 
-    monkeypatch.setitem(patches.VERDICTS, compat.RELAYOUT,  # as on a vLLM whose re-layout is not vetted
-                        compat.WrapperVerdict(compat.RELAYOUT, False, None, (), "a stand-in reason"))
+    monkeypatch.setitem(compat.VERDICTS, runtimes.RELAYOUT,  # as on a vLLM whose re-layout is not vetted
+                        compat.WrapperVerdict(runtimes.RELAYOUT, False, None, (), "a stand-in reason"))
     failed = doctor.in_vllm_failures(out_kernel, False)
     assert [c.name for c in failed] == ["output kernel-layout experts"]
     monkeypatch.setenv(SERVE_ENV, env[SERVE_ENV])  # as vLLM's process inherits it
@@ -343,16 +344,16 @@ def test_an_output_for_any_arch_serves_with_this_gpus_backends(out_model, tmp_pa
     from click.testing import CliRunner
 
     from lucifer_shard.cli import cli
-    from lucifer_shard.runtime_shim import patches, stock_vtp
+    from lucifer_shard.runtime_shim import lucifer_tuple
     from lucifer_shard.runtime_shim.doctor import FAIL, INFO, doctor_report
     from lucifer_shard.runtime_shim.serve import backends_remark
     from lucifer_shard.runtime_shim.manifest import load_manifest
 
-    from lucifer_shard.runtime_shim import doctor
+    from lucifer_shard.runtime_shim import doctor, lucifer_tuple
 
     out = _any_arch(out_model, tmp_path)
     assert load_manifest(out).arch is None
-    monkeypatch.setattr(patches, "device_arch", lambda: (arch, cap))
+    monkeypatch.setattr(lucifer_tuple, "device_arch", lambda: (arch, cap))
     monkeypatch.setattr(doctor, "local_arch", lambda: arch)  # serve reads the GPU with nvidia-smi
     c = _by_name(doctor_report(out))
     assert "arch any (converted without --arch)" in c["output"].detail
@@ -364,11 +365,11 @@ def test_an_output_for_any_arch_serves_with_this_gpus_backends(out_model, tmp_pa
         assert "output arch" not in c and "--attention-backend" not in line
         assert r.stdout.strip().splitlines()[-2] == backends_remark()
     else:
-        attn, moe = stock_vtp.STOCK_BACKENDS[arch]
+        attn, moe = runtimes.STOCK_BACKENDS[arch]
         assert c["output arch"].status == INFO and f"--attention-backend {attn} --moe-backend {moe}" in c["output arch"].detail
         assert line.endswith(f"--load-format lucifer_tp3 --attention-backend {attn} --moe-backend {moe}")
     # the fork's tuple check: no "files were laid out for" an arch the manifest does not name
-    assert not [p for p in patches.tuple_problems(_engine_like(out), load_manifest(out)) if "GPU capability" in p]
+    assert not [p for p in lucifer_tuple.tuple_problems(_engine_like(out), load_manifest(out)) if "GPU capability" in p]
 
 
 def _engine_like(out):
@@ -386,10 +387,10 @@ def _engine_like(out):
 
 
 def test_a_gpu_of_no_supported_family_is_told_unsupported(shim, monkeypatch):
-    from lucifer_shard.runtime_shim import patches
+    from lucifer_shard.runtime_shim import lucifer_tuple
     from lucifer_shard.runtime_shim.doctor import FAIL, doctor_report
 
-    monkeypatch.setattr(patches, "device_arch", lambda: (None, "8.0"))
+    monkeypatch.setattr(lucifer_tuple, "device_arch", lambda: (None, "8.0"))
     gpu = _by_name(doctor_report())["GPU"]
     assert gpu.status == FAIL and "capability 8.0: unsupported" in gpu.detail and "H100" in gpu.detail
     assert "serving host" not in str(gpu)

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lucifer_shard.spec import runtimes
+
 import shim_fixtures as sf
 
 HERE = Path(__file__).resolve().parent
@@ -242,9 +244,9 @@ def test_refuses_plan_mismatch(out_kernel, tp_world):
 
 
 def test_refuses_wrong_arch_for_kernel_layout(out_kernel, tp_world, monkeypatch):
-    from lucifer_shard.runtime_shim import patches
+    from lucifer_shard.runtime_shim import lucifer_tuple
 
-    monkeypatch.setattr(patches, "device_arch", lambda: ("sm90", "9.0"))
+    monkeypatch.setattr(lucifer_tuple, "device_arch", lambda: ("sm90", "9.0"))
     with pytest.raises(ValueError) as e:
         _loader().load_weights(sf.build_model(sf.manifest(out_kernel), "target"), sf.model_config(out_kernel))
     _refusal(e, "GPU capability 9.0 but files were laid out for sm120", "--arch sm90")
@@ -255,9 +257,9 @@ def test_refuses_wrong_backend_for_tagged_layer(out_kernel, tp_world, monkeypatc
 
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
 
-    from lucifer_shard.runtime_shim import compat, patches
+    from lucifer_shard.runtime_shim import compat
 
-    monkeypatch.setitem(patches.VERDICTS, compat.RELAYOUT, compat.WrapperVerdict(compat.RELAYOUT, True, None, (), ""))
+    monkeypatch.setitem(compat.VERDICTS, runtimes.RELAYOUT, compat.WrapperVerdict(runtimes.RELAYOUT, True, None, (), ""))
     model = sf.build_model(sf.manifest(out_kernel), "target")
     experts = model.get_submodule("model.layers.2.ffn.experts.routed_experts")
     experts.quant_method = SimpleNamespace(mxfp4_backend=Mxfp4MoeBackend.B12X_MXFP4_MXFP8
@@ -273,10 +275,10 @@ def test_refuses_kernel_layout_without_relayout_wrapper(out_kernel, tp_world, mo
     kernel bytes."""
     from types import SimpleNamespace
 
-    from lucifer_shard.runtime_shim import compat, patches
+    from lucifer_shard.runtime_shim import compat
 
-    monkeypatch.setitem(patches.VERDICTS, compat.RELAYOUT,
-                        compat.WrapperVerdict(compat.RELAYOUT, False, None, (), "matches no build vetted for it"))
+    monkeypatch.setitem(compat.VERDICTS, runtimes.RELAYOUT,
+                        compat.WrapperVerdict(runtimes.RELAYOUT, False, None, (), "matches no build vetted for it"))
     model = sf.build_model(sf.manifest(out_kernel), "target")
     model.get_submodule("model.layers.0.ffn.experts.routed_experts").quant_method = SimpleNamespace(
         mxfp4_backend=SimpleNamespace(name="FLASHINFER_CUTLASS_MXFP4_MXFP8"))

@@ -1,6 +1,6 @@
 """`vet` (tools/vet.py), the one command that vets a stock vLLM release: on the real wheels of the vetted
-releases it reproduces their committed rows of `compat.SUPPORTED_BUILDS` and their wrappers' hashes, and
-shows what changed between them.
+releases it reproduces their committed rows of `spec/runtimes.SUPPORTED_BUILDS` and their entries in the data file
+of hashes byte for byte, and shows what changed between them.
 
 The wheels come from `pip download --no-deps`, which pip answers from its cache once the test venvs were
 built (make test-shim); without that cache and without network these tests skip, saying why."""
@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+
+from lucifer_shard.spec import runtimes
 
 from shim_fixtures import TOOLS, tool
 
@@ -27,14 +29,13 @@ def wheels(tmp_path_factory) -> dict:
 
 
 def _committed(version: str):
-    from lucifer_shard.runtime_shim import compat
 
-    return next(b for b in compat.SUPPORTED_BUILDS if b.commit == version)
+    return next(b for b in runtimes.SUPPORTED_BUILDS if b.commit == version)
 
 
 @pytest.mark.network
 @pytest.mark.parametrize("version", RELEASES)
-def test_vet_reproduces_the_committed_row(wheels, version):
+def test_vet_reproduces_the_committed_row(wheels, version, tmp_path):
     from lucifer_shard.runtime_shim import compat, wrappers
 
     vet = tool("vet")
@@ -42,12 +43,13 @@ def test_vet_reproduces_the_committed_row(wheels, version):
     assert against.commit == next(v for v in RELEASES if v != version)
     found = vet.candidate(version, wheels[version], against)
     assert found.build == _committed(version)
-    assert found.hashes == {w: wrappers.WRAPPERS[w].hashes[version] for w in against.wrappers}
+    assert found.hashes == wrappers.HASHES[version]
     text = vet.row_text(found.build)
-    assert eval(text.strip().removesuffix(","), {"Build": compat.Build}) == _committed(version)  # noqa: S307
-    for line, (w, hashes) in zip(vet.hashes_text(found), found.hashes.items(), strict=True):
-        assert line == f"{vet.wrapper_file(w)}: {version!r}: {hashes!r},"
-        assert (TOOLS.parent / vet.wrapper_file(w)).is_file()
+    assert eval(text.strip().removesuffix(","), {"Build": runtimes.Build}) == _committed(version)  # noqa: S307
+    data = tmp_path / "hashes.json"
+    data.write_bytes(compat.HASHES_FILE.read_bytes())
+    assert vet.write_hashes(found, data).endswith(f"the hashes of {version} unchanged (review: git diff hashes.json)")
+    assert data.read_bytes() == compat.HASHES_FILE.read_bytes()  # vet's rewrite of a vetted release: no byte moves
 
 
 @pytest.mark.network
@@ -70,17 +72,21 @@ def test_vet_shows_the_diff_of_each_changed_symbol(wheels):
 
 
 @pytest.mark.network
-def test_vet_command_prints_the_committed_row(wheels):
-    """The command itself, without the venv and the proofs (--hashes-only): vetting 0.33.0 again prints its row."""
+def test_vet_command_writes_the_committed_hashes_and_prints_the_committed_row(wheels, tmp_path):
+    """The command itself, without the venv and the proofs (--hashes-only): vetting 0.33.0 again leaves the data
+    file of hashes as committed, byte for byte (a release's review is `git diff` of it), and prints its row."""
     from lucifer_shard.runtime_shim import compat
 
-    r = subprocess.run([sys.executable, str(TOOLS / "vet.py"), "0.33.0", "--hashes-only",
+    data = tmp_path / "hashes.json"
+    data.write_bytes(compat.HASHES_FILE.read_bytes())
+    r = subprocess.run([sys.executable, str(TOOLS / "vet.py"), "0.33.0", "--hashes-only", "--hashes-file", str(data),
                         "--wheels", str(wheels["0.33.0"].parent)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "compared with the last vetted release vllm-0.34.0-" in r.stdout
+    assert f"{data}: the hashes of 0.33.0 unchanged" in r.stdout
+    assert data.read_bytes() == compat.HASHES_FILE.read_bytes()
     row = r.stdout[r.stdout.index("    Build(\n"):].strip().removesuffix(",")
-    assert eval(row[:row.index("\nhashes for each wrapper's file:")].strip().removesuffix(","),  # noqa: S307
-                {"Build": compat.Build}) == _committed("0.33.0")
+    assert eval(row, {"Build": runtimes.Build}) == _committed("0.33.0")  # noqa: S307
 
 
 def test_the_stock_proofs_are_the_makefiles():
@@ -96,7 +102,7 @@ def test_the_stock_proofs_are_the_makefiles():
 def test_the_candidate_row_reaches_the_harness_intact(monkeypatch):
     """vet hands the candidate to the proofs through LUCIFER_VET_CANDIDATE; the harness adds its row to the
     vetted builds of its own process, equal to what vet computed, after the committed ones (the newest
-    vetted release stays the one doctor names), and its hashes to its wrappers' records."""
+    vetted release stays the one doctor names), and its hashes to the vetted hashes."""
     import dataclasses
 
     import shim_fixtures as sf
@@ -105,14 +111,14 @@ def test_the_candidate_row_reaches_the_harness_intact(monkeypatch):
     vet = tool("vet")
     row = dataclasses.replace(_committed("0.34.0"), commit="9.9.9", label="vLLM 9.9.9 (PyPI, CUDA 13 wheel)",
                               install="pip install vllm==9.9.9")
-    found = vet.Candidate(row, {w: wrappers.WRAPPERS[w].hashes["0.34.0"] for w in row.wrappers})
-    committed = compat.SUPPORTED_BUILDS
-    monkeypatch.setattr(compat, "SUPPORTED_BUILDS", committed)
-    monkeypatch.setattr(wrappers, "WRAPPERS", dict(wrappers.WRAPPERS))
+    found = vet.Candidate(row, wrappers.HASHES["0.34.0"])
+    committed = runtimes.SUPPORTED_BUILDS
+    monkeypatch.setattr(runtimes, "SUPPORTED_BUILDS", committed)
+    monkeypatch.setattr(wrappers, "HASHES", wrappers.HASHES)
     monkeypatch.setenv(vet.CANDIDATE_ENV, vet.candidate_json(found))
     sf.allow_vet_candidate()
-    assert compat.SUPPORTED_BUILDS == (*committed, row)
-    assert all(wrappers.WRAPPERS[w].hashes["9.9.9"] == found.hashes[w] for w in row.wrappers)
+    assert runtimes.SUPPORTED_BUILDS == (*committed, row)
+    assert wrappers.HASHES["9.9.9"] == found.hashes and "9.9.9" not in compat.read_hashes()
     assert vet.stock_releases()[0] == row and vet.last_vetted("9.9.9").commit == "0.34.0"
 
 

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lucifer_shard.spec import runtimes
+
 import shim_fixtures as sf
 
 
@@ -52,9 +54,9 @@ def _refusal(e, *needles):
 
 @pytest.fixture
 def sm120(monkeypatch, shim):
-    from lucifer_shard.runtime_shim import patches
+    from lucifer_shard.runtime_shim import lucifer_tuple
 
-    monkeypatch.setattr(patches, "device_arch", lambda: ("sm120", "12.0"))
+    monkeypatch.setattr(lucifer_tuple, "device_arch", lambda: ("sm120", "12.0"))
 
 
 def test_policy_accepts_lucifer_tuple_and_plan_equals_manifest(out_kernel, sm120):
@@ -85,9 +87,9 @@ def test_policy_refuses_other_tuples_with_lucifer_load_format(out_kernel, sm120,
 
 
 def test_policy_refuses_wrong_gpu_arch(out_kernel, monkeypatch, shim):
-    from lucifer_shard.runtime_shim import patches
+    from lucifer_shard.runtime_shim import lucifer_tuple
 
-    monkeypatch.setattr(patches, "device_arch", lambda: ("sm90", "9.0"))
+    monkeypatch.setattr(lucifer_tuple, "device_arch", lambda: ("sm90", "9.0"))
     with pytest.raises(ValueError) as e:
         _policy([])(_vllm_config(out_kernel))
     _refusal(e, "GPU capability 9.0 (files were laid out for sm120")
@@ -111,14 +113,14 @@ def test_policy_passes_everything_else_to_the_original(out_kernel, shim):
 
 
 def _tagged_layer(variant="FLASHINFER_CUTLASS_MXFP4_MXFP8"):
-    from lucifer_shard.runtime_shim import patches
+    from lucifer_shard.runtime_shim.wrappers import relayout
 
     layer = torch.nn.Module()
     for n in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
         layer.register_parameter(n, torch.nn.Parameter(torch.zeros(2, 4, dtype=torch.uint8), requires_grad=False))
-    tag = patches.ExpertTag("model.layers.0.ffn.experts.routed_experts", variant, {})
+    tag = relayout.ExpertTag("model.layers.0.ffn.experts.routed_experts", variant, {})
     tag.data_ptrs = {n: getattr(layer, n).data_ptr() for n in ("w13_weight", "w2_weight")}
-    setattr(layer, patches.TAG_ATTR, tag)
+    setattr(layer, relayout.TAG_ATTR, tag)
     return layer, tag
 
 
@@ -136,7 +138,7 @@ def _fake_convert(mxfp4_backend, layer, w13_weight, w2_weight, w13_weight_scale,
 def test_relayout_is_identity_for_tagged_layers_and_refuses_wrong_backend(shim):
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
 
-    from lucifer_shard.runtime_shim import patches
+    from lucifer_shard.runtime_shim.wrappers import relayout
     from lucifer_shard.runtime_shim.wrappers import relayout
 
     wrapper = relayout.make_relayout_wrapper(_fake_convert)
@@ -149,7 +151,7 @@ def test_relayout_is_identity_for_tagged_layers_and_refuses_wrong_backend(shim):
     _refusal(e, "MoE backend resolved to FLASHINFER_CUTLASS_MXFP4_BF16 on layer model.layers.0.ffn.experts",
              "files require FLASHINFER_CUTLASS_MXFP4_MXFP8")
     plain, _ = _tagged_layer()
-    delattr(plain, patches.TAG_ATTR)  # untagged layers get the original re-layout
+    delattr(plain, relayout.TAG_ATTR)  # untagged layers get the original re-layout
     assert _call(wrapper, plain, Mxfp4MoeBackend.FLASHINFER_CUTLASS_MXFP4_MXFP8) == ("relaid-out",)
 
 
@@ -184,7 +186,7 @@ def apply_b12x_virtual_tp_padding_to_model_config(model_config, parallel_config)
 def _fake_fork(tmp_path, monkeypatch):
     import vllm.config
 
-    from lucifer_shard.runtime_shim import patches
+    from lucifer_shard.runtime_shim import compat
 
     path = tmp_path / "fake_virtual_tp.py"
     path.write_text(textwrap.dedent(FAKE_VTP))
@@ -193,39 +195,39 @@ def _fake_fork(tmp_path, monkeypatch):
     spec.loader.exec_module(mod)
     monkeypatch.setitem(sys.modules, "vllm.config.virtual_tp", mod)
     monkeypatch.setattr(vllm.config, "virtual_tp", mod, raising=False)
-    monkeypatch.setattr(patches, "VERDICTS", {})
+    monkeypatch.setattr(compat, "VERDICTS", {})
     return mod
 
 
 def test_policy_wrapper_installed_only_when_signature_and_hash_match(tmp_path, monkeypatch, shim):
     import dataclasses
 
-    from lucifer_shard.runtime_shim import compat, patches, wrappers
+    from lucifer_shard.runtime_shim import compat, wrappers
 
     mod = _fake_fork(tmp_path, monkeypatch)
     text = (tmp_path / "fake_virtual_tp.py").read_text()
-    policy = wrappers.WRAPPERS[compat.POLICY]
+    policy = wrappers.WRAPPERS[runtimes.POLICY]
     hashes = {s.key: compat.source_hash(compat.source_from_module_text(text, s.qualname)) for s in policy.symbols}
-    monkeypatch.setitem(wrappers.WRAPPERS, compat.POLICY, dataclasses.replace(
-        policy, hashes={"fake0001": hashes, "fake0002": {k: "sha256:" + "0" * 64 for k in hashes}}))
-    good = compat.Build("fake0001", "fake fork", True, "0.6.14", ())
-    bad = compat.Build("fake0002", "other fork", True, "0.6.14", ())
+    monkeypatch.setattr(wrappers, "HASHES", {**wrappers.HASHES, "fake0001": hashes,
+                                             "fake0002": {k: "sha256:" + "0" * 64 for k in hashes}})
+    good = runtimes.Build("fake0001", "fake fork", True, "0.6.14", ())
+    bad = runtimes.Build("fake0002", "other fork", True, "0.6.14", ())
     original = mod.maybe_apply_b12x_virtual_tp_padding
 
     wrappers.install(builds=(bad,))
-    assert not patches.installed(compat.POLICY)
-    assert "maybe_apply_b12x_virtual_tp_padding sha256:" in patches.why_not_installed(compat.POLICY)
-    assert "matches no build vetted for it (fake0002)" in patches.why_not_installed(compat.POLICY)
+    assert not compat.installed(runtimes.POLICY)
+    assert "maybe_apply_b12x_virtual_tp_padding sha256:" in compat.why_not_installed(runtimes.POLICY)
+    assert "matches no build vetted for it (fake0002)" in compat.why_not_installed(runtimes.POLICY)
     assert mod.maybe_apply_b12x_virtual_tp_padding is original
 
     wrappers.install(builds=(good,))
-    assert patches.installed(compat.POLICY) and patches.VERDICTS[compat.POLICY].build.commit == "fake0001"
+    assert compat.installed(runtimes.POLICY) and compat.VERDICTS[runtimes.POLICY].build.commit == "fake0001"
     wrapped = mod.maybe_apply_b12x_virtual_tp_padding
     assert wrapped is not original and wrapped.__lucifer_wrapped__ is original
     wrappers.install(builds=(good,))  # idempotent: hashes the original behind the wrapper, wraps once
     assert mod.maybe_apply_b12x_virtual_tp_padding is wrapped
-    assert not patches.installed(compat.RELAYOUT)  # this venv's re-layout is vetted by no build given
-    assert "matches no build vetted for it (fake0001)" in patches.why_not_installed(compat.RELAYOUT)
+    assert not compat.installed(runtimes.RELAYOUT)  # this venv's re-layout is vetted by no build given
+    assert "matches no build vetted for it (fake0001)" in compat.why_not_installed(runtimes.RELAYOUT)
 
     # the installed wrapper delegates non-Lucifer configs to the fork's function
     cfg = SimpleNamespace(model_config=None, calls=[])
@@ -234,7 +236,7 @@ def test_policy_wrapper_installed_only_when_signature_and_hash_match(tmp_path, m
 
 
 def test_policy_wrapper_refuses_changed_signature(tmp_path, monkeypatch, shim):
-    from lucifer_shard.runtime_shim import compat, patches, wrappers
+    from lucifer_shard.runtime_shim import compat, wrappers
 
     mod = _fake_fork(tmp_path, monkeypatch)
 
@@ -242,9 +244,9 @@ def test_policy_wrapper_refuses_changed_signature(tmp_path, monkeypatch, shim):
         pass
 
     monkeypatch.setattr(mod, "maybe_apply_b12x_virtual_tp_padding", maybe_apply_b12x_virtual_tp_padding)
-    wrappers.install(builds=compat.SUPPORTED_BUILDS)
-    assert not patches.installed(compat.POLICY)
-    assert "signature (vllm_config, strict) != expected (vllm_config)" in patches.why_not_installed(compat.POLICY)
+    wrappers.install(builds=runtimes.SUPPORTED_BUILDS)
+    assert not compat.installed(runtimes.POLICY)
+    assert "signature (vllm_config, strict) != expected (vllm_config)" in compat.why_not_installed(runtimes.POLICY)
 
 
 def test_relayout_wrapper_installed_only_where_its_hash_is_vetted(monkeypatch, shim):
@@ -254,19 +256,19 @@ def test_relayout_wrapper_installed_only_where_its_hash_is_vetted(monkeypatch, s
 
     import vllm.model_executor.layers.quantization.mxfp4 as q
 
-    from lucifer_shard.runtime_shim import compat, patches, wrappers
+    from lucifer_shard.runtime_shim import compat, wrappers
 
     release = sf.vllm_version()
-    assert patches.installed(compat.RELAYOUT) and patches.VERDICTS[compat.RELAYOUT].build.commit == release
+    assert compat.installed(runtimes.RELAYOUT) and compat.VERDICTS[runtimes.RELAYOUT].build.commit == release
     assert q.convert_weight_to_mxfp4_moe_kernel_format.__lucifer_wrapped__ is not None
     monkeypatch.setattr(q, "convert_weight_to_mxfp4_moe_kernel_format",
                         compat.unwrap(q.convert_weight_to_mxfp4_moe_kernel_format))
-    monkeypatch.setattr(patches, "VERDICTS", {})
-    unvetted = tuple(dataclasses.replace(b, wrappers=tuple(w for w in b.wrappers if w != compat.RELAYOUT))
-                     if b.commit == release else b for b in compat.SUPPORTED_BUILDS)
+    monkeypatch.setattr(compat, "VERDICTS", {})
+    unvetted = tuple(dataclasses.replace(b, wrappers=tuple(w for w in b.wrappers if w != runtimes.RELAYOUT))
+                     if b.commit == release else b for b in runtimes.SUPPORTED_BUILDS)
     wrappers.install(builds=unvetted)
-    assert not patches.installed(compat.RELAYOUT)
-    why = patches.why_not_installed(compat.RELAYOUT)
+    assert not compat.installed(runtimes.RELAYOUT)
+    why = compat.why_not_installed(runtimes.RELAYOUT)
     assert "convert_weight_to_mxfp4_moe_kernel_format sha256:" in why and "matches no build vetted for it" in why
     assert getattr(q.convert_weight_to_mxfp4_moe_kernel_format, "__lucifer_wrapped__", None) is None
 
@@ -275,10 +277,10 @@ def test_load_model_refuses_kernel_layout_on_vllm_without_relayout_wrapper(out_k
     from vllm.config import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
 
-    from lucifer_shard.runtime_shim import compat, patches
+    from lucifer_shard.runtime_shim import compat
 
-    monkeypatch.setitem(patches.VERDICTS, compat.RELAYOUT,
-                        compat.WrapperVerdict(compat.RELAYOUT, False, None, (), "a stand-in reason"))
+    monkeypatch.setitem(compat.VERDICTS, runtimes.RELAYOUT,
+                        compat.WrapperVerdict(runtimes.RELAYOUT, False, None, (), "a stand-in reason"))
     loader = get_model_loader(LoadConfig(load_format="lucifer_tp3"))
     vcfg = _vllm_config(out_kernel)
     vcfg.speculative_config = None

@@ -351,7 +351,7 @@ def moe_post_load(model: torch.nn.Module, loader) -> dict:
     post-load steps pack CPU kernels and do not touch the experts."""
     from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
-    from lucifer_shard.runtime_shim import patches
+    from lucifer_shard.runtime_shim.wrappers import relayout
 
     layers, prefix, qm = {}, None, None
     try:
@@ -362,7 +362,7 @@ def moe_post_load(model: torch.nn.Module, loader) -> dict:
             names = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
             before = {n: getattr(module, n).data_ptr() for n in names}
             qm.process_weights_after_loading(module)
-            tag = getattr(module, patches.TAG_ATTR, None)
+            tag = getattr(module, relayout.TAG_ATTR, None)
             layers[prefix] = {"backend": qm.mxfp4_backend.name, "relayout_calls": tag and tag.relayout_calls,
                               "storage_kept": {n: getattr(module, n).data_ptr() == before[n] for n in names},
                               "shapes": {n: list(getattr(module, n).shape) for n in names},

@@ -1,61 +1,22 @@
-"""What the shim's wrappers (runtime_shim/wrappers/) and its loader share: the Lucifer tuple and how a
-vLLM config differs from it, the tag the loader leaves on experts it filled in kernel layout, and the
-verdicts of the last `wrappers.install()` in this process (which wrappers are in place, and why not).
+"""The Lucifer tuple against a vLLM config: how the model, the backends, the parallel layout and the GPU differ
+from what the rank files need, read off the objects vLLM passes in (the fork's policy wrapper, stock virtual TP
+and the loader ask). Imports vLLM only inside `device_arch`.
 """
 from __future__ import annotations
 
-import importlib
-import logging
 import os
-from dataclasses import dataclass, field
 
 from lucifer_shard.errors import SourceError
-from lucifer_shard.spec.config import ModelConfig, parse_config
-from lucifer_shard.spec.manifest import RUNTIME
 from lucifer_shard.spec.arches import arch_of_capability
+from lucifer_shard.spec.config import ModelConfig, parse_config
+from lucifer_shard.spec.runtimes import ATTENTION_BACKEND, MOE_BACKEND
 
-from . import compat, settings, stock_vtp
+from . import settings
 from .configview import backend_name, model_problems, text_config
-from .manifest import Manifest, compare_plan, virtual_tp_needed
+from .manifest import Manifest, virtual_tp_needed
 
-logger = logging.getLogger("lucifer_shard.runtime_shim")
-
-LOAD_FORMAT = RUNTIME["load_format"]
-ATTENTION_BACKEND = RUNTIME["attention_backend"]
-MOE_BACKEND = RUNTIME["moe_backend"]
 # hf config keys the fork's virtual TP overwrites with the padded size, keeping `original_<key>`
 VTP_PADDED_KEYS = ("num_attention_heads", "o_groups", "moe_intermediate_size")
-TAG_ATTR = "_lucifer_tp3_tag"
-
-# wrapper name -> WrapperVerdict of the last install attempt in this process
-VERDICTS: dict[str, compat.WrapperVerdict] = {}
-
-
-@dataclass
-class ExpertTag:
-    """Marks a RoutedExperts module whose four expert tensors were loaded in kernel layout."""
-
-    prefix: str
-    moe_variant: str
-    layout: dict[str, str]
-    data_ptrs: dict[str, int] = field(default_factory=dict)
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the files' (kernel) shapes
-    relayout_calls: int = 0
-
-
-def installed(wrapper: str) -> bool:
-    v = VERDICTS.get(wrapper)
-    return bool(v and v.ok)
-
-
-def why_not_installed(wrapper: str) -> str:
-    v = VERDICTS.get(wrapper)
-    if v is None:
-        return "the shim's register() has not run in this process (plugin not loaded?)"
-    return v.reason
-
-
-# ------------------------------------------------------------------------- the Lucifer tuple
 
 
 def device_arch() -> tuple[str | None, str]:
@@ -148,35 +109,6 @@ def is_lucifer_request(vllm_config) -> bool:
 def load_format(vllm_config) -> str:
     lc = getattr(vllm_config, "load_config", None)
     return str(getattr(lc, "load_format", "auto") or "auto").lower()
-
-
-def replace(symbol: compat.Symbol, make) -> None:
-    """Put `make(original)` where the symbol lives (a module function or a class attribute), once."""
-    owner = importlib.import_module(symbol.module)
-    *path, name = symbol.qualname.split(".")
-    for part in path:
-        owner = getattr(owner, part)
-    current = getattr(owner, name)
-    if getattr(current, "__lucifer_wrapped__", None) is not None:
-        return
-    setattr(owner, name, make(current))
-
-
-def plan_difference(model_config, manifest) -> str | None:
-    """How the live model config's virtual-TP geometry differs from the manifest's plan (None: equal):
-    the fork's `vllm_virtual_tp_plan`, or on stock vLLM the padding the plugin applied."""
-    fork_plan = runtime_plan(model_config)
-    if fork_plan is None and (stock_vtp.applied(model_config) is not None or installed(compat.STOCK_CONFIG)):
-        return stock_vtp.geometry_problem(model_config, manifest)
-    return compare_plan(fork_plan, manifest.plan)
-
-
-def virtual_tp_missing() -> str | None:
-    """Why this vLLM gets no virtual TP, neither the fork's (policy wrapper) nor the plugin's (the stock
-    wrappers); None when it has one."""
-    if installed(compat.POLICY) or all(installed(w) for w in compat.STOCK_WRAPPERS):
-        return None
-    return next(why_not_installed(w) for w in compat.STOCK_WRAPPERS if not installed(w))
 
 
 def b12x_moe_env() -> str | None:
