@@ -8,15 +8,17 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lucifer_shard.errors import SourceError
 from lucifer_shard.spec.config import ModelConfig, parse_config
 from lucifer_shard.spec.manifest import RUNTIME
+from lucifer_shard.spec.manifest_types import Manifest
 from lucifer_shard.spec.arches import arch_of_capability
 
 from . import compat, settings, stock_vtp
 from .configview import backend_name, model_problems, text_config
-from .manifest import Manifest, compare_plan, virtual_tp_needed
+from .manifest import compare_plan, virtual_tp_needed
 
 logger = logging.getLogger("lucifer_shard.runtime_shim")
 
@@ -162,12 +164,12 @@ def replace(symbol: compat.Symbol, make) -> None:
     setattr(owner, name, make(current))
 
 
-def plan_difference(model_config, manifest) -> str | None:
+def plan_difference(model_config, out: Path, manifest: Manifest) -> str | None:
     """How the live model config's virtual-TP geometry differs from the manifest's plan (None: equal):
     the fork's `vllm_virtual_tp_plan`, or on stock vLLM the padding the plugin applied."""
     fork_plan = runtime_plan(model_config)
     if fork_plan is None and (stock_vtp.applied(model_config) is not None or installed(compat.STOCK_CONFIG)):
-        return stock_vtp.geometry_problem(model_config, manifest)
+        return stock_vtp.geometry_problem(model_config, out, manifest)
     return compare_plan(fork_plan, manifest.plan)
 
 
