@@ -391,8 +391,8 @@ def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | 
                      damage=True)]
     variant = f" ({m.moe_variant})" if m.moe_variant else ""
     checks = [_out("output", OK, f"{out_dir}: {identity_line(m.conversion_id, m.source.content.digest)}, "
-                   f"tp {m.tp_size}, {serving_arch(m.arch, m.options.moe_backend)}, experts {m.expert_layout} layout{variant}, "
-                   f"roles {', '.join(roles(m))}")]
+                   f"tp {m.tp_size}, {serving_arch(m.arch, m.options.moe_backend)}, experts {m.expert_layout} "
+                   f"layout{variant}, roles {', '.join(roles(m))}")]
     checks.extend(share_checks(Path(out_dir), m, node_ranks))  # the copies vLLM reads were checked by load_manifest
     checks.append(rank_files_check(Path(out_dir), m, node_ranks))
     checks.extend(_draft_checks(m, build, mtp))
@@ -461,26 +461,27 @@ def _route_checks(m, arch: str | None, cap: str) -> list[Check]:
     """OUT's MoE route (`Options.moe_backend`, spec/plan.MOE_ROUTES) on this host: its GPU families, and its
     backend's package as vLLM imports it (b12x: `vllm.utils.b12x` finds a top-level `b12x`, which FlashInfer
     0.7.x installs as an alias of its embedded copy, shadowing a standalone `b12x` from `vllm[b12x]`)."""
-    if m.options.moe_backend is None:
+    name = m.options.moe_backend
+    if name is None:
         return []
     from lucifer_shard.spec.plan import MOE_ROUTES
 
-    route = MOE_ROUTES[m.options.moe_backend]
+    route = MOE_ROUTES[name]
     width = m.plan.axes["routed"].kernel_local
-    what = f"routed experts {width} wide per rank for vLLM's {m.options.moe_backend} MoE"
+    what = f"routed experts {width} wide per rank for vLLM's {name} MoE"
     checks = []
     if arch is not None and arch not in route.arches:
         checks.append(_out("output MoE route", FAIL, f"{what}, which runs on {'/'.join(route.arches)} only; this GPU "
-                           f"is {cap} ({arch})", f"re-convert without --moe-backend {m.options.moe_backend}"))
+                           f"is {cap} ({arch})", f"re-convert without --moe-backend {name}"))
     try:
-        module = importlib.import_module(f"{m.options.moe_backend}.moe.fused_moe")
+        module = importlib.import_module(f"{name}.moe.fused_moe")
     except Exception as e:  # noqa: BLE001 - any import failure is the answer
         return checks + [_out("output MoE route", FAIL, f"{what}, whose package does not import here "
-                              f"({type(e).__name__}: {e})", _extra_install(m.options.moe_backend))]
+                              f"({type(e).__name__}: {e})", _extra_install(name))]
     where = str(Path(module.__file__).parent)
     source = ("FlashInfer's embedded copy (its top-level alias package shadows a standalone one)"
-              if "flashinfer" in where else f"{m.options.moe_backend} {dist_version(m.options.moe_backend) or '(no version)'}")
-    return checks or [_out("output MoE route", OK, f"{what}: {m.options.moe_backend} imports from {where}, {source}")]
+              if "flashinfer" in where else f"{name} {dist_version(name) or '(no version)'}")
+    return checks or [_out("output MoE route", OK, f"{what}: {name} imports from {where}, {source}")]
 
 
 def _extra_install(extra: str) -> str:

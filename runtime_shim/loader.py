@@ -109,10 +109,10 @@ class LuciferTP3Loader(BaseModelLoader):
         rank = ps.get_tensor_model_parallel_rank()
         doc = _manifest_everywhere(out, rank, check_digest=verify != "none")
         arch, cap = patches.device_arch()
+        sizes = {k: _group_size(ps, g) for g, k in PARALLEL_GROUPS.items()}
         engine = loadplan.Engine(
-            ps.get_tensor_model_parallel_world_size(), rank, {k: _group_size(ps, g) for g, k in PARALLEL_GROUPS.items()},
-            verify, self.options["role"], self._role_hint, _relayout_missing(), arch, cap,
-            patches.plan_difference(model_config, out, doc))
+            ps.get_tensor_model_parallel_world_size(), rank, sizes, verify, self.options["role"], self._role_hint,
+            _relayout_missing(), arch, cap, patches.plan_difference(model_config, out, doc))
         plan = loadplan.plan_load(out, doc, engine, loadcopy.model_view(model, rank, engine.tp))
         targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
         with torch.no_grad():

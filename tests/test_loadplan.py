@@ -367,9 +367,9 @@ def test_refuses_a_header_tensor_of_another_shape(out_kernel):
 
 def test_refuses_missing_and_unexpected_keys(out_kernel):
     doc = load_manifest(out_kernel)
-    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, params={"model.layers.0.attn.new_thing":
-                                                                            Param((2,), "F32")}),
-            needles=("key missing: 1 parameter(s) of the target model are not in rank 0", "model.layers.0.attn.new_thing"))
+    new = {"model.layers.0.attn.new_thing": Param((2,), "F32")}
+    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, params=new),
+            needles=("key missing: 1 parameter(s) of the target model are not in rank 0", *new))
     refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, drop=("model.layers.1.attn.wq_b.weight",)),
             needles=("key unexpected: 1 tensor(s) of target rank 0 files", "model.layers.1.attn.wq_b.weight"))
     refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, "draft", drop=("model.embed_tokens.weight",),
@@ -456,8 +456,8 @@ def test_refuses_a_moe_module_without_relayout(out_kernel):
     doc = load_manifest(out_kernel)
     loadplan.plan_load(out_kernel, doc, engine(relayout_missing="no"), view(doc))  # no MoE module: nothing re-lays
     refused(loadplan.plan_load, out_kernel, doc, engine(relayout_missing="matches no build vetted for it"),
-            view(doc, moe=moe(doc)), needles=(f"{EXPERTS}: experts arrive in kernel layout", "re-layout wrapper is "
-                                              "not installed (matches no build vetted for it)", "--expert-layout model"))
+            view(doc, moe=moe(doc)), needles=(f"{EXPERTS}: experts arrive in kernel layout", "--expert-layout model",
+                                              "re-layout wrapper is not installed (matches no build vetted for it)"))
 
 
 def test_refuses_a_moe_module_of_another_backend(out_kernel):

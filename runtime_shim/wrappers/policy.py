@@ -8,6 +8,7 @@ mis-slices W2); everything else goes to the original unchanged.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 from .. import compat
 from ..errors import ShimError
