@@ -383,13 +383,17 @@ def test_refuses_another_dtype_unless_declared_view(out_kernel):
     name, t = next((n, t) for n, t in entry.tensors.items() if t.dtype == "BF16")
     refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, params={name: Param(t.shape, "F32")}),
             needles=(f"dtype mismatch: tensor {name} is BF16 in the files, param is F32", "no casting"))
-    name, t = next((n, t) for n, t in entry.tensors.items() if t.dtype == "U8")
+    name, t = next((n, t) for n, t in entry.tensors.items() if t.dtype == "U8" and t.view_as is None)
     e8m0 = {name: Param(t.shape, "F8_E8M0")}
-    if t.view_as == "F8_E8M0":  # the one reinterpretation, where the manifest declares it
-        loadplan.plan_load(out_kernel, doc, engine(), view(doc, params=e8m0))
-    undeclared = with_entry(doc, "target", 0, tensors={**entry.tensors, name: dataclasses.replace(t, view_as=None)})
-    refused(loadplan.plan_load, out_kernel, undeclared, engine(), view(doc, params=e8m0),
+    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, params=e8m0),
             needles=("dtype mismatch", name, "U8 in the files, param is F8_E8M0"))
+
+    def declared(as_: str):
+        return with_entry(doc, "target", 0, tensors={**entry.tensors, name: dataclasses.replace(t, view_as=as_)})
+
+    loadplan.plan_load(out_kernel, declared("F8_E8M0"), engine(), view(doc, params=e8m0))  # the one reinterpretation
+    refused(loadplan.plan_load, out_kernel, declared("BF16"), engine(), view(doc, params={name: Param(t.shape, "BF16")}),
+            needles=("dtype mismatch", name, "U8 in the files, param is BF16"))
 
 
 def test_refuses_a_sink_param_shorter_than_the_heads(out_kernel):
