@@ -84,7 +84,7 @@ demo: installed
 	@echo "demo output: $(DEMO)/out (source: $(DEMO)/model)"
 
 # Not part of `make test`: ~45 GB of scratch (BENCH_DIR) and about 10 minutes; writes
-# bench/results.{json,md}, the figures docs/performance.md quotes.
+# bench/results.{json,md}, the figures docs/evidence/performance.md quotes.
 BENCH_DIR ?= /tmp/lucifer-bench
 bench: installed
 	$(PY) bench/bench.py --dir $(BENCH_DIR) --reps 3 --json bench/results.json --md bench/results.md

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import drop_caches  # noqa: E402
+from measure import drop_caches  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

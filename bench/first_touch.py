@@ -20,7 +20,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "shim")]
-from bench import drop_caches  # noqa: E402
+from measure import drop_caches  # noqa: E402
 from vllm_cpu_model import read_once  # noqa: E402  (the load bench's floor; imports no vLLM)
 
 from lucifer_shard.runtime_shim import reader  # noqa: E402

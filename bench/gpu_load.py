@@ -12,7 +12,7 @@ Phases, each written to --json as soon as it ends (a cut call keeps what finishe
   loaders   safetensors (safe_open + get_tensor().to(device), vLLM's default iterator), the lucifer
             reader (runtime_shim/reader.py) with digests off and on (on a GPU also with the GPU's
             tensors hashed on the host, as before runtime_shim/device_blake3.py), and fastsafetensors,
-            instanttensor, runai-model-streamer when importable (else skipped, the reason printed);
+            instanttensor, runai-model-streamer, safetensors 0.9's `prefetch` (on a GPU) when importable (else skipped, the reason printed);
             per repetition all cold (page cache dropped before each run), then all warm (files read
             once before), the loaders' order rotated each repetition; every tensor compared byte for
             byte with a reference read once
@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import safetensors
 import torch
 from safetensors import safe_open
 
@@ -45,7 +46,8 @@ from lucifer_shard.spec.stheader import read_header
 FIXED_GB = 2.1
 LAYER_GB = 4.1
 TP = 3
-PEERS = ("fastsafetensors", "instanttensor", "runai-model-streamer")
+PREFETCH = "safetensors prefetch"
+PEERS = ("fastsafetensors", "instanttensor", "runai-model-streamer", PREFETCH)
 HOST_HASHED = "lucifer digests=on, host BLAKE3"
 
 
@@ -223,6 +225,21 @@ def load_runai(files: list[Path], device: torch.device) -> dict[str, torch.Tenso
         return {k: t.to(device) if device.type != "cpu" else t.clone() for k, t in s.get_tensors()}
 
 
+def load_prefetch(files: list[Path], device: torch.device) -> dict[str, torch.Tensor]:
+    """safetensors 0.9's background reader (a pre-release: benchmarked, never depended on): each file's tensors
+    whole (a rank file holds only its rank's rows, so no dim-0 slice is left to ask for), streamed by its
+    reader threads through one pinned pool into device memory, handed out as views of it."""
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as g:
+            loader = g.prefetch(device=device.index or 0)
+            try:
+                out.update(loader)
+            finally:
+                loader.close()  # tensors already handed out keep their memory
+    return out
+
+
 def loaders(args: argparse.Namespace) -> tuple[dict[str, Callable], dict[str, str]]:
     """The loaders to run, and the peers skipped with their reason."""
     chunk = args.chunk_mib << 20
@@ -234,6 +251,12 @@ def loaders(args: argparse.Namespace) -> tuple[dict[str, Callable], dict[str, st
     if torch.device(args.device).type == "cuda":  # the product hashes GPU tensors on the GPU; the host, before
         found[HOST_HASHED] = lucifer_loader(True, args.threads, args.slots, chunk, hash_on_device=False)
     skipped = {}
+    if not hasattr(safe_open, "prefetch"):
+        skipped[PREFETCH] = f"safetensors {safetensors.__version__} has no safe_open.prefetch (0.9.0rc1 has)"
+    elif torch.device(args.device).type != "cuda":
+        skipped[PREFETCH] = "prefetch loads to a CUDA device only"
+    else:
+        found[PREFETCH] = load_prefetch
     for name, module, fn in (("fastsafetensors", "fastsafetensors", load_fastsafetensors),
                              ("instanttensor", "instanttensor", load_instanttensor),
                              ("runai-model-streamer", "runai_model_streamer", load_runai)):
@@ -389,7 +412,7 @@ def write(path: Path, res: dict) -> None:
 
 def machine(device: torch.device) -> dict:
     info = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "kernel": platform.release(),
+            "torch": torch.__version__, "safetensors": safetensors.__version__, "kernel": platform.release(),
             "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)

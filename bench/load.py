@@ -21,8 +21,9 @@ timed apart), per rank /proc/self/io read_bytes and rchar, peak RSS during the l
 before it: file pages an mmap-based reader touches count) and CPU; a run during which others moved
 more than 10% of our bytes is repeated in a fresh world (at most twice).
 
-Two sides: `bench.py` (any Python, no torch) prepares the inputs, runs the worlds and reports
-(`load_section`, `summarize_load`); `python bench/load.py _world SPEC.json` is one world, run through
+Two sides: `bench.py` (any Python, no torch) prepares the inputs, runs the worlds and reports through
+this module (`load_section`, `summarize_load`; it imports this module, never the reverse, and both share
+`measure`); `python bench/load.py _world SPEC.json` is one world, run through
 tools/vllm-env.sh in its vLLM venv (the newest vetted release, LUCIFER_VLLM_VERSION picks another).
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from bench import (  # noqa: E402
+from measure import (  # noqa: E402
     DISTURBED, GiB, RETRIES, block_device, cpu_busy_seconds, disk_bytes, drop_caches, files_of, lucifer, rmtree,
     run, synth, tree_bytes, wait_quiet,
 )

@@ -24,7 +24,8 @@ from lucifer_shard.engine.job import stored_shape, tensor_layouts
 from lucifer_shard.spec.dtypes import TORCH_DTYPE
 from lucifer_shard.spec.manifest import Options
 from lucifer_shard.spec.plan import make_plan
-from lucifer_shard.spec.rules import DTYPE_SIZE, build_specs
+from lucifer_shard.spec.rules import DTYPE_SIZE
+from lucifer_shard.spec.tensorspecs import build_specs
 from lucifer_shard.spec.source import open_checkpoint
 
 

@@ -160,8 +160,8 @@ ENVIRONMENT_ERRNOS = {errno.EACCES: "check its permissions", errno.EPERM: "check
                       errno.EFBIG: "the file size limit (ulimit -f) is reached"}
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # What a command needs, stated when a limit stops it: its peak memory is bounded, whatever the model's size
-# (docs/performance.md measures convert at 0.5 GiB and checks it stays under 1.5 GiB); an address-space
-# limit also counts the libraries and thread stacks it maps (docs/reliability.md: each command ran in
+# (docs/evidence/performance.md measures convert at 0.5 GiB and checks it stays under 1.5 GiB); an address-space
+# limit also counts the libraries and thread stacks it maps (docs/evidence/reliability.md: each command ran in
 # 900 MiB on the tiny checkpoint, so 2 GiB leaves room for more threads).
 MEMORY_BOUND = "1.5 GiB"
 ADDRESS_SPACE = 2 << 30

@@ -86,7 +86,7 @@ AUDIT_IMAGE = {"tag": "ai01/vllm-v9-b12x-tp3:20260710-v4-init",
                "vllm": "v9 / 45c1582e9"}
 FORK_WRAPPERS = (POLICY, RELAYOUT)
 # How far lucifer_tp3 on each build is proven beyond `vet`'s CPU proofs (CPU_PROVEN: a stock release's classes
-# built on CPU take the rank files), as docs/serving-proof.md and docs/gpu-validation.md record the runs; the
+# built on CPU take the rank files), as docs/evidence/serving-proof.md and docs/evidence/gpu-validation.md record the runs; the
 # forks ran only as Python source on CPU, with a hand-built overlay (tests/shim/test_fork_model.py). doctor's
 # build table prints it.
 CPU_PROVEN = "CPU only: its classes take the rank files byte for byte; never run on a GPU"

@@ -39,7 +39,7 @@ class ShareIdentity:
     def of(cls, out: Path, m: Manifest, tp_rank: int) -> ShareIdentity:
         share = share_record(out, m)  # an invalid one: the loader's share check names it
         return cls(tp_rank, socket.gethostname(), str(out), m.conversion_id, m.source.content.digest,
-                   share.get("node_rank") if share else None)
+                   share.node_rank if share else None)
 
     @classmethod
     def unreadable(cls, tp_rank: int, out: str, problem: str) -> ShareIdentity:

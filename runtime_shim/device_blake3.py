@@ -2,7 +2,7 @@
 
 verify=full hashes every tensor. On the host that hash is one more pass over memory per byte, after the
 read out of the page cache, the copy into the pinned ring and the DMA's read of it: measured on the H200
-host it cost 18-25% of a warm load at every thread, slot, chunk and lane setting (docs/performance.md,
+host it cost 18-25% of a warm load at every thread, slot, chunk and lane setting (docs/evidence/performance.md,
 "verify=full's warm cost"). On the GPU the bytes already sit in the parameter, in memory ten times
 faster, and hashing them there checks what the model will use rather than a staging copy.
 

@@ -11,12 +11,12 @@ from lucifer_shard.errors import LuciferError
 from lucifer_shard.proof.report import REPAIR, Report
 from lucifer_shard.proof.structure import open_files
 from lucifer_shard.spec.manifest_types import Manifest
-from lucifer_shard.spec.share import describe, node_problem, read_share, share_repair
+from lucifer_shard.spec.share import ShareRecord, describe, node_problem, read_share, share_repair
 
 from .checks import FAIL, INFO, OK, Check, out_check
 
 
-def share_record(out: Path, m: Manifest) -> dict | None:
+def share_record(out: Path, m: Manifest) -> ShareRecord | None:
     """OUT's share record, None for a whole output or one that is not valid (share_checks says why)."""
     try:
         return read_share(out, m.conversion_id, m.tp_size)
@@ -33,15 +33,15 @@ def share_checks(out: Path, m: Manifest, node_ranks: list[int] | None) -> list[C
         return [out_check("output share", FAIL, str(e), share_repair(out))]
     if share is None:
         return []
-    lacking = [r for r in range(m.tp_size) if r not in share["ranks"]]
+    lacking = [r for r in range(m.tp_size) if r not in share.ranks]
     checks = [out_check("output share", INFO, f"a node's share: {describe(share)}; lacks rank(s) "
                         f"{', '.join(map(str, lacking)) or 'none'} (on other nodes)")]
     if node_ranks is None:
         return checks
     if lacking and len(node_ranks) == m.tp_size:  # one node running every rank: --nnodes left out
-        held = ", ".join(map(str, share["ranks"]))
-        how = (f"add --nnodes {share['nnodes']} --node-rank {share['node_rank']} --master-addr H (node 0's address)"
-               if share.get("nnodes") else "serve it as one node of several (--nnodes N --node-rank R --master-addr "
+        held = ", ".join(map(str, share.ranks))
+        how = (f"add --nnodes {share.nnodes} --node-rank {share.node_rank} --master-addr H (node 0's address)"
+               if share.nnodes else "serve it as one node of several (--nnodes N --node-rank R --master-addr "
                "H), staged for that node (lucifer-shard stage OUT DEST --nnodes N --node-rank R)")
         return checks + [out_check("output node ranks", FAIL, f"this share holds rank(s) {held} only: {how}")]
     problem = node_problem(out, m.conversion_id, node_ranks, m.tp_size)
@@ -56,7 +56,7 @@ def rank_files_check(out: Path, m: Manifest, node_ranks: list[int] | None) -> Ch
     environment), raised as every reader of OUT raises it."""
     share = share_record(out, m)
     ranks = [r for r in (range(m.tp_size) if node_ranks is None else node_ranks)
-             if share is None or r in share["ranks"]]
+             if share is None or r in share.ranks]
     report = Report("doctor")
     files = open_files(report, out, m, ranks)
     for rf in files.values():

@@ -18,7 +18,7 @@ into again before its copy finished. Pinned memory is bounded by `PINNED_BOUND_M
 With `digests=True` each tensor's BLAKE3 is computed where its bytes land. A GPU parameter is hashed
 on its GPU (`device_blake3`, Triton) once its last chunk's copy is done, on a stream of its own so the
 next tensors' copies go on meanwhile: on the host, that hash was a fourth pass over memory per byte and
-cost 18-25% of a warm load (docs/performance.md). The rest (CPU destinations, tensors of one KiB or
+cost 18-25% of a warm load (docs/evidence/performance.md). The rest (CPU destinations, tensors of one KiB or
 less, lengths not a whole number of words, no Triton) are hashed on the host: one hashing thread
 computes BLAKE3 over every chunk as it lands, in file order (so each tensor's chunks reach its hasher
 in byte order); blake3 releases the GIL and, with `max_threads=AUTO`, spreads one 16 MiB update over

@@ -78,6 +78,50 @@ def violations(packages: dict[str, Path]) -> list[str]:
     return found
 
 
+def import_style(packages: dict[str, Path]) -> list[str]:
+    """One line per import spelled against the rule: a module imports its own folder's modules relatively
+    and the other folder's absolutely. The converter (converter/, `lucifer_shard`) never names
+    `lucifer_shard`; the runtime shim (runtime_shim/, a folder of its own installed inside it) names the
+    converter only as `lucifer_shard.*`, so every crossing of the shim's boundary reads as one."""
+    found = []
+    shim = "lucifer_shard.runtime_shim"
+    for name, path in modules(packages).items():
+        in_shim = name == shim or name.startswith(shim + ".")
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*anchor, *([node.module] if node.module else [])])
+                if in_shim and not (target == shim or target.startswith(shim + ".")):
+                    found.append(f"{path.name}: imports {target} relatively (the converter: lucifer_shard.*)")
+                continue
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) else [])
+            for target in names:
+                if target.split(".")[0] != "lucifer_shard":
+                    continue
+                if not in_shim or target == shim or target.startswith(shim + "."):
+                    found.append(f"{path.name}: imports {target} absolutely (its own folder: relatively)")
+    return found
+
+
+def test_imports_are_relative_inside_a_folder_and_absolute_across():
+    assert import_style(PACKAGES) == []
+
+
+def test_the_import_style_check_finds_each_kind(tmp_path):
+    conv, shim = tmp_path / "converter", tmp_path / "runtime_shim"
+    (conv / "spec").mkdir(parents=True)
+    shim.mkdir()
+    (conv / "spec" / "a.py").write_text("from lucifer_shard.spec import b\n")
+    (shim / "x.py").write_text("from ..spec import rules\nfrom lucifer_shard.runtime_shim import y\n")
+    (shim / "ok.py").write_text("from . import y\nfrom lucifer_shard.spec import rules\n")
+    found = import_style({"lucifer_shard": conv, "lucifer_shard.runtime_shim": shim})
+    assert found == ["a.py: imports lucifer_shard.spec absolutely (its own folder: relatively)",
+                     "x.py: imports lucifer_shard.spec relatively (the converter: lucifer_shard.*)",
+                     "x.py: imports lucifer_shard.runtime_shim absolutely (its own folder: relatively)"], found
+
+
 def test_every_room_imports_only_what_it_may():
     assert violations(PACKAGES) == []
 

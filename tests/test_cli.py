@@ -18,9 +18,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from click.testing import CliRunner
 
-from helpers import CONFIGS
+from helpers import CONFIGS, cli_argv, run, run_process
 from lucifer_shard.cli import cli
 from lucifer_shard.cli.console import Console
 from lucifer_shard.units import size
@@ -34,10 +33,6 @@ def flash_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("flash")
     shutil.copy(CONFIGS / "deepseek-v4-flash.json", d / "config.json")
     return d
-
-
-def run(*args, **kw):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False, **kw)
 
 
 def envelope(r) -> dict:
@@ -85,7 +80,8 @@ def test_plan_prints_the_audit_table_and_the_footprint(flash_dir):
 
 
 def test_plan_json_carries_byte_counts(flash_dir, flash_cfg):
-    from lucifer_shard.spec.rules import DTYPE_SIZE, expected_sources
+    from lucifer_shard.spec.rules import DTYPE_SIZE
+    from lucifer_shard.spec.tensorspecs import expected_sources
 
     doc = envelope(run("plan", "--tp", 3, "--arch", "sm90", "--json", flash_dir))
     assert doc["ok"] and doc["command"] == "plan" and doc["error"] is None
@@ -293,10 +289,10 @@ def test_bad_config_is_one_line_also_in_json(tmp_path, edit, needle):
     cfg = json.loads((CONFIGS / "deepseek-v4-flash.json").read_text())
     cfg.update(edit)
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
-    r = CliRunner().invoke(cli, ["plan", "--tp", "3", "--arch", "sm120", str(tmp_path)])
+    r = run("plan", "--tp", "3", "--arch", "sm120", tmp_path)
     assert r.exit_code == 2 and needle in r.output
     assert r.output.startswith("error: ") and r.output.count("\n") == 1
-    r = CliRunner().invoke(cli, ["plan", "--tp", "3", "--arch", "sm120", "--json", str(tmp_path)])
+    r = run("plan", "--tp", "3", "--arch", "sm120", "--json", tmp_path)
     doc = envelope(r)
     assert r.exit_code == 2 and not doc["ok"] and doc["result"] is None
     assert doc["error"]["exit_code"] == 2 and doc["error"]["kind"] == "source" and needle in doc["error"]["message"]
@@ -343,10 +339,10 @@ def test_ctrl_c_message_per_command(command, converted, tiny_pattern, tmp_path, 
     monkeypatch.setattr(__import__(module, fromlist=[name]), name, interrupted)
     fill = {"model": tiny_pattern, "tmp": tmp_path, "out": converted()}
     argv = [command, *(a.format(**fill) for a in args)]
-    r = CliRunner().invoke(cli, argv)
+    r = run(*argv)
     message = message.format(**fill)
     assert r.exit_code == 130 and r.output.strip() == message, r.output
-    doc = envelope(CliRunner().invoke(cli, [*argv, "--json"]))
+    doc = envelope(run(*argv, "--json"))
     assert doc["error"] == {"kind": "interrupted", "message": message, "exit_code": 130}
 
 
@@ -393,7 +389,7 @@ def _on_a_terminal(args: list[str], env: dict) -> tuple[int, str]:
     """Run the CLI with stderr on a pseudo-terminal; (exit code, what the terminal showed)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # a terminal 100 columns wide
-    proc = subprocess.Popen([sys.executable, "-m", "lucifer_shard.cli", *args], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cli_argv(*args), stdout=subprocess.DEVNULL,
                             stderr=slave, env={**os.environ, **env})
     os.close(slave)
     shown = b""
@@ -421,9 +417,8 @@ def test_progress_bar_on_a_real_terminal_and_tqdm_disable(tmp_path):
 
 def _plan_subprocess(env: dict) -> subprocess.CompletedProcess:
     """huggingface_hub reads its environment at import: run in a fresh process."""
-    return subprocess.run([sys.executable, "-m", "lucifer_shard.cli", "plan", "--tp", "3", "--arch", "sm120",
-                           "deepseek-ai/DeepSeek-V4-Flash"], capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+    return run_process("plan", "--tp", "3", "--arch", "sm120", "deepseek-ai/DeepSeek-V4-Flash",
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
 
 
 def test_repo_id_offline_without_cache(tmp_path):
@@ -449,6 +444,6 @@ def test_conventions_before_the_command_are_the_commands(lead, converted):
     """Issue 43 finding 16: `lucifer-shard --json inspect OUT` was refused ("No such option"); the flags every
     command takes are taken before its name as after it."""
     out = converted()
-    before = CliRunner().invoke(cli, [*lead, "inspect", str(out)])
-    after = CliRunner().invoke(cli, ["inspect", str(out), *lead])
+    before = run(*lead, "inspect", out)
+    after = run("inspect", out, *lead)
     assert before.exit_code == after.exit_code == 0 and before.stdout == after.stdout, before.output

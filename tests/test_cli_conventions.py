@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from click.testing import CliRunner
 
 from lucifer_shard.cli import cli
 from lucifer_shard.cli.console import QUIET, SCHEMA_VERSION, exit_code_lines
 from lucifer_shard.errors import BROKEN_PIPE, ERROR_KINDS, exit_codes
 
-from helpers import scratch
+from helpers import one_error, run, scratch
 from vllmstandin import StandIn
 
 REPO = Path(__file__).resolve().parent.parent
@@ -147,10 +146,6 @@ def fill(argv, paths: dict[str, Path]) -> tuple[list[str], dict[str, str]]:
     return [a.format(**values) for a in argv], values
 
 
-def invoke(argv: list[str]):
-    return CliRunner().invoke(cli, argv)
-
-
 def strict(text: str) -> dict:
     """The one envelope on stdout, parsed as strict JSON (NaN, Infinity refused), of the known shape."""
     def refuse(constant):
@@ -162,29 +157,20 @@ def strict(text: str) -> dict:
     return doc
 
 
-def one_error_line(stderr: str) -> str:
-    """The failure's one `error:` line (and no click block); its message."""
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, stderr
-    assert not re.search(r"^(Usage:|Error:|Try ')", stderr, re.M), stderr
-    return errors[0][len("error: "):]
-
-
-def assert_fails(argv: list[str], kind: str, command: str) -> str:
+def assert_fails(argv: list[str], kind: str, command: str):
     """`argv` fails with `kind`: one error line and the kind's exit code; with --json (just after the
-    command name, and last) also the envelope, ok false, that kind and code. Returns the text run's stderr."""
+    command name, and last) also the envelope, ok false, that kind and code. Returns the text run."""
     code = ERROR_KINDS[kind][0]
-    r = invoke(argv)
-    assert r.exit_code == code, (argv, r.exit_code, r.stderr)
-    message = one_error_line(r.stderr)
+    r = run(*argv)
+    message = one_error(r, code).removeprefix("error: ")
     cut = argv.index("--") if "--" in argv else len(argv)
     for placed in ([argv[0], "--json", *argv[1:]], [*argv[:cut], "--json", *argv[cut:]]):
-        j = invoke(placed)
+        j = run(*placed)
         doc = strict(j.stdout)
         assert j.exit_code == code and not doc["ok"] and doc["command"] == command, (placed, j.stdout)
         assert doc["error"] == {"kind": kind, "message": message, "exit_code": code}, doc["error"]
-        assert one_error_line(j.stderr) == message
-    return r.stderr
+        assert one_error(j, code).removeprefix("error: ") == message
+    return r
 
 
 # ---------------------------------------------------------------- the table is every command
@@ -201,24 +187,24 @@ def test_the_table_is_every_command():
                                           if getattr(ROWS[c], k) is not None])
 def test_usage_errors_are_one_line_and_the_envelope(command, case, paths):
     argv, _ = fill(getattr(ROWS[command], case), paths)
-    stderr = assert_fails(argv, "usage", command)
+    stderr = assert_fails(argv, "usage", command).stderr
     assert stderr.rstrip("\n").endswith(f"; see lucifer-shard {command} --help"), stderr
-    assert invoke(argv).stdout == ""  # nothing but the envelope goes to stdout, and only with --json
+    assert run(*argv).stdout == ""  # nothing but the envelope goes to stdout, and only with --json
 
 
 def test_group_usage_errors_and_json_after_the_double_dash(paths):
     assert_fails(["no-such-command"], "usage", "no-such-command")
     # after `--` everything is serve's vLLM arguments: `--json` there is not serve's option
     argv, _ = fill(("serve", "--bogus", "--", "--json"), paths)
-    r = invoke(argv)
-    assert r.exit_code == 2 and r.stdout == "" and one_error_line(r.stderr)
+    r = run(*argv)
+    assert r.stdout == "" and one_error(r, 2)
 
 
 def test_help_and_version_are_clicks():
-    r = invoke(["--version"])
+    r = run("--version")
     assert r.exit_code == 0 and r.stdout.startswith("lucifer-shard, version ")
     for argv in (["--help"], ["plan", "--help"], ["serve", "-h"]):
-        r = invoke(argv)
+        r = run(*argv)
         assert r.exit_code == 0 and r.stdout.startswith("Usage: ") and r.stderr == ""
 
 
@@ -236,10 +222,10 @@ def test_bad_paths_have_their_kind_and_code(command, i, paths):
 def test_a_damaged_output_is_a_mismatch_for_every_check(command, paths):
     argv, values = fill(ROWS[command].good, paths)
     argv = [a.replace(values["out"], values["damaged"]) for a in argv]
-    stderr = assert_fails(argv, "mismatch", command)
+    stderr = assert_fails(argv, "mismatch", command).stderr
     assert "manifest_digest does not match" in stderr, stderr
     if command == "inspect":  # the summary first, then the one line
-        assert "manifest digest MISMATCH" in invoke(argv).stdout
+        assert "manifest digest MISMATCH" in run(*argv).stdout
 
 
 # ---------------------------------------------------------------- messages that name the next step
@@ -266,15 +252,16 @@ NEXT_STEP = (
 def test_messages_name_the_next_step_with_their_kind(i, paths):
     template, kind, message = NEXT_STEP[i]
     argv, values = fill(template, paths)
-    stderr = assert_fails(argv, kind, argv[0])
-    assert message.format(**values) in one_error_line(stderr), stderr
+    r = assert_fails(argv, kind, argv[0])
+    stderr = r.stderr
+    assert message.format(**values) in one_error(r, ERROR_KINDS[kind][0]), stderr
     if kind == "output":  # never a load-format check where OUT is no output at all
         assert "lucifer_tp3" not in stderr, stderr
 
 
 def test_convert_ends_with_the_next_steps(paths):
     argv, values = fill(ROWS["convert"].good, paths)
-    r = invoke(argv)
+    r = run(*argv)
     assert r.exit_code == 0, r.stderr
     out = values["new"]
     assert re.fullmatch(rf"next: lucifer-shard diff {re.escape(out)}; copy {re.escape(out)} \([\d.]+ MiB, without "
@@ -285,7 +272,7 @@ def test_convert_ends_with_the_next_steps(paths):
 def test_the_dry_run_without_vllm_prints_skipped_checks_not_failed_ones(paths):
     if HAS_VLLM:
         pytest.skip("vLLM is importable here: the environment is checked, nothing is skipped")
-    r = invoke(["serve", str(paths["out"]), "--dry-run"])
+    r = run("serve", str(paths["out"]), "--dry-run")
     assert r.exit_code == 0 and "[FAIL]" not in r.stdout and "[skip] vllm: " in r.stdout, r.stdout
     assert "will not work here" not in r.stdout and "environment check(s) skipped" in r.stdout
 
@@ -297,7 +284,7 @@ def test_the_dry_run_without_vllm_prints_skipped_checks_not_failed_ones(paths):
 def test_json_on_success_is_one_strict_envelope(command, paths):
     row = ROWS[command]
     argv, _ = fill(row.good, paths)
-    r = invoke([*argv, "--json"])
+    r = run(*argv, "--json")
     doc = strict(r.stdout)
     assert doc["command"] == command and doc["result"] is not None
     if row.good_fails:
@@ -316,7 +303,7 @@ def test_non_finite_numbers_are_null(converted, monkeypatch):
                                                                           float("inf"), float("-inf"), 5e-3, False)])
 
     monkeypatch.setattr(cn, "check_numerics", nan_report)
-    r = invoke(["check-numerics", "--json", str(converted())])
+    r = run("check-numerics", "--json", str(converted()))
     doc = strict(r.stdout)
     assert r.exit_code == 1 and doc["error"]["kind"] == "mismatch"
     assert doc["result"]["results"][0]["max_abs"] is None and doc["result"]["results"][0]["rel_fro"] is None
@@ -331,7 +318,7 @@ def test_quiet_is_the_capture_value_and_verbose_adds_lines(command, paths):
     runs, quiet_values = {}, {}
     for flags in ((), ("-q",), ("-v",), ("-vv",)):
         argv, quiet_values = fill(row.good, paths) if flags == ("-q",) else (fill(row.good, paths)[0], quiet_values)
-        runs[flags] = r = invoke([*argv, *flags])
+        runs[flags] = r = run(*argv, *flags)
         assert r.exit_code == (ERROR_KINDS[row.good_fails][0] if row.good_fails else 0), (flags, r.stderr)
     quiet = runs[("-q",)].stdout
     if row.captured is None:
@@ -350,7 +337,7 @@ def test_quiet_and_verbose_exclude_each_other(paths):
 
 def test_the_option_help_says_what_quiet_leaves():
     for name, (what, _) in QUIET.items():
-        text = " ".join(invoke([name, "--help"]).stdout.split())
+        text = " ".join(run(name, "--help").stdout.split())
         assert f"stdout holds {what}" in text, (name, text)
         assert "-vv: also per tensor" in text, name
 
@@ -420,7 +407,7 @@ def test_readme_quiet_table_is_consoles():
 
 
 def test_the_help_epilog_is_the_exit_code_table():
-    text = invoke(["--help"]).stdout
+    text = run("--help").stdout
     for line in exit_code_lines():
         assert line.strip() in text, line
     assert len(exit_code_lines()) == len(exit_codes())

@@ -8,26 +8,19 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from lucifer_shard.cli import cli
+from helpers import run, run_process
 from lucifer_shard.spec.manifest import STATE_DIR
 from lucifer_shard.spec.share import SHARE_NAME
 from lucifer_shard.spec.source import SHIPPED_CONFIGS, is_repo_id
 
 
-def run(*args, **kw):
-    return CliRunner().invoke(cli, [str(a) for a in args], **kw)
-
-
 def offline(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """huggingface_hub reads its environment at import: a fresh process, offline, with an empty cache."""
-    return subprocess.run([sys.executable, "-m", "lucifer_shard.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cwd / "hub")})
+    return run_process(*args, cwd=cwd, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cwd / "hub")})
 
 
 def copy_of(out: Path, dst: Path, keep_state: bool = False) -> Path:

@@ -8,12 +8,10 @@ import random
 import numpy as np
 import pytest
 from blake3 import blake3
-from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from helpers import Source
-from lucifer_shard.cli import cli
+from helpers import run, Source
 from lucifer_shard.spec.content import BLOCK, ContentDigests, TensorDigest, checkpoint_digest, shard_digests
 from lucifer_shard.spec.manifest import MANIFEST_NAME
 
@@ -81,15 +79,15 @@ def test_diff_without_model_and_against_another_checkpoint(converted, tiny_patte
     """`diff OUT` uses the recorded source; a checkpoint of the same headers but other bytes stops diff with
     one line naming the shard, or with --keep-going is reported and compared."""
     out = converted()
-    r = CliRunner().invoke(cli, ["diff", str(out)])
+    r = run("diff", out)
     assert r.exit_code == 0 and "(the source the manifest records)" in r.output, r.output
     assert "source content      blake3:" in r.output and "equal to the converted checkpoint's" in r.output
-    r = CliRunner().invoke(cli, ["diff", str(out), str(tiny_random)])
+    r = run("diff", out, tiny_random)
     assert r.exit_code == 1
     (line,) = r.output.splitlines()
     assert line.startswith("error: diff: model-0000") and "its content differs from the shard converted" in line
     assert f"MODEL is not the checkpoint {out} was converted from ({tiny_pattern})" in line
-    r = CliRunner().invoke(cli, ["diff", str(out), str(tiny_random), "--keep-going", "--json"])
+    r = run("diff", out, tiny_random, "--keep-going", "--json")
     doc = json.loads(r.stdout)
     assert r.exit_code == 1 and doc["result"]["fingerprint_ok"]
     content = doc["result"]["content"]
@@ -108,7 +106,7 @@ def test_diff_names_what_differs_in_the_fingerprint(converted, tiny_pattern, tmp
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     shard.unlink()
     save_file(tensors, str(shard), metadata={"format": "pt", "saved_by": "someone else"})
-    r = CliRunner().invoke(cli, ["diff", str(converted()), str(model)])
+    r = run("diff", converted(), model)
     assert r.exit_code == 1 and r.output.count("\n") == 1
     assert f"shard {shard.name} has " in r.output and "the converted one had" in r.output, r.output
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from helpers import Source, rank_tensors
+from helpers import Source, cli_argv, rank_tensors
 from lucifer_shard.spec.layouts import layout_by_name
 from lucifer_shard.spec.rules import DTYPE_SIZE
 
@@ -160,15 +159,11 @@ def test_conversion_is_byte_deterministic(tiny_pattern, tmp_path):
     assert _tree(a) == _tree(b)
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "lucifer_shard.cli", *args]
-
-
 def test_sigkill_then_resume_equals_clean_run(tiny_pattern, tmp_path, converted):
     """Kill convert mid-way: no final-named file is incomplete; --resume then matches a clean run."""
     out = tmp_path / "killed"
     args = ["convert", "--tp", "3", "--arch", "sm120", "--quiet", "--max-file-size", "1M", str(tiny_pattern), str(out)]
-    proc = subprocess.Popen(_cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cli_argv(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     journal = out / ".lucifer" / "journal.jsonl"
     deadline = time.time() + 60
     while time.time() < deadline and proc.poll() is None:
@@ -183,13 +178,13 @@ def test_sigkill_then_resume_equals_clean_run(tiny_pattern, tmp_path, converted)
         with safe_open(str(path), "pt") as f:
             for k in f.keys():
                 f.get_tensor(k)
-    again = subprocess.run(_cli(*args), capture_output=True, text=True)
+    again = subprocess.run(cli_argv(*args), capture_output=True, text=True)
     assert again.returncode == 2 and "--resume" in again.stderr
-    done = subprocess.run(_cli(*(a for a in args if a != "--quiet"), "--resume"), capture_output=True, text=True)
+    done = subprocess.run(cli_argv(*(a for a in args if a != "--quiet"), "--resume"), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "kept from an earlier run" in done.stdout and not done.stdout.count(" 0 kept")
     clean = tmp_path / "clean"
-    subprocess.run(_cli(*args[:-1], str(clean)), check=True, capture_output=True)
+    subprocess.run(cli_argv(*args[:-1], str(clean)), check=True, capture_output=True)
     assert _tree(out) == _tree(clean)
 
 

@@ -9,13 +9,12 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
+from helpers import cli_argv, run
 from lucifer_shard.cli import cli
 from lucifer_shard.engine import stwriter, writeloop
 from lucifer_shard.engine.convert import convert
@@ -27,10 +26,6 @@ MIB = 1 << 20
 LAYOUTS = {"model": ([], dict(arch=None, expert_layout="model", max_file_bytes=MIB)),
            "sm90": (["--arch", "sm90"], dict(arch="sm90", max_file_bytes=MIB))}
 NODE1 = ["--nnodes", "3", "--node-rank", "1"]
-
-
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def listing(root: Path) -> dict[str, bytes | None]:
@@ -112,8 +107,7 @@ def test_killed_part_way_then_resumed_is_the_same_share(converted, tiny_pattern,
     """SIGKILL between parts (as tests/test_reliability.py stops a conversion), then --resume."""
     want = staged(converted, tmp_path, "model", NODE1)
     out = tmp_path / "node1"
-    cmd = [sys.executable, "-m", "lucifer_shard.cli", "convert", "--tp", "3", "--max-file-size", "1M", "-q", *NODE1,
-           str(tiny_pattern), str(out)]
+    cmd = cli_argv("convert", "--tp", "3", "--max-file-size", "1M", "-q", *NODE1, tiny_pattern, out)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 60
     while time.time() < deadline and proc.poll() is None and _journal_lines(out) < 9:  # 3 parts, every rank's
@@ -189,7 +183,7 @@ def test_only_the_same_node_resumes_or_replaces_its_share(converted, tiny_patter
     (out / "lucifer-share.json").unlink()
     r = node_convert(tiny_pattern, out, "model", NODE1, "--resume")  # and repair it
     assert r.exit_code == 0 and "lucifer-share.json" in r.stdout and listing(out) == before, r.output
-    assert read_share(out)["ranks"] == [1]
+    assert read_share(out).ranks == (1,)
 
 
 def test_a_share_stage_made_is_never_converted_into(converted, tiny_pattern, tmp_path):
@@ -249,8 +243,8 @@ def test_the_room_convert_checks_is_the_nodes_and_within_plans(tiny_pattern, tmp
         left = sum(sizes_to_write(job, planned, set(), conversion_record(job)))
     finally:
         job.ckpt.close()
-    files = sum(e["bytes"] for rel, e in planned.items() if "/rank-1/" in rel)
+    files = sum(e.bytes for rel, e in planned.items() if "/rank-1/" in rel)
     doc = json.loads(run("plan", "--json", "--tp", 3, "--max-file-size", "1M", *NODE1, tiny_pattern,
                          tmp_path / "node1").stdout)["result"]["footprint"]
-    assert files < left <= doc["room"]["needed_bytes"] < sum(e["bytes"] for e in planned.values())
+    assert files < left <= doc["room"]["needed_bytes"] < sum(e.bytes for e in planned.values())
     assert doc["write_bytes"] == files

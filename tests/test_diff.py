@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lucifer_shard.cli import cli
+from helpers import run
 from lucifer_shard.errors import MismatchError
 from lucifer_shard.proof.diff import diff
 from lucifer_shard.proof.verify import verify
@@ -30,12 +30,6 @@ W2 = "model.layers.3.ffn.experts.routed_experts.w2_weight"
 W2S = "model.layers.3.ffn.experts.routed_experts.w2_weight_scale"
 W13S = "model.layers.3.ffn.experts.routed_experts.w13_weight_scale"
 PART = "target/rank-{}/part-00000.safetensors"
-
-
-def run_cli(*args: str):
-    from click.testing import CliRunner
-
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
 def copy_out(out: Path, tmp_path: Path) -> Path:
@@ -108,12 +102,12 @@ def test_diff_passes_without_mtp_and_accounts_for_dropped(converted, tiny_patter
 
 def test_cli_diff_ok_summary_and_json(converted, tiny_pattern):
     out = converted()
-    r = run_cli("diff", str(out), str(tiny_pattern))
+    r = run("diff", str(out), str(tiny_pattern))
     assert r.exit_code == 0, r.output
     assert "OK: every rank tensor" in r.output and "GiB/s source + rank bytes" in r.output
-    r = run_cli("diff", "--quiet", str(out), str(tiny_pattern))
+    r = run("diff", "--quiet", str(out), str(tiny_pattern))
     assert r.exit_code == 0 and r.output == ""  # -q: the exit code is the answer
-    r = run_cli("diff", "--quiet", "--json", str(out), str(tiny_pattern))
+    r = run("diff", "--quiet", "--json", str(out), str(tiny_pattern))
     doc = json.loads(r.stdout)
     assert doc["ok"] and doc["command"] == "diff" and doc["error"] is None
     assert doc["result"]["problem_count"] == 0 and doc["result"]["summary"]["rank_tensors"] == 3 * 173
@@ -148,10 +142,10 @@ def test_flipped_w2_byte_is_located_in_the_source(converted, tiny_pattern, tmp_p
     else:  # the nibble interleave spreads one stored byte over rows r and r+8 of the same partition
         rows = {p.detail["source_index"][0] for p in hits}
         assert rows <= {16, 17, 24, 25, 8, 9} and all(352 <= p.detail["source_index"][1] < 704 for p in hits)
-    r = run_cli("diff", str(out), str(tiny_pattern))
+    r = run("diff", str(out), str(tiny_pattern))
     assert r.exit_code == 1 and W2 in r.output and "error: diff:" in r.output
     assert "layers.3.ffn.experts.5.w2.weight[" in r.output and f"byte offset {offset}" in r.output or case != "sm120"
-    doc = json.loads(run_cli("diff", "--quiet", "--json", str(out), str(tiny_pattern)).stdout)
+    doc = json.loads(run("diff", "--quiet", "--json", str(out), str(tiny_pattern)).stdout)
     assert not doc["ok"] and doc["error"]["exit_code"] == 1 and doc["result"]["problems"][0]["tensor"] == W2
 
 
@@ -232,7 +226,7 @@ def test_manifest_edited_by_hand(converted, tiny_pattern, tmp_path):
     assert not report.ok
     assert any("manifest_digest" in p.message for p in report.problems)
     assert named(report, W2, 1, "manifest")
-    r = run_cli("diff", str(out), str(tiny_pattern))
+    r = run("diff", str(out), str(tiny_pattern))
     assert r.exit_code == 1 and W2 in r.output
 
 
@@ -242,7 +236,7 @@ def test_missing_rank_folder(converted, tiny_pattern, tmp_path):
     report = diff(out, str(tiny_pattern), progress=False)
     assert not report.ok
     assert any("rank folder target/rank-2 is missing" in p.message for p in report.problems)
-    r = run_cli("diff", "--quiet", str(out), str(tiny_pattern))
+    r = run("diff", "--quiet", str(out), str(tiny_pattern))
     assert r.exit_code == 1 and "target/rank-2" in r.output
 
 
@@ -281,7 +275,7 @@ def named_kind(report, kind: str):
 
 
 def test_not_an_output_is_trouble_exit_2(tiny_pattern, tmp_path):
-    r = run_cli("diff", "--quiet", str(tmp_path), str(tiny_pattern))
+    r = run("diff", "--quiet", str(tmp_path), str(tiny_pattern))
     assert r.exit_code == 2 and "lucifer-manifest.json: missing" in r.output
 
 
@@ -336,7 +330,7 @@ def test_stock_vllm_slicing_is_rejected(converted, tiny_pattern, tmp_path):
     first = next(p for p in report.problems if p.kind == "data" and p.rank == 1 and p.tensor.endswith("w2_weight"))
     assert first.detail["source"].endswith("w2.weight") and first.detail["source_index"][1] >= 352
     assert first.detail["tensor_index"][2] + 352 == first.detail["source_index"][1]
-    r = run_cli("diff", "--quiet", str(out), str(tiny_pattern))
+    r = run("diff", "--quiet", str(out), str(tiny_pattern))
     assert r.exit_code == 1 and "bytes, the manifest records" in r.output.split("error:")[1]  # the sizes come first
 
 

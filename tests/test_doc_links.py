@@ -2,9 +2,12 @@
 heading of its page, as GitHub renders them (issue 43: two README links named a heading that was gone).
 Every `.md` file a docstring, comment or page names is one the checkout has, and a `§N.M` after it a
 heading of that page (issue 44: docstrings cited design documents outside the repository).
-docs/architecture.md names every module of the package."""
+docs/architecture.md names every module of the package. Every backticked code name of the guide (the README and
+docs/ but docs/evidence/) is one the code has (issue 54), and every evidence page says when and at which commits
+it was recorded."""
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -65,8 +68,9 @@ SOURCES = [p for d in ("converter", "runtime_shim", "tests", "bench", "tools") f
 
 def cited_file(token: str, where: Path) -> Path | None:
     """The checkout's file a citation names: a path from the repository root, from the citing file's folder,
-    or a page of docs/ by its bare name; None where the checkout has none."""
-    for base in (REPO, where.parent, REPO / "docs"):
+    or a page of docs/ or docs/evidence/ by its bare name (report.py renders links of docs/evidence/); None where
+    the checkout has none."""
+    for base in (REPO, where.parent, REPO / "docs", REPO / "docs" / "evidence"):
         path = (base / token).resolve()
         if path.is_file() and REPO in path.parents:
             return path
@@ -111,3 +115,181 @@ def test_architecture_names_every_module():
     missing = [str(p.relative_to(REPO)) for d in ("converter", "runtime_shim") for p in sorted((REPO / d).rglob("*.py"))
                if p.name != "__init__.py" and not re.search(rf"(?<![\w]){re.escape(p.name)}\b", page)]
     assert not missing, missing
+
+
+# Code names in backticks (issue 54: the guide named `spec/plan.ARCHES` and `compat.SYMBOLS` long after they moved).
+# The guide is the README and docs/ outside docs/evidence/: evidence pages are dated records whose code names are
+# as of the commits they cite (docs/evidence/README.md), so they are exempt and carry a `Record:` line instead.
+EVIDENCE = REPO / "docs" / "evidence"
+GUIDE = [p for p in PAGES if EVIDENCE not in p.parents]
+# Where the code lives, and the import prefix of each tree (pyproject.toml's package-dir).
+CODE_TREES = {"converter": "lucifer_shard", "runtime_shim": "lucifer_shard.runtime_shim", "tools": "", "bench": "",
+              "tests": ""}
+FILE_SUFFIXES = {"py", "md", "json", "jsonl", "sh", "toml", "txt", "yaml", "yml", "safetensors", "example", "env",
+                 "log", "whl", "cfg", "lock", "partial"}
+BACKTICKED = re.compile(r"`([^`\s]+)`")
+DOTTED = re.compile(r"[A-Za-z_][\w/]*(?:\.[A-Za-z_]\w*)+")
+CONSTANT = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+")
+# Environment variables of the programs around the tool: a page names them, the code need not.
+OTHERS_VARIABLES = ("VLLM_", "NCCL_", "GLOO_", "CUDA_", "TORCH_", "PYTORCH_", "HF_", "OMP_", "UCX_", "NVIDIA_")
+
+
+def module_index() -> dict[str, list[Path]]:
+    """Every name a doc may give a module by: its path from its tree (`spec/plan`, `wrappers/policy`) or from the
+    repository (`runtime_shim/compat`), dotted (`lucifer_shard.spec.plan`), or its bare name (`compat`)."""
+    index: dict[str, list[Path]] = {}
+    for tree, prefix in CODE_TREES.items():
+        for f in sorted((REPO / tree).rglob("*.py")):
+            parts = list(f.relative_to(REPO / tree).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            keys = {sep.join(parts[i:]) for i in range(len(parts)) for sep in "/."}
+            keys |= {sep.join([tree, *parts]) for sep in "/."}
+            if prefix:
+                keys.add(".".join([prefix, *parts]))
+            for key in keys:
+                index.setdefault(key, []).append(f)
+    return index
+
+
+def defined(body: list) -> dict[str, object]:
+    """The names a module or class body binds: defs, classes, assignments, imports (in `if`/`try` blocks too)."""
+    found: dict[str, object] = {}
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        found[name.id] = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.update({(a.asname or a.name).split(".")[0]: node for a in node.names})
+        for block in ("body", "orelse", "finalbody", "handlers"):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and isinstance(
+                    getattr(node, block, None), list):
+                found.update(defined(getattr(node, block)))
+    return found
+
+
+def names_of(scope: ast.Module | ast.ClassDef) -> dict[str, object]:
+    """A module's names, or a class's: its body's and the `self.x = ...` of its methods."""
+    found = defined(scope.body)
+    if isinstance(scope, ast.ClassDef):
+        for node in ast.walk(scope):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                    and getattr(node.value, "id", "") == "self"):
+                found.setdefault(node.attr, node)
+    return found
+
+
+class CodeNames:
+    """Resolves a backticked code name against the checkout's sources by AST: nothing is imported (the runtime
+    shim's modules import vLLM)."""
+
+    def __init__(self):
+        self.modules = module_index()
+        self.sources = {f: f.read_text() for files in self.modules.values() for f in files}
+        code = [p for t in CODE_TREES for p in (REPO / t).rglob("*.sh")] + [REPO / "Makefile"]
+        self.words = set(re.findall(r"\w+", "\n".join(
+            [*(s for f, s in self.sources.items() if f != Path(__file__).resolve()),
+             *(p.read_text(errors="replace") for p in code)])))
+        self.class_files: dict[str, list[Path]] = {}
+        for f, text in self.sources.items():
+            for name in re.findall(r"^class (\w+)", text, re.M):
+                self.class_files.setdefault(name, []).append(f)
+        self._trees: dict[Path, ast.Module] = {}
+
+    def tree(self, f: Path) -> ast.Module:
+        """`f` parsed, once: only the modules a page names are."""
+        if f not in self._trees:
+            self._trees[f] = ast.parse(self.sources[f])
+        return self._trees[f]
+
+    def classes(self, name: str) -> list[ast.ClassDef]:
+        """The top-level classes called `name` in the checkout's code."""
+        return [node for f in dict.fromkeys(self.class_files.get(name, []))
+                for node in self.tree(f).body if isinstance(node, ast.ClassDef) and node.name == name]
+
+    def problem(self, token: str) -> str | None:
+        """Why `token` names no code of the checkout, or None (resolved, or not a name of this project's code)."""
+        token = re.sub(r"\(.*\)$", "", token)
+        if CONSTANT.fullmatch(token):
+            if token in self.words or token.startswith(OTHERS_VARIABLES):
+                return None  # named somewhere in the code: a definition, a variable it reads, a Makefile variable
+            return f"no code of the checkout names {token}"
+        if not DOTTED.fullmatch(token) or token.rpartition(".")[2] in FILE_SUFFIXES:
+            return None
+        parts = token.split(".")
+        for cut in range(len(parts), 0, -1):
+            key = ".".join(parts[:cut])
+            if key in self.modules and cut == len(parts):
+                return None  # the module itself: `lucifer_shard.spec.layouts`
+            if key in self.modules:
+                attrs = parts[cut:]
+                if cut == 1 and "/" not in key and not re.search(r"[A-Z_]", attrs[0]):
+                    return None  # a bare `plan.axes` or `source.content`: a manifest field, not code
+                if any(self.resolves(self.tree(f), attrs) for f in self.modules[key]):
+                    return None
+                return f"{' or '.join(str(f.relative_to(REPO)) for f in self.modules[key])} defines no {'.'.join(attrs)}"
+        if "/" in parts[0] and parts[0].split("/")[0] in {*CODE_TREES, "spec", "engine", "proof", "cli", "wrappers"}:
+            return f"no module {parts[0]}.py in the checkout"
+        if classes := self.classes(parts[0]):
+            if any(self.resolves(c, parts[1:]) for c in classes):
+                return None
+            return f"class {parts[0]} has no {'.'.join(parts[1:])}"
+        return None  # vLLM's, torch's, a tensor or manifest field: not this project's code
+
+    def resolves(self, scope: ast.Module | ast.ClassDef, attrs: list[str]) -> bool:
+        node = names_of(scope).get(attrs[0])
+        if node is None:
+            return False
+        if len(attrs) == 1 or not isinstance(node, ast.ClassDef):
+            return True  # a function's, a value's or an import's attributes are not followed
+        return self.resolves(node, attrs[1:])
+
+
+def code_name_problems(page: Path, names: CodeNames) -> list[str]:
+    """'PAGE:LINE: `name`: why' for each backticked name outside code blocks that names no code of the checkout."""
+    text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), page.read_text())  # blank, keeping line numbers
+    shown = page.relative_to(REPO) if REPO in page.parents else page.name
+    found = []
+    for m in BACKTICKED.finditer(text):
+        why = names.problem(m.group(1))
+        if why:
+            line = text.count("\n", 0, m.start()) + 1
+            found.append(f"{shown}:{line}: `{m.group(1)}`: {why} (name it as the code does now)")
+    return found
+
+
+@pytest.fixture(scope="module")
+def code_names() -> CodeNames:
+    return CodeNames()
+
+
+@pytest.mark.parametrize("page", GUIDE, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_backticked_code_name_in_the_guide_resolves(page, code_names):
+    assert not code_name_problems(page, code_names)
+
+
+def test_a_stale_code_name_is_caught(tmp_path, code_names):
+    """The names issue 54 found stale, planted in a page, are each reported; their live successors are not."""
+    page = tmp_path / "stale.md"
+    page.write_text("Add it to `spec/plan.ARCHES` and `ARCH_CAPABILITY`, `spec/layouts.ARCHS`, `compat.SYMBOLS`,\n"
+                    "`layouts.same_kernel_layout`, `spec/nothere.X`, `Rule.nothere`. Live: `spec/arches.ARCH_TABLE`,\n"
+                    "`lucifer_shard.spec.layouts`, `spec/rules.RULES`, `Rule.pad`, `torch.cuda.is_available`, `config.json`.\n")
+    found = code_name_problems(page, code_names)
+    assert [f.split(": `")[1].split("`")[0] for f in found] == [
+        "spec/plan.ARCHES", "ARCH_CAPABILITY", "spec/layouts.ARCHS", "compat.SYMBOLS", "layouts.same_kernel_layout",
+        "spec/nothere.X", "Rule.nothere"], found
+    assert found[0].startswith("stale.md:1: ") and found[-1].startswith("stale.md:2: ")
+
+
+@pytest.mark.parametrize("page", [p for p in sorted(EVIDENCE.glob("*.md")) if p.name != "README.md"],
+                         ids=lambda p: p.name)
+def test_every_evidence_page_is_dated_and_cites_a_commit(page):
+    """An evidence page's code names are as of its commits, so it says which: a `Record:` line before its first
+    section with a date and a short commit hash (docs/evidence/README.md is the index, not a record)."""
+    head = page.read_text().split("\n## ", 1)[0]
+    record = next((line for line in head.splitlines() if line.startswith("Record: ")), "")
+    assert re.search(r"\b20\d\d-\d\d-\d\d\b", record) and re.search(r"\b[0-9a-f]{7,12}\b", record), page

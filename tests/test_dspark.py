@@ -15,15 +15,13 @@ from typing import Iterator
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from helpers import CONFIGS, rank_tensors, raw, scratch
-from lucifer_shard.cli import cli
+from helpers import CONFIGS, rank_tensors, raw, run, scratch
 from lucifer_shard.errors import SourceError
 from lucifer_shard.spec.config import DSPARK, parse_config
 from lucifer_shard.spec.plan import make_plan
-from lucifer_shard.spec.rules import build_specs
+from lucifer_shard.spec.tensorspecs import build_specs
 
 CONFIG_0731 = CONFIGS / "deepseek-v4-flash-0731.json"
 # the pin of the published config (OpenTallas checkpoint_source.json, in the team's checkpoint notes)
@@ -31,10 +29,6 @@ SHA256_0731 = "6c8f3d2d3b48707541b88f32f22ef3f0f8a6b57d8523281e2b8d3cdb0ae9a023"
 # TP3 rank bytes of the tensors (no headers), from the 0731 tensor inventory: target and drafter
 TP3_TARGET_BYTES = 59_232_049_084
 TP3_DRAFT_BYTES = 4_215_909_244
-
-
-def run(*args: str):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
 def cfg_0731() -> dict:

@@ -78,7 +78,7 @@ def test_swap_fold_matches_the_layout_step(tiny_pattern):
     """Assembling w13 with swapped pieces equals assembling it plainly and applying swap_halves."""
     from lucifer_shard.spec.layouts import swap_halves
     from lucifer_shard.spec.plan import make_plan
-    from lucifer_shard.spec.rules import build_specs
+    from lucifer_shard.spec.tensorspecs import build_specs
     from lucifer_shard.spec.source import open_checkpoint
 
     ckpt = open_checkpoint(tiny_pattern)

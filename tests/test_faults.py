@@ -15,7 +15,7 @@ EIO is injected in this process at the two system calls every reader of the tool
 (`os.pread`, `os.preadv`), for one file (found by its descriptor's /proc/self/fd link) from a byte
 offset on; limits run the CLI in a subprocess with `setrlimit`; the full disk is a real tmpfs (the
 suite runs as root, as CI does). With LUCIFER_RELIABILITY_LOG=path each case appends its row
-(`tools/reliability_table.py` renders docs/reliability.md's table from it).
+(`tools/reliability_table.py` renders docs/evidence/reliability.md's table from it).
 """
 from __future__ import annotations
 
@@ -26,15 +26,13 @@ import os
 import resource
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from lucifer_shard.cli.group import cli
+from helpers import cli_argv, run, run_process
 from lucifer_shard.engine import assemble
 from lucifer_shard.engine import writeloop
 from lucifer_shard.errors import ERROR_KINDS, SourceError, fault
@@ -50,17 +48,12 @@ JOURNAL = ".lucifer/journal.jsonl"
 RECORD = ".lucifer/conversion.json"
 
 
-def invoke(*args: object):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-
-
 def subprocess_cli(*args: object, limit: tuple[int, int] | None = None) -> subprocess.CompletedProcess:
     """The CLI in a subprocess, with `limit` = (resource, bytes) set in it before it starts."""
     def cap():
         resource.setrlimit(limit[0], (limit[1], limit[1]))
 
-    return subprocess.run([sys.executable, "-m", "lucifer_shard.cli", *map(str, args)], capture_output=True,
-                          text=True, preexec_fn=cap if limit else None)
+    return run_process(*args, preexec_fn=cap if limit else None)
 
 
 @dataclass
@@ -134,10 +127,10 @@ class Scene:
 
     def resumes(self, *args: object) -> None:
         """A following --resume finishes, verify and diff pass, the source is still untouched."""
-        r = invoke(*args, "--resume", self.src, self.out)
+        r = run(*args, "--resume", self.src, self.out)
         assert r.exit_code == 0, r.output
-        assert invoke("verify", self.out).exit_code == 0
-        d = invoke("diff", self.out)
+        assert run("verify", self.out).exit_code == 0
+        d = run("diff", self.out)
         assert d.exit_code == 0, d.output
         assert snapshot(self.src) == self.source
 
@@ -212,7 +205,7 @@ def test_source_eio_during_resume_keeps_the_earlier_run(tiny_pattern, killed):
     assert len(scene.files) >= 9
     shard = tiny_pattern / SHARD4
     with eio(shard, from_byte=data_start(shard)) as reads:
-        r = Ran.of(invoke(*CONVERT, "--json", "--resume", tiny_pattern, killed))
+        r = Ran.of(run(*CONVERT, "--json", "--resume", tiny_pattern, killed))
     assert reads, "the injected fault was never reached"
     scene.holds(r, "environment", str(shard), "Input/output error", "--resume",
                 case="source EIO during --resume (a run SIGKILLed after 9 journaled files)",
@@ -234,7 +227,7 @@ def test_bad_source_during_resume_removes_only_what_the_resume_wrote(tiny_patter
         return real(data, key, entry, start)
 
     monkeypatch.setattr(assemble, "_check_scales", nan_scale)
-    r = Ran.of(invoke(*CONVERT, "--json", "--resume", tiny_pattern, killed))
+    r = Ran.of(run(*CONVERT, "--json", "--resume", tiny_pattern, killed))
     scene.holds(r, "source", bad, "0xFF", case="bad source (E8M0 0xFF) found mid-stream during --resume",
                 outcome="only this run's files removed; the earlier run's files, journal and record kept")
     assert rank_files(killed) == scene.files and (killed / JOURNAL).read_bytes() == scene.journal
@@ -248,10 +241,10 @@ def test_bad_source_during_resume_removes_only_what_the_resume_wrote(tiny_patter
 def test_resume_removes_its_own_stale_temporary_file(tiny_pattern, finished):
     stale = finished / "target/rank-0/.part-00000.safetensors.partial"
     stale.write_bytes(b"half a rank file")
-    assert invoke("verify", finished).exit_code == 1
-    r = invoke(*WHOLE, "--resume", tiny_pattern, finished)
+    assert run("verify", finished).exit_code == 1
+    r = run(*WHOLE, "--resume", tiny_pattern, finished)
     assert r.exit_code == 0 and "removed 1 temporary file" in r.output, r.output
-    assert not stale.exists() and invoke("verify", finished).exit_code == 0
+    assert not stale.exists() and run("verify", finished).exit_code == 0
     record("stale .partial of the tool's own in a rank folder, --resume", "removed (it is the tool's); "
            "nothing to repair, exit 0; verify passes", subprocess.CompletedProcess([], 0, "", ""),
            message=r.stdout.strip().splitlines()[-1].replace(str(finished.parent), "…"))
@@ -265,14 +258,14 @@ def test_resume_refuses_to_finish_beside_a_users_file(tiny_pattern, finished, st
     stray = finished / "target/rank-1/part-00003.safetensors.bak"
     stray.write_bytes(b"mine")
     scene = Scene(tiny_pattern, finished)
-    r = Ran.of(invoke(*WHOLE, "--json", "--resume", tiny_pattern, finished))
+    r = Ran.of(run(*WHOLE, "--json", "--resume", tiny_pattern, finished))
     scene.holds(r, "refused", "target/rank-1/part-00003.safetensors.bak",
                        "unexpected file in a rank folder", case=f"a user's file in a rank folder, --resume ({state})",
                        untouched=True,
                        outcome="refused naming it and what verify says; nothing changed")
     assert stray.read_bytes() == b"mine"
     if state == "finished":
-        v = invoke("verify", finished)
+        v = run("verify", finished)
         assert v.exit_code == 1 and "unexpected file in a rank folder" in v.stderr, v.stderr
     stray.rename(finished.parent / stray.name)  # the user moves it out
     scene.resumes(*WHOLE)
@@ -288,17 +281,17 @@ def test_a_tight_disk_resumes_over_its_own_stale_partials(tiny_pattern, converte
     need = sum(p.stat().st_size for p in clean.rglob("*") if p.is_file())
     fs = small_fs(need + (4 << 20))
     out = fs / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "lucifer_shard.cli", *WHOLE, "-q", str(tiny_pattern), str(out)],
+    proc = subprocess.Popen(cli_argv(*WHOLE, "-q", tiny_pattern, out),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _wait_for(lambda: sum(p.stat().st_size for p in out.rglob("*.partial")) >= 12 << 20, proc)
     proc.kill()
     proc.wait()
     stale = sum(p.stat().st_size for p in out.rglob("*.partial"))
     assert shutil.disk_usage(fs).free < need, "the disk is not tight: the case proves nothing"
-    r = invoke(*WHOLE, "--resume", tiny_pattern, out)
+    r = run(*WHOLE, "--resume", tiny_pattern, out)
     assert r.exit_code == 0, r.output
-    assert not list(out.rglob("*.partial")) and invoke("verify", out).exit_code == 0
-    assert invoke("diff", out).exit_code == 0
+    assert not list(out.rglob("*.partial")) and run("verify", out).exit_code == 0
+    assert run("diff", out).exit_code == 0
     record(f"--resume on a tight disk (tmpfs of output + 4 MiB) after SIGKILL mid-file, {stale >> 20} MiB of "
            f"stale .partial", "the room check counts the stale partials; resume finishes, verify and diff pass",
            subprocess.CompletedProcess([], 0, "", ""),
@@ -350,7 +343,7 @@ def test_no_thread_for_the_writer(tiny_pattern, killed, monkeypatch):
             raise RuntimeError("can't start new thread")
 
     monkeypatch.setattr(writeloop, "ThreadPoolExecutor", NoThreads)
-    r = Ran.of(invoke(*CONVERT, "--json", "--resume", tiny_pattern, killed))
+    r = Ran.of(run(*CONVERT, "--json", "--resume", tiny_pattern, killed))
     scene.holds(r, "environment", "cannot start a thread", "ulimit -u", "ulimit -v",
                 case="no thread can be started (--resume; RuntimeError injected at the writer's pool)", outcome="exit 2 naming the limits; earlier files kept")
     monkeypatch.undo()
@@ -373,7 +366,7 @@ def test_a_torn_journal_line_is_cut_before_the_next_append(tiny_pattern, tmp_pat
         real(fd, data)
 
     monkeypatch.setattr(writeloop, "write_all", disk_fills)
-    r = Ran.of(invoke(*CONVERT, "--json", tiny_pattern, out))
+    r = Ran.of(run(*CONVERT, "--json", tiny_pattern, out))
     monkeypatch.undo()
     assert not (out / JOURNAL).read_bytes().endswith(b"\n")  # torn
     scene.holds(r, "no_room", str(out / JOURNAL), "No space left on device", "--resume",
@@ -384,7 +377,7 @@ def test_a_torn_journal_line_is_cut_before_the_next_append(tiny_pattern, tmp_pat
     assert all(line.endswith(b"\n") and json.loads(line) for line in lines)
     (out / "COMPLETE").unlink()
     (out / "lucifer-manifest.json").unlink()
-    again = invoke(*CONVERT, "--resume", tiny_pattern, out)  # the journal alone is the reference now
+    again = run(*CONVERT, "--resume", tiny_pattern, out)  # the journal alone is the reference now
     assert again.exit_code == 0 and " 0 written" in again.output, again.output
 
 
@@ -416,7 +409,7 @@ def test_a_full_disk_is_no_room_everywhere(tiny_pattern, finished, tmp_path, mon
         out = tmp_path / "fresh"
         real = os.statvfs
         monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((*real(p)[:4], 0, *real(p)[5:])))
-    r = invoke(*WHOLE, "--json", "--resume" if where == "repair" else "--quiet", tiny_pattern, out)
+    r = run(*WHOLE, "--json", "--resume" if where == "repair" else "--quiet", tiny_pattern, out)
     assert r.exit_code == 2 and json.loads(r.stdout)["error"]["kind"] == "no_room", r.output
     assert "No space left" in r.stderr or "not enough room" in r.stderr, r.stderr
 
@@ -428,7 +421,7 @@ def test_eio_reading_a_rank_file_is_the_environments(tiny_random, converted, tmp
     scene = Scene(tiny_random, out)
     rank = out / "target/rank-1/part-00000.safetensors"
     with eio(rank) as reads:
-        r = Ran.of(invoke(command, "--json", out))
+        r = Ran.of(run(command, "--json", out))
     assert reads
     scene.holds(r, "environment", str(rank), "Input/output error", case=f"EIO reading a rank file in {command}",
                 untouched=True,
@@ -438,12 +431,12 @@ def test_eio_reading_a_rank_file_is_the_environments(tiny_random, converted, tmp
 def test_a_damaged_rank_file_points_to_resume_first(finished):
     flip(finished / "target/rank-0/part-00000.safetensors")
     for command in ("verify", "diff"):
-        line = invoke(command, finished).stderr.strip().splitlines()[-1]
+        line = run(command, finished).stderr.strip().splitlines()[-1]
         assert line.index("--resume") < line.index("--force"), line
 
 
 def test_a_newline_in_out_stays_one_line(tmp_path):
-    r = invoke("verify", tmp_path / "o\nut")
+    r = run("verify", tmp_path / "o\nut")
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "o\\nut" in r.stderr, r.stderr
 
 
@@ -474,7 +467,7 @@ def test_a_read_only_out_is_the_machines_refusal(tiny_pattern, tmp_path, monkeyp
 
     monkeypatch.setattr(Tree, "open_own", read_only)
     out = tmp_path / "out"
-    r = invoke("convert", "--tp", "3", tiny_pattern, out, "--json")
+    r = run("convert", "--tp", "3", tiny_pattern, out, "--json")
     assert r.exit_code == 2, r.output
     envelope = json.loads(r.stdout)
     assert envelope["error"]["kind"] == "environment" and "Read-only file system" in envelope["error"]["message"]

@@ -15,17 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from hubserver import HubServer
-from lucifer_shard.cli import cli
+from helpers import cli_argv, run, run_process
 
 REPO_ID = "someone/flash-tp3"
 MiB = 1 << 20
-
-
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def hub_env(hub: HubServer, home: Path) -> dict[str, str]:
@@ -34,12 +29,8 @@ def hub_env(hub: HubServer, home: Path) -> dict[str, str]:
             "TQDM_DISABLE": "1"}
 
 
-def fetch_argv(*args) -> list[str]:
-    return [sys.executable, "-m", "lucifer_shard.cli", "fetch", *map(str, args)]
-
-
 def fetch_hub(hub: HubServer, home: Path, *args) -> subprocess.CompletedProcess:
-    return subprocess.run(fetch_argv(*args), env=hub_env(hub, home), capture_output=True, text=True, timeout=300)
+    return run_process("fetch", *args, env=hub_env(hub, home), timeout=300)
 
 
 def contents(root: Path) -> dict[str, bytes]:
@@ -194,7 +185,7 @@ def test_a_fetch_killed_mid_download_is_finished_by_the_same_command(converted, 
     dest, home = tmp_path / "node1", tmp_path / "hf"
     with HubServer({REPO_ID: published}) as hub:
         hub.stall_after = before + 11 * MiB  # inside the target file, after its first 10 MiB chunk
-        proc = subprocess.Popen(fetch_argv(REPO_ID, dest, "--nnodes", 3, "--node-rank", 1), env=hub_env(hub, home),
+        proc = subprocess.Popen(cli_argv("fetch", REPO_ID, dest, "--nnodes", 3, "--node-rank", 1), env=hub_env(hub, home),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         partial = dest / ".lucifer-fetch" / rel
         try:

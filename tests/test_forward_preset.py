@@ -15,7 +15,7 @@ from lucifer_shard.proof.diff import diff
 from lucifer_shard.proof.verify import verify
 from lucifer_shard.spec.config import parse_config
 from lucifer_shard.spec.manifest import MANIFEST_NAME, Options
-from lucifer_shard.spec.rules import expected_sources
+from lucifer_shard.spec.tensorspecs import expected_sources
 from lucifer_shard.spec.source import open_checkpoint
 
 from helpers import scratch

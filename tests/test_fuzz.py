@@ -18,7 +18,7 @@ The readers, from the inside out:
 
 The default suite runs a sample of each (`sample`); `make fuzz` runs the thousands (marker
 `fuzz`). With LUCIFER_FUZZ_LOG=path every case appends {target, kind, outcome} as a JSON line
-(docs/reliability.md's figures come from it through tools/reliability_table.py).
+(docs/evidence/reliability.md's figures come from it through tools/reliability_table.py).
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ import os
 import resource
 import shutil
 import subprocess
-import sys
 import tracemalloc
 from pathlib import Path
 from typing import Iterator
@@ -54,7 +53,7 @@ from lucifer_shard.spec.source import INDEX_NAME, open_checkpoint
 from lucifer_shard.spec.stheader import HeaderError, read_header
 
 from corruptions import INDEX_KINDS, KINDS, corrupted, corrupted_index
-from helpers import scratch
+from helpers import one_error, run_process, scratch
 
 LOG = os.environ.get("LUCIFER_FUZZ_LOG")
 MEMORY_CAP = 64 << 20  # bytes a reader may allocate (tracemalloc peak): the headers are kilobytes
@@ -332,11 +331,11 @@ CLI_MEMORY = 4 << 30  # address space for one CLI process (torch maps a lot; the
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
+    """The CLI in a fresh interpreter with at most CLI_MEMORY of address space."""
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (CLI_MEMORY, CLI_MEMORY))
 
-    return subprocess.run([sys.executable, "-m", "lucifer_shard.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=300, preexec_fn=limit)
+    return run_process(*args, timeout=300, preexec_fn=limit)
 
 
 def refused(model: Path) -> bool:
@@ -345,16 +344,6 @@ def refused(model: Path) -> bool:
     except SourceError:
         return True
     return False
-
-
-def cli_refusal(proc: subprocess.CompletedProcess, exits: tuple[int, ...], *names: str) -> str:
-    assert proc.returncode in exits, (proc.returncode, proc.stderr)
-    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1, proc.stderr
-    for n in names:
-        assert n in errors[0], (n, errors[0])
-    return errors[0]
 
 
 def _cli_case(model, out_copy, tmp_path, fuzz):
@@ -371,7 +360,7 @@ def _cli_case(model, out_copy, tmp_path, fuzz):
             if refused(model):  # an accepted (harmless) change has nothing to refuse
                 before = digests(model)
                 target = tmp_path / "converted"
-                cli_refusal(run_cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", model, target), (2,), SHARD)
+                one_error(run_cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", model, target), (2,), SHARD)
                 assert not target.exists() and digests(model) == before
                 log("cli convert", kind, "refused, nothing written")
         finally:
@@ -382,10 +371,10 @@ def _cli_case(model, out_copy, tmp_path, fuzz):
         replace_file(out / rel, bad)
         try:
             before = digests(out / Path(rel).parent)
-            cli_refusal(run_cli("verify", "--quiet", out), (1,), rel)
+            one_error(run_cli("verify", "--quiet", out), (1,), rel)
             diffed = run_cli("diff", "--quiet", out, model)
             if diffed.returncode:  # a header-only change that keeps every tensor is no difference to diff
-                cli_refusal(diffed, (1, 2), rel)
+                one_error(diffed, (1, 2), rel)
             assert digests(out / Path(rel).parent) == before
             log("cli verify and diff", kind, "refused, nothing written")
         finally:

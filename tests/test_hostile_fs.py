@@ -19,16 +19,15 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from lucifer_shard.cli.group import cli
+import helpers
+from helpers import cli_argv, one_error
 
 CONVERT = ("convert", "--tp", "3", "--arch", "sm120", "-q")
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=24,
@@ -64,17 +63,10 @@ def run(*args: object):
     signal.alarm(HANG_S)
     try:
         with bounded_memory():
-            return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+            return helpers.run(*args)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
-
-
-def one_line_error(r, code: int = 2) -> str:
-    assert r.exit_code == code, r.output
-    lines = r.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "internal error" not in lines[0], r.output
-    return lines[0]
 
 
 def files_of(root: Path) -> dict[str, tuple]:
@@ -190,7 +182,7 @@ def test_a_link_inside_out_is_refused_by_name_and_its_target_untouched(clean, ti
     else:
         target.unlink(missing_ok=True)
     target.symlink_to(folder if to_dir or is_dir else secret)
-    line = one_line_error(run(*CONVERT, *MODES[mode], tiny_pattern, out))
+    line = one_error(run(*CONVERT, *MODES[mode], tiny_pattern, out), alone=True)
     assert place in line, line  # the link is named
     assert (files_of(where / "victim"), files_of(folder), files_of(tiny_pattern)) == before
     assert target.is_symlink()  # not replaced either: a person decides what it was
@@ -223,7 +215,7 @@ def test_force_refuses_while_out_holds_what_it_did_not_write(clean, tiny_pattern
         {"file": lambda: p.write_bytes(b"user data\n"), "fifo": lambda: os.mkfifo(p),
          "dir": lambda: p.mkdir()}[kind]()
     before = files_of(out)
-    line = one_line_error(run(*CONVERT, "--force", tiny_pattern, out))
+    line = one_error(run(*CONVERT, "--force", tiny_pattern, out), alone=True)
     shown = {rel if not rel.startswith("target/rank-0/mine") else "target/rank-0/mine" for rel in places}
     assert all(s in line for s in shown), line
     assert files_of(out) == before  # nothing deleted, nothing written
@@ -239,10 +231,10 @@ def test_force_refuses_a_folder_holding_a_copy_of_the_manifest(clean, tiny_patte
     (user / ".lucifer").mkdir()
     (user / ".lucifer" / "todo").write_bytes(b"x\n")
     before = files_of(user)
-    line = one_line_error(run(*CONVERT, "--force", tiny_pattern, user))
+    line = one_error(run(*CONVERT, "--force", tiny_pattern, user), alone=True)
     assert "thesis.tex" in line and ".lucifer/todo" in line, line
     (user / "lucifer-manifest.json").unlink()
-    line = one_line_error(run(*CONVERT, "--force", tiny_pattern, user))
+    line = one_error(run(*CONVERT, "--force", tiny_pattern, user), alone=True)
     assert "not a lucifer-shard output" in line, line
     assert files_of(user) == {k: v for k, v in before.items() if k != "lucifer-manifest.json"}
 
@@ -262,7 +254,7 @@ def test_force_never_crosses_a_mount(clean, tiny_pattern, tmp_path, at):
     if mounted.returncode:
         pytest.skip(f"cannot bind-mount here ({mounted.stderr.strip()}); the mount case needs root")
     try:
-        line = one_line_error(run(*CONVERT, "--force", tiny_pattern, out))
+        line = one_error(run(*CONVERT, "--force", tiny_pattern, out), alone=True)
         assert at in line and "another filesystem" in line, line
         assert files_of(point) == before
     finally:
@@ -305,7 +297,7 @@ def test_a_fifo_or_device_in_the_source_is_refused_not_read(tiny_pattern, tmp_pa
     shutil.copytree(tiny_pattern, model)
     (model / name).unlink()
     make(model / name)
-    line = one_line_error(run(*CONVERT, model, tmp_path / "out"))
+    line = one_error(run(*CONVERT, model, tmp_path / "out"), alone=True)
     assert name in line and ("is a FIFO" in line or "is a character device" in line), line
 
 
@@ -316,7 +308,7 @@ def test_a_fifo_or_device_in_out_is_refused_not_read(clean, tiny_pattern, tmp_pa
     out = unfinished_copy(clean, tmp_path) if mode == "--resume" else finished_copy(clean, tmp_path)
     (out / name).unlink(missing_ok=True)
     make(out / name)
-    line = one_line_error(run(*CONVERT, mode, tiny_pattern, out))
+    line = one_error(run(*CONVERT, mode, tiny_pattern, out), alone=True)
     assert name in line, line
     assert not (out / name).is_file()  # left as it was
 
@@ -404,14 +396,14 @@ def test_force_does_not_count_hard_linked_files_as_freed(clean, tiny_pattern, tm
     need = sum(p.stat().st_size for p in clean.rglob("*") if p.is_file())
     _small_disk(monkeypatch, free=need // 3)  # enough only if the old rank files counted as freed
     before = files_of(out)
-    line = one_line_error(run(*CONVERT, "--force", tiny_pattern, out))
+    line = one_error(run(*CONVERT, "--force", tiny_pattern, out), alone=True)
     assert "not enough room" in line, line
     assert files_of(out) == before
 
 
 def test_free_inodes_are_counted(tiny_pattern, tmp_path, monkeypatch):
     _small_disk(monkeypatch, inodes=5)
-    line = one_line_error(run(*CONVERT, tiny_pattern, tmp_path / "out"))
+    line = one_error(run(*CONVERT, tiny_pattern, tmp_path / "out"), alone=True)
     assert "inodes" in line and "5 more files" in line, line
 
 
@@ -453,7 +445,7 @@ def test_a_force_stopped_while_clearing_is_finished_by_force(clean, clean_conten
         if how == "EPERM":
             r = run(*CONVERT, "--force", tiny_pattern, out)
             if r.exit_code:  # stopped while clearing (a later stop_after lets it finish)
-                assert "cannot delete" in one_line_error(r)
+                assert "cannot delete" in one_error(r, alone=True)
         else:
             with contextlib.suppress(Killed):
                 run(*CONVERT, "--force", tiny_pattern, out)
@@ -467,8 +459,8 @@ def test_a_force_stopped_while_clearing_is_finished_by_force(clean, clean_conten
 
 def test_sigterm_is_clean_and_resumable(clean, tiny_pattern, tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "lucifer_shard.cli", *CONVERT, "--max-file-size", "1MiB",
-                             str(tiny_pattern), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cli_argv(*CONVERT, "--max-file-size", "1MiB", tiny_pattern, out), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     journal = out / ".lucifer" / "journal.jsonl"
     deadline = time.time() + 60
     while time.time() < deadline and proc.poll() is None and not (
@@ -526,7 +518,7 @@ def test_a_source_that_changes_while_converting_is_noticed(tiny_pattern, tmp_pat
         return real(*a, **kw)
 
     monkeypatch.setattr(writeloop, "_write_part", write_part)
-    line = one_line_error(run(*CONVERT, model, tmp_path / "out"))
+    line = one_error(run(*CONVERT, model, tmp_path / "out"), alone=True)
     assert what in line and "changed while" in line, line
     assert not (tmp_path / "out" / "COMPLETE").exists()
 
@@ -536,7 +528,7 @@ def test_a_dangling_tokenizer_link_is_refused_by_name(tiny_pattern, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny_pattern, model)
     (model / "tokenizer.json").symlink_to("../blobs/0123abcd")
-    line = one_line_error(run(*CONVERT, model, tmp_path / "out"))
+    line = one_error(run(*CONVERT, model, tmp_path / "out"), alone=True)
     assert "tokenizer.json" in line and "does not exist" in line, line
 
 
@@ -585,7 +577,7 @@ def test_journal_lines_of_any_shape_are_redone_not_a_crash(clean, clean_contents
 def test_a_conversion_record_of_any_shape_is_one_line(clean, tiny_pattern, work, text):
     out = unfinished_copy(clean, work())
     (out / ".lucifer" / "conversion.json").write_bytes(text.encode("utf-8", "surrogateescape"))
-    one_line_error(run(*CONVERT, "--resume", tiny_pattern, out))
+    one_error(run(*CONVERT, "--resume", tiny_pattern, out), alone=True)
 
 
 @pytest.mark.parametrize("rel,make", [
@@ -597,5 +589,5 @@ def test_out_entries_of_the_wrong_type_on_resume_are_one_line(clean, tiny_patter
     p = out / rel
     shutil.rmtree(p) if p.is_dir() else p.unlink()
     p.mkdir() if make == "dir" else p.write_bytes(b"x")
-    line = one_line_error(run(*CONVERT, "--resume", tiny_pattern, out))
+    line = one_error(run(*CONVERT, "--resume", tiny_pattern, out), alone=True)
     assert rel in line, line

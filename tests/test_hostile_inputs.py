@@ -9,38 +9,18 @@ import json
 import os
 import resource
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lucifer_shard.cli import cli
 from lucifer_shard.spec.manifest import COMPLETE_NAME, MANIFEST_NAME, Options, manifest_text
 from lucifer_shard.spec.stheader import read_header
 
-from helpers import scratch
+from helpers import one_error, run, run_process, scratch
 
 PART0 = "target/rank-0/part-00000.safetensors"
-
-
-def run(*args, **kw):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False, **kw)
-
-
-def one_error(r, code: int | tuple[int, ...] = 2, *needles: str) -> str:
-    """The run ended with `code` (not 70) and exactly one `error:` line, no traceback; that line."""
-    codes = code if isinstance(code, tuple) else (code,)
-    assert r.exit_code in codes, (r.exit_code, r.output)
-    assert "Traceback" not in r.output and "internal error" not in r.output, r.output
-    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1, r.output
-    for n in needles:
-        assert n in errors[0], (n, errors[0])
-    return errors[0]
 
 
 def copy_out(out: Path, dst: Path) -> Path:
@@ -364,8 +344,7 @@ def test_verify_and_diff_keep_few_files_open(tiny_pattern, tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
 
     for args in (("verify", out), ("diff", out, tiny_pattern)):
-        r = subprocess.run([sys.executable, "-m", "lucifer_shard.cli", *map(str, args), "--quiet"],
-                           capture_output=True, text=True, preexec_fn=limit, timeout=600)
+        r = run_process(*args, "--quiet", preexec_fn=limit, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
 
 

@@ -9,12 +9,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import CONFIGS, scratch
+from helpers import CONFIGS, cli_argv, one_error, run_process, scratch
 from hubserver import HubServer
 from lucifer_shard.engine.feed import job_files, part_files
 from lucifer_shard.spec.streaming import peak_bytes, stream_order
@@ -47,11 +46,7 @@ def cli(*args, hub: HubServer | None = None, check: bool = True) -> subprocess.C
     env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1"}
     if hub is not None:
         env.update(HF_ENDPOINT=hub.url, HF_HOME=str(hub.home))
-    r = subprocess.run([sys.executable, "-m", "lucifer_shard.cli", *map(str, args)], env=env, capture_output=True,
-                       text=True)
-    if check and r.returncode:
-        raise AssertionError(f"{args} exited {r.returncode}: {r.stderr[-2000:]}")
-    return r
+    return run_process(*args, env=env, check=check)
 
 
 def weight_requests(hub: HubServer) -> list:
@@ -82,12 +77,6 @@ def same_conversion(a: Path, b: Path) -> None:
     assert ma == mb
 
 
-def one_error_line(r: subprocess.CompletedProcess) -> str:
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    return lines[0]
-
-
 # ---------------------------------------------------------------- refusals before any weight
 
 
@@ -102,8 +91,8 @@ def test_v41_repo_is_refused_from_config_json_alone(ckpts, tmp_path):
     raw = json.loads((CONFIGS / "deepseek-v4.1-flash.json").read_text())
     with HubServer({"deepseek-ai/DeepSeek-V4.1-Flash": _repo_with_config(tmp_path / "v41", raw, ckpts / "model")}) as h:
         h.home = tmp_path / "hf-home"
-        line = one_error_line(cli("convert", "--tp", "3", "deepseek-ai/DeepSeek-V4.1-Flash", tmp_path / "out", hub=h,
-                                  check=False))
+        line = one_error(cli("convert", "--tp", "3", "deepseek-ai/DeepSeek-V4.1-Flash", tmp_path / "out", hub=h,
+                                  check=False), alone=True)
         assert "V4.1" in line or "deepseek_v41" in line
         assert [r.path for r in h.requests if r.method == "GET"] == ["config.json"]
         assert not (tmp_path / "out").exists()
@@ -117,8 +106,8 @@ def test_vision_exp_repo_is_refused_before_any_weight(ckpts, tmp_path):
     with HubServer({"deepseek-ai/DeepSeek-V4-Flash-Vision-Exp": _repo_with_config(tmp_path / "vx", raw,
                                                                                   ckpts / "model")}) as h:
         h.home = tmp_path / "hf-home"
-        line = one_error_line(cli("convert", "--tp", "3", "deepseek-ai/DeepSeek-V4-Flash-Vision-Exp",
-                                  tmp_path / "out", hub=h, check=False))
+        line = one_error(cli("convert", "--tp", "3", "deepseek-ai/DeepSeek-V4-Flash-Vision-Exp",
+                                  tmp_path / "out", hub=h, check=False), alone=True)
         assert "vision" in line and "3-layer drafter" in line
         assert not any(r.path.endswith(".safetensors") for r in h.requests)
 
@@ -126,7 +115,7 @@ def test_vision_exp_repo_is_refused_before_any_weight(ckpts, tmp_path):
 def test_finished_out_is_refused_before_any_header_or_weight(ckpts, hub, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(ckpts / "disk", out)
-    line = one_error_line(cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub, check=False))
+    line = one_error(cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub, check=False), alone=True)
     assert "already holds a complete conversion" in line
     assert not any(r.path.endswith(".safetensors") for r in hub.requests)
     assert files_of(out) == files_of(ckpts / "disk")
@@ -135,15 +124,15 @@ def test_finished_out_is_refused_before_any_header_or_weight(ckpts, hub, tmp_pat
 def test_a_foreign_download_dir_is_refused_before_any_weight(hub, tmp_path):
     (tmp_path / "dl").mkdir()
     (tmp_path / "dl" / "notes.txt").write_text("mine")
-    line = one_error_line(cli("convert", "--tp", "3", REPO_ID, tmp_path / "out", "--download-dir", tmp_path / "dl",
-                              *SMALL_PARTS, hub=hub, check=False))
+    line = one_error(cli("convert", "--tp", "3", REPO_ID, tmp_path / "out", "--download-dir", tmp_path / "dl",
+                              *SMALL_PARTS, hub=hub, check=False), alone=True)
     assert "not a lucifer-shard download folder" in line
     assert weight_requests(hub) == [] and (tmp_path / "dl" / "notes.txt").read_text() == "mine"
 
 
 def test_download_options_need_a_repo_id(ckpts, tmp_path):
-    line = one_error_line(cli("convert", "--tp", "3", ckpts / "model", tmp_path / "out", "--keep-source",
-                              check=False))
+    line = one_error(cli("convert", "--tp", "3", ckpts / "model", tmp_path / "out", "--keep-source",
+                              check=False), alone=True)
     assert "local path" in line
 
 
@@ -183,7 +172,7 @@ def test_a_tampered_shard_is_refused_by_name(ckpts, hub, tmp_path):
     data[-1] ^= 0xFF
     hub.tamper[(REPO_ID, shard)] = bytes(data)
     out = tmp_path / "out"
-    line = one_error_line(cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub, check=False))
+    line = one_error(cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub, check=False), alone=True)
     assert shard in line and "SHA-256" in line
     assert not (out / "COMPLETE").exists() and not (out / ".lucifer" / "download" / shard).exists()
 
@@ -193,8 +182,8 @@ def test_killed_mid_download_then_resumed(ckpts, hub, tmp_path):
     total = sum(p.stat().st_size for p in (ckpts / "model").glob("*.safetensors"))
     hub.stall_after = total * 2 // 3
     env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(hub.home), "HF_HUB_DISABLE_TELEMETRY": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "lucifer_shard.cli", "convert", "--tp", "3", REPO_ID, str(out),
-                             *SMALL_PARTS, "-q"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cli_argv("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, "-q"), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert hub.stalled.wait(120), "the conversion never reached the stall"
         proc.send_signal(signal.SIGKILL)

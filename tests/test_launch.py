@@ -8,18 +8,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from lucifer_shard.cli import cli
+from helpers import run
 from lucifer_shard.runtime_shim import doctor, launch, serve
 from lucifer_shard.runtime_shim.doctor import OK, Check
 from lucifer_shard.spec.manifest_types import Manifest
 
 ADDR = "10.0.0.1"
-
-
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
 
 
 def identity(out: Path) -> str:

@@ -7,12 +7,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from helpers import Source
-from lucifer_shard.cli.cmd_numerics import check_numerics as check_numerics_cmd
+from helpers import run, Source
 from lucifer_shard.engine.convert import convert
 from lucifer_shard.engine.synth import synth
 from lucifer_shard.errors import SourceError
@@ -264,14 +262,14 @@ def test_stock_unit_blind_offsets_give_a_large_error(tiny_random, tiny_cfg):
 
 def test_check_numerics_command_passes_and_fails(converted, tiny_random, tmp_path):
     out = converted(source=tiny_random, arch="sm120")
-    res = CliRunner().invoke(check_numerics_cmd, [str(out), str(tiny_random), "--tokens", "8", "--json"])
+    res = run("check-numerics", out, tiny_random, "--tokens", "8", "--json")
     assert res.exit_code == 0, res.output
     envelope = json.loads(res.stdout)
     doc = envelope["result"]
     assert envelope["ok"] and envelope["command"] == "check-numerics"
     assert doc["ok"] and doc["tp_size"] == 3 and doc["layers"] == [0, 1]
     assert {r["component"] for r in doc["results"]} == {ROUTED, SHARED, ATTN, VIRTUAL}
-    res = CliRunner().invoke(check_numerics_cmd, [str(out), "--layers", "4", "--tokens", "2"])  # MODEL: recorded
+    res = run("check-numerics", out, "--layers", "4", "--tokens", "2")  # MODEL: recorded
     assert res.exit_code == 0 and "output projection" in res.output and "all within tolerance" in res.output
     # tamper: rank 1's w2 (and shared down_proj) replaced by rank 0's -> the command fails with exit 1
     bad = tmp_path / "out"
@@ -289,7 +287,7 @@ def test_check_numerics_command_passes_and_fails(converted, tiny_random, tmp_pat
     report = check_numerics(bad, str(tiny_random), layers=[LAYER], tokens=4, progress=False)
     failed = {r.component for r in report.results if not r.ok}
     assert failed == {ROUTED, SHARED}
-    res = CliRunner().invoke(check_numerics_cmd, [str(bad), str(tiny_random), "--layers", str(LAYER)])
+    res = run("check-numerics", bad, tiny_random, "--layers", LAYER)
     assert res.exit_code == 1 and "FAIL" in res.output
     assert "error: numerics past tolerance" in res.output
 
@@ -324,7 +322,7 @@ def test_zero_padding_with_scale_byte_0_contributes_exactly_zero(layer_weights, 
 
 
 def test_planted_0xff_scale_yields_nan_in_the_reference(layer_weights, tiny_cfg):
-    """As the kernel on an H200 (docs/gpu-validation.md): a 0xFF scale makes its GEMM output NaN
+    """As the kernel on an H200 (docs/evidence/gpu-validation.md): a 0xFF scale makes its GEMM output NaN
     (inf * 0); in W2 that reaches the output, in W13 the clamped SwiGLU's fminf turns the NaN gate
     into the limit (a finite, wrong row), and only without a limit does it reach the output."""
     w13, w13s, w2, w2s = (t.clone() for t in _stacked(layer_weights("sm120").rank_moe[0]))
@@ -377,7 +375,7 @@ def test_a_pattern_checkpoint_is_refused_as_the_source_naming_its_tensors(conver
     """`synth --fill pattern` bytes are not a model's numbers: check-numerics says so (kind source,
     exit 2) with the layer and the source tensors, instead of 'numerics past tolerance'."""
     out = converted()
-    res = CliRunner().invoke(check_numerics_cmd, [str(out), str(tiny_pattern), "--tokens", "4", "--json"])
+    res = run("check-numerics", out, tiny_pattern, "--tokens", "4", "--json")
     assert res.exit_code == 2, res.output
     envelope = _strict(res.stdout)
     message = envelope["error"]["message"]
@@ -385,7 +383,7 @@ def test_a_pattern_checkpoint_is_refused_as_the_source_naming_its_tensors(conver
     assert message.startswith("layer 0 routed MoE: the unsharded reference is not finite"), message
     assert "layers.0.ffn.experts." in message and "synth --fill pattern" in message, message
     assert "past tolerance" not in res.output
-    res = CliRunner().invoke(check_numerics_cmd, [str(out), str(tiny_pattern), "--tokens", "4", "--quiet"])
+    res = run("check-numerics", out, tiny_pattern, "--tokens", "4", "--quiet")
     lines = res.output.strip().splitlines()
     assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: layer 0 "), res.output
 
@@ -402,8 +400,7 @@ def test_nan_in_the_rank_files_is_a_failure_with_null_figures(converted, tiny_ra
     with open(rank1, "r+b") as f:
         f.seek(len(h.block) + t.start)
         f.write(b"\x7f" * (t.end - t.start))  # E4M3 NaN
-    res = CliRunner().invoke(check_numerics_cmd, [str(bad), str(tiny_random), "--layers", str(LAYER), "--tokens", "4",
-                                                  "--json"])
+    res = run("check-numerics", bad, tiny_random, "--layers", LAYER, "--tokens", "4", "--json")
     assert res.exit_code == 1, res.output
     envelope = _strict(res.stdout)
     assert envelope["error"]["kind"] == "mismatch" and "shared expert" in envelope["error"]["message"]
@@ -418,11 +415,6 @@ def test_nan_in_the_rank_files_is_a_failure_with_null_figures(converted, tiny_ra
 def test_the_first_proof_passes_on_synth_default_fill(tmp_path):
     """README's first proof as a new user types it: `synth tiny model` (no --fill), convert, diff,
     check-numerics: every step exits 0 (the default fill is numbers)."""
-    from lucifer_shard.cli.group import cli
-
-    def run(*args):
-        return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-
     model, out = tmp_path / "model", tmp_path / "out"
     assert run("synth", "tiny", model, "-q").exit_code == 0
     assert run("convert", "--tp", "3", "--arch", "sm120", model, out, "-q").exit_code == 0

@@ -10,15 +10,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from lucifer_shard.cli.group import cli
 from lucifer_shard.engine.convert import convert
 from lucifer_shard.engine.synth import synth
 from lucifer_shard.errors import ERROR_KINDS
 from lucifer_shard.spec.manifest import COMPLETE_NAME, MANIFEST_NAME, Options, manifest_text
 
-from helpers import scratch
+from helpers import run, scratch
 
 TARGET0 = ("roles", "target", "ranks", 0, "tensors")
 EXPERTS = "model.layers.0.ffn.experts.routed_experts.w13_weight"
@@ -154,8 +152,7 @@ def test_every_reader_refuses_a_resealed_edit_alike(outputs, tmp_path, name, whi
     code = ERROR_KINDS["mismatch"][0]
     got, messages = {}, {}
     for command, argv in COMMANDS.items():
-        r = CliRunner().invoke(cli, [str(a) for a in argv(bad, model, tmp_path / "dest")] + ["--json"],
-                               catch_exceptions=False)
+        r = run(*argv(bad, model, tmp_path / "dest"), "--json")
         error = json.loads(r.stdout)["error"] if r.stdout.strip().startswith("{") else None
         got[command] = (r.exit_code, error and error["kind"])
         messages[command] = error and error["message"]

@@ -9,26 +9,20 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from helpers import CONFIGS, rank_tensors
+from helpers import CONFIGS, rank_tensors, run, run_process
 from lucifer_shard.cli import cli
 from lucifer_shard.errors import OutputError
-from lucifer_shard.spec.manifest import FLASHINFER_VERSIONS, MANIFEST_NAME, manifest_text, parse_manifest
+from lucifer_shard.spec.manifest import FLASHINFER_VERSIONS, MANIFEST_NAME, manifest_text
 from lucifer_shard.spec.manifest_types import Manifest
 from lucifer_shard.units import parse_size
 
 REPO = Path(__file__).resolve().parent.parent
 FLASH = CONFIGS / "deepseek-v4-flash.json"
 SHA = "b" * 40
-
-
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def listing(path: Path) -> list:
@@ -43,8 +37,7 @@ def listing(path: Path) -> list:
 
 def cli_subprocess(*args: str, env: dict) -> subprocess.CompletedProcess:
     """huggingface_hub reads its environment at import: a fresh process."""
-    return subprocess.run([sys.executable, "-m", "lucifer_shard.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+    return run_process(*args, env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
 
 
 # ---------------------------------------------------------------- 1. MODEL: a config.json, --revision, -tp
@@ -270,7 +263,7 @@ def test_a_manifest_with_no_arch_but_kernel_layout_is_refused(converted):
     doc = Manifest.load(converted(expert_layout="model", arch=None)).to_dict()
     edited = {**doc, "expert_layout": "kernel"}
     with pytest.raises(OutputError, match="arch is null .* but the experts are in kernel layout"):
-        parse_manifest(manifest_text({k: v for k, v in edited.items() if k != "manifest_digest"}).encode(), "m")
+        Manifest.parse(manifest_text({k: v for k, v in edited.items() if k != "manifest_digest"}).encode(), "m")
 
 
 # ---------------------------------------------------------------- 4. sizes

@@ -9,13 +9,11 @@ import json
 import re
 from pathlib import Path
 
-from click.testing import CliRunner
 
-from lucifer_shard.cli import cli
 from lucifer_shard.engine.presets import PRESETS
 from lucifer_shard.units import size
 
-from helpers import CONFIGS
+from helpers import CONFIGS, run
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 FIRST_SCREEN = "\n".join(README.splitlines()[:60])
@@ -79,8 +77,7 @@ def test_no_test_counts_in_the_readme():
 
 
 def test_the_b12x_saving_quoted_for_0731_is_plans():
-    r = CliRunner().invoke(cli, ["plan", "--tp", "3", "--moe-backend", "b12x", "--json",
-                                 str(CONFIGS / "deepseek-v4-flash-0731.json")])
+    r = run("plan", "--tp", "3", "--moe-backend", "b12x", "--json", CONFIGS / "deepseek-v4-flash-0731.json")
     assert r.exit_code == 0, r.output
     saving = json.loads(r.output)["result"]["route_saving"]
     less = size(saving["default_rank_bytes"][0] - saving["rank_bytes"][0])

@@ -3,7 +3,7 @@
 Every case runs the real CLI in a subprocess and checks: a non-zero exit with one `error:` line
 (no traceback) naming what is wrong; no incomplete file under a final name; and the source's
 bytes and mtimes unchanged. With LUCIFER_RELIABILITY_LOG=path each case appends its outcome as a
-JSON line (docs/reliability.md is rendered from it by tools/reliability_table.py).
+JSON line (docs/evidence/reliability.md is rendered from it by tools/reliability_table.py).
 """
 from __future__ import annotations
 
@@ -26,14 +26,11 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from helpers import cli_argv, one_error, run_process
+
 LOG = os.environ.get("LUCIFER_RELIABILITY_LOG")
 COMPLETE = "COMPLETE"
 SHARD = "model-00003-of-00005.safetensors"  # holds layer 3's attention and experts 0-4 (tiny preset)
-
-
-def cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lucifer_shard.cli", *map(str, args)],
-                          capture_output=True, text=True, **kw)
 
 
 def snapshot(root: Path) -> dict[str, tuple[str, int]]:
@@ -48,17 +45,6 @@ def record(case: str, outcome: str, proc: subprocess.CompletedProcess | None = N
     with open(LOG, "a") as f:
         f.write(json.dumps({"case": case, "exit": proc.returncode if proc else None, "message": line,
                             "outcome": outcome}) + "\n")
-
-
-def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    assert proc.returncode not in (0, None), proc.stdout
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith("error: ")]
-    assert len(errors) == 1, proc.stderr
-    for n in needles:
-        assert n in errors[0], (n, errors[0])
-    return errors[0]
 
 
 def no_final_files(out: Path) -> None:
@@ -100,7 +86,7 @@ CONVERT = ("convert", "--tp", "3", "--arch", "sm120", "--quiet", "--max-file-siz
 
 
 def _start(src: Path, out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "lucifer_shard.cli", *CONVERT, *extra, str(src), str(out)],
+    return subprocess.Popen(cli_argv(*CONVERT, *extra, src, out),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_as_from_a_terminal)
 
 
@@ -145,9 +131,9 @@ def test_sigkill_then_resume(tiny_pattern, clean_out, tmp_path, point):
     proc.wait()
     assert not (out / "COMPLETE").exists() and not (out / "lucifer-manifest.json").exists()
     whole_files(out)
-    refused = cli("verify", out)
-    one_line_error(refused)
-    resumed = cli(*(a for a in CONVERT if a != "--quiet"), "--resume", tiny_pattern, out)  # its report: not -q
+    refused = run_process("verify", out)
+    one_error(refused, None)
+    resumed = run_process(*(a for a in CONVERT if a != "--quiet"), "--resume", tiny_pattern, out)  # its report: not -q
     assert resumed.returncode == 0, resumed.stderr
     # the kernel released the dead writer's lock; its record is recognised and taken over
     assert f"ended without releasing it (pid {proc.pid} on" in resumed.stdout, resumed.stdout
@@ -167,7 +153,7 @@ def test_sigint_is_clean_and_resumable(tiny_pattern, clean_out, tmp_path):
     assert "Traceback" not in err and "--resume" in err
     assert not list(out.rglob("*.partial")), "temporary files were left behind"
     whole_files(out)
-    resumed = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--resume", tiny_pattern, out)
+    resumed = run_process("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--resume", tiny_pattern, out)
     assert resumed.returncode == 0 and tree(out) == tree(clean_out)
     record("SIGINT (Ctrl-C)", "exit 130, temporary files removed; --resume finishes",
            subprocess.CompletedProcess([], 130, "", err), message=err.strip().splitlines()[-1])
@@ -182,11 +168,11 @@ def test_file_size_limit(tiny_pattern, clean_out, tmp_path):
     def cap():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", tiny_pattern, out, preexec_fn=cap)
-    msg = one_line_error(proc, ".part-00000.safetensors.partial", "bytes", "--resume")
+    proc = run_process("convert", "--tp", 3, "--arch", "sm120", "--quiet", tiny_pattern, out, preexec_fn=cap)
+    msg = one_error(proc, None, ".part-00000.safetensors.partial", "bytes", "--resume")
     assert not list(out.rglob("*.partial")) and not list(out.rglob("*.safetensors"))
     assert snapshot(tiny_pattern) == before
-    resumed = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--resume", tiny_pattern, out)
+    resumed = run_process("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--resume", tiny_pattern, out)
     assert resumed.returncode == 0, resumed.stderr
     record("write fails (RLIMIT_FSIZE 2 MiB, the file size limit)", "nothing final written; source unchanged", proc, msg)
 
@@ -229,15 +215,15 @@ def test_second_writer_is_refused(tiny_pattern, clean_out, tmp_path, first):
     try:
         before = everything(out)
         for second, extra in MODES.items():
-            proc = cli(*CONVERT, *extra, tiny_pattern, out)
-            msg = one_line_error(proc, "locked by another writer", f"pid {w1.pid} on ", "started ")
+            proc = run_process(*CONVERT, *extra, tiny_pattern, out)
+            msg = one_error(proc, None, "locked by another writer", f"pid {w1.pid} on ", "started ")
             assert proc.returncode == 2 and everything(out) == before, second
         record(f"second convert (plain, --force, --resume) while a {first} convert writes OUT",
                "each refused at once, nothing changed; the first finishes byte-identical", proc, msg)
         if first == "plain":
             for command in (("verify", out), ("diff", out, tiny_pattern)):
-                proc = cli(*command)
-                msg = one_line_error(proc, "is being written by lucifer-shard convert", f"pid {w1.pid} on ")
+                proc = run_process(*command)
+                msg = one_error(proc, None, "is being written by lucifer-shard convert", f"pid {w1.pid} on ")
                 assert proc.returncode == 2 and everything(out) == before
                 record(f"{command[0]} while convert writes OUT", "refused (not reported as damage)", proc, msg)
     finally:
@@ -271,7 +257,7 @@ def cli_with_fault(target: str, after: int, *args) -> subprocess.CompletedProces
 def internal_error(proc: subprocess.CompletedProcess, function: str) -> tuple[str, Path]:
     """The one `error: internal error:` line (exit 70), and the log it names, which holds the traceback."""
     assert proc.returncode == 70, proc.stderr
-    msg = one_line_error(proc, "internal error: RuntimeError: injected fault", "; details in ")
+    msg = one_error(proc, 70, "internal error: RuntimeError: injected fault", "; details in ", internal=True)
     log = Path(msg.rsplit("; details in ", 1)[1])
     text = log.read_text()
     assert "Traceback (most recent call last)" in text and f"injected fault: {function}" in text
@@ -286,7 +272,7 @@ def test_internal_error_in_convert(tiny_pattern, clean_out, tmp_path):
     assert not list(out.rglob("*.partial")) and not (out / COMPLETE).exists()
     whole_files(out)
     assert (out / ".lucifer" / "lock").read_text() == ""  # the lock was released
-    resumed = cli(*CONVERT, "--resume", tiny_pattern, out)
+    resumed = run_process(*CONVERT, "--resume", tiny_pattern, out)
     assert resumed.returncode == 0 and tree(out) == tree(clean_out)
     record("internal error in convert (injected exception)", "exit 70, traceback in OUT/.lucifer/; "
            "--resume finishes byte-identical", proc, msg.replace(str(out), "…/out"))
@@ -349,8 +335,8 @@ def _bytes_stated(msg: str) -> int:
 
 def test_disk_too_small_is_refused_before_writing(tiny_pattern, clean_out, small_fs):
     fs = small_fs(16 << 20)
-    proc = cli(*CONVERT, tiny_pattern, fs / "out")
-    msg = one_line_error(proc, str(fs), "(tmpfs)", "not enough room", " more, then run the same command")
+    proc = run_process(*CONVERT, tiny_pattern, fs / "out")
+    msg = one_error(proc, None, str(fs), "(tmpfs)", "not enough room", " more, then run the same command")
     assert _bytes_stated(msg) == _output_bytes(clean_out)  # exact, from the plan
     assert not (fs / "out").exists()
     record("disk too small (tmpfs of 16 MiB)", "refused before writing, with the exact bytes needed; "
@@ -375,7 +361,7 @@ def test_disk_fills_mid_write_then_resume(tiny_pattern, clean_out, small_fs):
         proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=300)
     failed = subprocess.CompletedProcess([], proc.returncode, "", err)
-    msg = one_line_error(failed, "No space left on device", str(fs), "--resume")
+    msg = one_error(failed, None, "No space left on device", str(fs), "--resume")
     clean = {e["path"]: line for line in (clean_out / ".lucifer/journal.jsonl").read_text().splitlines(True)
              for e in [json.loads(line)]}
     done = {json.loads(line)["path"] for line in (out / ".lucifer/journal.jsonl").read_text().splitlines()}
@@ -386,7 +372,7 @@ def test_disk_fills_mid_write_then_resume(tiny_pattern, clean_out, small_fs):
     assert not list(out.rglob("*.partial")) and not (out / COMPLETE).exists()
     whole_files(out)
     (fs / "filler").unlink()
-    resumed = cli(*CONVERT, "--resume", tiny_pattern, out)
+    resumed = run_process(*CONVERT, "--resume", tiny_pattern, out)
     assert resumed.returncode == 0, resumed.stderr
     assert tree(out) == tree(clean_out) and snapshot(tiny_pattern) == before
     record("disk fills up mid-write (tmpfs, another file takes the rest)", "exact bytes still to write named; "
@@ -495,8 +481,8 @@ def test_bad_source(tiny_pattern, tmp_path, case):
     corrupt(src)
     before = snapshot(src)
     out = tmp_path / "out"
-    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", src, out)
-    msg = one_line_error(proc, *needles)
+    proc = run_process("convert", "--tp", 3, "--arch", "sm120", "--quiet", src, out)
+    msg = one_error(proc, None, *needles)
     no_final_files(out)
     assert snapshot(src) == before
     record(f"bad source: {case}", "refused before or while writing; nothing left under final names", proc, msg)
@@ -509,8 +495,8 @@ def test_out_inside_model(tiny_pattern, tmp_path):
     src = tmp_path / "model"
     shutil.copytree(tiny_pattern, src)
     before = snapshot(src)
-    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", src, src / "out")
-    msg = one_line_error(proc, "inside MODEL")
+    proc = run_process("convert", "--tp", 3, "--arch", "sm120", "--quiet", src, src / "out")
+    msg = one_error(proc, None, "inside MODEL")
     assert not (src / "out").exists() and snapshot(src) == before
     record("OUT inside MODEL", "refused, nothing created", proc, msg)
 
@@ -518,10 +504,10 @@ def test_out_inside_model(tiny_pattern, tmp_path):
 def test_complete_out_needs_force(tiny_pattern, clean_out, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(clean_out, out)
-    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", tiny_pattern, out)
-    msg = one_line_error(proc, "complete conversion", "--force")
+    proc = run_process("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", tiny_pattern, out)
+    msg = one_error(proc, None, "complete conversion", "--force")
     assert tree(out) == tree(clean_out)
-    forced = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--force", tiny_pattern, out)
+    forced = run_process("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--force", tiny_pattern, out)
     assert forced.returncode == 0 and tree(out) == tree(clean_out)
     record("OUT already complete, no --force", "refused, output untouched; --force replaces it", proc, msg)
 
@@ -530,8 +516,8 @@ def test_foreign_nonempty_out(tiny_pattern, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--force", tiny_pattern, out)
-    msg = one_line_error(proc, "not a lucifer-shard output")
+    proc = run_process("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--force", tiny_pattern, out)
+    msg = one_error(proc, None, "not a lucifer-shard output")
     assert (out / "notes.txt").read_text() == "mine" and list(out.iterdir()) == [out / "notes.txt"]
     record("OUT holds other files (even with --force)", "refused, files untouched", proc, msg)
 
@@ -543,16 +529,16 @@ def test_unreadable_model(tmp_path, case):
         model.write_text("x")
     elif case == "no config":
         model.mkdir()
-    proc = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", model, tmp_path / "out")
-    msg = one_line_error(proc, str(model))
+    proc = run_process("convert", "--tp", 3, "--arch", "sm120", "--quiet", model, tmp_path / "out")
+    msg = one_error(proc, None, str(model))
     assert not (tmp_path / "out").exists()
     record(f"MODEL {case}", "refused", proc, msg)
 
 
 @pytest.mark.parametrize("tp", [0, 9])
 def test_tp_the_plan_cannot_serve(tiny_pattern, tmp_path, tp):
-    proc = cli("convert", "--tp", tp, "--arch", "sm120", "--quiet", tiny_pattern, tmp_path / "out")
-    msg = one_line_error(proc, f"--tp {tp}")
+    proc = run_process("convert", "--tp", tp, "--arch", "sm120", "--quiet", tiny_pattern, tmp_path / "out")
+    msg = one_error(proc, None, f"--tp {tp}")
     assert not (tmp_path / "out").exists()
     record(f"--tp {tp}", "refused before anything is written", proc, msg)
 
@@ -563,15 +549,15 @@ def test_resume_with_other_options_or_source(tiny_pattern, tmp_path):
     _wait_for(lambda: _journal_lines(out) >= 3, proc)
     proc.kill()
     proc.wait()
-    other = cli("convert", "--tp", 3, "--arch", "sm90", "--quiet", "--max-file-size", "1MiB", "--resume",
+    other = run_process("convert", "--tp", 3, "--arch", "sm90", "--quiet", "--max-file-size", "1MiB", "--resume",
                 tiny_pattern, out)
-    msg = one_line_error(other, "--resume", "other options", "--arch sm120 -> --arch sm90")
+    msg = one_error(other, None, "--resume", "other options", "--arch sm120 -> --arch sm90")
     record("--resume with other options", "refused, names what differs", other, msg)
     src = tmp_path / "model"
     shutil.copytree(tiny_pattern, src)
     _config(src, rms_norm_eps=1e-5)
-    changed = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--resume", src, out)
-    msg = one_line_error(changed, "--resume", "source checkpoint changed")
+    changed = run_process("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--resume", src, out)
+    msg = one_error(changed, None, "--resume", "source checkpoint changed")
     record("--resume against a changed source", "refused, names what differs", changed, msg)
     same_shapes = tmp_path / "retrained"  # same headers and sizes, other bytes: a fine-tune
     shutil.copytree(tiny_pattern, same_shapes)
@@ -583,6 +569,6 @@ def test_resume_with_other_options_or_source(tiny_pattern, tmp_path):
     raw = bytearray((same_shapes / SHARD).read_bytes())
     raw[-1] ^= 0x01
     (same_shapes / SHARD).write_bytes(bytes(raw))
-    stale = cli("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--resume", same_shapes, out)
-    msg = one_line_error(stale, "--resume", "source checkpoint changed", SHARD)
+    stale = run_process("convert", "--tp", 3, "--arch", "sm120", "--quiet", "--max-file-size", "1MiB", "--resume", same_shapes, out)
+    msg = one_error(stale, None, "--resume", "source checkpoint changed", SHARD)
     record("--resume after the source bytes changed (same shapes)", "refused, names the file", stale, msg)

@@ -10,9 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from lucifer_shard.cli.group import cli
+from helpers import run
 from lucifer_shard.engine import convert as engine
 from lucifer_shard.engine import writeloop
 from lucifer_shard.spec.manifest import Options
@@ -21,10 +20,6 @@ from lucifer_shard.spec.stheader import read_header
 ARGS = ("convert", "--tp", "3", "--arch", "sm120")
 DAMAGED = "target/rank-1/part-00000.safetensors"  # a byte flipped inside its data
 GONE = "draft/rank-2/part-00000.safetensors"  # deleted
-
-
-def run(*args: object):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
 
 
 def stamps(out: Path) -> dict[str, tuple[int, int, int]]:

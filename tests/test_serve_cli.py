@@ -14,7 +14,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from lucifer_shard import __version__
 from lucifer_shard.cli import cli
@@ -22,14 +21,10 @@ from lucifer_shard.runtime_shim import compat, doctor, serve
 from lucifer_shard.runtime_shim.doctor import FAIL, OK, Check
 from lucifer_shard.spec.manifest import MANIFEST_NAME, manifest_text
 
-from helpers import script_module
+from helpers import run, script_module
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = '{"method":"mtp","num_speculative_tokens":%d}'
-
-
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
 
 
 def command_of(out: Path, *tail: str, backends: bool = True) -> str:
@@ -240,7 +235,7 @@ def test_help_is_help_wherever_it_is(converted):
 
 
 def test_vllm_arguments_before_the_double_dash_are_refused_with_the_fix(converted):
-    r = CliRunner().invoke(cli, ["serve", str(converted()), "--max-model-len", "4096"])
+    r = run("serve", converted(), "--max-model-len", "4096")
     assert r.exit_code == 2 and "No such option" in r.output and "--max-model-len" in r.output
     assert "vLLM's own arguments go after `--`: lucifer-shard serve OUT [OPTIONS] -- --max-model-len 65536" in r.output
 

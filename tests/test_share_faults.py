@@ -13,9 +13,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from lucifer_shard.cli import cli
+from helpers import run
 from lucifer_shard.engine import stage as stage_mod
 from lucifer_shard.errors import Locked, OutputError
 from lucifer_shard.guarded_io import Tree
@@ -23,10 +22,6 @@ from lucifer_shard.spec.outlock import OutLock, reading
 from lucifer_shard.spec.share import SHARE_NAME, read_share, record_problem
 
 PART1 = "target/rank-1/part-00000.safetensors"
-
-
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def error_kind(*args) -> str:

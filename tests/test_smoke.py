@@ -8,12 +8,11 @@ import math
 import socket
 
 import pytest
-from click.testing import CliRunner
 
-from lucifer_shard.cli import cli
 from lucifer_shard.errors import ERROR_KINDS
 from lucifer_shard.proof import smoke as sm
 
+from helpers import run
 from vllmstandin import MODEL, StandIn
 
 # What vLLM 0.32.0's /metrics holds for a drafting server (names and labels of vllm/v1/spec_decode/metrics.py;
@@ -32,10 +31,6 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",pos
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 80.0
 vllm:num_requests_running{model_name="a \\"quoted\\", name"} 0.0
 """
-
-
-def run(*args: str):
-    return CliRunner().invoke(cli, ["smoke", *args])
 
 
 # ---------------------------------------------------------------- the pure parts
@@ -121,7 +116,7 @@ def test_the_greedy_repeat_names_where_the_outputs_differ():
 
 def test_a_healthy_drafting_server_passes_with_every_figure():
     with StandIn(accept=(1.0, 0.9, 0.8)) as s:
-        r = run(f"{s.url}/v1/", "--model", MODEL, "--max-tokens", "8", "--concurrency", "3", "--json")  # OpenAI's base
+        r = run("smoke", f"{s.url}/v1/", "--model", MODEL, "--max-tokens", "8", "--concurrency", "3", "--json")  # OpenAI's base
     doc = json.loads(r.stdout)
     assert r.exit_code == 0 and doc["ok"], r.output
     result = doc["result"]
@@ -142,7 +137,7 @@ def test_a_healthy_drafting_server_passes_with_every_figure():
 ])
 def test_a_failed_check_exits_1_naming_it(standin, args, failed):
     with StandIn(**standin) as s:
-        r = run(s.url, "--max-tokens", "4", "--concurrency", "2", *args)
+        r = run("smoke", s.url, "--max-tokens", "4", "--concurrency", "2", *args)
     assert r.exit_code == ERROR_KINDS["check_failed"][0] == 1, r.output
     assert f"[FAIL] {failed}" in r.stdout
     assert r.stderr.startswith(f"error: smoke: 1 check(s) failed; first: [FAIL] {failed}")
@@ -163,10 +158,10 @@ def _free_port() -> int:
 ])
 def test_a_server_that_cannot_be_checked_is_one_line_of_kind_server(standin, url, message):
     if standin is None:
-        r = run(url.format(port=_free_port()), "--timeout", "1", "--json")
+        r = run("smoke", url.format(port=_free_port()), "--timeout", "1", "--json")
     else:
         with StandIn(**standin) as s:
-            r = run(s.url, "--timeout", "1", "--max-tokens", "2", "--concurrency", "1", "--json")
+            r = run("smoke", s.url, "--timeout", "1", "--max-tokens", "2", "--concurrency", "1", "--json")
     doc = json.loads(r.stdout)
     assert r.exit_code == 2 and doc["error"]["kind"] == "server", r.output
     assert message in doc["error"]["message"] and r.stderr.count("\n") == 1, r.stderr
@@ -174,6 +169,6 @@ def test_a_server_that_cannot_be_checked_is_one_line_of_kind_server(standin, url
 
 @pytest.mark.parametrize("url", ["ftp://127.0.0.1:8000", "http://", "/tmp/a/path"])
 def test_what_is_no_http_url_is_a_usage_error(url):
-    r = run(url, "--json")
+    r = run("smoke", url, "--json")
     assert r.exit_code == 2 and json.loads(r.stdout)["error"]["kind"] == "usage"
     assert "not an http(s) URL; pass the server's base URL" in r.stderr

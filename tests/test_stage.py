@@ -11,16 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from lucifer_shard.cli import cli
+from helpers import run
 from lucifer_shard.engine import stage as stage_mod
 from lucifer_shard.guarded_io import Tree
 from lucifer_shard.spec.share import SHARE_NAME, missing_rank, node_ranks, read_share, share_problem
-
-
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def listing(root: Path) -> dict[str, tuple[int, int]]:
@@ -49,7 +44,7 @@ def test_a_share_holds_its_ranks_and_verifies(converted, tmp_path):
     assert (dest / "lucifer-manifest.json").read_bytes() == (out / "lucifer-manifest.json").read_bytes()
     assert not (dest / ".lucifer").exists()
     share = read_share(dest)
-    assert (share["ranks"], share["nnodes"], share["node_rank"], share["tp_size"]) == ([1], 3, 1, 3)
+    assert (share.ranks, share.nnodes, share.node_rank, share.tp_size) == ((1,), 3, 1, 3)
     for rel in (p for p in listing(dest) if p.endswith(".safetensors")):  # linked: the same inode
         assert (dest / rel).stat().st_ino == (out / rel).stat().st_ino
     assert listing(out) == before  # nothing of OUT changed
@@ -64,7 +59,7 @@ def test_a_share_holds_its_ranks_and_verifies(converted, tmp_path):
                                  if line.startswith(("target ", "draft "))] == [["target", "1"], ["draft", "1"]]
     assert run("diff", dest).exit_code == 0  # the ranks present, byte for byte against the source
     assert run("stage", "-q", out, tmp_path / "ranks02", "--ranks", "2,0").stdout == f"{tmp_path / 'ranks02'}\n"
-    assert read_share(tmp_path / "ranks02")["ranks"] == [0, 2]
+    assert read_share(tmp_path / "ranks02").ranks == (0, 2)
 
 
 def test_a_damaged_file_in_a_share_is_found_and_a_missing_one_named(converted, tmp_path):
@@ -267,7 +262,7 @@ def test_dest_inside_out_through_a_bind_mount_is_refused(converted, tmp_path):
     if subprocess.run(["mount", "--bind", str(out), str(bind)], capture_output=True).returncode:
         pytest.skip("mount --bind is not permitted here")
     try:
-        r = CliRunner().invoke(cli, ["stage", str(out), str(bind / "n0"), "--ranks", "0", "--json"])
+        r = run("stage", out, bind / "n0", "--ranks", "0", "--json")
         assert r.exit_code == 2 and _kind(r) == "usage" and "inside the output" in r.stderr, r.output
         assert not (out / "n0").exists()
     finally:
@@ -279,11 +274,11 @@ def test_a_symlinked_folder_in_dest_is_refused_as_a_link(converted, tmp_path, li
     """U: a symlinked target/ or target/rank-0 in an unfinished share was kind `output`; a link is kind
     `refused`, as a symlinked config.json already was (docs/cli.md)."""
     out, dest, aside = converted(), tmp_path / "node0", tmp_path / "aside"
-    assert CliRunner().invoke(cli, ["stage", str(out), str(dest), "--ranks", "0", "-q"]).exit_code == 0
+    assert run("stage", out, dest, "--ranks", "0", "-q").exit_code == 0
     (dest / "COMPLETE").unlink()
     aside.mkdir()
     (dest / link).rename(aside / "moved")
     (dest / link).symlink_to(aside / "moved")
-    r = CliRunner().invoke(cli, ["stage", str(out), str(dest), "--ranks", "0", "--json"])
+    r = run("stage", out, dest, "--ranks", "0", "--json")
     assert r.exit_code == 2 and _kind(r) == "refused" and "is a symlink" in r.stderr, r.output
     assert (dest / link).is_symlink() and not (dest / "COMPLETE").exists()

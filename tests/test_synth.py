@@ -8,8 +8,9 @@ import torch
 import pytest
 from safetensors import safe_open
 
+from helpers import run
 from lucifer_shard.engine.synth import synth
-from lucifer_shard.spec.rules import expected_sources
+from lucifer_shard.spec.tensorspecs import expected_sources
 from lucifer_shard.spec.source import open_checkpoint
 
 
@@ -77,13 +78,6 @@ def test_pattern_fill_never_writes_ff(tiny_pattern):
 # ---------------------------------------------------------------- OUT and file modes (issue 27)
 
 
-def _run(*args):
-    from click.testing import CliRunner
-
-    from lucifer_shard.cli.group import cli
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-
-
 @pytest.mark.parametrize("make, named", [
     (lambda p: p.write_text("x\n"), "is a regular file"),
     (lambda p: (p.mkdir(), (p / "notes.txt").write_text("mine\n")), "not empty (notes.txt)"),
@@ -96,7 +90,7 @@ def test_synth_refuses_an_out_that_is_not_absent_or_empty(tmp_path, make, named)
     out = tmp_path / "out"
     make(out)
     before = sorted((q.name, q.read_bytes()) for q in out.iterdir()) if out.is_dir() else None
-    r = _run("synth", "tiny", out)
+    r = run("synth", "tiny", out)
     assert r.exit_code == 2, r.output
     line = r.output.strip()
     assert line.startswith(f"error: OUT {out}: ") and named in line and "\n" not in line, line
@@ -106,13 +100,13 @@ def test_synth_refuses_an_out_that_is_not_absent_or_empty(tmp_path, make, named)
 def test_synth_refusal_kind_is_output(tmp_path):
     import json as _json
     (tmp_path / "afile").write_text("x\n")
-    r = _run("synth", "tiny", tmp_path / "afile", "--json")
+    r = run("synth", "tiny", tmp_path / "afile", "--json")
     assert r.exit_code == 2 and _json.loads(r.stdout)["error"]["kind"] == "output", r.output
 
 
 def test_synth_into_an_empty_directory(tmp_path):
     (tmp_path / "empty").mkdir()
-    assert _run("synth", "tiny", tmp_path / "empty", "-q").exit_code == 0
+    assert run("synth", "tiny", tmp_path / "empty", "-q").exit_code == 0
     assert (tmp_path / "empty" / "config.json").is_file()
 
 
@@ -142,16 +136,13 @@ def test_synth_checks_the_room_before_writing(tmp_path, monkeypatch):
     """Issue 43 finding 15: `synth flash-layer --layers 40` ran a shared disk full before it cleaned up; now
     the preset's bytes (engine/presets.py) are checked against the filesystem first, kind no_room, and
     nothing is created."""
-    from click.testing import CliRunner
-
-    from lucifer_shard.cli import cli
     from lucifer_shard.engine import diskspace
     from lucifer_shard.engine.presets import preset_bytes
 
     need = preset_bytes("flash-layer", 40)
     monkeypatch.setattr(diskspace, "free_bytes", lambda path: need // 2)
     out = tmp_path / "big"
-    r = CliRunner().invoke(cli, ["synth", "flash-layer", str(out), "--layers", "40", "--json"])
+    r = run("synth", "flash-layer", out, "--layers", "40", "--json")
     doc = json.loads(r.stdout)
     assert r.exit_code == 2 and doc["error"]["kind"] == "no_room", r.output
     assert f"({need:,} bytes: checkpoint shards and JSON files)" in doc["error"]["message"]
@@ -162,16 +153,13 @@ def test_synth_checks_the_room_before_writing(tmp_path, monkeypatch):
 def test_the_preset_bytes_synth_names_are_what_it_writes(tmp_path, preset):
     """The room check's (and the help's) bytes: at least what synth writes, within 128 KiB of it (the bound on
     the headers and JSON files)."""
-    from click.testing import CliRunner
-
-    from lucifer_shard.cli import cli
     from lucifer_shard.engine.presets import preset_bytes
     from lucifer_shard.units import size
 
     out = synth(preset, tmp_path / preset, progress=False)
     written = sum(p.stat().st_size for p in out.iterdir())
     assert 0 <= preset_bytes(preset) - written <= 64 << 10 << 1, (preset_bytes(preset), written)
-    assert f"writes {size(preset_bytes(preset))}" in CliRunner().invoke(cli, ["synth", "--help"]).stdout
+    assert f"writes {size(preset_bytes(preset))}" in run("synth", "--help").stdout
 
 
 @pytest.mark.parametrize("preset, layers, reads", [("flash-0731-layer", 2, [0, 1]), ("flash-0731-layer", None, [0]),

@@ -7,10 +7,8 @@ import shutil
 
 import pytest
 
-from click.testing import CliRunner
 
-from helpers import CONFIGS
-from lucifer_shard.cli import cli
+from helpers import CONFIGS, run
 from lucifer_shard.spec import boxfit, v41
 
 CONFIG = CONFIGS / "deepseek-v4.1-flash.json"
@@ -18,10 +16,6 @@ CONFIG = CONFIGS / "deepseek-v4.1-flash.json"
 # and drafter, exactly a third; each rank's Engram rows times 264 bytes (rank 0 and rank 2).
 ROUTED_TP3 = 96_259_276_800 + 2_406_481_920
 ENGRAM_TP3 = (67_585_364_880, 67_586_622_048)
-
-
-def run(*args: str):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
 def test_tp3_bytes_per_rank():

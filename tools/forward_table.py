@@ -1,4 +1,4 @@
-"""Render the "Tokens out" figures of docs/serving-proof.md from one forward-suite run kept with
+"""Render the "Tokens out" figures of docs/evidence/serving-proof.md from one forward-suite run kept with
 LUCIFER_FORWARD_OUT=DIR (its DIR/summary.json):
 
     LUCIFER_FORWARD_OUT=/tmp/fwd make test-forward && python3 tools/forward_table.py /tmp/fwd

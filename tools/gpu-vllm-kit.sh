@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the vLLM kit for the lent H100/H200 (docs/gpu-validation.md §8, §10), on this machine:
+# Build the vLLM kit for the lent H100/H200 (docs/evidence/gpu-validation.md §8, §10), on this machine:
 # vLLM VLLM_VERSION (0.33.0: tests/gpu/vllm-kit.txt; 0.34.0: tests/gpu/vllm-kit-0.34.0.txt) and the
 # packages of its lock, unpacked for CPython 3.12 into one site-packages tree, slimmed, xz-packed and
 # split into pieces of PIECE_MIB under ignored folders .vllmkit1/ .vllmkit2/ ... (0.34.0:

@@ -1,4 +1,4 @@
-"""Render docs/reliability.md's tables from the JSON lines the suites log.
+"""Render docs/evidence/reliability.md's tables from the JSON lines the suites log.
 
     LUCIFER_RELIABILITY_LOG=/tmp/rel.jsonl python3 -m pytest -q tests/test_reliability.py
     python3 tools/reliability_table.py /tmp/rel.jsonl            # the fault-injection case table

@@ -1,4 +1,4 @@
-"""Render the figures of docs/serving-proof.md from the reports the real-model tests keep.
+"""Render the figures of docs/evidence/serving-proof.md from the reports the real-model tests keep.
 
     LUCIFER_PROOF_OUT=/tmp/proof make test-shim            # or pytest tests/shim/test_{real,fork}_model.py
     python3 tools/serving_proof_table.py /tmp/proof          # markdown on stdout

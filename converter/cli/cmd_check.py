@@ -18,7 +18,7 @@ from ..proof.report import Report
 from ..proof.structure import open_files, read_manifest
 from ..spec.drafts import DRAFT_KINDS
 from ..spec.plan import serving_arch
-from ..spec.share import describe, identity_line, read_share
+from ..spec.share import ShareRecord, describe, identity_line, read_share
 from ..spec.manifest import MANIFEST_NAME, complete_problem, read_manifest_bytes
 from ..spec.manifest_types import Manifest
 from ..spec.outwatch import ReadWatch
@@ -173,9 +173,9 @@ def inspect(out: Path) -> None:
         _fail(report, "problem(s)", DAMAGED)
 
 
-def share_line(share: dict) -> str:
+def share_line(share: ShareRecord) -> str:
     """What a node's share holds, said before its report: the other ranks are absent by design."""
-    others = [r for r in range(share["tp_size"]) if r not in share["ranks"]]
+    others = [r for r in range(share.tp_size) if r not in share.ranks]
     return (f"share of {describe(share)}: only its ranks are here and checked"
             + (f" (rank(s) {', '.join(map(str, others))} are on other nodes)" if others else ""))
 
@@ -185,7 +185,7 @@ def summarize(out: Path) -> dict:
     m = Manifest.parse(read_manifest_bytes(out), out / MANIFEST_NAME)
     try:
         share = read_share(out, m.conversion_id, m.tp_size)
-        held = share["ranks"] if share is not None else None
+        held = share.ranks if share is not None else None
     except OutputError:  # structure's finding (exit 1 after the summary): no rank counts as the share's
         share, held = None, []
     roles = {role: [{"rank": e.rank, "files": len(e.files), "bytes": sum(f.bytes for f in e.files),
@@ -197,7 +197,7 @@ def summarize(out: Path) -> dict:
     src = m.source
     return {
         "out": str(out),
-        "share": share,
+        "share": share.to_dict() if share is not None else None,
         "complete": complete_problem(out, m.conversion_id) is None,
         "manifest_digest_ok": m.sealed,
         "conversion_id": m.conversion_id,
@@ -232,7 +232,7 @@ ROLE_ORDER = ("target", "draft")
 def summary_lines(d: dict) -> list[str]:
     src = d["source"]
     lines = [
-        *([share_line(d["share"])] if d.get("share") else []),
+        *([share_line(ShareRecord.parse(d["share"]))] if d.get("share") else []),
         f"output         {d['out']}",
         f"conversion     {d['conversion_id']}  "
         f"({'complete' if d['complete'] else 'NOT complete'}, manifest digest "

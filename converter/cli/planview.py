@@ -20,7 +20,8 @@ from ..spec.manifest import Options, part_path
 from ..spec.plan import MOE_ROUTES, Plan, make_plan, padding_only
 from ..spec import boxfit, v41
 from ..spec.share import NodeShare
-from ..spec.rules import DTYPE_SIZE, TensorSpec, build_specs, expected_sources
+from ..spec.rules import DTYPE_SIZE
+from ..spec.tensorspecs import TensorSpec, build_specs, expected_sources
 from ..units import duration, rate, size
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.")

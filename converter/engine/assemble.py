@@ -39,7 +39,8 @@ from ..errors import ENVIRONMENT_ERRNOS, EnvironmentRefused, SourceError
 from ..guarded_io import open_regular
 from ..spec.content import ContentDigests
 from ..spec.dtypes import CONVERSIONS, convert_bytes
-from ..spec.rules import DTYPE_SIZE, TensorSpec
+from ..spec.rules import DTYPE_SIZE
+from ..spec.tensorspecs import TensorSpec
 from ..spec.source import Checkpoint
 
 CHUNK_BYTES = 16 << 20

@@ -20,18 +20,19 @@ from ..spec.manifest_types import Copy, Manifest
 from ..spec.share import node_ranks
 from ..units import size
 from .job import Job
+from .journal import JournalEntry
 from .manifest_writer import build_manifest
 
 REPO = "REPO"  # the repo OUT is uploaded to, unknown when convert writes the card
 LICENSE_KEYS = ("license", "license_name", "license_link")  # license_name and link go with license: other
 
 
-def write_card(out: Path, job: Job, files: dict[str, dict]) -> None:
+def write_card(out: Path, job: Job, files: dict[str, JournalEntry]) -> None:
     """Write OUT/README.md for `job` with these rank files (convert: after the rank files, before the manifest)."""
     Tree(out).write_bytes(CARD_NAME, card_text(build_manifest(job, files), job_license(job)).encode())
 
 
-def planned_sizes(job: Job, files: dict[str, dict]) -> list[int]:
+def planned_sizes(job: Job, files: dict[str, JournalEntry]) -> list[int]:
     """The bytes of the card and of the manifest that records it, exact before anything is written (`files`:
     the planned rank files, whose digests have their fixed length): convert's room check counts both."""
     manifest = build_manifest(job, files)

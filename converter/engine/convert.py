@@ -36,8 +36,9 @@ from .feed import DOWNLOAD_REL, SourceFeed
 from .job import Job, part_keys, planned_paths, prepare
 from .manifest_writer import build_manifest, write_manifest
 from .nodeshare import SHARE_NAME, share_problem, write_share
-from .outstate import (check_out, conversion_record, journal_line, part_valid, partial_bytes, planned_files,
-                       record_text, refuse_target, remove_partials, sizes_to_write, source_changed, truncate_journal)
+from .journal import JournalEntry, journal_line, truncate_journal
+from .outstate import (check_out, conversion_record, part_valid, partial_bytes, planned_files, record_text,
+                       refuse_target, remove_partials, sizes_to_write, source_changed)
 from .owned import RECORD_REL, clear, plan_clearing, read_json
 from .card import write_card
 from .repair import check_content, reference, restore_copy, survey
@@ -77,20 +78,21 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     return summary
 
 
-def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) -> dict[str, dict]:
+def _kept_parts(job: Job, out: Path, journaled: dict[str, JournalEntry], by_name: dict) -> dict[str, JournalEntry]:
     """The journal entries --resume keeps: every rank file of the part still hashes to its journaled
     file and tensor digests, and the part's source tensors, read again, to its journaled source
     digests (the manifest copies all three; a journal edited or torn elsewhere redoes the part).
     A source on the Hub is not read again (its shards may be gone): its commit and the SHA-256 of
     every shard pin its bytes (`check_out` refused a change), and the journaled source digests must
     give the content stamp the part's files carry (`stamped_sources`)."""
-    kept: dict[str, dict] = {}
+    kept: dict[str, JournalEntry] = {}
     candidates = []
     for part in job.parts:
         paths = [part_path(part.role, r, part.index) for r in range(job.plan.tp)]
         # the first rank's entry carries the part's source digests (a journal without them is redone); a
         # node's convert journals the other ranks' digests, with no file to check (`nodeshare`)
-        if "sources" in journaled.get(paths[0], {}) and all(p in journaled and (not job.writes(p) or
+        first = journaled.get(paths[0])
+        if first is not None and first.sources is not None and all(p in journaled and (not job.writes(p) or
                                                                                  part_valid(out, journaled[p]))
                                                              for p in paths):
             candidates.append((part, paths))
@@ -98,7 +100,7 @@ def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) 
     sources = resumed_sources(job.ckpt, keys) if job.on_disk else stamped_sources(out, journaled, candidates)
     for part, paths in candidates:
         want = {k: sources.get(k) for k in part_keys(by_name[part.role], part)}
-        if journaled[paths[0]]["sources"] == want:
+        if journaled[paths[0]].sources == want:
             kept.update({p: journaled[p] for p in paths})
         else:
             logger.info("%s part %d: journaled source digests differ from the source; redoing it", part.role,
@@ -106,7 +108,43 @@ def _kept_parts(job: Job, out: Path, journaled: dict[str, dict], by_name: dict) 
     return kept
 
 
-def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str, dict], workers: int,
+class _Writing:
+    """What convert and a repair share around their writes, one path for both: the room check (OUT's
+    filesystem, then the feed's download room) and the fault mapping on the way out: a write that ran
+    out of room or hit the file-size limit (`write_failed`: what is still to write, `left()`, and the
+    largest planned file), or another fault of the machine (`errors.fault`), each ending with
+    --resume; any other exit leaves at once without waiting for the downloader. The feed and the
+    source are closed whatever happens."""
+
+    def __init__(self, job: Job, out: Path, planned: dict[str, JournalEntry], left: Callable[[], list[int]]):
+        self.job, self.out, self.planned, self.left = job, out, planned, left
+        self.feed: SourceFeed | None = None  # set once the parts to write are known
+
+    def check_room(self, left: list[int], given_back: int, then: str) -> None:
+        check_room(self.out, left, given_back, then)
+        self.feed.check_room(left, given_back, then)
+
+    def _fault(self, err: OSError) -> BaseException:
+        if err.errno in WRITE_LIMITS:
+            return write_failed(err, self.out, self.left(), max(f.bytes for f in self.planned.values()))
+        return fault(err, "convert", "run the same command with --resume (finished files are kept)") or err
+
+    def __enter__(self) -> _Writing:
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        try:
+            if isinstance(err, OSError):
+                raise self._fault(err) from None
+            if err is not None and self.feed is not None:
+                self.feed.close(wait=False)  # Ctrl-C, SIGTERM, a refused source: leave now
+        finally:
+            if self.feed is not None:
+                self.feed.close()
+            self.job.ckpt.close()
+
+
+def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str, JournalEntry], workers: int,
                    progress: bool, download_dir: Path | None, keep_source: bool) -> Summary:
     """--resume on an output whose manifest is this job's: re-check every file against it and write
     again, from the source, only what fails (`repair`). COMPLETE goes first and comes back last, so
@@ -114,9 +152,8 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
     tree = Tree(out)
     summary = Summary(out, job.cid)
     planned = planned_files(job)
-    left: list[int] = [e["bytes"] for e in planned.values()]  # until the survey says what is damaged
-    feed = None
-    try:
+    left: list[int] = [e.bytes for e in planned.values()]  # until the survey says what is damaged
+    with _Writing(job, out, planned, lambda: left) as writing:
         rep = survey(out, manifest, job.ckpt.root if job.on_disk else None, job.written_ranks)
         summary.files_resumed = len(rep.entries) - len(rep.damaged)
         record = read_json(tree, RECORD_REL)
@@ -130,15 +167,14 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
                                                 if removed else ""))
             return summary
         ranks_of = {id(part): ranks for part, ranks in rep.parts(job)}
-        feed = SourceFeed(job, out, [part for part, _ in rep.parts(job)], download_dir, keep_source)
+        writing.feed = feed = SourceFeed(job, out, [part for part, _ in rep.parts(job)], download_dir, keep_source)
         todo = [(part, ranks_of[id(part)]) for part in feed.order]  # a streamed source's order, as a conversion's
-        left = [planned[rel]["bytes"] for rel in rep.damaged] + [sum(len(journal_line(planned[rel]))
+        left = [planned[rel].bytes for rel in rep.damaged] + [sum(len(journal_line(planned[rel]))
                                                                    for rel in rep.damaged)]
         left += [manifest.copies[name].bytes for name in rep.copies] + [len(job.cid) + 1]
         if not record_ok:
             left.append(len(record_text(conversion_record(job)).encode()))
-        check_room(out, left, partial_bytes(out, job), "run the same command with --resume")
-        feed.check_room(left, partial_bytes(out, job), "run the same command with --resume")
+        writing.check_room(left, partial_bytes(out, job), "run the same command with --resume")
         remove_partials(out, job)  # the tool's own temporaries of a stopped run, not the output
         changed = False
 
@@ -158,7 +194,8 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
                 for rank in ranks:
                     tree.make_dirs(rank_dir(part.role, rank))
                 rel = part_path(part.role, ranks[0], part.index)
-                first = journaled.get(part_path(part.role, 0, part.index), {}).get("sources")
+                entry = journaled.get(part_path(part.role, 0, part.index))
+                first = entry.sources if entry is not None else None
 
                 def check(content: str, sources: dict[str, str], rel: str = rel, first: dict | None = first) -> None:
                     check_content(rel, rep.content[rel], content, sources, first, job.ckpt.root)
@@ -178,25 +215,6 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
                              f"every other file matched the manifest and was kept")
         feed.finish()
         return summary
-    except OSError as e:
-        raise _os_fault(e, out, left, planned) from None
-    except BaseException:
-        if feed is not None:
-            feed.close(wait=False)  # Ctrl-C, SIGTERM, a refused source: leave now
-        raise
-    finally:
-        if feed is not None:
-            feed.close()
-        job.ckpt.close()
-
-
-def _os_fault(e: OSError, out: Path, left: list[int], planned: dict[str, dict]) -> BaseException:
-    """A write that ran out of room or hit the file-size limit (`write_failed`: what is still to write,
-    the largest of the `planned` files), or another fault of the machine (`errors.fault`), each ending
-    with --resume; else `e` (a bug)."""
-    if e.errno in WRITE_LIMITS:
-        return write_failed(e, out, left, max(f["bytes"] for f in planned.values()))
-    return fault(e, "convert", "run the same command with --resume (finished files are kept)") or e
 
 
 def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int, progress: bool,
@@ -210,83 +228,75 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     if clearing is not None:
         clearing.refuse_foreign(out)
     summary = Summary(out, job.cid)
-    by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
-    results = _kept_parts(job, out, journaled, by_name) if journaled else {}
-    feed = SourceFeed(job, out, [p for p in job.parts if part_path(p.role, 0, p.index) not in results], download_dir,
-                      keep_source)
-    todo = feed.order
-    summary.files_resumed = sum(map(job.writes, results))  # a node's convert journals other ranks too
-    # Nothing in OUT has changed yet: check the room first, counting what this run removes.
     planned = planned_files(job)
     record = conversion_record(job)
-    given_back = clearing.freed if clearing is not None else 0
-    given_back += partial_bytes(out, job)  # the temporary files of a stopped run, removed below
-    left = sizes_to_write(job, planned, set(results), record)
-    logger.info("room: %s to write, %s free on %s, %s given back by this run", size(sum(left)), size(free_bytes(out)),
-                filesystem(out), size(given_back))
-    then = "run the same command" + (" with --resume" if results else "")
-    check_room(out, left, given_back, then)
-    feed.check_room(left, given_back, then)
-    if clearing is not None:
-        clear(tree, clearing)
-    tree.remove(COMPLETE_NAME)  # --resume of a finished output whose manifest is gone: not complete until the end
-    remove_partials(out, job)
-    logger.info("%d part(s) of %d files to write, %d file(s) kept from an earlier run", len(todo), job.plan.tp,
-                summary.files_resumed)
-    digests = source_digests(job, todo)
-    ranks, hashed = job.written_ranks, job.hashed_ranks  # a node's convert hashes the other ranks' files
+    results: dict[str, JournalEntry] = {}  # journal entries of the files kept or written
     unwritten: dict | None = record  # the record, until it is written
-    earlier = 0  # the journal's length before this run: what an earlier run recorded
-    written: list[str] = []  # rank files this run published
-    try:
-        tree.write_bytes(RECORD_REL, record_text(record).encode())
-        unwritten = None
-        for role in job.roles:
-            for rank in ranks:
-                tree.make_dirs(rank_dir(role, rank))
-        with WriteLoop(job, out, [(part, ranks + hashed) for part in todo], "convert", workers, progress,
-                       summary) as loop:
-            earlier = loop.earlier
-            feed.start(loop.bar)
-            for i, part in enumerate(todo):
-                t_part = time.perf_counter()
-                feed.before(i)
-                entries = loop.write(part, ranks, digests, hashed=hashed)
-                feed.after(i)
-                written += [rel for rel in entries if job.writes(rel)]
-                results.update(entries)  # only now kept
-                logger.info("%s part %d: %d file(s), %s, %.1f s", part.role, part.index, len(entries),
-                            size(sum(e["bytes"] for e in entries.values())), time.perf_counter() - t_part)
-        for name in job.ckpt.side:
-            tree.copy_in(job.ckpt.root / name, name)
-        write_card(out, job, results)
-        changed = source_changed(job, record)
-        if changed:
-            raise OutputError(f"{job.ckpt.root / changed}: changed while it was being converted (its size or time "
-                              f"differs from when convert started); {out} is not finished: when the checkpoint is "
-                              f"complete, run the same command with --force")
-        write_manifest(out, build_manifest(job, results, out))
-        write_share(tree, job)
-        tree.write_bytes(COMPLETE_NAME, (job.cid + "\n").encode())
-        feed.finish()
-        summary.notes += [n for n in [feed.summary()] if n]
-    except SourceError:
-        # The source itself is bad: no rerun can finish what this run started, so it leaves nothing of its
-        # own behind; a resume removes only that, never an earlier run's files, journal or record.
-        feed.close()  # no download writes into OUT while it is cleared
-        if earlier or summary.files_resumed:
-            for rel in written:
-                tree.remove(rel)
-            truncate_journal(tree, earlier)
-        else:
-            clear(tree, plan_clearing(tree))
-        raise
-    except OSError as e:
-        raise _os_fault(e, out, sizes_to_write(job, planned, set(results), unwritten), planned) from None
-    except BaseException:
-        feed.close(wait=False)  # Ctrl-C, SIGTERM: leave now
-        raise
-    finally:
-        feed.close()
-        job.ckpt.close()
+    with _Writing(job, out, planned, lambda: sizes_to_write(job, planned, set(results), unwritten)) as writing:
+        by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
+        results.update(_kept_parts(job, out, journaled, by_name) if journaled else {})
+        writing.feed = feed = SourceFeed(job, out, [p for p in job.parts if part_path(p.role, 0, p.index) not in results],
+                                         download_dir, keep_source)
+        todo = feed.order
+        summary.files_resumed = sum(map(job.writes, results))  # a node's convert journals other ranks too
+        # Nothing in OUT has changed yet: check the room first, counting what this run removes.
+        given_back = clearing.freed if clearing is not None else 0
+        given_back += partial_bytes(out, job)  # the temporary files of a stopped run, removed below
+        left = sizes_to_write(job, planned, set(results), record)
+        logger.info("room: %s to write, %s free on %s, %s given back by this run", size(sum(left)),
+                    size(free_bytes(out)), filesystem(out), size(given_back))
+        writing.check_room(left, given_back, "run the same command" + (" with --resume" if results else ""))
+        if clearing is not None:
+            clear(tree, clearing)
+        tree.remove(COMPLETE_NAME)  # --resume of a finished output whose manifest is gone: not complete until the end
+        remove_partials(out, job)
+        logger.info("%d part(s) of %d files to write, %d file(s) kept from an earlier run", len(todo), job.plan.tp,
+                    summary.files_resumed)
+        digests = source_digests(job, todo)
+        ranks, hashed = job.written_ranks, job.hashed_ranks  # a node's convert hashes the other ranks' files
+        earlier = 0  # the journal's length before this run: what an earlier run recorded
+        written: list[str] = []  # rank files this run published
+        try:
+            tree.write_bytes(RECORD_REL, record_text(record).encode())
+            unwritten = None
+            for role in job.roles:
+                for rank in ranks:
+                    tree.make_dirs(rank_dir(role, rank))
+            with WriteLoop(job, out, [(part, ranks + hashed) for part in todo], "convert", workers, progress,
+                           summary) as loop:
+                earlier = loop.earlier
+                feed.start(loop.bar)
+                for i, part in enumerate(todo):
+                    t_part = time.perf_counter()
+                    feed.before(i)
+                    entries = loop.write(part, ranks, digests, hashed=hashed)
+                    feed.after(i)
+                    written += [rel for rel in entries if job.writes(rel)]
+                    results.update(entries)  # only now kept
+                    logger.info("%s part %d: %d file(s), %s, %.1f s", part.role, part.index, len(entries),
+                                size(sum(e.bytes for e in entries.values())), time.perf_counter() - t_part)
+            for name in job.ckpt.side:
+                tree.copy_in(job.ckpt.root / name, name)
+            write_card(out, job, results)
+            changed = source_changed(job, record)
+            if changed:
+                raise OutputError(f"{job.ckpt.root / changed}: changed while it was being converted (its size or "
+                                  f"time differs from when convert started); {out} is not finished: when the "
+                                  f"checkpoint is complete, run the same command with --force")
+            write_manifest(out, build_manifest(job, results, out))
+            write_share(tree, job)
+            tree.write_bytes(COMPLETE_NAME, (job.cid + "\n").encode())
+            feed.finish()
+            summary.notes += [n for n in [feed.summary()] if n]
+        except SourceError:
+            # The source itself is bad: no rerun can finish what this run started, so it leaves nothing of its
+            # own behind; a resume removes only that, never an earlier run's files, journal or record.
+            feed.close()  # no download writes into OUT while it is cleared
+            if earlier or summary.files_resumed:
+                for rel in written:
+                    tree.remove(rel)
+                truncate_journal(tree, earlier)
+            else:
+                clear(tree, plan_clearing(tree))
+            raise
     return summary

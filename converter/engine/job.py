@@ -11,7 +11,7 @@ from ..spec import footprint
 from ..spec.layouts import Layout, tensor_layouts
 from ..spec.manifest import CONTENT_PLACEHOLDER, Options, conversion_id, file_metadata, part_path
 from ..spec.plan import Plan, make_plan
-from ..spec.rules import TensorSpec, build_specs
+from ..spec.tensorspecs import TensorSpec, build_specs
 from ..spec.config import ModelConfig
 from ..spec.share import NodeShare
 from ..spec.source import Checkpoint, is_repo_id, open_checkpoint, open_remote, resolve_model

@@ -18,13 +18,14 @@ from ..spec.manifest_types import (Content, Copy, Draft, FileRecord, Manifest, P
 from ..spec.output_check import recorded_fields
 from ..spec.source import side_files
 from .job import Job, layout_name, stored_shape
+from .journal import JournalEntry
 
 
-def source_content(job: Job, files: dict[str, dict]) -> Content:
+def source_content(job: Job, files: dict[str, JournalEntry]) -> Content:
     """The manifest's `source.content`: digests of every converted source tensor, per shard and in all."""
     digests: dict[str, str] = {}
     for entry in files.values():
-        digests.update(entry.get("sources") or {})
+        digests.update(entry.sources or {})
     shards = shard_digests(digests, {k: job.ckpt.tensors[k].file for k in digests})
     return Content(ALGORITHM, BLOCK, len(digests), shards, checkpoint_digest(shards))
 
@@ -45,7 +46,7 @@ def planned_copies(job: Job) -> dict[str, Copy]:
     return {name: Copy(n, "blake3:" + "0" * 64) for name, n in job.ckpt.side.items()}
 
 
-def _ranks(job: Job, role: str, files: dict[str, dict]) -> tuple[RankRecord, ...]:
+def _ranks(job: Job, role: str, files: dict[str, JournalEntry]) -> tuple[RankRecord, ...]:
     """`role`'s rank entries: each rank's files and its tensors' records."""
     parts = [p for p in job.parts if p.role == role]
     ranks = []
@@ -54,16 +55,16 @@ def _ranks(job: Job, role: str, files: dict[str, dict]) -> tuple[RankRecord, ...
         for part in parts:
             rel = part_path(role, rank, part.index)
             entry = files[rel]
-            content = part_content(files[part_path(role, 0, part.index)]["sources"])  # rank 0 carries them
-            rank_files.append(FileRecord(rel, entry["bytes"], "blake3:" + entry["digest"], content))
-            where.update({name: (rel, "blake3:" + entry["tensors"][name]) for name in part.names})
+            content = part_content(files[part_path(role, 0, part.index)].sources)  # rank 0 carries them
+            rank_files.append(FileRecord(rel, entry.bytes, "blake3:" + entry.digest, content))
+            where.update({name: (rel, "blake3:" + entry.tensors[name]) for name in part.names})
         tensors = {s.name: TensorRecord.planned(s, stored_shape(s, job.layouts), layout_name(s, job.layouts),
                                                 *where[s.name]) for s in specs}
         ranks.append(RankRecord(rank, tuple(rank_files), tensors))
     return tuple(ranks)
 
 
-def build_manifest(job: Job, files: dict[str, dict], out: Path | None = None) -> Manifest:
+def build_manifest(job: Job, files: dict[str, JournalEntry], out: Path | None = None) -> Manifest:
     """The manifest of `job` with these rank files; the copies digested in `out` (without it, the
     source's files: the same sizes, for the room check before anything is copied)."""
     o = job.options

@@ -4,8 +4,6 @@ digests, and the exact bytes still to write (the room convert checks before it c
 from __future__ import annotations
 
 import json
-import os
-import re
 import stat
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
@@ -14,12 +12,13 @@ from .. import __version__
 from ..errors import Locked, OutputError
 from ..spec.manifest import CARD_NAME, COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, Options, part_path
 from ..spec.outlock import writer_of
-from ..guarded_io import Refused, Tree, kind, naming, partial_name
+from ..guarded_io import Refused, Tree, kind, partial_name
 from ..outnames import strays
-from ..spec.share import SHARE_NAME, SHARE_REPAIR, NodeShare, describe, record_problem, share_text
+from ..spec.share import SHARE_NAME, SHARE_REPAIR, NodeShare, ShareRecord, describe, share_text
 from .card import planned_sizes
 from .job import Job, part_keys
-from .owned import JOURNAL_REL, OUTPUT_FILES, RECORD_REL, is_output, is_output_name, plan_clearing, read_json, scan
+from .journal import JournalEntry, journal_line, read_journal
+from .owned import OUTPUT_FILES, RECORD_REL, is_output, plan_clearing, read_json, scan
 from .stwriter import hash_file
 
 
@@ -55,7 +54,8 @@ def refuse_target(out: Path, root: Path | None, resume: bool, force: bool, job: 
 
 
 def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Options | None = None,
-              planned: Iterable[str] = (), repair: bool = False, node: NodeShare | None = None) -> dict[str, dict]:
+              planned: Iterable[str] = (), repair: bool = False, node: NodeShare | None = None
+              ) -> dict[str, JournalEntry]:
     """Refuse unsafe targets; returns journal entries usable by --resume (path -> entry). Runs under
     OUT's lock, so the lock file is not counted as content. A link anywhere in OUT, or an entry of
     the wrong type where the conversion writes, is refused by name before anything is read. Without
@@ -109,13 +109,13 @@ def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Op
 
 
 def _stray_free(tree: Tree, job: Job | None, options: Options | None, planned: Iterable[str],
-                node: NodeShare | None) -> dict[str, dict]:
+                node: NodeShare | None) -> dict[str, JournalEntry]:
     """The journal of an output --resume may finish: nothing in its rank folders but what it writes (a
     node's convert: its ranks' files only, as verify checks a share)."""
     paths = planned_files(job) if job is not None else planned
     written = [rel for rel in paths if node is None or node.holds(rel)]
     refuse_strays(tree, written, job.plan.tp if job else options.tp)
-    return _journal(tree)
+    return read_journal(tree)
 
 
 def _refuse_other_ranks(tree: Tree, node: NodeShare | None, tp: int) -> None:
@@ -129,11 +129,11 @@ def _refuse_other_ranks(tree: Tree, node: NodeShare | None, tp: int) -> None:
             raise OutputError(f"{tree.root} is a node's share ({SHARE_NAME}, written by stage), not an output "
                               f"convert writes; {SHARE_REPAIR}; convert into a new directory otherwise")
         return
-    made = record.get("share")
-    problem = record_problem(made, tp) if made is not None else None
-    if problem:
+    try:
+        made = ShareRecord.parse(record["share"], tp) if record.get("share") is not None else None
+    except ValueError as problem:
         raise OutputError(f"{tree.path(RECORD_REL)}: its share ({problem}) is not one convert writes; remove "
-                          f"{tree.root} and convert again")
+                          f"{tree.root} and convert again") from None
     want = node.doc(record.get("conversion_id"), tp) if node is not None else None
     if _node_of(made) != _node_of(want):
         raise OutputError(f"{tree.root} holds a conversion of {_ranks_of(made)}, this command converts "
@@ -141,12 +141,12 @@ def _refuse_other_ranks(tree: Tree, node: NodeShare | None, tp: int) -> None:
                           f"--node-rank as its first run (remove {tree.root} first to replace it)")
 
 
-def _node_of(doc: dict | None) -> tuple | None:
+def _node_of(doc: ShareRecord | None) -> tuple | None:
     """What tells two shares' command lines apart: ranks, nnodes, node_rank (None: a whole output)."""
-    return (doc["ranks"], doc["nnodes"], doc["node_rank"]) if doc is not None else None
+    return (doc.ranks, doc.nnodes, doc.node_rank) if doc is not None else None
 
 
-def _ranks_of(doc: dict | None) -> str:
+def _ranks_of(doc: ShareRecord | None) -> str:
     return describe(doc) if doc is not None else "every rank"
 
 
@@ -158,7 +158,7 @@ def _refuse_other_settings(out: Path, record: dict, now: dict) -> None:
                       f"pass --force to restart")
 
 
-def refuse_entries(tree: Tree, planned: dict[str, dict]) -> None:
+def refuse_entries(tree: Tree, planned: Iterable[str]) -> None:
     """One line for the first link in OUT, or the first entry of the wrong type where a rank file
     or its folder goes (a resumed run writes there)."""
     entries = scan(tree)
@@ -191,67 +191,6 @@ def refuse_strays(tree: Tree, planned: Iterable[str], tp: int) -> None:
                       f"(lucifer-shard deletes only what it wrote), then run the same command again")
 
 
-HEX64 = re.compile(r"[0-9a-f]{64}")
-
-
-def _entry_ok(entry: object) -> bool:
-    """A journal entry of the shape convert writes (every digest 64 hex digits)."""
-    def digests(d: object) -> bool:
-        return isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) and HEX64.fullmatch(v)
-                                           for k, v in d.items())
-    return (isinstance(entry, dict) and is_output_name(entry.get("path")) and isinstance(entry.get("digest"), str)
-            and HEX64.fullmatch(entry["digest"]) is not None and type(entry.get("bytes")) is int
-            and digests(entry.get("tensors")) and ("sources" not in entry or digests(entry["sources"])))
-
-
-def _journal(tree: Tree) -> dict[str, dict]:
-    """Journal entries by path; a line torn by a crash (or not an entry) is skipped: that part is redone."""
-    entries = {}
-    try:
-        text = tree.read(JOURNAL_REL).decode(errors="replace")
-    except FileNotFoundError:
-        return entries
-    for line in text.splitlines():
-        try:
-            entry = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        if _entry_ok(entry):
-            entries[entry["path"]] = entry
-    return entries
-
-
-def open_journal(tree: Tree) -> tuple[int, int]:
-    """The journal opened for appending, and its length: a line torn by a crash or a full disk at its
-    end is cut off first (its part is redone), so that what is appended starts a line of its own."""
-    fd = tree.open_own(JOURNAL_REL, os.O_WRONLY | os.O_APPEND)
-    try:
-        text = tree.read(JOURNAL_REL)
-        whole = text.rfind(b"\n") + 1
-        if whole < len(text):
-            with naming(tree.path(JOURNAL_REL)):
-                os.ftruncate(fd, whole)
-        return fd, whole
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def truncate_journal(tree: Tree, length: int) -> None:
-    """Cut the journal back to `length` bytes (what it held before this run appended)."""
-    fd = tree.open_own(JOURNAL_REL, os.O_WRONLY)
-    try:
-        with naming(tree.path(JOURNAL_REL)):
-            os.ftruncate(fd, length)
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def journal_line(entry: dict) -> str:
-    return json.dumps(entry, sort_keys=True) + "\n"
-
-
 def _describe_diff(old: dict, new: dict) -> str:
     if old.get("source_fingerprint") != new.get("source_fingerprint"):
         return "source checkpoint changed"
@@ -275,7 +214,7 @@ def _as_flag(key: str, value) -> str:
     return f"--{'tp' if key == 'tp' else key.replace('_', '-')} {value}"
 
 
-def planned_files(job: Job) -> dict[str, dict]:
+def planned_files(job: Job) -> dict[str, JournalEntry]:
     """Every rank file's journal entry as it will be, with all-zero digests. Digests have a fixed
     length, so the sizes of the files, their journal lines and the manifest are exact before a
     byte is written."""
@@ -286,18 +225,18 @@ def planned_files(job: Job) -> dict[str, dict]:
     for part in job.parts:
         for rank in range(job.plan.tp):
             rel = part_path(part.role, rank, part.index)
-            files[rel] = {"path": rel, "bytes": sizes[rel], "digest": zero, "tensors": {n: zero for n in part.names}}
-            if rank == 0:  # the first rank's entry carries the part's source digests
-                files[rel]["sources"] = {k: zero for k in part_keys(by_name[part.role], part)}
+            # the first rank's entry carries the part's source digests
+            sources = {k: zero for k in part_keys(by_name[part.role], part)} if rank == 0 else None
+            files[rel] = JournalEntry(rel, sizes[rel], zero, {n: zero for n in part.names}, sources)
     return files
 
 
-def sizes_to_write(job: Job, planned: dict[str, dict], done: set[str], record: dict | None) -> list[int]:
+def sizes_to_write(job: Job, planned: dict[str, JournalEntry], done: set[str], record: dict | None) -> list[int]:
     """Sizes of every file still to be written (or appended, for the journal) after the files in
     `done`, and of the conversion record unless it is written (None). A node's convert writes its
     ranks' files only, and journals every rank's (the manifest lists them) and its share record."""
     left = [e for rel, e in planned.items() if rel not in done]
-    sizes = [e["bytes"] for e in left if job.writes(e["path"])] + [sum(len(journal_line(e)) for e in left)]
+    sizes = [e.bytes for e in left if job.writes(e.path)] + [sum(len(journal_line(e)) for e in left)]
     sizes += list(job.ckpt.side.values())
     sizes += [*planned_sizes(job, planned), len(job.cid) + 1]  # the model card and the manifest, COMPLETE
     if job.node is not None:
@@ -312,7 +251,7 @@ def record_text(record: dict) -> str:
 def conversion_record(job: Job) -> dict:
     """What --resume and --force trust of an earlier run: its identity, the source files' sizes and
     times, and every file it writes (what --force may delete)."""
-    share = {"share": job.node.doc(job.cid, job.plan.tp)} if job.node is not None else {}  # whole: as before
+    share = {"share": job.node.doc(job.cid, job.plan.tp).to_dict()} if job.node is not None else {}  # whole: as before
     files = [*(rel for rel in planned_files(job) if job.writes(rel)), *job.ckpt.side, CARD_NAME, MANIFEST_NAME,
              *([SHARE_NAME] if share else []), COMPLETE_NAME]
     return {"conversion_id": job.cid, "source_fingerprint": job.ckpt.fingerprint,
@@ -329,15 +268,15 @@ def source_changed(job: Job, record: dict) -> str | None:
     return next((n for n in sorted(set(now) | set(then)) if now.get(n) != then.get(n)), None)
 
 
-def part_valid(out: Path, entry: dict) -> bool:
+def part_valid(out: Path, entry: JournalEntry) -> bool:
     """A journaled file counts only if it is still a regular file of its size that hashes to its
     recorded file and tensor digests (the manifest copies both)."""
     tree = Tree(out)
-    st = tree.lstat(entry["path"])
-    if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != entry["bytes"]:
+    st = tree.lstat(entry.path)
+    if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != entry.bytes:
         return False
     try:
-        return hash_file(tree, entry["path"]) == (entry["digest"], entry["tensors"])
+        return hash_file(tree, entry.path) == (entry.digest, entry.tensors)
     except (OSError, ValueError, Refused):
         return False
 

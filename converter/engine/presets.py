@@ -8,7 +8,8 @@ from importlib import resources
 
 from ..errors import LuciferError
 from ..spec.config import DSPARK_FIELDS, parse_config
-from ..spec.rules import DTYPE_SIZE, Source, expected_sources
+from ..spec.rules import DTYPE_SIZE
+from ..spec.tensorspecs import ExpectedTensor, expected_sources
 
 PRESETS = {
     "tiny": "tiny.json",
@@ -60,17 +61,18 @@ def preset_config(preset: str, layers: int | None = None, mtp: bool = True) -> d
     return raw
 
 
-def nbytes(src: Source) -> int:
+def nbytes(src: ExpectedTensor) -> int:
     n = DTYPE_SIZE[src.dtype]
     for d in src.shape:
         n *= d
     return n
 
 
-def shards(sources: list[Source], count: int = MIN_SHARDS, most: int = MAX_SHARD_BYTES) -> Iterator[list[Source]]:
+def shards(sources: list[ExpectedTensor], count: int = MIN_SHARDS,
+           most: int = MAX_SHARD_BYTES) -> Iterator[list[ExpectedTensor]]:
     """Group keys in order into shards (at least `count` for small models, at most `most` bytes each)."""
     limit = min(most, max(1, sum(map(nbytes, sources)) // count))
-    shard: list[Source] = []
+    shard: list[ExpectedTensor] = []
     total = 0
     for src in sources:
         n = nbytes(src)
@@ -83,7 +85,7 @@ def shards(sources: list[Source], count: int = MIN_SHARDS, most: int = MAX_SHARD
         yield shard
 
 
-def ordered_sources(raw: dict, name: str = "preset") -> list[Source]:
+def ordered_sources(raw: dict, name: str = "preset") -> list[ExpectedTensor]:
     """The checkpoint's tensors in the order synth writes them (by layer, then key)."""
     sources = expected_sources(parse_config(raw, name)).values()
     return sorted(sources, key=lambda s: (s.layer if s.layer is not None else -1, s.key))

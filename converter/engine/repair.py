@@ -20,6 +20,7 @@ from ..guarded_io import Tree
 from ..spec.manifest import CARD_NAME, MANIFEST_NAME, copy_problems, part_path
 from ..spec.manifest_types import Manifest
 from .job import Job, Part
+from .journal import JournalEntry
 from .manifest_writer import copies
 from .outstate import part_valid
 
@@ -29,7 +30,7 @@ class Repair:
     """The manifest of a finished output and what of it must be written again."""
 
     manifest: Manifest
-    entries: dict[str, dict]  # rel -> the rank file's entry as the journal writes it (digests bare hex)
+    entries: dict[str, JournalEntry]  # rel -> the rank file's entry as the journal writes it (digests bare hex)
     content: dict[str, str]  # rel -> the content stamp its manifest entry records
     damaged: list[str]  # rank files to rewrite, in manifest order
     copies: list[str]  # side files to copy again (`restore_copy`)
@@ -59,15 +60,15 @@ def reference(tree: Tree, job: Job) -> Manifest | None:
     return m if m.sealed and m.conversion_id == job.cid else None
 
 
-def manifest_entries(manifest: Manifest, held: list[int] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
-    """rel -> {path, bytes, digest, tensors} (bare hex digests, as `part_valid` takes them), and rel ->
+def manifest_entries(manifest: Manifest, held: list[int] | None = None
+                     ) -> tuple[dict[str, JournalEntry], dict[str, str]]:
+    """rel -> its journal entry as the manifest records it (bare hex digests, as `part_valid` takes them), and rel ->
     recorded content stamp, for every rank file the manifest lists (of the `held` ranks, given them)."""
     entries, content = {}, {}
     for role, r, f in manifest.files(held):
         rank = manifest.rank(role, r)
         tensors = {n: t.digest.removeprefix("blake3:") for n, t in rank.tensors.items() if t.file == f.path}
-        entries[f.path] = {"path": f.path, "bytes": f.bytes, "digest": f.digest.removeprefix("blake3:"),
-                           "tensors": tensors}
+        entries[f.path] = JournalEntry(f.path, f.bytes, f.digest.removeprefix("blake3:"), tensors)
         content[f.path] = f.content
     return entries, content
 

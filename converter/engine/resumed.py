@@ -15,8 +15,9 @@ from ..guarded_io import open_regular
 from ..spec.content import ContentDigests
 from ..spec.manifest import part_content
 from ..spec.source import Checkpoint
-from ..spec.stheader import HeaderError, read_header
+from ..spec.stheader import META_CONTENT, HeaderError, read_header
 from .assemble import read_failed
+from .journal import JournalEntry
 
 BLOCK = 16 << 20
 
@@ -48,7 +49,7 @@ def resumed_sources(ckpt: Checkpoint, keys: list[str]) -> dict[str, str]:
     return digests.finished()
 
 
-def stamped_sources(out: Path, journaled: dict[str, dict], candidates: list) -> dict[str, str]:
+def stamped_sources(out: Path, journaled: dict[str, JournalEntry], candidates: list) -> dict[str, str]:
     """The journaled source digests of the `candidates` (part, its rank file paths) whose first rank
     file carries the content stamp those digests give (`part_content`): a journal edited elsewhere
     keeps no part, since a stamp is BLAKE3 over the digests and the file's own digest covers its
@@ -57,9 +58,9 @@ def stamped_sources(out: Path, journaled: dict[str, dict], candidates: list) -> 
     for _, paths in candidates:
         entry = journaled[paths[0]]
         try:
-            stamp = read_header(Path(out) / paths[0]).metadata.get("lucifer.content")
+            stamp = read_header(Path(out) / paths[0]).metadata.get(META_CONTENT)
         except (OSError, HeaderError):
             continue
-        if stamp == part_content(entry["sources"]):
-            sources.update(entry["sources"])
+        if stamp == part_content(entry.sources):
+            sources.update(entry.sources)
     return sources

@@ -35,7 +35,7 @@ from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, file_digest
 from ..spec.manifest_types import Manifest
 from ..spec.outlock import reading
 from ..spec.output_check import check_output
-from ..spec.share import SHARE_NAME, describe, read_share, share_doc, share_text
+from ..spec.share import SHARE_NAME, ShareRecord, describe, read_share, share_doc, share_text
 from ..spec.stheader import Header, HeaderError, read_header
 from ..units import duration, size
 
@@ -47,7 +47,7 @@ CHUNK = 16 << 20
 class StageSummary:
     out: str
     dest: str
-    share: dict
+    share: ShareRecord
     linked: int = 0
     copied: int = 0
     kept: int = 0
@@ -187,7 +187,7 @@ def refuse_dest(dest: Path, manifest: Manifest, ranks: list[int], wants: list[Wa
                           f"{str(ours)[:20]}...: another checkpoint with the same headers); {command} into a new or "
                           f"empty directory")
     share = read_share(dest, manifest.conversion_id, manifest.tp_size)
-    if share is not None and share["ranks"] != sorted(ranks):
+    if share is not None and list(share.ranks) != sorted(ranks):
         raise OutputError(f"{dest}: already a share of {describe(share)}; {command} other ranks into another DEST")
     foreign = [s for s in strays(tree, [w.rel for w in wants if w.rank_file], manifest.roles, manifest.tp_size)
                if not s.ours]

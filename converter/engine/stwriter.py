@@ -7,7 +7,7 @@ renamed into place only when every byte was written. Each tensor is digested wit
 it streams; the file digest is BLAKE3 over the header and the tensor digests (so verifying a
 file costs one pass over its data).
 
-How bytes reach the disk (docs/performance.md has the measurements):
+How bytes reach the disk (docs/evidence/performance.md has the measurements):
 
 * Direct I/O first: the file is opened with O_DIRECT and bytes are staged in a page-aligned
   STAGE_BYTES buffer that is written whole, so the page cache (which on the 2-core box cost
@@ -39,7 +39,7 @@ from blake3 import blake3
 from ..guarded_io import Tree, partial_name
 from ..spec.manifest import CONTENT_PLACEHOLDER, file_digest
 from ..spec.rules import DTYPE_SIZE
-from ..spec.stheader import read_header
+from ..spec.stheader import META_CONTENT, read_header
 
 DIRECT = True  # try O_DIRECT first (module switch for experiments and tests)
 ALIGN = 4096  # O_DIRECT offset, length and address alignment (covers 512 B and 4 KiB sectors)
@@ -132,7 +132,7 @@ class StreamHasher:
     def _restamp(self, content: str) -> tuple[int, bytes]:
         """Put the content stamp over its placeholder in the header (same length: nothing moves); its
         offset and bytes. The stamp is known only once every source byte of the file was read."""
-        key = b'"lucifer.content":"'
+        key = f'"{META_CONTENT}":"'.encode()
         at = self.header.index(key + CONTENT_PLACEHOLDER.encode()) + len(key)
         value = content.encode()
         if len(value) != len(CONTENT_PLACEHOLDER):

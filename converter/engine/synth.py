@@ -25,7 +25,8 @@ from ..guarded_io import Tree, kind, probe
 from ..spec.manifest import MANIFEST_NAME, STATE_DIR
 from ..spec.dtypes import TORCH_DTYPE
 from ..spec.config import ModelConfig, parse_config
-from ..spec.rules import DTYPE_SIZE, Source
+from ..spec.rules import DTYPE_SIZE
+from ..spec.tensorspecs import ExpectedTensor
 from ..units import byte_bar
 from .diskspace import check_room
 from .fills import DEFAULT_FILL, FILLS
@@ -49,7 +50,7 @@ def pattern_bytes(key: str, nbytes: int) -> np.ndarray:
     return (v % np.uint64(255)).astype(np.uint8)
 
 
-def _random_tensor(src: Source, cfg: ModelConfig, rng: np.random.Generator) -> torch.Tensor:
+def _random_tensor(src: ExpectedTensor, cfg: ModelConfig, rng: np.random.Generator) -> torch.Tensor:
     shape, dtype = src.shape, src.dtype
     n = int(np.prod(shape))
     if dtype == "I8":  # two random E2M1 codes per byte
@@ -67,7 +68,7 @@ def _random_tensor(src: Source, cfg: ModelConfig, rng: np.random.Generator) -> t
     return torch.from_numpy(vals).to(TORCH_DTYPE[dtype])
 
 
-def make_tensor(src: Source, cfg: ModelConfig, fill: str, seed: int) -> torch.Tensor:
+def make_tensor(src: ExpectedTensor, cfg: ModelConfig, fill: str, seed: int) -> torch.Tensor:
     """One synthetic tensor, deterministic in (key, fill, seed) alone."""
     if src.dtype == "I64":  # tid2eid: always valid expert ids, distinct within a row
         rng = np.random.default_rng(_seed(seed, src.key))

@@ -4,7 +4,7 @@
 --workers > 1), the progress bar and the journal, shut down in order however the run ends (an
 error, Ctrl-C, SIGTERM). Its `write` streams one part onto the given ranks (and hashes it for the
 ranks a node's convert does not write), publishes the files and journals them
-(`outstate.open_journal`); the caller says which parts, on which ranks, and what a part's content
+(`journal.open_journal`); the caller says which parts, on which ranks, and what a part's content
 stamp must be before its files are published (a repair's `check`).
 
 Writing a part, step by step: one writer per rank (`_open_writer`), every tensor's chunks planned
@@ -27,11 +27,11 @@ from ..guarded_io import Tree, naming, partial_name, write_all
 from ..spec.content import ContentDigests
 from ..spec.layouts import Layout
 from ..spec.manifest import CONTENT_PLACEHOLDER, file_metadata, part_content, part_path
-from ..spec.rules import TensorSpec
+from ..spec.tensorspecs import TensorSpec
 from ..units import byte_bar, duration, rate, size
 from .assemble import Assembler, EngineBufferPool, chunks, swap_folded
 from .job import Job, Part, part_headers, part_keys
-from .outstate import journal_line, open_journal
+from .journal import JournalEntry, journal_line, open_journal
 from .owned import JOURNAL_REL
 from .stwriter import StreamHasher, StreamWriter, WrittenFile
 
@@ -109,7 +109,7 @@ class WriteLoop:
                 pool.shutdown(wait=True)
 
     def write(self, part: Part, ranks: list[int], digests: ContentDigests,
-              check: Check | None = None, hashed: list[int] = ()) -> dict[str, dict]:
+              check: Check | None = None, hashed: list[int] = ()) -> dict[str, JournalEntry]:
         """Write `part` on `ranks` and hash it on `hashed` (`_write_part`), publish its files and journal
         them all; their journal entries by path."""
         files, sources = _write_part(self.job, self.out, part, self.bar, self.pools, digests, ranks, check, hashed)
@@ -118,16 +118,15 @@ class WriteLoop:
 
 
 def _journal_part(journal: int, out: Path, part: Part, files: list[WrittenFile], sources: dict[str, str],
-                  summary: Summary) -> dict[str, dict]:
+                  summary: Summary) -> dict[str, JournalEntry]:
     """Append the journal entries of a part's files just published or only hashed (a node's convert: the
     manifest lists every rank's digests; rank 0's entry carries the part's source digests) and fsync;
     the entries by path."""
     entries = {}
     for f in files:
         rel = str(f.path.relative_to(out))
-        entries[rel] = {"path": rel, "bytes": f.bytes, "digest": f.digest, "tensors": f.tensor_digests}
-        if rel == part_path(part.role, 0, part.index):
-            entries[rel]["sources"] = sources
+        first = rel == part_path(part.role, 0, part.index)
+        entries[rel] = JournalEntry(rel, f.bytes, f.digest, f.tensor_digests, sources if first else None)
         summary.bytes_written += f.bytes if f.published else 0
         summary.files_written += f.published
     with naming(out / JOURNAL_REL):

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import LuciferError, OutputError, SourceError
 from ..spec.manifest import source_model
-from ..spec.rules import draft_prefixes
+from ..spec.tensorspecs import draft_prefixes
 from ..spec.source import Checkpoint, download_whole, open_source
 from .numerics import (attn_output_reference, dequant_fp8_block, mlp_reference, moe_reference, moe_reference_streamed,
                        shared_expert_reference)

@@ -50,7 +50,8 @@ from ..guarded_io import JSON_LIMIT, Refused, read_regular
 from ..spec.manifest import source_model
 from ..spec.manifest_types import Manifest, TensorRecord
 from ..spec.plan import serving_arch
-from ..spec.rules import DTYPE_SIZE, TensorSpec
+from ..spec.rules import DTYPE_SIZE
+from ..spec.tensorspecs import TensorSpec
 from ..spec.source import Checkpoint, open_source
 from ..units import byte_bar, duration, rate, size
 from .diff_source import ChunkSources, ContentCheck, NarrowingError, ProofSourceReader, SourceStream, what_differs

@@ -108,7 +108,7 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float | None) ->
     DeepSeek/vLLM `swiglu_limit_func`). limit None or <= 0: no clamping.
     min/max as the kernel takes them: CUTLASS's `minimum<float>`/`maximum<float>` are fminf/fmaxf,
     which return the other operand for a NaN, so a NaN gate becomes L and a NaN up becomes L
-    (torch.clamp would propagate the NaN; measured on an H200, docs/gpu-validation.md)."""
+    (torch.clamp would propagate the NaN; measured on an H200, docs/evidence/gpu-validation.md)."""
     if limit is not None and limit > 0:
         lim = gate.new_tensor(limit)
         gate = torch.fmin(gate, lim)

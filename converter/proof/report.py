@@ -100,7 +100,8 @@ class Report:
         return [*self.problem_lines(), f"FAILED: {self.count} {noun}"]
 
     def to_dict(self) -> dict:
-        return {"command": self.command, "ok": self.ok, "problem_count": self.count, **self.info,
+        info = {k: v.to_dict() if hasattr(v, "to_dict") else v for k, v in self.info.items()}  # a share: its record
+        return {"command": self.command, "ok": self.ok, "problem_count": self.count, **info,
                 "summary": self.stats, "problems": [p.to_dict() for p in self.problems],
                 "tensors_with_problems": dict(sorted(self.by_tensor.items()))}
 

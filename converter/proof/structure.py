@@ -13,7 +13,7 @@ from ..outnames import strays
 from ..spec.manifest import COMPLETE_NAME, MANIFEST_NAME, STATE_DIR, file_metadata
 from ..spec.manifest_types import Manifest, TensorRecord
 from ..spec.output_check import OutputCheck, check_output
-from ..spec.stheader import HeaderError
+from ..spec.stheader import META_CONTENT, META_CONVERSION_ID, META_PART, META_RANK, META_ROLE, HeaderError
 from .rankfile import RankFile
 from .report import REPAIR, Problem, Report
 
@@ -124,11 +124,11 @@ def _part_of(rel: str) -> int | None:
 
 
 def _identity_hint(key: str, repair: str) -> str:
-    if key == "lucifer.conversion_id":
+    if key == META_CONVERSION_ID:
         return f"this file comes from another conversion; {repair}"
-    if key == "lucifer.content":
+    if key == META_CONTENT:
         return f"this file was made from other source weights (another checkpoint or revision); {repair}"
-    if key in ("lucifer.rank", "lucifer.role", "lucifer.part"):
+    if key in (META_RANK, META_ROLE, META_PART):
         return f"this file was moved or swapped from another rank/part; {repair}"
     return f"this file does not belong to this output; {repair}"
 

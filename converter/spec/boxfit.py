@@ -22,7 +22,7 @@ The KV side follows vLLM 0.34.0's own KV-cache spec for DeepSeek-V4 (paths under
 
 tests/shim/test_boxfit_vllm.py builds the model with vLLM's own classes on CPU and checks these figures
 against vLLM's planner; every run that printed vLLM's "GPU KV cache size" line (the H200 runs of
-tests/gpu/results, the CPU server of docs/serving-proof.md) gives the same tokens (tests/test_boxfit.py).
+tests/gpu/results, the CPU server of docs/evidence/serving-proof.md) gives the same tokens (tests/test_boxfit.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The one table of draft kinds: what a checkpoint's `mtp.*` holds, and how stock vLLM serves it.
 
 `plan`, the manifest's `draft` record, `serve`, `doctor` and the runtime shim's loader read it; the tensor
-rules for each kind are in `rules.RULES` (scopes `MTP_ONLY` and `DSPARK_*`).
+rules for each kind are in `rules.RULES` (scopes `MTP_ONLY` and `DSPARK_*`, placed by `rules.DRAFT_PLACES`).
 """
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .manifest import rank_of
-from .rules import TensorSpec
+from .tensorspecs import TensorSpec
 
 # What `make bench` measured for `convert --tp 3` (1 worker) on the 2-vCPU VM with a virtio disk
-# described in docs/performance.md: bench/results.json, summary "L1 convert w1", 19,563,768,880
+# described in docs/evidence/performance.md: bench/results.json, summary "L1 convert w1", 19,563,768,880
 # bytes read and written in a median wall time of 30.422 s (the latest run, on a day this disk
 # ran 4x slower than the 12.084 s of the first). Convert runs at disk speed, so this scales with
 # the disk; tests/test_cli.py checks the figure against the file.

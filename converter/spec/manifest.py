@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,11 +23,11 @@ from .. import __version__
 from ..errors import OutputError, SourceError
 from ..guarded_io import JSON_LIMIT, Refused, read_regular
 from .arches import ARCH, ARCHES, FORK_KERNEL_ARCHES, FORK_TUPLE, GENERATION_ARCHES
-from .drafts import DRAFT_KINDS
 from .plan import DEFAULT_ROUTE, MAX_TP, MOE_ROUTES
-from .rules import DTYPE_SIZE, ROLES
-from .source import SIDE_FILES
-from .schema import Bool, Int, ListOf, MapOf, Null, Obj, OneOf, SchemaError, Str, Where, check, loads
+from .stheader import (META_CONTENT, META_CONVERSION_ID, META_FORMAT, META_PART, META_RANK, META_ROLE,
+                       META_TP_SIZE)
+from .schema import Bool, Int, Null, OneOf, Where
+from .records import fld, to_doc
 
 if TYPE_CHECKING:
     from .manifest_types import Manifest
@@ -119,26 +119,31 @@ def flashinfer_problem(layout: str | None, installed: str | None) -> tuple[str, 
             (f"re-convert with --flashinfer-layout {found}, or " if found else "") + f"install {versions}")
 
 
+def _power_of_two(x: int) -> str | None:
+    return None if x & (x - 1) == 0 else f"{x} is not a power of two"
+
+
 @dataclass(frozen=True)
 class Options:
-    """Everything that decides the bytes of a conversion (and so its identity)."""
+    """Everything that decides the bytes of a conversion (and so its identity); the manifest's and the
+    conversion record's `options`, each field with its spec (spec/records.py)."""
 
-    tp: int
-    arch: str | None = ARCHES[0]  # None: model layout for any GPU family (the files do not depend on it)
-    expert_layout: str = "kernel"
-    flashinfer_layout: str = "folded"
-    mtp: bool = True
-    max_file_bytes: int = 4 << 30
-    align: int = 8  # data-section and tensor alignment for direct-I/O loaders (a power of two >= 8)
-    moe_backend: str | None = None  # a MOE_ROUTES key other than the default ("b12x"): the routed width's route
+    tp: int = fld(Int(1, MAX_TP))
+    # None: model layout for any GPU family (the files do not depend on it)
+    arch: str | None = fld(Null(OneOf(ARCHES)), default=ARCHES[0])
+    expert_layout: str = fld(OneOf(("kernel", "model")), default="kernel")
+    flashinfer_layout: str = fld(OneOf(("folded", "legacy")), default="folded")
+    mtp: bool = fld(Bool(), default=True)
+    max_file_bytes: int = fld(Int(1), default=4 << 30)
+    # data-section and tensor alignment for direct-I/O loaders (a power of two >= 8)
+    align: int = fld(Where(Int(8, MAX_ALIGN), _power_of_two), default=8)
+    # a MOE_ROUTES key other than the default ("b12x"): the routed width's route. Written only when set, so
+    # outputs of the default route keep the conversion id they had before the field existed.
+    moe_backend: str | None = fld(OneOf(tuple(r for r in MOE_ROUTES if r != DEFAULT_ROUTE)), optional=True)
 
     def to_dict(self) -> dict:
-        """The options as the manifest records them; `moe_backend` only when set, so outputs of the default
-        route keep the conversion id they had before the field existed."""
-        d = asdict(self)
-        if d["moe_backend"] is None:
-            del d["moe_backend"]
-        return d
+        """The options as the manifest records them."""
+        return to_doc(self)
 
 
 def flashinfer_requirement(options: Options) -> str:
@@ -188,9 +193,8 @@ def rank_of(rel: str) -> int:
 def file_metadata(cid: str, role: str, rank: int, part: int, tp: int, content: str) -> dict[str, str]:
     """A rank file's identity stamp. `content`: the digest of the source tensors the file was made
     from (`part_content`), so files of two checkpoints with the same headers differ in their stamp."""
-    return {"lucifer.format": str(FORMAT_VERSION), "lucifer.conversion_id": cid, "lucifer.role": role,
-            "lucifer.rank": str(rank), "lucifer.part": str(part), "lucifer.tp_size": str(tp),
-            "lucifer.content": content}
+    return {META_FORMAT: str(FORMAT_VERSION), META_CONVERSION_ID: cid, META_ROLE: role, META_RANK: str(rank),
+            META_PART: str(part), META_TP_SIZE: str(tp), META_CONTENT: content}
 
 
 CONTENT_PLACEHOLDER = "blake3:" + "0" * 64  # as long as every content stamp: header sizes are known up front
@@ -224,94 +228,6 @@ def seal(doc: dict) -> dict:
 
 def manifest_text(doc: dict) -> str:
     return json.dumps(seal(doc), indent=1, sort_keys=True) + "\n"
-
-
-def _power_of_two(x: int) -> str | None:
-    return None if x & (x - 1) == 0 else f"{x} is not a power of two"
-
-
-_HEX64 = Str(r"[0-9a-f]{64}")
-_DIGEST = Str(r"blake3:[0-9a-f]{64}")
-_N = Int()
-_SIDE = OneOf(SIDE_FILES)  # the names convert copies: a manifest cannot send a reader elsewhere
-_COPY = OneOf((*SIDE_FILES, CARD_NAME))  # and the model card it writes beside them
-OPTIONS = Obj({"tp": Int(1, MAX_TP), "arch": Null(OneOf(ARCHES)), "expert_layout": OneOf(("kernel", "model")),
-               "flashinfer_layout": OneOf(("folded", "legacy")), "mtp": Bool(), "max_file_bytes": Int(1),
-               "align": Where(Int(8, MAX_ALIGN), _power_of_two)},
-              optional={"moe_backend": OneOf(tuple(r for r in MOE_ROUTES if r != DEFAULT_ROUTE))}, closed=True)
-_FILE = Obj({"path": Str(), "bytes": _N, "digest": _DIGEST, "content": _DIGEST})
-_PIECE = Obj({"key": Str(), "dim": Int(0, 7), "src_start": _N, "dst_start": _N, "length": _N, "seg_len": _N})
-_TENSOR = Obj({"file": Str(), "digest": _DIGEST, "dtype": OneOf(tuple(DTYPE_SIZE)),
-               "shape": ListOf(_N, max_len=8), "model_shape": ListOf(_N, max_len=8), "layout": Str(),
-               "experts": Null(_N), "sources": ListOf(_PIECE), "source_dtype": OneOf(tuple(DTYPE_SIZE)),
-               "zero_regions": ListOf(ListOf(_N, 3, 3)), "pad": OneOf(("zero", "-inf"))},
-              optional={"view_as": OneOf(tuple(DTYPE_SIZE))})
-_AXIS = Obj({"name": Str(), "original": _N, "padded": _N, "local": _N, "kernel_local": _N})
-MANIFEST_FIELDS = Obj({
-    "format": Str(), "format_version": Int(), "tool_version": Str(), "conversion_id": _HEX64,
-    "manifest_digest": Str(),
-    "source": Obj({"fingerprint": _HEX64, "path": Str(), "files": MapOf(_N), "side_files": ListOf(_SIDE),
-                   "content": Obj({"algorithm": Str(), "block_bytes": _N, "tensors": _N, "files": MapOf(_DIGEST),
-                                   "digest": _DIGEST})},
-                  optional={"repo": Null(Str(r"[^/\s]+/[^/\s]+")), "revision": Null(Str(r"[0-9a-f]{40}"))}),
-    "copies": MapOf(Obj({"bytes": _N, "digest": _DIGEST}), key=_COPY),
-    "tp_size": Int(1, MAX_TP), "plan": Obj({"tp": Int(1, MAX_TP), "axes": MapOf(_AXIS)}), "options": OPTIONS,
-    "arch": Null(OneOf(ARCHES)), "moe_variant": Null(Str()), "expert_layout": OneOf(("kernel", "model")),
-    "flashinfer_layout": Null(OneOf(("folded", "legacy"))),
-    "layouts": MapOf(Obj({"name": Str(), "steps": ListOf(Str()), "version": _N})), "layout_version": _N,
-    "runtime": MapOf(Str()), "dropped": MapOf(Str()),
-    "roles": MapOf(Obj({"ranks": ListOf(Obj({"rank": Int(0, MAX_TP - 1), "files": ListOf(_FILE, 1),
-                                            "tensors": MapOf(_TENSOR)}), 1, MAX_TP)}), key=OneOf(ROLES)),
-}, optional={"runtime_owned": ListOf(Str()),
-             # the draft's kind (spec/drafts.DRAFT_KINDS); a manifest without it and with a draft role is MTP's
-             "draft": Obj({"kind": OneOf(tuple(DRAFT_KINDS)), "stages": Int(1, 16), "tokens": Int(1, 64)})})
-
-
-def _layout_problem(doc: dict) -> str | None:
-    """Why the manifest's file paths are not the output contract's, or None: rank entry r of a role
-    lists exactly `part_path(role, r, 0..)` and its tensors live in those files. A manifest is public
-    (its self-digest can be recomputed), so this, not the digest, keeps readers inside OUT."""
-    if doc["arch"] is None and doc["expert_layout"] != "model":
-        return "arch is null (any GPU family) but the experts are in kernel layout, which is laid out for one"
-    for role, rdoc in doc["roles"].items():
-        for r, entry in enumerate(rdoc["ranks"]):
-            if entry["rank"] != r:
-                return f"roles.{role}.ranks[{r}] says rank {entry['rank']}"
-            paths = []
-            for i, f in enumerate(entry["files"]):
-                want = part_path(role, r, i)
-                if f["path"] != want:
-                    return (f"roles.{role}.ranks[{r}].files[{i}].path is {f['path'][:80]!r}; an output lists "
-                            f"{want!r} there (files lie only in OUT's rank folders)")
-                paths.append(want)
-            for name, t in entry["tensors"].items():
-                if t["file"] not in paths:
-                    return f"{role} rank {r} tensor {name[:80]!r} lies in {t['file'][:80]!r}, not one of its files"
-    return None
-
-
-def parse_manifest(data: bytes, path: Path | str) -> dict:
-    """A manifest document from its bytes: format, then every field's type and range, then the file
-    layout; OutputError (one line) otherwise. Its reader is `Manifest.parse` (spec/manifest_types.py),
-    which checks the self-digest (`digest_ok`) too."""
-    try:
-        doc = loads(data)
-    except SchemaError as e:
-        raise OutputError(f"{path}: unreadable ({e}); re-run convert --force") from None
-    if not isinstance(doc, dict):
-        raise OutputError(f"{path}: is a JSON {type(doc).__name__}, not a lucifer-shard manifest; re-run convert "
-                          f"--force")
-    if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
-        raise OutputError(f"{path}: format {str(doc.get('format'))[:60]!r} v{str(doc.get('format_version'))[:20]}, "
-                          f"expected {FORMAT!r} v{FORMAT_VERSION}; re-run lucifer-shard convert --force")
-    try:
-        check(MANIFEST_FIELDS, doc)
-    except SchemaError as e:
-        raise OutputError(f"{path}: field {e}; the manifest was edited or damaged, re-run convert --force") from None
-    problem = _layout_problem(doc)
-    if problem:
-        raise OutputError(f"{path}: {problem}; the manifest was edited, re-run convert --force")
-    return doc
 
 
 def digest_ok(doc: dict) -> bool:

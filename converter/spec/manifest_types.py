@@ -1,7 +1,8 @@
 """The manifest as typed, frozen records: what every reader of an output (the proof, the commands, the
-runtime shim) and its writer share. `Manifest.parse` is the one loader: the document is checked by
-spec/manifest.py (`parse_manifest`: format, every field's type and range, the file layout), then built
-into these records once; `Manifest.to_dict` is its inverse, the document the writer seals.
+runtime shim) and its writer share. Each field carries its spec (spec/records.py), so the records are
+the manifest's one declaration: `MANIFEST_FIELDS` (the check), `Manifest.parse` (the one loader: format,
+every field's type and range, then the file layout) and `Manifest.to_dict` (the document the writer
+seals) all derive from them.
 """
 from __future__ import annotations
 
@@ -10,25 +11,34 @@ from math import prod
 from pathlib import Path
 
 from ..errors import OutputError
-from .manifest import MANIFEST_NAME, Options, digest_ok, parse_manifest, read_manifest_bytes
-from .plan import Axis
-from .rules import DTYPE_SIZE, TensorSpec
+from .arches import ARCHES
+from .drafts import DRAFT_KINDS
+from .manifest import (CARD_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME, Options, digest_ok, part_path,
+                       read_manifest_bytes)
+from .plan import MAX_TP, Axis
+from .records import Only, Rec, fld, from_doc, schema_of, to_doc
+from .rules import DTYPE_SIZE, ROLES
+from .tensorspecs import TensorSpec
+from .schema import Int, ListOf, MapOf, Null, OneOf, SchemaError, Str, check, loads
+from .source import SIDE_FILES
+
+_HEX64 = Str(r"[0-9a-f]{64}")
+_DIGEST = Str(r"blake3:[0-9a-f]{64}")
+_N = Int()
+_DTYPE = OneOf(tuple(DTYPE_SIZE))
+_SHAPE = ListOf(_N, max_len=8)
 
 
 @dataclass(frozen=True)
 class SourcePiece:
     """A slice of a source tensor a rank tensor holds (`spec.rules.Piece`, as recorded)."""
 
-    key: str
-    dim: int
-    src_start: int
-    dst_start: int
-    length: int
-    seg_len: int
-
-    def to_dict(self) -> dict:
-        return {"key": self.key, "dim": self.dim, "src_start": self.src_start, "dst_start": self.dst_start,
-                "length": self.length, "seg_len": self.seg_len}
+    key: str = fld(Str())
+    dim: int = fld(Int(0, 7))
+    src_start: int = fld(_N)
+    dst_start: int = fld(_N)
+    length: int = fld(_N)
+    seg_len: int = fld(_N)
 
 
 Region = tuple[int, int, int]  # [dim, start, end) of a pad region in model layout (of one expert when stacked)
@@ -43,18 +53,18 @@ def zero_regions(spec: TensorSpec) -> tuple[Region, ...]:
 class TensorRecord:
     """A rank tensor: where it lies, its digest, and what the rule table planned for it."""
 
-    file: str
-    digest: str
-    dtype: str
-    shape: tuple[int, ...]
-    model_shape: tuple[int, ...]
-    layout: str
-    experts: int | None
-    sources: tuple[SourcePiece, ...]
-    source_dtype: str
-    zero_regions: tuple[Region, ...]
-    pad: str  # "zero" or "-inf"
-    view_as: str | None = None  # the one reinterpretation a loader may apply
+    file: str = fld(Str())
+    digest: str = fld(_DIGEST)
+    dtype: str = fld(_DTYPE)
+    shape: tuple[int, ...] = fld(_SHAPE)
+    model_shape: tuple[int, ...] = fld(_SHAPE)
+    layout: str = fld(Str())
+    experts: int | None = fld(Null(_N))
+    sources: tuple[SourcePiece, ...] = fld(ListOf(Rec(SourcePiece)))
+    source_dtype: str = fld(_DTYPE)
+    zero_regions: tuple[Region, ...] = fld(ListOf(ListOf(_N, 3, 3)))
+    pad: str = fld(OneOf(("zero", "-inf")))
+    view_as: str | None = fld(_DTYPE, optional=True)  # the one reinterpretation a loader may apply
 
     # the fields the rule table decides (`planned`), which verify and diff check against it
     PLANNED = ("dtype", "shape", "model_shape", "layout", "experts", "source_dtype", "sources", "zero_regions", "pad")
@@ -68,21 +78,8 @@ class TensorRecord:
                          for p in spec.pieces),
                    spec.src_dtype, zero_regions(spec), "-inf" if spec.pad != b"\x00" else "zero")
 
-    @classmethod
-    def from_dict(cls, d: dict) -> TensorRecord:
-        return cls(d["file"], d["digest"], d["dtype"], tuple(d["shape"]), tuple(d["model_shape"]), d["layout"],
-                   d["experts"], tuple(SourcePiece(**{k: p[k] for k in SourcePiece.__dataclass_fields__})
-                                       for p in d["sources"]),
-                   d["source_dtype"], tuple(tuple(r) for r in d["zero_regions"]), d["pad"], d.get("view_as"))
-
     def to_dict(self) -> dict:
-        d = {"file": self.file, "digest": self.digest, "dtype": self.dtype, "shape": list(self.shape),
-             "model_shape": list(self.model_shape), "layout": self.layout, "experts": self.experts,
-             "sources": [p.to_dict() for p in self.sources], "source_dtype": self.source_dtype,
-             "zero_regions": [list(r) for r in self.zero_regions], "pad": self.pad}
-        if self.view_as is not None:
-            d["view_as"] = self.view_as
-        return d
+        return to_doc(self)
 
     @property
     def stacked(self) -> bool:
@@ -110,30 +107,17 @@ class TensorRecord:
 class FileRecord:
     """A rank file: its path in OUT, size, BLAKE3 digest (`spec.manifest.file_digest`) and content stamp."""
 
-    path: str
-    bytes: int
-    digest: str
-    content: str
-
-    def to_dict(self) -> dict:
-        return {"path": self.path, "bytes": self.bytes, "digest": self.digest, "content": self.content}
+    path: str = fld(Str())
+    bytes: int = fld(_N)
+    digest: str = fld(_DIGEST)
+    content: str = fld(_DIGEST)
 
 
 @dataclass(frozen=True)
 class RankRecord:
-    rank: int
-    files: tuple[FileRecord, ...]
-    tensors: dict[str, TensorRecord]
-
-    @classmethod
-    def from_dict(cls, d: dict) -> RankRecord:
-        return cls(d["rank"], tuple(FileRecord(**{k: f[k] for k in FileRecord.__dataclass_fields__})
-                                    for f in d["files"]),
-                   {n: TensorRecord.from_dict(t) for n, t in d["tensors"].items()})
-
-    def to_dict(self) -> dict:
-        return {"rank": self.rank, "files": [f.to_dict() for f in self.files],
-                "tensors": {n: t.to_dict() for n, t in self.tensors.items()}}
+    rank: int = fld(Int(0, MAX_TP - 1))
+    files: tuple[FileRecord, ...] = fld(ListOf(Rec(FileRecord), 1))
+    tensors: dict[str, TensorRecord] = fld(MapOf(Rec(TensorRecord)))
 
     def held(self, path: str) -> list[str]:
         """The names of the tensors in its file `path`, sorted."""
@@ -144,138 +128,115 @@ class RankRecord:
 class Copy:
     """A config or tokenizer file convert copied into OUT."""
 
-    bytes: int
-    digest: str
+    bytes: int = fld(_N)
+    digest: str = fld(_DIGEST)
 
 
 @dataclass(frozen=True)
 class Content:
     """The source's content digests (spec/content.py): per shard, and of the whole checkpoint."""
 
-    algorithm: str
-    block_bytes: int
-    tensors: int
-    files: dict[str, str]
-    digest: str
+    algorithm: str = fld(Str())
+    block_bytes: int = fld(_N)
+    tensors: int = fld(_N)
+    files: dict[str, str] = fld(MapOf(_DIGEST))
+    digest: str = fld(_DIGEST)
 
 
 @dataclass(frozen=True)
 class Source:
-    fingerprint: str
-    path: str
-    files: dict[str, int]
-    side_files: tuple[str, ...]
-    content: Content
-    repo: str | None = None  # the Hugging Face repo id and commit it came from; None for a local directory
-    revision: str | None = None
-
-    def to_dict(self) -> dict:
-        c = self.content
-        return {"fingerprint": self.fingerprint, "path": self.path, "repo": self.repo, "revision": self.revision,
-                "files": dict(self.files), "side_files": list(self.side_files),
-                "content": {"algorithm": c.algorithm, "block_bytes": c.block_bytes, "tensors": c.tensors,
-                            "files": dict(c.files), "digest": c.digest}}
+    fingerprint: str = fld(_HEX64)
+    path: str = fld(Str())
+    files: dict[str, int] = fld(MapOf(_N))
+    side_files: tuple[str, ...] = fld(ListOf(OneOf(SIDE_FILES)))  # a manifest cannot send a reader elsewhere
+    content: Content = fld(Rec(Content))
+    # the Hugging Face repo id and commit it came from; None (written as null) for a local directory
+    repo: str | None = fld(Null(Str(r"[^/\s]+/[^/\s]+")), optional=True, omit_none=False)
+    revision: str | None = fld(Null(Str(r"[0-9a-f]{40}")), optional=True, omit_none=False)
 
 
 @dataclass(frozen=True)
 class PlanRecord:
     """The virtual-TP plan as recorded (`spec.plan.Plan.to_dict`); its axes by name."""
 
-    tp: int
-    axes: dict[str, Axis]
+    tp: int = fld(Int(1, MAX_TP))
+    axes: dict[str, Axis] = fld(MapOf(Rec(Axis)))
 
     def to_dict(self) -> dict:
-        return {"tp": self.tp, "axes": {n: {"name": a.name, "original": a.original, "padded": a.padded,
-                                            "local": a.local, "kernel_local": a.kernel_local}
-                                        for n, a in self.axes.items()}}
+        return to_doc(self)
 
 
 @dataclass(frozen=True)
 class LayoutRecord:
-    name: str
-    steps: tuple[str, ...]
-    version: int
+    name: str = fld(Str())
+    steps: tuple[str, ...] = fld(ListOf(Str()))
+    version: int = fld(_N)
 
 
 @dataclass(frozen=True)
 class Draft:
     """What OUT/draft holds (spec/drafts.DRAFT_KINDS)."""
 
-    kind: str
-    stages: int
-    tokens: int
+    kind: str = fld(OneOf(tuple(DRAFT_KINDS)))
+    stages: int = fld(Int(1, 16))
+    tokens: int = fld(Int(1, 64))
 
 
 @dataclass(frozen=True)
 class Manifest:
-    format: str
-    format_version: int
-    tool_version: str
-    conversion_id: str
-    source: Source
-    copies: dict[str, Copy]
-    tp_size: int
-    plan: PlanRecord
-    options: Options
-    arch: str | None
-    moe_variant: str | None
-    expert_layout: str
-    flashinfer_layout: str | None
-    layouts: dict[str, LayoutRecord]
-    layout_version: int
-    runtime: dict[str, str]  # spec/manifest.runtime_record
-    dropped: dict[str, str]  # source tensor -> why it is not converted
-    roles: dict[str, tuple[RankRecord, ...]]
-    draft: Draft | None = None  # None without a draft role, and for MTP written before the record existed
-    runtime_owned: tuple[str, ...] | None = None
-    manifest_digest: str | None = None  # None until sealed (`spec.manifest.seal`)
+    format: str = fld(Str())
+    format_version: int = fld(Int())
+    tool_version: str = fld(Str())
+    conversion_id: str = fld(_HEX64)
+    source: Source = fld(Rec(Source))
+    # the files convert copies, and the model card it writes beside them
+    copies: dict[str, Copy] = fld(MapOf(Rec(Copy), key=OneOf((*SIDE_FILES, CARD_NAME))))
+    tp_size: int = fld(Int(1, MAX_TP))
+    plan: PlanRecord = fld(Rec(PlanRecord))
+    options: Options = fld(Rec(Options, closed=True))
+    arch: str | None = fld(Null(OneOf(ARCHES)))
+    moe_variant: str | None = fld(Null(Str()))
+    expert_layout: str = fld(OneOf(("kernel", "model")))
+    flashinfer_layout: str | None = fld(Null(OneOf(("folded", "legacy"))))
+    layouts: dict[str, LayoutRecord] = fld(MapOf(Rec(LayoutRecord)))
+    layout_version: int = fld(_N)
+    runtime: dict[str, str] = fld(MapOf(Str()))  # spec/manifest.runtime_record
+    dropped: dict[str, str] = fld(MapOf(Str()))  # source tensor -> why it is not converted
+    roles: dict[str, tuple[RankRecord, ...]] = fld(MapOf(Only("ranks", ListOf(Rec(RankRecord), 1, MAX_TP)),
+                                                         key=OneOf(ROLES)))
+    # None without a draft role, and for MTP written before the record existed
+    draft: Draft | None = fld(Rec(Draft), optional=True)
+    runtime_owned: tuple[str, ...] | None = fld(ListOf(Str()), optional=True)
+    manifest_digest: str | None = fld(Str(), omit_none=True, default=None)  # None until sealed (`seal`)
     sealed: bool = field(default=False, compare=False)  # as read: its self-digest matches its content
-
-    @classmethod
-    def from_dict(cls, d: dict, sealed: bool = False) -> Manifest:
-        """The records of a document `parse_manifest` checked."""
-        s, c = d["source"], d["source"]["content"]
-        return cls(
-            d["format"], d["format_version"], d["tool_version"], d["conversion_id"],
-            Source(s["fingerprint"], s["path"], dict(s["files"]), tuple(s["side_files"]),
-                   Content(c["algorithm"], c["block_bytes"], c["tensors"], dict(c["files"]), c["digest"]),
-                   s.get("repo"), s.get("revision")),
-            {n: Copy(r["bytes"], r["digest"]) for n, r in d["copies"].items()}, d["tp_size"],
-            PlanRecord(d["plan"]["tp"], {n: Axis(a["name"], a["original"], a["padded"], a["local"], a["kernel_local"])
-                                         for n, a in d["plan"]["axes"].items()}),
-            Options(**d["options"]), d["arch"], d["moe_variant"], d["expert_layout"], d["flashinfer_layout"],
-            {t: LayoutRecord(v["name"], tuple(v["steps"]), v["version"]) for t, v in d["layouts"].items()},
-            d["layout_version"], dict(d["runtime"]), dict(d["dropped"]),
-            {role: tuple(RankRecord.from_dict(e) for e in r["ranks"]) for role, r in d["roles"].items()},
-            Draft(**{k: d["draft"][k] for k in Draft.__dataclass_fields__}) if "draft" in d else None,
-            tuple(d["runtime_owned"]) if "runtime_owned" in d else None, d.get("manifest_digest"), sealed)
 
     def to_dict(self) -> dict:
         """The document (what `spec.manifest.manifest_text` seals and writes)."""
-        d = {"format": self.format, "format_version": self.format_version, "tool_version": self.tool_version,
-             "conversion_id": self.conversion_id, "source": self.source.to_dict(),
-             "copies": {n: {"bytes": r.bytes, "digest": r.digest} for n, r in self.copies.items()},
-             "tp_size": self.tp_size, "plan": self.plan.to_dict(), "options": self.options.to_dict(),
-             "arch": self.arch, "moe_variant": self.moe_variant, "expert_layout": self.expert_layout,
-             "flashinfer_layout": self.flashinfer_layout,
-             "layouts": {t: {"name": v.name, "steps": list(v.steps), "version": v.version}
-                         for t, v in self.layouts.items()},
-             "layout_version": self.layout_version, "runtime": dict(self.runtime), "dropped": dict(self.dropped),
-             "roles": {role: {"ranks": [e.to_dict() for e in ranks]} for role, ranks in self.roles.items()}}
-        if self.draft is not None:
-            d["draft"] = {"kind": self.draft.kind, "stages": self.draft.stages, "tokens": self.draft.tokens}
-        if self.runtime_owned is not None:
-            d["runtime_owned"] = list(self.runtime_owned)
-        if self.manifest_digest is not None:
-            d["manifest_digest"] = self.manifest_digest
-        return d
+        return to_doc(self)
 
     @classmethod
     def parse(cls, data: bytes, path: Path | str) -> Manifest:
-        """The manifest of these bytes (`parse_manifest`: OutputError when they are not one); its
-        self-digest is `sealed`'s, checked by the caller."""
-        doc = parse_manifest(data, path)
-        return cls.from_dict(doc, digest_ok(doc))
+        """The manifest of these bytes: format, then every field's type and range (`MANIFEST_FIELDS`), then
+        the file layout; OutputError (one line) otherwise. Its self-digest is `sealed`'s, checked by the caller."""
+        try:
+            doc = loads(data)
+        except SchemaError as e:
+            raise OutputError(f"{path}: unreadable ({e}); re-run convert --force") from None
+        if not isinstance(doc, dict):
+            raise OutputError(f"{path}: is a JSON {type(doc).__name__}, not a lucifer-shard manifest; re-run "
+                              f"convert --force")
+        if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
+            raise OutputError(f"{path}: format {str(doc.get('format'))[:60]!r} v{str(doc.get('format_version'))[:20]}"
+                              f", expected {FORMAT!r} v{FORMAT_VERSION}; re-run lucifer-shard convert --force")
+        try:
+            check(MANIFEST_FIELDS, doc)
+        except SchemaError as e:
+            raise OutputError(f"{path}: field {e}; the manifest was edited or damaged, re-run convert --force") from None
+        m = from_doc(cls, doc, sealed=digest_ok(doc))
+        problem = _layout_problem(m)
+        if problem:
+            raise OutputError(f"{path}: {problem}; the manifest was edited, re-run convert --force")
+        return m
 
     @classmethod
     def load(cls, out: Path, check_digest: bool = True) -> Manifest:
@@ -300,3 +261,29 @@ class Manifest:
         """(role, rank, file) for every rank file listed (of `ranks` only, when given)."""
         return [(role, e.rank, f) for role, entries in self.roles.items() for e in entries
                 if ranks is None or e.rank in ranks for f in e.files]
+
+
+MANIFEST_FIELDS = schema_of(Manifest)  # the check every manifest passes before its records are built
+
+
+def _layout_problem(m: Manifest) -> str | None:
+    """Why the manifest's file paths are not the output contract's, or None: rank entry r of a role
+    lists exactly `part_path(role, r, 0..)` and its tensors live in those files. A manifest is public
+    (its self-digest can be recomputed), so this, not the digest, keeps readers inside OUT."""
+    if m.arch is None and m.expert_layout != "model":
+        return "arch is null (any GPU family) but the experts are in kernel layout, which is laid out for one"
+    for role, ranks in m.roles.items():
+        for r, entry in enumerate(ranks):
+            if entry.rank != r:
+                return f"roles.{role}.ranks[{r}] says rank {entry.rank}"
+            paths = []
+            for i, f in enumerate(entry.files):
+                want = part_path(role, r, i)
+                if f.path != want:
+                    return (f"roles.{role}.ranks[{r}].files[{i}].path is {f.path[:80]!r}; an output lists "
+                            f"{want!r} there (files lie only in OUT's rank folders)")
+                paths.append(want)
+            for name, t in entry.tensors.items():
+                if t.file not in paths:
+                    return f"{role} rank {r} tensor {name[:80]!r} lies in {t.file[:80]!r}, not one of its files"
+    return None

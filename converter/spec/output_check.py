@@ -8,7 +8,7 @@ the TP size; the plan and every tensor entry against the rule table; the fields 
 options (layouts, MoE variant, runtime record), from config.json (the draft record, runtime_owned)
 and from the per-shard digests (the source content digest); the dropped source tensors; every held
 rank file's size; the config and tokenizer copies. The self-digest is public (`manifest.seal`): what a
-re-sealed edit can still change is only what no reader derives (docs/reliability.md, threat model).
+re-sealed edit can still change is only what no reader derives (docs/evidence/reliability.md, threat model).
 A node's share (lucifer-share.json) is checked on disk for its own ranks only, but every rank's
 entry must be in the manifest.
 """
@@ -30,7 +30,7 @@ from .manifest import (COMPLETE_NAME, FORMAT_VERSION, MANIFEST_NAME, RECORD_REL,
                        conversion_id, copy_problems, read_manifest_bytes, runtime_record)
 from .manifest_types import Draft, LayoutRecord, Manifest, TensorRecord
 from .plan import Plan, make_plan
-from .rules import TensorSpec, build_specs
+from .tensorspecs import TensorSpec, build_specs
 from .share import SHARE_NAME, read_share, share_repair
 
 EDITED = "the manifest was edited or written by another plan"
@@ -141,7 +141,7 @@ def _share(check: OutputCheck) -> None:
         check.add("manifest", str(e), file=SHARE_NAME, fix=False)
         check.held = []
         return
-    check.held = check.share["ranks"] if check.share is not None else None
+    check.held = list(check.share.ranks) if check.share is not None else None
     if check.share is None and not _recorded(check.out):
         check.repair = copy_repair(check.out, m)
 

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from ..errors import PlanError
 from .arches import B12X, FLASHINFER_CUTLASS, MARLIN, arch_of_capability, arches_running
 from .config import ModelConfig
+from .records import fld
+from .schema import Int, Str
 
 HEADS_ALIGN = 8
 ROUTED_ALIGN = 32
@@ -67,11 +69,11 @@ def align_up(x: int, a: int) -> int:
 class Axis:
     """One padded axis. `kernel_local` >= `local` only for the routed-expert width."""
 
-    name: str
-    original: int
-    padded: int
-    local: int
-    kernel_local: int
+    name: str = fld(Str())
+    original: int = fld(Int())
+    padded: int = fld(Int())
+    local: int = fld(Int())
+    kernel_local: int = fld(Int())
 
     def start(self, rank: int) -> int:
         """First logical index owned by `rank`."""

@@ -1,21 +1,20 @@
-"""The one table of tensor rules, and its expansion into per-rank tensor specs.
+"""The one table of tensor rules: every checkpoint tensor of the V4-Flash schema is one row of `RULES`.
 
-Every checkpoint tensor of the V4-Flash schema is one row of `RULES`: its key (relative to its
-scope), its shape and dtype as functions of the config, the vLLM parameter it becomes, how it is
-partitioned (which source dim follows which plan axis, how many tensor elements one axis index
-spans, and the storage unit along that dim), its fused segment, dtype rule and pad value.
-`plan`, `convert`, `diff`, `verify`, the numerics check and the runtime shim all read the specs
-built here; nothing else slices tensors.
+A row gives its key (relative to its scope), its shape and dtype as functions of the config, the vLLM
+parameter it becomes, how it is partitioned (which source dim follows which plan axis, how many tensor
+elements one axis index spans, and the storage unit along that dim), its fused segment, dtype rule and
+pad value. Where each scope's rows go in a draft model is `DRAFT_PLACES`, one row per draft kind, and
+which layers a row applies to is `WHEN`: a new tensor, a new predicate or a new draft kind is rows here.
+Data only: `tensorspecs` expands the table into the schema's expected tensors and per-rank tensor
+specs, which `plan`, `convert`, `diff`, `verify`, the numerics check and the runtime shim all read.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import PlanError, SourceError
 from .config import DSPARK, FP8_BLOCK, MTP, MXFP4_GROUP, ModelConfig
-from .plan import Plan, stock_padded
+from .plan import stock_padded
 
 # Storage units along a sharded dim, in logical elements per stored index.
 ELEM = 1  # unpacked elements (BF16/F32/FP8 weights, rows of packed MXFP4 tensors)
@@ -34,12 +33,48 @@ ALL, HASH, BIAS, C4, C128, COMPRESSED, CONFIDENCE = "all", "hash", "bias", "c4",
 # stage's tensor stacked into one parameter (DSPARK_STACK).
 GLOBAL, LAYER, EXPERT, MTP_ONLY = "global", "layer", "expert", "mtp"
 DSPARK_FIRST, DSPARK_LAST, DSPARK_STACK = "dspark-first", "dspark-last", "dspark-stack"
-# Where a draft layer's tensors go in vLLM's draft model, per draft kind (`{i}` the layer index, `{j}` the
-# stage): DeepSeekV4MTP nests the block under the layer (vllm/models/deepseek_v4/nvidia/mtp.py);
+# The stages of a draft that hold a scope's instance.
+EVERY, FIRST, LAST = "every", "first", "last"
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a scope's rows have instances in a draft model: in which stages, under which vLLM parameter
+    prefix (`{i}` the layer index, `{j}` the stage), and whether an instance is its stage's layer (the
+    layer predicates and compress ratio apply) or the draft model's own."""
+
+    stages: str
+    prefix: str
+    layered: bool = True
+
+
+# Per draft kind, the scopes it has and where each goes in vLLM's draft model. LAYER and EXPERT are the decoder
+# block every stage repeats: DeepSeekV4MTP nests it under the layer (vllm/models/deepseek_v4/nvidia/mtp.py);
 # DSparkDeepseekV4ForCausalLM keeps its stages in `model.layers` from 0 (`_remap_dspark_name` in
 # vllm/models/deepseek_v4/nvidia/dspark.py).
-DRAFT_BLOCK = {MTP: "model.layers.{i}.mtp_block.", DSPARK: "model.layers.{j}."}
-DRAFT_SCOPES = {MTP: (MTP_ONLY,), DSPARK: (DSPARK_FIRST, DSPARK_LAST, DSPARK_STACK)}
+_MTP_BLOCK, _DSPARK_BLOCK = Place(EVERY, "model.layers.{i}.mtp_block."), Place(EVERY, "model.layers.{j}.")
+DRAFT_PLACES = {
+    MTP: {LAYER: _MTP_BLOCK, EXPERT: _MTP_BLOCK, MTP_ONLY: Place(EVERY, "model.layers.{i}.")},
+    DSPARK: {LAYER: _DSPARK_BLOCK, EXPERT: _DSPARK_BLOCK, DSPARK_FIRST: Place(FIRST, "model.", layered=False),
+             DSPARK_LAST: Place(LAST, "model.", layered=False), DSPARK_STACK: Place(EVERY, "model.", layered=False)},
+}
+
+
+def _layer(test: Callable[[ModelConfig, int], bool]) -> Callable[[ModelConfig, int | None], bool]:
+    """A predicate on the layer: never true of a model-level instance (layer None)."""
+    return lambda c, i: i is not None and test(c, i)
+
+
+# Whether a row has an instance in layer `i` (None: a model-level instance).
+WHEN: dict[str, Callable[[ModelConfig, int | None], bool]] = {
+    ALL: lambda c, i: True,
+    CONFIDENCE: lambda c, i: c.confidence_head,
+    HASH: _layer(lambda c, i: i < c.num_hash_layers),
+    BIAS: _layer(lambda c, i: i >= c.num_hash_layers),
+    C4: _layer(lambda c, i: c.compress_ratio(i) == 4),
+    C128: _layer(lambda c, i: c.compress_ratio(i) == 128),
+    COMPRESSED: _layer(lambda c, i: c.compress_ratio(i) in (4, 128)),
+}
 
 ShapeOf = Callable[[ModelConfig, int], tuple[int, ...]]
 
@@ -200,236 +235,3 @@ RULES: tuple[Rule, ...] = tuple([
 ])
 
 ROLES = ("target", "draft")
-
-
-def _applies(rule: Rule, cfg: ModelConfig, layer: int | None) -> bool:
-    if layer is None:  # a model-level tensor
-        return rule.when == ALL or (rule.when == CONFIDENCE and cfg.confidence_head)
-    ratio = cfg.compress_ratio(layer)
-    return {
-        ALL: True,
-        HASH: layer < cfg.num_hash_layers,
-        BIAS: layer >= cfg.num_hash_layers,
-        C4: ratio == 4,
-        C128: ratio == 128,
-        COMPRESSED: ratio in (4, 128),
-    }[rule.when]
-
-
-@dataclass(frozen=True)
-class Source:
-    """One checkpoint tensor as the schema expects it."""
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: str
-    rule: Rule
-    layer: int | None
-    expert: int | None = None
-
-
-def draft_prefixes(cfg: ModelConfig, layer: int) -> tuple[str, str]:
-    """(checkpoint prefix, vLLM parameter prefix) of draft layer `layer`'s decoder block."""
-    j = cfg.layer_ids("draft").index(layer)
-    return f"mtp.{j}.", DRAFT_BLOCK[cfg.draft_kind].format(i=layer, j=j)
-
-
-def _draft_scope(rule: Rule, cfg: ModelConfig, j: int, i: int) -> tuple[str, int | None] | None:
-    """(target prefix, layer) of a draft rule at stage `j` (layer `i`), None where it has no instance."""
-    if rule.scope in (LAYER, EXPERT):
-        return draft_prefixes(cfg, i)[1], i
-    if rule.scope not in DRAFT_SCOPES[cfg.draft_kind]:
-        return None
-    if rule.scope == MTP_ONLY:
-        return f"model.layers.{i}.", i
-    last = j == cfg.num_mtp - 1
-    if rule.scope == DSPARK_STACK or (rule.scope == DSPARK_FIRST and j == 0) or (rule.scope == DSPARK_LAST and last):
-        return "model.", None
-    return None
-
-
-def _scopes(cfg: ModelConfig, role: str):
-    """(rule, source key prefix, target prefix, layer) for every rule instance of a role, in stage order."""
-    if role == "target":
-        for rule in RULES:
-            if rule.scope == GLOBAL:
-                yield rule, "", "", None
-        for i in cfg.layer_ids("target"):
-            for rule in RULES:
-                if rule.scope in (LAYER, EXPERT):
-                    yield rule, f"layers.{i}.", f"model.layers.{i}.", i
-    else:
-        for j, i in enumerate(cfg.layer_ids("draft")):
-            for rule in RULES:
-                found = _draft_scope(rule, cfg, j, i)
-                if found is not None:
-                    yield rule, f"mtp.{j}.", *found
-
-
-def expected_sources(cfg: ModelConfig, roles: tuple[str, ...] = ROLES) -> dict[str, Source]:
-    """Every checkpoint key the config implies, with its shape and dtype (the schema)."""
-    out: dict[str, Source] = {}
-    for role in roles:
-        for rule, sprefix, _tprefix, layer in _scopes(cfg, role):
-            if rule.alias or not _applies(rule, cfg, layer):
-                continue
-            ratio = cfg.compress_ratio(layer) if layer is not None else 0
-            shape = tuple(rule.shape(cfg, ratio))
-            experts = range(cfg.n_experts) if rule.scope == EXPERT else [None]
-            for e in experts:
-                key = sprefix + (rule.key.format(e=e) if e is not None else rule.key)
-                if key in out:
-                    raise AssertionError(f"two rules produce checkpoint key {key}")
-                out[key] = Source(key, shape, rule.dtype, rule, layer, e)
-    return out
-
-
-# ---------------------------------------------------------------- per-rank tensor specs
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A source region copied into a target tensor, in stored units along `dim`.
-
-    For stacked experts `source` holds `{e}` and the piece applies to every expert's matrix.
-    The destination segment is [dst_start, dst_start + seg_len); its part past `length` is pad.
-    """
-
-    source: str
-    dim: int
-    src_start: int
-    dst_start: int
-    length: int
-    seg_len: int
-
-    @property
-    def tail(self) -> tuple[int, int]:
-        return (self.dst_start + self.length, self.dst_start + self.seg_len)
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One vLLM parameter of one rank in model layout (before any expert kernel layout)."""
-
-    name: str
-    role: str
-    rank: int
-    shape: tuple[int, ...]  # model-layout shape; stacked experts lead with E
-    dtype: str  # output safetensors dtype
-    src_dtype: str
-    pieces: tuple[Piece, ...]
-    pad: bytes
-    experts: int | None = None  # stacked expert count
-    expert_tensor: str | None = None
-    layer: int | None = None
-    alias: bool = False  # every source is another spec's too (read again, digested once, by that spec)
-
-    @property
-    def nbytes(self) -> int:
-        n = DTYPE_SIZE[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def matrix_shape(self) -> tuple[int, ...]:
-        """Shape of one expert's matrix (or of the whole tensor when not stacked)."""
-        return self.shape[1:] if self.experts else self.shape
-
-    def sources(self) -> list[str]:
-        """Every checkpoint key this spec reads, experts expanded."""
-        keys = []
-        for p in self.pieces:
-            if self.experts:
-                keys.extend(p.source.format(e=e) for e in range(self.experts))
-            else:
-                keys.append(p.source)
-        return keys
-
-
-def _to_storage(value: int, unit: int, what: str) -> int:
-    if value % unit:
-        raise PlanError(f"{what}: logical offset {value} is not a multiple of its storage unit {unit}; "
-                        f"this TP size would need requantization")
-    return value // unit
-
-
-def build_specs(cfg: ModelConfig, plan: Plan, role: str) -> list[list[TensorSpec]]:
-    """Per rank, the sorted list of tensor specs of `role` (identical names and shapes on every rank)."""
-    groups: dict[str, list[tuple[Rule, str, int | None]]] = {}
-    for rule, sprefix, tprefix, layer in _scopes(cfg, role):
-        if not _applies(rule, cfg, layer):
-            continue
-        groups.setdefault(tprefix + rule.target, []).append((rule, sprefix, layer))
-    ranks: list[list[TensorSpec]] = []
-    for rank in range(plan.tp):
-        specs = [_spec(cfg, plan, role, rank, name, members) for name, members in sorted(groups.items())]
-        ranks.append(specs)
-    return ranks
-
-
-def _spec(cfg: ModelConfig, plan: Plan, role: str, rank: int, name: str,
-          members: list[tuple[Rule, str, int | None]]) -> TensorSpec:
-    members = sorted(members, key=lambda m: m[0].segment)  # stable: a stack keeps stage order
-    first, _, layer = members[0]
-    ratio = cfg.compress_ratio(layer) if layer is not None else 0
-    pieces = []
-    offset = 0
-    dim = first.dim
-    src_shape = tuple(first.shape(cfg, ratio))
-    for rule, sprefix, _ in members:
-        shape = tuple(rule.shape(cfg, ratio))
-        key = sprefix + rule.key
-        if rule.axis is None:
-            length = shape[dim]
-            seg_len = rule.padded(cfg) if rule.padded else length
-            pieces.append(Piece(key, dim, 0, offset, length, seg_len))
-            offset += seg_len
-            continue
-        axis = plan.axes[rule.axis]
-        per = rule.per_index(cfg)
-        what = f"{name} (rank {rank}, from {key})"
-        start = _to_storage(axis.start(rank) * per, rule.unit, what)
-        length = _to_storage(axis.real(rank) * per, rule.unit, what)
-        seg_len = _to_storage(axis.kernel_local * per, rule.unit, what)
-        pieces.append(Piece(key, dim, start, offset, length, seg_len))
-        offset += seg_len
-    out_shape = list(src_shape)
-    out_shape[dim] = offset
-    experts = cfg.n_experts if first.scope == EXPERT else None
-    if experts:
-        out_shape = [experts, *out_shape]
-    out_dtype = first.out_dtype or first.dtype
-    return TensorSpec(
-        name=name, role=role, rank=rank, shape=tuple(out_shape), dtype=out_dtype, src_dtype=first.dtype,
-        pieces=tuple(pieces), pad=first.pad, experts=experts, expert_tensor=first.expert_tensor, layer=layer,
-        alias=first.alias,
-    )
-
-
-def check_source_keys(cfg: ModelConfig, present: dict[str, tuple[tuple[int, ...], str]],
-                      roles: tuple[str, ...]) -> None:
-    """Every present key must be expected with its shape and dtype, and every expected key present."""
-    expected = expected_sources(cfg, ROLES)
-    unknown = sorted(set(present) - set(expected))
-    if unknown:
-        raise SourceError(f"unknown tensor {unknown[0]!r}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
-                          + ": not in the V4-Flash schema for this config (another schema variant?)", key=unknown[0])
-    wanted = {k: s for k, s in expected.items() if role_of(k) in roles}
-    missing = sorted(set(wanted) - set(present))
-    if missing:
-        raise SourceError(f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                          + " required by config.json (is the config from another checkpoint?)")
-    for key, (shape, dtype) in sorted(present.items()):
-        want = expected[key]
-        if tuple(shape) != want.shape or dtype != want.dtype:
-            raise SourceError(f"tensor {key!r} is {dtype}{list(shape)}, the config implies {want.dtype}{list(want.shape)}",
-                              key=key)
-
-
-_MTP_KEY = re.compile(r"^mtp\.\d+\.")
-
-
-def role_of(key: str) -> str:
-    """The role a checkpoint key feeds: MTP keys feed the draft model."""
-    return "draft" if _MTP_KEY.match(key) else "target"

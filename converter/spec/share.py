@@ -17,6 +17,9 @@ from pathlib import Path
 from ..errors import OutputError, UsageRefused
 from ..guarded_io import Tree
 from .manifest import RECORD_REL, rank_of
+from .plan import MAX_TP
+from .records import fld, from_doc, schema_of, to_doc
+from .schema import Int, ListOf, Null, SchemaError, Str, check
 
 SHARE_NAME = "lucifer-share.json"
 SHARE_FORMAT = "lucifer-shard-share"
@@ -72,7 +75,7 @@ def refuse_node_flags(ranks: str | None, nnodes: int | None, node_rank: int | No
 
 @dataclass(frozen=True)
 class NodeShare:
-    """The TP ranks one node runs, as --ranks or --nnodes/--node-rank chose them (`share_doc`'s fields)."""
+    """The TP ranks one node runs, as --ranks or --nnodes/--node-rank chose them (`ShareRecord`'s fields)."""
 
     ranks: tuple[int, ...]
     nnodes: int | None = None
@@ -84,7 +87,7 @@ class NodeShare:
         chosen = parse_ranks(ranks, tp) if ranks is not None else node_ranks(tp, nnodes, node_rank)
         return cls(tuple(chosen), nnodes, node_rank)
 
-    def doc(self, conversion_id: str, tp: int) -> dict:
+    def doc(self, conversion_id: str, tp: int) -> ShareRecord:
         return share_doc(conversion_id, tp, list(self.ranks), self.nnodes, self.node_rank)
 
     def holds(self, rel: str) -> bool:
@@ -105,16 +108,41 @@ def serve_command(out: Path | str, share: NodeShare) -> str:
     return f"lucifer-shard serve {out} --nnodes {share.nnodes} --node-rank {share.node_rank} --master-addr HOST"
 
 
-def share_doc(conversion_id: str, tp: int, ranks: list[int], nnodes: int | None, node_rank: int | None) -> dict:
-    return {"format": SHARE_FORMAT, "format_version": SHARE_VERSION, "conversion_id": conversion_id,
-            "tp_size": tp, "ranks": sorted(ranks), "nnodes": nnodes, "node_rank": node_rank}
+@dataclass(frozen=True)
+class ShareRecord:
+    """`lucifer-share.json` (and a node's conversion record's `share`): the ranks a share holds. Read only
+    through `ShareRecord.parse`, which `read_share` and convert's record check call."""
+
+    format: str = fld(Str())
+    format_version: int = fld(Int())
+    conversion_id: str = fld(Str())
+    tp_size: int = fld(Int(1, MAX_TP))
+    ranks: tuple[int, ...] = fld(ListOf(Int(0, MAX_TP - 1), 1, MAX_TP))
+    nnodes: int | None = fld(Null(Int(1, MAX_TP)))
+    node_rank: int | None = fld(Null(Int(0, MAX_TP - 1)))
+
+    @classmethod
+    def parse(cls, doc: object, tp: int | None = None) -> ShareRecord:
+        """The record of `doc`; ValueError saying why (`record_problem`) when it is not one stage writes."""
+        problem = record_problem(doc, tp)
+        if problem:
+            raise ValueError(problem)
+        return from_doc(cls, doc)
+
+    def to_dict(self) -> dict:
+        return to_doc(self)
 
 
-def share_text(doc: dict) -> str:
-    return json.dumps(doc, indent=1, sort_keys=True) + "\n"
+def share_doc(conversion_id: str, tp: int, ranks: list[int], nnodes: int | None, node_rank: int | None
+              ) -> ShareRecord:
+    return ShareRecord(SHARE_FORMAT, SHARE_VERSION, conversion_id, tp, tuple(sorted(ranks)), nnodes, node_rank)
 
 
-def read_share(out: Path | str, conversion_id: str | None = None, tp: int | None = None) -> dict | None:
+def share_text(record: ShareRecord) -> str:
+    return json.dumps(record.to_dict(), indent=1, sort_keys=True) + "\n"
+
+
+def read_share(out: Path | str, conversion_id: str | None = None, tp: int | None = None) -> ShareRecord | None:
     """OUT's share record (None: OUT is a whole output). OutputError when it is not a valid one
     (`record_problem`), or is another conversion's (or another TP size's, given `tp`)."""
     tree = Tree(out)
@@ -124,40 +152,38 @@ def read_share(out: Path | str, conversion_id: str | None = None, tp: int | None
         doc = json.loads(tree.read(SHARE_NAME))
     except (ValueError, UnicodeDecodeError, RecursionError):
         doc = None
-    problem = record_problem(doc, tp)
-    if problem:
-        raise OutputError(f"{tree.path(SHARE_NAME)}: {problem}; {share_repair(out)}")
-    if conversion_id is not None and doc.get("conversion_id") != conversion_id:
-        raise OutputError(f"{tree.path(SHARE_NAME)}: a share of conversion {str(doc.get('conversion_id'))[:12]}, the "
+    try:
+        share = ShareRecord.parse(doc, tp)
+    except ValueError as e:
+        raise OutputError(f"{tree.path(SHARE_NAME)}: {e}; {share_repair(out)}") from None
+    if conversion_id is not None and share.conversion_id != conversion_id:
+        raise OutputError(f"{tree.path(SHARE_NAME)}: a share of conversion {share.conversion_id[:12]}, the "
                           f"manifest's is {conversion_id[:12]}: files of two conversions; {share_repair(out)}")
-    return doc
+    return share
 
 
 def record_problem(doc: object, tp: int | None = None) -> str | None:
-    """Why `doc` is not a share record stage writes (the rules of `share_doc`, `parse_ranks` and
-    `node_ranks`), or None. `tp`: the manifest's TP size, which the record must repeat."""
+    """Why `doc` is not a share record stage writes (`ShareRecord`'s fields, and the rules of `parse_ranks`
+    and `node_ranks`), or None. `tp`: the manifest's TP size, which the record must repeat."""
     if not isinstance(doc, dict) or doc.get("format") != SHARE_FORMAT:
         return "not a lucifer-shard share record"
     if doc.get("format_version") != SHARE_VERSION:
         return f"share record format_version {str(doc.get('format_version'))[:20]}, this tool writes {SHARE_VERSION}"
-    size, ranks = doc.get("tp_size"), doc.get("ranks")
-    if not _is_int(size) or size < 1 or (tp is not None and size != tp):
-        return f"tp_size {str(size)[:20]} is not the output's TP size ({tp})"
-    if (not isinstance(ranks, list) or not ranks or not all(_is_int(r) and 0 <= r < size for r in ranks)
-            or ranks != sorted(set(ranks))):
+    try:
+        check(schema_of(ShareRecord), doc)
+    except SchemaError as e:
+        return f"field {e}"
+    share = from_doc(ShareRecord, doc)
+    size, ranks, nnodes, node = share.tp_size, list(share.ranks), share.nnodes, share.node_rank
+    if tp is not None and size != tp:
+        return f"tp_size {size} is not the output's TP size ({tp})"
+    if any(r >= size for r in ranks) or ranks != sorted(set(ranks)):
         return f"ranks {str(ranks)[:40]} are not distinct TP ranks 0..{size - 1} in order (a share holds at least one)"
-    nnodes, node = doc.get("nnodes"), doc.get("node_rank")
     if (nnodes is None) != (node is None):
         return "nnodes and node_rank go together"
-    if nnodes is not None:
-        fits = _is_int(nnodes) and _is_int(node) and nnodes >= 1 and size % nnodes == 0 and 0 <= node < nnodes
-        if not fits or node_ranks(size, nnodes, node) != ranks:
-            return f"node {str(node)[:10]} of {str(nnodes)[:10]} does not run ranks {ranks} (vLLM's rule)"
+    if nnodes is not None and (size % nnodes or node >= nnodes or node_ranks(size, nnodes, node) != ranks):
+        return f"node {node} of {nnodes} does not run ranks {ranks} (vLLM's rule)"
     return None
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def identity_line(conversion_id: str, content: str) -> str:
@@ -167,22 +193,22 @@ def identity_line(conversion_id: str, content: str) -> str:
     return f"conversion {conversion_id[:SHORT_DIGEST]}, content {content.rpartition(':')[2][:SHORT_DIGEST]}"
 
 
-def describe(doc: dict) -> str:
+def describe(share: ShareRecord) -> str:
     """'ranks 1 of tp 3 (node 1 of 3)'."""
-    node = f" (node {doc['node_rank']} of {doc['nnodes']})" if doc.get("nnodes") else ""
-    return f"rank(s) {', '.join(map(str, doc['ranks']))} of tp {doc['tp_size']}{node}"
+    node = f" (node {share.node_rank} of {share.nnodes})" if share.nnodes else ""
+    return f"rank(s) {', '.join(map(str, share.ranks))} of tp {share.tp_size}{node}"
 
 
-def missing_rank(doc: dict, rank: int, where: Path | str) -> str:
+def missing_rank(doc: ShareRecord, rank: int, where: Path | str) -> str:
     """The one line for a worker whose TP rank is not in the share it was given: node, rank and fix."""
     return ": ".join(missing_rank_parts(doc, rank, where))
 
 
-def missing_rank_parts(doc: dict, rank: int, where: Path | str) -> tuple[str, str]:
+def missing_rank_parts(doc: ShareRecord, rank: int, where: Path | str) -> tuple[str, str]:
     """missing_rank's line as (what is wrong, the fix), for a report that shows the fix apart."""
-    nnodes = doc.get("nnodes")
-    node = rank // (doc["tp_size"] // nnodes) if nnodes else None
-    here = f"node {doc['node_rank']}'s share" if doc.get("node_rank") is not None else "a share"
+    nnodes = doc.nnodes
+    node = rank // (doc.tp_size // nnodes) if nnodes else None
+    here = f"node {doc.node_rank}'s share" if doc.node_rank is not None else "a share"
     stage = (f"lucifer-shard stage OUT DEST --nnodes {nnodes} --node-rank {node}" if nnodes
              else f"lucifer-shard stage OUT DEST --ranks {rank}")
     return (f"{where} is {here} ({describe(doc)}) but this worker runs TP rank {rank}"
@@ -197,7 +223,7 @@ def share_problem(out: Path | str, conversion_id: str, rank: int, tp: int | None
         doc = read_share(out, conversion_id, tp)
     except OutputError as e:
         return str(e)
-    return missing_rank(doc, rank, out) if doc is not None and rank not in doc["ranks"] else None
+    return missing_rank(doc, rank, out) if doc is not None and rank not in doc.ranks else None
 
 
 def node_problem(out: Path | str, conversion_id: str, ranks: list[int], tp: int | None = None
@@ -208,5 +234,5 @@ def node_problem(out: Path | str, conversion_id: str, ranks: list[int], tp: int 
         doc = read_share(out, conversion_id, tp)
     except OutputError as e:
         return str(e), share_repair(out)
-    lacking = [r for r in ranks if doc is not None and r not in doc["ranks"]]
+    lacking = [r for r in ranks if doc is not None and r not in doc.ranks]
     return missing_rank_parts(doc, lacking[0], out) if lacking else None

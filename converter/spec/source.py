@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from ..errors import SourceError, UsageRefused
 from ..guarded_io import JSON_LIMIT, kind, open_regular, read_regular
 from .config import ModelConfig, load_config
-from .rules import ROLES, check_source_keys
+from .rules import ROLES
+from .tensorspecs import check_source_keys
 from .stheader import Header, HeaderError, read_header
 
 if TYPE_CHECKING:  # torch is loaded by safetensors' "pt" framework when data is read

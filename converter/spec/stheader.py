@@ -28,6 +28,15 @@ MAX_DIM = (1 << 63) - 1  # torch and numpy index with int64
 MAX_ELEMENTS = (1 << 64) - 1  # safetensors multiplies shapes in u64 and refuses an overflow
 ENTRY_FIELDS = ("data_offsets", "dtype", "shape")
 
+# A rank file's identity stamp: its `__metadata__` keys (spec/manifest.file_metadata writes them).
+META_FORMAT = "lucifer.format"
+META_CONVERSION_ID = "lucifer.conversion_id"
+META_ROLE = "lucifer.role"
+META_RANK = "lucifer.rank"
+META_PART = "lucifer.part"
+META_TP_SIZE = "lucifer.tp_size"
+META_CONTENT = "lucifer.content"
+
 
 class HeaderError(ValueError):
     """A safetensors file whose header cannot be trusted; one line naming the file (and tensor)."""
@@ -40,8 +49,8 @@ class HeaderError(ValueError):
 
 
 @dataclass(frozen=True)
-class TensorRecord:
-    """One tensor of a header; `start`/`end` are offsets in the data section."""
+class HeaderEntry:
+    """One tensor entry of a header; `start`/`end` are offsets in the data section."""
 
     name: str
     dtype: str
@@ -54,7 +63,7 @@ class TensorRecord:
 class Header:
     path: Path
     block: bytes  # the 8-byte length prefix and the JSON, as file digests cover them
-    tensors: dict[str, TensorRecord]  # in data order
+    tensors: dict[str, HeaderEntry]  # in data order
     metadata: dict[str, str]
     file_size: int
 
@@ -169,7 +178,7 @@ def _metadata(path: Path, meta: object) -> dict[str, str]:
     return meta
 
 
-def _records(path: Path, doc: dict) -> list[TensorRecord]:
+def _records(path: Path, doc: dict) -> list[HeaderEntry]:
     """Every tensor entry, validated on its own, in data order."""
     records = []
     for name, info in doc.items():
@@ -197,11 +206,11 @@ def _records(path: Path, doc: dict) -> list[TensorRecord]:
         if end - start != nbytes:
             raise HeaderError(path, f"tensor {name!r} data_offsets [{start}, {end}) hold {end - start} bytes, "
                                     f"{dtype}{_short(shape)} needs {nbytes}", name)
-        records.append(TensorRecord(name, dtype, tuple(shape), start, end))
+        records.append(HeaderEntry(name, dtype, tuple(shape), start, end))
     return sorted(records, key=lambda t: (t.start, t.end))
 
 
-def _check_tiling(path: Path, records: list[TensorRecord]) -> None:
+def _check_tiling(path: Path, records: list[HeaderEntry]) -> None:
     """Tensors cover the data section from byte 0 without gaps or overlaps, as safetensors requires."""
     at, prev = 0, None
     for t in records:

@@ -26,7 +26,7 @@ standard deviations of a Gaussian (P(|x| > 5 sd) = 6e-7 each).
 That is a first-order, no-gain model: it ignores that the network amplifies a perturbation (attention
 softmax, and above all the MoE router: a near-tie between two experts' scores flips which expert a
 token gets, a discrete change). That gain is not derivable from the rounding; GAIN bounds it, set
-from vLLM's own runs from the checkpoint at TP1, TP2 and TP4 (docs/serving-proof.md, "Tokens out":
+from vLLM's own runs from the checkpoint at TP1, TP2 and TP4 (docs/evidence/serving-proof.md, "Tokens out":
 largest gain 6.7 at TP2 on `forward`, 7.9 at TP4 on its 384-expert variant), times a safety factor of
 1.5 for so few samples (7 prompts); the tests assert that vLLM's own pairs still stay within it, so
 the bound is re-checked on every run:

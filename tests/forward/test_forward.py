@@ -167,7 +167,7 @@ def test_tp_sizes_agree_within_the_bf16_tolerance(engine, sources, pair):
     problems = []
     for gen in ("short", "long"):
         problems += [f"{gen} {p}" for p in compare.violations(outputs(a, gen), outputs(b, gen), tau)]
-    own = "vLLM's own TP noise exceeds tau: re-measure compare.GAIN on this machine (docs/serving-proof.md)\n"
+    own = "vLLM's own TP noise exceeds tau: re-measure compare.GAIN on this machine (docs/evidence/serving-proof.md)\n"
     assert not problems, (own if pair in OWN_NOISE else "") + \
         f"{pair[0]} vs {pair[1]}, tau {tau:.4f} nats:\n" + "\n".join(problems)
 

@@ -16,7 +16,7 @@ that cannot run there fails; nothing here skips.
 Every gpu test appends its figures to the results JSON (gpu_harness.results_path():
 $LUCIFER_GPU_RESULTS, else $OUT/gpu-results.json, else /tmp/gpu-results.json); the hooks below add
 one `outcome` record per gpu test and a `session` record at the end, only when gpu tests ran.
-`report.py` renders docs/gpu-validation.md from that file.
+`report.py` renders docs/evidence/gpu-validation.md from that file.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Run the GPU suite on a lent device machine, from a checkout that carries the FlashInfer kit in
-# .gpu/ (see docs/gpu-validation.md). With the kit's prebuilt modules one call does it (~2.5 min);
+# .gpu/ (see docs/evidence/gpu-validation.md). With the kit's prebuilt modules one call does it (~2.5 min);
 # with FI_PREBUILT=0, call it again at once until it prints GPU_TESTS_DONE. Set LUCIFER_GPU_COMMIT
 # to the commit sent: the device copy's .git may be older than its tree.
 #

@@ -1,4 +1,4 @@
-"""The Flash geometry on vLLM 0.34.0 on one GPU (docs/gpu-validation.md §10, issue 55): `synth flash-0731-layer
+"""The Flash geometry on vLLM 0.34.0 on one GPU (docs/evidence/gpu-validation.md §10, issue 55): `synth flash-0731-layer
 --layers 2` (the real Flash dimensions: hidden 4096, 64 heads, 256 experts of 2048, vocabulary 129,280, and
 DeepSeek-V4-Flash-0731's three-stage DSpark drafter at that size) converted at TP1 and TP3 in model layout,
 served by stock vLLM 0.34.0's GPU model with its own SM90 kernels (Marlin MoE, FlashMLA sparse attention,
@@ -57,6 +57,12 @@ MARLIN = S.MARLIN  # what serve picks for sm90 model layout; the checkpoint's se
 DRAFT_ROOM = 12 << 30  # the TP1 draft (three Flash-size stages, about 10 GiB) and some slack
 NODES, MASTER_PORT = 3, 29533
 BOTH_WAVES_BYTES = 120 << 30
+# vLLM's default compilation and CUDA graphs, less its JIT kernel warm-up: at this geometry the warm-up compiles
+# all 54 keys of its 10 kernels one after another (CuTe-DSL's serially) before capture, and in the first session
+# had not finished DequantGatherKCacheKernel's after 275 s; without it each kernel compiles at its first use, in
+# the profile and warm-up runs before capture (vllm/config/vllm.py: what --enforce-eager turns off with graphs)
+NO_JIT_WARMUP = ["--kernel-config", '{"enable_jit_warmup": false}']
+GRAPHS = S.GRAPHS + NO_JIT_WARMUP
 WRONG_SHARE = (1, 2)  # node 2 given node 1's share: refused at its preflight
 
 
@@ -155,8 +161,8 @@ SERVERS = {
     "files_tp1": lambda w, p: lucifer_serve(w / "out-tp1", 1, p),
     "ref_tp2": lambda w, p: vllm_serve(w / "model", 2, p),
     "files_tp3": lambda w, p: lucifer_serve(w / "out-tp3", 3, p),
-    "ref_graphs": lambda w, p: vllm_serve(w / "model", 1, p, S.GRAPHS),
-    "files_graphs": lambda w, p: lucifer_serve(w / "out-tp1", 1, p, flags=S.GRAPHS),
+    "ref_graphs": lambda w, p: vllm_serve(w / "model", 1, p, GRAPHS),
+    "files_graphs": lambda w, p: lucifer_serve(w / "out-tp1", 1, p, flags=GRAPHS),
     "dspark_tp3": lambda w, p: lucifer_serve(w / "out-tp3", 3, p, draft=True),
     "flip3_full": lambda w, p: lucifer_serve(w / "flipped-tp3", 3, p, verify="full"),
     "node0": lambda w, p: (node_argv(w / "share-0", 0, p), p.env(NODES)),
@@ -167,6 +173,10 @@ SERVERS = {
 WAVES = {"tp": ["ref_tp1", "files_tp1", "ref_tp2", "files_tp3"], "graphs": ["ref_graphs", "files_graphs",
                                                                               "dspark_tp3", "flip3_full"],
          "nodes": ["node0", "dspark_tp1"]}
+# a later session (the tp wave and the flip's refusal on record from an earlier one): what it still lacked, with
+# the single-node TP3 server (eager) beside the three nodes, whose tokens it must equal
+WAVES_LATER = {"tp": [], "graphs": ["ref_graphs", "files_graphs", "dspark_tp3"], "nodes": ["files_tp3", "node0"]}
+WAVES_LATER_BIG = {"tp": [], "graphs": WAVES_LATER["graphs"] + WAVES_LATER["nodes"], "nodes": []}
 WAVES_BIG = {"tp": WAVES["tp"] + ["ref_graphs", "files_graphs"],
              "graphs": ["dspark_tp3", "flip3_full", "node0", "dspark_tp1"], "nodes": []}
 # the comparisons (reference first), each made once both servers have answered
@@ -277,6 +287,7 @@ EVENTS = {
     "model_init": (re.compile(r"Initializing model took ([\d.]+) seconds"), "model_init_s"),
     "weights_read": (re.compile(r"Loading weights took ([\d.]+) seconds"), "loading_weights_s"),
     "loaded": (re.compile(r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds"), "model_loading_s"),
+    "jit_warmup": (re.compile(r"JIT kernel warmup \(\d+ compile keys\)"), None),
     "compiled": (re.compile(r"torch\.compile took ([\d.]+) s in total"), "torch_compile_s"),
     "kv": (re.compile(r"GPU KV cache size: ([\d,]+) tokens"), None),
     "captured": (re.compile(r"Graph capturing finished in (\d+) secs"), "graph_capture_s"),
@@ -351,23 +362,29 @@ def one_start(name: str, argv: list[str], logs: Path, deadline: float, env: dict
             row["log_tail"] = s.tail()
     except TimeoutError as e:
         row["timed_out"] = str(e)
+        # where it waits: every Python process of the server prints its threads' stacks (PYTHONFAULTHANDLER)
+        os.killpg(s.proc.pid, signal.SIGABRT)
+        time.sleep(5)
+        row["log_tail"] = s.tail(120)
     finally:
         s.stop()
     row["split"] = startup_split(s.log.read_text(errors="replace"))
     return row
 
 
-STARTS = (("default", "cold"), ("lucifer", "cold"), ("default", "warm"), ("lucifer", "warm"))
+STARTS = (("default", "cold"), ("lucifer", "cold"), ("default", "warm"), ("lucifer", "warm"), ("default", "jit"))
 
 
 def phase_startup(work: Path, logs: Path, deadline: float, done: dict, save) -> dict:
-    """STARTS one at a time, CUDA graphs: cold = page cache dropped and this loader's vLLM cache root
-    (torch.compile's cache) emptied; warm = the weights just read by the cold start and its cache kept.
-    Per start: ready and first-token seconds, startup_split of its log. Continues DONE (a cut call's rows)."""
+    """STARTS one at a time, CUDA graphs without the JIT warm-up (GRAPHS): cold = page cache dropped and this
+    loader's vLLM cache root (torch.compile's cache) emptied; warm = the weights just read by the cold start and
+    its cache kept; jit = warm, with vLLM's JIT kernel warm-up too (its full default), last, as far as the call's
+    time lets it go. Per start: ready and first-token seconds, startup_split of its log. Continues DONE (a cut
+    call's rows)."""
     plan = T.Plan(1)
     res = dict(done)
-    argv = {"default": vllm_serve(work / "model", 1, plan, S.GRAPHS)[0],
-            "lucifer": lucifer_serve(work / "out-tp1", 1, plan, flags=S.GRAPHS)[0]}
+    argv = {"default": vllm_serve(work / "model", 1, plan, GRAPHS)[0],
+            "lucifer": lucifer_serve(work / "out-tp1", 1, plan, flags=GRAPHS)[0]}
     for loader, mode in STARTS:
         key = f"{loader}_{mode}"
         if key in res:
@@ -379,8 +396,9 @@ def phase_startup(work: Path, logs: Path, deadline: float, done: dict, save) -> 
         if mode == "cold":
             shutil.rmtree(cache, ignore_errors=True)
             S.drop_caches()
-        row = one_start(f"startup_{key}", argv[loader], logs, max(deadline - 15, time.monotonic() + 10),
-                        {"VLLM_CACHE_ROOT": str(cache)})
+        start = vllm_serve(work / "model", 1, plan, S.GRAPHS)[0] if mode == "jit" else argv[loader]
+        row = one_start(f"startup_{key}", start, logs, max(deadline - 15, time.monotonic() + 10),
+                        {"VLLM_CACHE_ROOT": str(cache), "PYTHONFAULTHANDLER": "1"})
         res[key] = row
         save(res)
     res.pop("stopped_early", None)
@@ -395,11 +413,13 @@ def main() -> int:
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to spread ranks over (default: those visible)")
     ap.add_argument("--seconds", type=float, default=560, help="end every phase within this many seconds")
+    ap.add_argument("--later", action="store_true", help="WAVES_LATER: what a session after the first still lacked")
     args = ap.parse_args()
     import torch
 
     plan = T.Plan(args.gpus or torch.cuda.device_count())
-    waves = WAVES_BIG if torch.cuda.get_device_properties(0).total_memory > BOTH_WAVES_BYTES else WAVES
+    big = torch.cuda.get_device_properties(0).total_memory > BOTH_WAVES_BYTES
+    waves = (WAVES_LATER_BIG if big else WAVES_LATER) if args.later else (WAVES_BIG if big else WAVES)
     work, logs, path, results, deadline = S.harness_start(args.work, args.seconds)
 
     def save(partial: dict | None = None) -> None:

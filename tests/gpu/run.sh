@@ -15,7 +15,7 @@
 # gpu-results.json. Extra arguments go to pytest. Exit status: pytest's.
 # Then, on the development machine:
 #   python3 tests/gpu/report.py gpu-results.json machine.txt --log gpu-tests.log \
-#       --build-status build_status.json -o docs/gpu-validation.md
+#       --build-status build_status.json -o docs/evidence/gpu-validation.md
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 ROOT=$(pwd)

@@ -1,10 +1,10 @@
 #!/bin/bash
-# The serving run on a lent H200 (docs/gpu-validation.md §8), one device call at a time, from the checkout
+# The serving run on a lent H200 (docs/evidence/gpu-validation.md §8), one device call at a time, from the checkout
 # root. Each call carries one piece of the vLLM kit (.vllmkitN/, tools/gpu-vllm-kit.sh) and one of them the
 # FlashInfer kit too (.gpu/, built per ../shared/gpu/README.md: FlashInfer 0.7.2.post1 with its prebuilt SM90
 # MoE module); both are staged in /tmp, which survives between calls while the machine stays warm. Exit 3:
 # a piece is still missing (carry the next one); otherwise serve_run.py's phases run, or LUCIFER_RUN's (arguments
-# go to it). LUCIFER_FLASHINFER=none is the vLLM 0.34.0 route (tests/gpu/flash_run.py, docs/gpu-validation.md §10):
+# go to it). LUCIFER_FLASHINFER=none is the vLLM 0.34.0 route (tests/gpu/flash_run.py, docs/evidence/gpu-validation.md §10):
 # no FlashInfer at all, so vLLM takes its own SM90 kernels (Marlin MoE for model layout) and .gpu is not needed.
 set -u
 FI=${LUCIFER_FI_KIT:-/tmp/lucifer-fi-kit}

@@ -1,4 +1,4 @@
-"""The serving run on a GPU (docs/gpu-validation.md §8): stock vLLM 0.33.0's own OpenAI-compatible
+"""The serving run on a GPU (docs/evidence/gpu-validation.md §8): stock vLLM 0.33.0's own OpenAI-compatible
 server, started by `lucifer-shard serve` on TP1 rank files (model layout, and sm90 kernel layout loaded
 verbatim) and by `vllm serve` on the original checkpoint (vLLM's default loader), answers the same greedy
 requests over HTTP; tokens and logprobs are compared, eager and with CUDA graphs; one flipped byte of a

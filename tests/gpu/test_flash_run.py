@@ -111,7 +111,7 @@ RESULTS = S.ROOT / "tests" / "gpu" / "results"
 
 
 def test_the_committed_h100_comparisons_are_what_this_code_judges():
-    """docs/gpu-validation.md §10's token table: the H100 call's recorded generations, judged again here."""
+    """docs/evidence/gpu-validation.md §10's token table: the H100 call's recorded generations, judged again here."""
     got = json.loads((RESULTS / "flash-0.34.0-2026-12-06" / "call7" / "serve-results.json").read_text())
     again = F.pairs(got["tp"]["runs"], F.PAIRS, got["tau"])
     assert again == got["compare"]
@@ -125,4 +125,4 @@ def test_report_renders_section_10_from_its_committed_text():
     text = (RESULTS / "flash-0.34.0.md").read_text()
     section = f"## 10. {report.FLASH_TITLE}\n\n{text.strip()}\n"
     assert section in report.render([], MACHINE, flash=text)
-    assert section in (S.ROOT / "docs" / "gpu-validation.md").read_text()
+    assert section in (S.ROOT / "docs" / "evidence" / "gpu-validation.md").read_text()

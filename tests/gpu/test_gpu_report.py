@@ -228,3 +228,12 @@ def test_cli_writes_the_markdown(tmp_path, capsys):
     assert text.startswith("# GPU validation") and "bash tests/gpu/run.sh" in text
     assert "## Notes on this run\n\nAn earlier call failed on purpose." in text and "## How to run it" in text
     assert "verdict: GO" in capsys.readouterr().err
+
+
+def test_the_committed_record_line_heads_the_evidence_page():
+    """The page is evidence (docs/evidence/README.md): tests/gpu/results/record.md renders before the verdict, and the
+    committed page holds it."""
+    record = (HERE / "results" / "record.md").read_text()
+    text = report.render([], MACHINE, record=record)
+    assert text.index(record.strip()) < text.index("## Verdict")
+    assert record.strip() in (HERE.parents[1] / "docs" / "evidence" / "gpu-validation.md").read_text()

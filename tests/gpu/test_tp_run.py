@@ -120,7 +120,7 @@ def test_a_run_cut_by_its_deadline_keeps_every_servers_log_tail_and_stops_them_a
 
 
 def test_report_renders_the_one_gpu_section_from_its_committed_text():
-    """docs/gpu-validation.md is rendered by report.py: section 9 comes from tests/gpu/results/tp-one-gpu.md, and the
+    """docs/evidence/gpu-validation.md is rendered by report.py: section 9 comes from tests/gpu/results/tp-one-gpu.md, and the
     committed document holds what that renders."""
     import report
     from test_gpu_report import MACHINE
@@ -129,7 +129,7 @@ def test_report_renders_the_one_gpu_section_from_its_committed_text():
     text = (root / "tests" / "gpu" / "results" / "tp-one-gpu.md").read_text()
     section = f"## 9. {report.ONE_GPU_TP_TITLE}\n\n{text.strip()}\n"
     assert section in report.render([], MACHINE, one_gpu_tp=text)
-    assert section in (root / "docs" / "gpu-validation.md").read_text()
+    assert section in (root / "docs" / "evidence" / "gpu-validation.md").read_text()
 
 
 def _gloo_sums(rank: int, world: int, init: str, out: str) -> None:
@@ -149,7 +149,7 @@ def _gloo_sums(rank: int, world: int, init: str, out: str) -> None:
 
 @pytest.mark.parametrize("world, order_free", [(2, True), (3, False)])
 def test_gloos_bf16_sum_of_a_token_depends_on_the_batch_only_beyond_two_ranks(tmp_path, world, order_free):
-    """Why a draft changes TP3's logprobs but not TP1's or TP2's (docs/gpu-validation.md §9): gloo's all-reduce
+    """Why a draft changes TP3's logprobs but not TP1's or TP2's (docs/evidence/gpu-validation.md §9): gloo's all-reduce
     sums a token's row in an order that depends on the message size at 3 ranks; with 2 the sum is a + b."""
     import torch
     import torch.multiprocessing as mp

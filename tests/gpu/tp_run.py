@@ -1,4 +1,4 @@
-"""TP on one GPU (docs/gpu-validation.md §9): stock vLLM 0.33.0's own GPU model at tensor-parallel size 2
+"""TP on one GPU (docs/evidence/gpu-validation.md §9): stock vLLM 0.33.0's own GPU model at tensor-parallel size 2
 and 3, every worker on the one H200, serving TP2 and TP3 rank files; tokens against TP1; the MTP and DSpark
 drafts at TP1 and TP3; a flipped expert byte refused by the rank that owns it.
 

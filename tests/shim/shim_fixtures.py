@@ -90,7 +90,7 @@ def run_world(spec: dict, label: str, env: dict | None = None, timeout: int = 18
     """Run `vllm_cpu_model.py` on `spec` in a fresh interpreter (its ranks import vLLM with
     VLLM_TARGET_DEVICE=cpu, which this process must not); the per-rank reports, asserting none crashed.
     With LUCIFER_PROOF_OUT set, the reports are also kept there as <label>/rank-<r>.json, the
-    figures docs/serving-proof.md is rendered from (tools/serving_proof_table.py)."""
+    figures docs/evidence/serving-proof.md is rendered from (tools/serving_proof_table.py)."""
     results = Path(spec["results"])
     results.mkdir(parents=True, exist_ok=True)
     (results / "spec.json").write_text(json.dumps(spec, indent=1))

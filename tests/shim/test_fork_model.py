@@ -20,7 +20,7 @@ the rank files hold bytes 0/352/704 and groups 0/22/44, each checked here agains
 
 The fork's code never enters this repository: without an overlay (`bash tools/fork-overlay.sh
 --git <clone of github.com/mlow/vllm> 45c1582e9 cece381c4 81564374e`) these tests are skipped
-with that reason; docs/serving-proof.md records a run.
+with that reason; docs/evidence/serving-proof.md records a run.
 """
 from __future__ import annotations
 
