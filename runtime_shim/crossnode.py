@@ -11,10 +11,11 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from lucifer_shard.spec.manifest_types import Manifest
 from lucifer_shard.spec.share import identity_line
 
-from .manifest import Manifest
 from .nodefiles import share_record
 
 FIX = ("every node must serve a share of one output: stage each node's share from the same OUT "
@@ -35,9 +36,9 @@ class ShareIdentity:
     problem: str | None = None  # this rank could not read its output (its own error says why)
 
     @classmethod
-    def of(cls, m: Manifest, tp_rank: int) -> ShareIdentity:
-        share = share_record(m)  # an invalid one: the loader's share check names it
-        return cls(tp_rank, socket.gethostname(), str(m.out), m.conversion_id, m.doc.source.content.digest,
+    def of(cls, out: Path, m: Manifest, tp_rank: int) -> ShareIdentity:
+        share = share_record(out, m)  # an invalid one: the loader's share check names it
+        return cls(tp_rank, socket.gethostname(), str(out), m.conversion_id, m.source.content.digest,
                    share.node_rank if share else None)
 
     @classmethod

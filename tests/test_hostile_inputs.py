@@ -276,7 +276,9 @@ def test_manifest_field_mutations_are_findings_or_refusals(mutable_out, data, va
     with a finding (exit 1) or a one-line refusal (exit 2), never an internal error; the loader's
     manifest reader raises its one-line ShimError or reads the rank entries it would load."""
     from lucifer_shard.runtime_shim.errors import ShimError
+    from lucifer_shard.runtime_shim.loadplan import expert_groups
     from lucifer_shard.runtime_shim.manifest import load_manifest as shim_load
+    from lucifer_shard.runtime_shim.manifest import rank_entry, roles
 
     out, text, nodes, shallow = mutable_out
     path = data.draw(st.one_of(st.sampled_from(shallow), st.sampled_from(nodes)))
@@ -289,9 +291,9 @@ def test_manifest_field_mutations_are_findings_or_refusals(mutable_out, data, va
                 one_error(r, (1, 2))
         try:
             m = shim_load(out)
-            for role in m.roles:
+            for role in roles(m):
                 for rank in range(m.tp_size):
-                    m.kernel_tensors(m.rank_entry(role, rank))
+                    expert_groups(out, m, rank_entry(out, m, role, rank))
         except ShimError as e:
             assert "\n" not in str(e)
     finally:

@@ -126,12 +126,15 @@ def _importing_note(con: Console) -> None:
         con.note(f"importing vLLM {version} to check it (this can take a minute) ...")
 
 
-def draft_asked(draft: bool, mtp: bool, manifest) -> bool:
+def draft_asked(draft: bool, mtp: bool, out: Path | None, manifest) -> bool:
     """Whether serve (or doctor) is asked for OUT's own draft: --draft takes whichever kind OUT holds,
     --mtp only an MTP layer (a DSpark output served as MTP would build a class that has none of its weights)."""
-    if mtp and manifest is not None and manifest.draft_kind not in (None, MTP):
-        kind = DRAFT_KINDS[manifest.draft_kind]
-        raise UsageRefused(f"--mtp: {manifest.out}/draft holds a {kind.label}, not an MTP layer; use --draft "
+    from ..runtime_shim.manifest import draft_kind
+
+    held = draft_kind(manifest) if manifest is not None else None
+    if mtp and held not in (None, MTP):
+        kind = DRAFT_KINDS[held]
+        raise UsageRefused(f"--mtp: {out}/draft holds a {kind.label}, not an MTP layer; use --draft "
                            f"(--speculative-config method {kind.method!r})")
     return draft or mtp
 
@@ -164,7 +167,7 @@ def doctor(out: Path | None, draft: bool, mtp: bool) -> None:
         raise UsageRefused(f"--{'draft' if draft else 'mtp'} checks an output's draft: pass OUT")
     con = Console.of()
     out = None if out is None else _output_dir(out)
-    asked = draft_asked(draft, mtp, _manifest_or_none(out))
+    asked = draft_asked(draft, mtp, out, _manifest_or_none(out))
     _importing_note(con)
     checks = doctor_report(out, asked)
     here = installed_build()
@@ -248,7 +251,7 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     from ..runtime_shim import doctor as dr
     from ..runtime_shim import serve as sv
     from ..runtime_shim.errors import ShimError
-    from ..runtime_shim.manifest import load_manifest
+    from ..runtime_shim.manifest import draft_kind, draft_tokens, load_manifest
 
     con = Console.of()
     if mtp_tokens is not None and not (draft or mtp):
@@ -268,11 +271,11 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
         tp, arch = manifest.tp_size, manifest.arch
     except ShimError:
         manifest = tp = arch = None  # the output check says why; no command is printed for it
-    mtp = draft_asked(draft, mtp, manifest)  # from here on: serve with OUT's draft
-    kind = manifest.draft_kind if manifest is not None else MTP
-    tokens = (mtp_tokens or (manifest.draft_tokens if manifest is not None else 1)) if mtp else None
+    mtp = draft_asked(draft, mtp, out, manifest)  # from here on: serve with OUT's draft
+    kind = draft_kind(manifest) if manifest is not None else MTP
+    tokens = (mtp_tokens or (draft_tokens(manifest) if manifest is not None else 1)) if mtp else None
     layout = manifest.expert_layout if manifest is not None else "kernel"
-    backends = dr.serve_backends(arch, layout, manifest.moe_backend) if manifest is not None else None
+    backends = dr.serve_backends(arch, layout, manifest.options.moe_backend) if manifest is not None else None
     node_ranks = None  # the TP ranks this node runs: all of them on one node
     if tp is not None:
         from ..spec.share import SHARE_NAME, node_ranks as ranks_of
@@ -283,7 +286,7 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     argv = None
     try:  # the refused vLLM arguments are refused whatever OUT is
         argv = sv.serve_argv(out, tp or 1, vllm_args, tokens, backends=backends, node=nodes, expert_layout=layout,
-                             draft_kind=kind, moe_route=manifest.moe_backend if manifest is not None else None)
+                             draft_kind=kind, moe_route=manifest.options.moe_backend if manifest is not None else None)
     except ShimError as e:
         raise UsageRefused(str(e)) from None
     if manifest is None:
@@ -324,7 +327,7 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
         click.echo("\n".join(str(c) for c in verdict.failed), err=True)
     else:
         con.note("; ".join([f"preflight passed ({len(checks)} checks before vLLM; vLLM's own run as it starts)",
-                            identity_line(manifest.conversion_id, manifest.doc.source.content.digest), *notes,
+                            identity_line(manifest.conversion_id, manifest.source.content.digest), *notes,
                             f"exec {line}"]))
     if not verdict.ok:
         raise _refusal(list(verdict.failed), f"serve: preflight failed ({len(verdict.failed)} check(s)); first: "
@@ -343,7 +346,7 @@ def _write_launch(folder: Path, out: Path, manifest, nodes: dict, draft: bool, t
     """serve --write-launch: every node's script (runtime_shim/launch.py); the lines the dry run ends with."""
     from ..runtime_shim import launch
 
-    identity = identity_line(manifest.conversion_id, manifest.doc.source.content.digest)
+    identity = identity_line(manifest.conversion_id, manifest.source.content.digest)
     scripts = {r: launch.launch_script(out, r, nodes["nnodes"], identity, launch.node_serve_args(
         nodes["nnodes"], r, nodes["master_addr"], nodes["master_port"], draft, tokens, ifname, ib_hca, vllm_args))
         for r in range(nodes["nnodes"])}

@@ -14,7 +14,6 @@ import json
 import logging
 import stat
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+from pathlib import Path
 
 from lucifer_shard.spec.runtimes import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND, POLICY, REPOSITORY
 
 from .. import compat
 from ..errors import ShimError
 from ..lucifer_tuple import is_lucifer_request, load_format, model_dir, runtime_plan, tuple_problems
-from ..manifest import compare_plan, load_manifest
+from ..manifest import compare_plan, load_manifest, manifest_path
 
 logger = logging.getLogger("lucifer_shard.runtime_shim")
 
@@ -39,16 +40,17 @@ def make_policy_wrapper(original, apply_to_model_config):
                     f"--load-format {LOAD_FORMAT} (found --load-format {lf}; the stock MXFP4 loader mis-slices W2); "
                     f"convert with lucifer-shard convert and start with lucifer-shard serve OUT")
             return original(vllm_config)
-        manifest = load_manifest(model_dir(mc))
+        out = Path(model_dir(mc))
+        manifest = load_manifest(out)
         problems = tuple_problems(vllm_config, manifest)
         if problems:
             raise ShimError(f"--load-format {LOAD_FORMAT} serves only the Lucifer tuple; found " + "; ".join(problems))
         apply_to_model_config(mc, vllm_config.parallel_config)
         diff = compare_plan(runtime_plan(mc), manifest.plan)
         if diff:
-            raise ShimError(f"{diff}; check B12X_MOE_FORCE_A8 / NVFP4 env and that {manifest.out} was converted for "
+            raise ShimError(f"{diff}; check B12X_MOE_FORCE_A8 / NVFP4 env and that {out} was converted for "
                             f"this model with --tp {manifest.tp_size}")
-        logger.info("lucifer_tp3: virtual-TP plan applied and equal to %s", manifest.path)
+        logger.info("lucifer_tp3: virtual-TP plan applied and equal to %s", manifest_path(out))
 
     maybe_apply_b12x_virtual_tp_padding.__lucifer_wrapped__ = original
     maybe_apply_b12x_virtual_tp_padding.__wrapped__ = original

@@ -9,13 +9,14 @@ by the same call. The resulting config is then checked (`stock_vtp.stock_problem
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 from lucifer_shard.spec.runtimes import LOAD_FORMAT, STOCK_CONFIG
 
 from .. import compat
 from ..errors import ShimError
 from ..lucifer_tuple import tp_mismatch
-from ..manifest import load_manifest
+from ..manifest import load_manifest, manifest_path, needs_virtual_tp
 from ..stock_vtp import pad_config, padding, stock_problems
 
 CREATE_ENGINE_CONFIG = compat.Symbol("EngineArgs.create_engine_config", "vllm.engine.arg_utils",
@@ -28,22 +29,23 @@ def make_engine_config_wrapper(original):
     def create_engine_config(self, usage_context=None, headless=False):
         if str(getattr(self, "load_format", "")).lower() != LOAD_FORMAT:
             return original(self, usage_context, headless)
-        manifest = load_manifest(self.model)
+        out = Path(self.model)
+        manifest = load_manifest(out)
         mismatch = tp_mismatch(manifest, self.tensor_parallel_size)
         if mismatch:
             raise ShimError(mismatch)
-        if manifest.needs_virtual_tp():
-            want = functools.partial(pad_config, padding=padding(manifest))
+        if needs_virtual_tp(manifest):
+            want = functools.partial(pad_config, padding=padding(out, manifest))
             current = self.hf_overrides
             if current and not _is_ours(current, want):
                 raise ShimError(f"--hf-overrides {current!r} with --load-format {LOAD_FORMAT}: the model must be the "
                                 f"config the rank files were converted from (the padding comes from "
-                                f"{manifest.path}); drop --hf-overrides")
+                                f"{manifest_path(out)}); drop --hf-overrides")
             self.hf_overrides = want
         vllm_config = original(self, usage_context, headless)
-        problems = stock_problems(vllm_config, manifest)
+        problems = stock_problems(vllm_config, out, manifest)
         if problems:
-            raise ShimError(f"--load-format {LOAD_FORMAT} on this vLLM cannot serve {manifest.out}: "
+            raise ShimError(f"--load-format {LOAD_FORMAT} on this vLLM cannot serve {out}: "
                             + "; ".join(problems))
         return vllm_config
 

@@ -322,7 +322,7 @@ def test_stock_padding_comes_from_the_manifest_and_refuses_another_config(out_mo
     from lucifer_shard.runtime_shim import stock_vtp
     from lucifer_shard.runtime_shim.manifest import load_manifest
 
-    pad = stock_vtp.padding(load_manifest(out_model))
+    pad = stock_vtp.padding(out_model, load_manifest(out_model))
     assert pad == {"sizes": {"num_attention_heads": (64, 72), "o_groups": (8, 9), "moe_intermediate_size": (2048, 2304)},
                    "vocab": (1000, 1152), "tp": 3}
     cfg = SimpleNamespace(num_attention_heads=64, o_groups=8, moe_intermediate_size=2048)
