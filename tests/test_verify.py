@@ -11,7 +11,8 @@ from lucifer_shard.spec.manifest import COMPLETE_NAME, MANIFEST_NAME
 from lucifer_shard.spec.rules import DTYPE_SIZE
 from lucifer_shard.spec.stheader import read_header
 
-from test_diff import CASES, PART, W2, copy_out, flip, named, run_cli, tensor_start
+from helpers import run
+from test_diff import CASES, PART, W2, copy_out, flip, named, tensor_start
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -28,9 +29,9 @@ def test_verify_passes_in_small_chunks_and_without_mtp(converted):
 
 def test_cli_verify_ok_and_json(converted):
     out = converted()
-    r = run_cli("verify", str(out))
+    r = run("verify", str(out))
     assert r.exit_code == 0 and "OK: manifest, files, digests" in r.output, r.output
-    doc = json.loads(run_cli("verify", "--quiet", "--json", str(out)).stdout)
+    doc = json.loads(run("verify", "--quiet", "--json", str(out)).stdout)
     assert doc["ok"] and doc["command"] == "verify"
     assert doc["result"]["summary"]["files"] == 6 and doc["result"]["summary"]["tensors"] == 3 * 173
 
@@ -44,7 +45,7 @@ def test_flipped_byte(converted, tmp_path):
     assert named(report, W2, 1, "data") and "digest" in named(report, W2, 1)[0].message
     assert any(p.kind == "file" and "file digest" in p.message for p in report.problems)
     assert {p.tensor for p in report.problems} == {W2, None}
-    r = run_cli("verify", "--quiet", str(out))
+    r = run("verify", "--quiet", str(out))
     assert r.exit_code == 1 and W2 in r.output.split("error:")[1]
 
 
@@ -142,7 +143,7 @@ def test_manifest_edited_by_hand(converted, tmp_path):
     assert any("manifest_digest" in p.message for p in report.problems)
     (p,) = named(report, W2, 1, "manifest")
     assert "zero_regions" in p.message
-    r = run_cli("verify", "--quiet", str(out))
+    r = run("verify", "--quiet", str(out))
     assert r.exit_code == 1 and "manifest_digest" in r.output
 
 
@@ -152,7 +153,7 @@ def test_missing_rank_folder(converted, tmp_path):
     report = verify(out, progress=False)
     (p,) = report.problems
     assert "rank folder draft/rank-1 is missing" in p.message and p.rank == 1 and p.role == "draft"
-    assert run_cli("verify", "--quiet", str(out)).exit_code == 1
+    assert run("verify", "--quiet", str(out)).exit_code == 1
 
 
 def test_stray_files_and_complete_marker(converted, tmp_path):
@@ -170,7 +171,7 @@ def test_stray_files_and_complete_marker(converted, tmp_path):
 
 
 def test_not_an_output(tmp_path):
-    r = run_cli("verify", "--quiet", str(tmp_path))
+    r = run("verify", "--quiet", str(tmp_path))
     assert r.exit_code == 2 and "error:" in r.output
 
 
@@ -179,12 +180,12 @@ def test_not_an_output(tmp_path):
 
 def test_inspect(converted):
     out = converted()
-    r = run_cli("inspect", str(out))
+    r = run("inspect", str(out))
     assert r.exit_code == 0, r.output
     for text in ("fingerprint", "FLASHINFER_CUTLASS_MXFP4_MXFP8", "swap_halves+swizzle_128x4", "routed", "2112",
                  "target", "draft", "complete, manifest digest ok"):
         assert text in r.output
-    doc = json.loads(run_cli("inspect", "--json", str(out)).stdout)["result"]
+    doc = json.loads(run("inspect", "--json", str(out)).stdout)["result"]
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert doc["tp_size"] == 3 and doc["complete"] and doc["manifest_digest_ok"]
     for role in ("target", "draft"):
@@ -236,5 +237,5 @@ def test_structurally_broken_manifest_is_one_error_line(converted, tiny_pattern,
     doc["roles"]["target"]["ranks"][1] = "garbage"
     (out / MANIFEST_NAME).write_text(json.dumps(doc))
     for args in (("verify", str(out)), ("diff", str(out), str(tiny_pattern))):
-        r = run_cli(args[0], "--quiet", *args[1:])
+        r = run(args[0], "--quiet", *args[1:])
         assert r.exit_code in (1, 2) and "error:" in r.output and "Traceback" not in r.output, r.output
