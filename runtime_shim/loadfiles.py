@@ -9,14 +9,14 @@ from pathlib import Path
 
 from lucifer_shard.spec.manifest import file_metadata
 from lucifer_shard.spec.manifest_types import FileRecord, Manifest, RankRecord
-from lucifer_shard.spec.stheader import Header
+from lucifer_shard.spec.stheader import META_CONTENT, META_CONVERSION_ID, META_PART, Header
 
 from .errors import ShimError
 from .manifest import manifest_path, open_rank_file, read_header
 
 # identity stamp key -> what a file whose stamp differs is (any other key: misplaced)
-STAMP_MEANS = {"lucifer.conversion_id": "from another conversion",
-               "lucifer.content": "made from other source weights (another checkpoint or revision)"}
+STAMP_MEANS = {META_CONVERSION_ID: "from another conversion",
+               META_CONTENT: "made from other source weights (another checkpoint or revision)"}
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def _check_file(out: Path, doc: Manifest, role: str, rank: int, entry: RankRecor
     meta = header.metadata
     want_meta = file_metadata(doc.conversion_id, role, rank, 0, doc.tp_size, f.content) if identity else {}
     for k, v in want_meta.items():
-        if k != "lucifer.part" and meta.get(k) != v:  # the part index is the file's name
+        if k != META_PART and meta.get(k) != v:  # the part index is the file's name
             raise ShimError(f"{path} metadata {k}={meta.get(k)!r}, manifest expects {v!r}: the file is "
                             f"{STAMP_MEANS.get(k, 'misplaced')}; do not mix outputs, re-run lucifer-shard convert "
                             f"into a fresh directory")
