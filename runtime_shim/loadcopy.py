@@ -73,9 +73,11 @@ def copy_file(out: Path, role: str, rank: int, plan: FilePlan, targets: dict[str
     finally:
         os.close(fd)
     for r in plan.reads:
+        if r.prefix is None:
+            continue
         p = targets[r.param].data
-        tail = p[r.prefix:] if r.prefix is not None else None
-        if tail is not None and tail.numel() and not bool(torch.all(tail == NEG_INF)):
+        tail = p[r.prefix:]
+        if tail.numel() and not bool(torch.all(tail == NEG_INF)):
             raise ShimError(f"{r.name}: param entries [{r.prefix}:{p.shape[0]}) are not -inf after loading the "
                             f"{r.prefix} logical heads; the attention backend initialised the padded heads "
                             f"differently, this vLLM build is not supported")
