@@ -19,6 +19,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -474,6 +475,43 @@ def test_sigterm_is_clean_and_resumable(clean, tiny_pattern, tmp_path):
     assert not list(out.rglob("*.partial")) and not (out / "COMPLETE").exists()
     r = run(*CONVERT, "--max-file-size", "1MiB", "--resume", tiny_pattern, out)
     assert r.exit_code == 0, r.output
+
+
+def test_a_stop_just_after_a_rank_file_is_closed_does_not_close_it_again(tiny_pattern, tmp_path, monkeypatch):
+    """The window CI's SIGTERM run above hit once (exit 70, EBADF): the stop lands as the writer's
+    close(2) returns, before the writer forgets the descriptor; abort must not close it a second time
+    (by then the number may be another thread's file)."""
+    from lucifer_shard.engine import stwriter
+
+    real_close, stopped = os.close, []
+
+    def close(fd):
+        real_close(fd)
+        if not stopped and sys._getframe(1).f_code is stwriter.StreamWriter.close.__code__:
+            stopped.append(fd)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "close", close)
+    out = tmp_path / "out"
+    r = run(*CONVERT, "--max-file-size", "1MiB", tiny_pattern, out)
+    monkeypatch.undo()
+    assert stopped and r.exit_code == 130, r.output
+    assert not list(out.rglob("*.partial"))
+    assert run(*CONVERT, "--max-file-size", "1MiB", "--resume", tiny_pattern, out).exit_code == 0
+
+
+def test_a_stop_wrapped_by_python_is_still_the_stop(tiny_pattern, tmp_path, monkeypatch):
+    """A SIGTERM that lands inside an import comes out as the RuntimeError of the class being built
+    (CI saw it in torch's import): exit 143 and the --resume line, not an internal error."""
+    from lucifer_shard.cli.console import Terminated
+    from lucifer_shard.engine import writeloop
+
+    def opened(*args, **kwargs):
+        raise RuntimeError("Error calling __set_name__ on 'Field' instance") from Terminated()
+
+    monkeypatch.setattr(writeloop, "_open_writer", opened)
+    r = run(*CONVERT, "--max-file-size", "1MiB", tiny_pattern, tmp_path / "out")
+    assert r.exit_code == 143 and "Traceback" not in r.output and "--resume" in r.output, r.output
 
 
 def test_a_stop_while_a_writer_is_made_leaves_no_temporary_file(tiny_pattern, tmp_path, monkeypatch):

@@ -268,6 +268,24 @@ def _sigterm_interrupts():
         signal.signal(signal.SIGTERM, previous)
 
 
+def _stop_behind(e: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM an exception was raised from or while handling, if any: a stop that lands
+    inside an import or a cleanup comes out wrapped (Python turns it into the RuntimeError of a class
+    being built, say), and it is still the user's stop, not a bug."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _stopped(con: Console, stop: KeyboardInterrupt, message: str) -> NoReturn:
+    kind = "terminated" if isinstance(stop, Terminated) else "interrupted"
+    con.fail(message, ERROR_KINDS[kind][0], kind, line=message)
+
+
 def _log_parameters(ctx: click.Context) -> None:
     """-v: the command as given; -vv: also every default it runs with."""
     given, defaults = [], []
@@ -303,15 +321,16 @@ def conventions(interrupted: str) -> Callable:
                     f(*args, **kwargs)
             except LuciferError as e:
                 con.fail(str(e), e.exit_code, e.kind)
-            except Terminated:
-                con.fail(message, ERROR_KINDS["terminated"][0], "terminated", line=message)
-            except KeyboardInterrupt:
-                con.fail(message, ERROR_KINDS["interrupted"][0], "interrupted", line=message)
+            except KeyboardInterrupt as e:
+                _stopped(con, e, message)
             except BrokenPipeError:  # stdout closed early (`| head`): nothing is wrong, nothing to say
                 stdout_gone()
             except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
                 raise  # click's own usage errors and exits
             except Exception as e:  # noqa: BLE001 - the one place an unexpected exception is reported
+                stop = _stop_behind(e)
+                if stop is not None:
+                    _stopped(con, stop, message)
                 known = fault(e, con.command)  # the machine's fault (an OS error, memory, threads), or a bug
                 if known is None:  # only convert writes into OUT: the checks leave it as they found it
                     _internal(con, e, kwargs.get("out") if con.command == "convert" else None)

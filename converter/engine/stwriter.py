@@ -290,16 +290,16 @@ class StreamWriter(StreamHasher):
             raise OSError(e.errno, e.strerror, str(self._tmp)) from None
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written and synced: clean, droppable
-        os.close(self._fd)
-        self._fd = None
+        fd, self._fd = self._fd, None  # before the close: a stop landing after it must not close it twice
+        os.close(fd)
         self._stage = None
         self.tree.rename(self._tmp_rel, self.rel)
         return self._result(published=True)
 
     def abort(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+            fd, self._fd = self._fd, None
+            os.close(fd)
         self._stage = None
         if self._tmp_created:
             self.tree.remove(self._tmp_rel)

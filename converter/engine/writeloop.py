@@ -99,8 +99,10 @@ class WriteLoop:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        os.close(self.journal)
-        self._shut_down()
+        try:
+            os.close(self.journal)
+        finally:  # a stop landing in the close still waits for the pools
+            self._shut_down()
 
     def _shut_down(self) -> None:
         self.bar.close()

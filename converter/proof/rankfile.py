@@ -97,8 +97,8 @@ class RankFile:
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+                fd, self._fd = self._fd, None
+                os.close(fd)
             if self._direct is not None:
                 self._direct.close()
                 self._direct = None

@@ -139,8 +139,8 @@ class OutLock:
                 remove_empty_dir(self.out)
         else:
             os.ftruncate(self.fd, 0)  # a clean release leaves no holder record behind
-        os.close(self.fd)
-        self.fd = None
+        fd, self.fd = self.fd, None  # before the close: a stop landing after it must not close it twice
+        os.close(fd)
 
     def __enter__(self) -> "OutLock":
         return self.acquire()
