@@ -184,8 +184,8 @@ class Tree:
                     if e.errno in (errno.ELOOP, errno.ENOTDIR):
                         raise self._refuse_entry(fd, name, done) from None
                     raise
-                os.close(fd)
-                fd = sub
+                fd, parent = sub, fd  # swapped before the close: a stop landing after it closes `sub` only
+                os.close(parent)
                 if os.fstat(fd).st_dev != dev:
                     raise Refused(f"{self.path('/'.join(done))}: is another filesystem mounted inside "
                                   f"{self.root}; lucifer-shard does not write or delete across it, unmount it "

@@ -314,10 +314,11 @@ class EngineSourceReader:
 
     def close(self) -> None:
         with self._lock:
-            for fd in [f for f, _, _ in self._fds.values()] + self._retired:
-                os.close(fd)
-            self._fds.clear()
+            fds = [f for f, _, _ in self._fds.values()] + self._retired
+            self._fds.clear()  # forgotten first: a stop during the closes never closes one twice
             self._retired.clear()
+            for fd in fds:
+                os.close(fd)
 
 
 def read_failed(path: Path, key: str, e: OSError) -> EnvironmentRefused:
