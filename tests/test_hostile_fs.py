@@ -502,7 +502,7 @@ def test_a_stop_just_after_a_rank_file_is_closed_does_not_close_it_again(tiny_pa
 
 def test_a_stop_wrapped_by_python_is_still_the_stop(tiny_pattern, tmp_path, monkeypatch):
     """A SIGTERM that lands inside an import comes out as the RuntimeError of the class being built
-    (CI saw it in torch's import): exit 143 and the --resume line, not an internal error."""
+    (seen once in torch's import, SIGTERM at a random time): exit 143 and the --resume line, not an internal error."""
     from lucifer_shard.cli.console import Terminated
     from lucifer_shard.engine import writeloop
 
