@@ -514,6 +514,34 @@ def test_a_stop_wrapped_by_python_is_still_the_stop(tiny_pattern, tmp_path, monk
     assert r.exit_code == 143 and "Traceback" not in r.output and "--resume" in r.output, r.output
 
 
+def test_a_stop_inside_an_import_waits_for_the_import(tiny_pattern, tmp_path, monkeypatch):
+    """A SIGTERM that lands inside an import is sent again until the import is over (raised there it is
+    wrapped, or under torch's pybind11 import aborts the process: seen at random stop times); then it is
+    the usual clean stop."""
+    from lucifer_shard.engine import writeloop
+
+    (tmp_path / "slow_import.py").write_text(
+        "import os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "end = time.monotonic() + 0.3\n"
+        "while time.monotonic() < end:  # Python code runs here, where the handler would raise\n"
+        "    pass\n"
+        "FINISHED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    real, imported = writeloop._open_writer, []
+
+    def opened(*args, **kwargs):
+        if not imported:
+            import slow_import
+            imported.append(slow_import.FINISHED)
+            time.sleep(5)  # the stop sent again lands here
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writeloop, "_open_writer", opened)
+    r = run(*CONVERT, "--max-file-size", "1MiB", tiny_pattern, tmp_path / "out")
+    assert imported == [True] and r.exit_code == 143 and "--resume" in r.output, r.output
+
+
 def test_a_stop_while_a_writer_is_made_leaves_no_temporary_file(tiny_pattern, tmp_path, monkeypatch):
     """The window the SIGTERM test above hit about one run in two: the stop lands after a rank file's
     temporary file is created but before its writer is kept (here: rank 1's sink of part 1)."""

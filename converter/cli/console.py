@@ -34,6 +34,7 @@ import math
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
@@ -250,28 +251,49 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (what containers and systemd send), raised where Ctrl-C would be: the same clean stop."""
 
 
+STOP_AGAIN_S = 0.05  # a stop that lands inside an import is sent again this often until the import is over
+
+
+def _importing(frame) -> bool:
+    """Whether `frame` (where a signal landed) is inside an import: under a frame of importlib's bootstrap."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
-def _sigterm_interrupts():
-    """While a command runs, SIGTERM raises Terminated in the main thread, as SIGINT raises
-    KeyboardInterrupt; elsewhere (a command run from a worker thread) signals stay as they are."""
+def _stops_interrupt():
+    """While a command runs, Ctrl-C raises KeyboardInterrupt and SIGTERM raises Terminated in the main
+    thread, except inside an import: raised there, a stop comes out wrapped (the RuntimeError of a class
+    being built) or, under a C++ extension's import (torch's pybind11), aborts the process; so it is sent
+    again every STOP_AGAIN_S until it lands outside. Elsewhere (a command run from a worker thread)
+    signals stay as they are."""
     def handler(signum, frame):
-        raise Terminated()
+        if _importing(frame):
+            again = threading.Timer(STOP_AGAIN_S, os.kill, (os.getpid(), signum))
+            again.daemon = True
+            again.start()
+            return
+        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def _stop_behind(e: BaseException) -> KeyboardInterrupt | None:
-    """The Ctrl-C or SIGTERM an exception was raised from or while handling, if any: a stop that lands
-    inside an import or a cleanup comes out wrapped (Python turns it into the RuntimeError of a class
-    being built, say), and it is still the user's stop, not a bug."""
+    """The Ctrl-C or SIGTERM an exception was raised from or while handling, if any: a stop can come out
+    as the error of a cleanup it interrupted, or wrapped by Python (the RuntimeError of a class being
+    built), and it is still the user's stop, not a bug."""
     seen = set()
     while e is not None and id(e) not in seen:
         if isinstance(e, KeyboardInterrupt):
@@ -317,7 +339,7 @@ def conventions(interrupted: str) -> Callable:
                 con.verbosity = -1 if quiet else verbose
                 _configure_logging(con.verbosity)
                 _log_parameters(ctx)
-                with _sigterm_interrupts():
+                with _stops_interrupt():
                     f(*args, **kwargs)
             except LuciferError as e:
                 con.fail(str(e), e.exit_code, e.kind)
