@@ -44,20 +44,21 @@ def worker(rank: int, out: str, port: int, results: str) -> None:
                 loader.load_weights(model, sf.model_config(out_p))
             except ValueError as e:  # the loader's refusal (ShimError): reported, and this rank loads no more
                 report["error"] = str(e)
-                Path(results, f"rank-{rank}.json").write_text(json.dumps(report))
-                return
+                break
             n = sf.assert_byte_exact(model, sf.file_tensors(out_p, man, role, tp_rank))
             report[role] = {"tensors": n, "files": sorted(set(loader.loaded.values())),
                             "params": {k: [list(v.shape), str(v.dtype)] for k, v in model.named_parameters()
                                        if "attn_sink" in k or "w2_weight_scale" in k}}
-        import torch.distributed as dist
+        else:
+            import torch.distributed as dist
 
-        gathered = [None] * 3
-        dist.all_gather_object(gathered, tp_rank, group=ps.get_tp_group().cpu_group)
-        report["all_ranks"] = gathered
-        report["hooks"] = loader.hooks_called
-        report["seconds"] = round(time.time() - t0, 2)
+            gathered = [None] * 3
+            dist.all_gather_object(gathered, tp_rank, group=ps.get_tp_group().cpu_group)
+            report["all_ranks"] = gathered
+            report["hooks"] = loader.hooks_called
+            report["seconds"] = round(time.time() - t0, 2)
         Path(results, f"rank-{rank}.json").write_text(json.dumps(report))
+        # also after a refusal: a refused rank that left its gloo group to the exit once died in std::terminate
         ps.destroy_model_parallel()
         ps.destroy_distributed_environment()
 
