@@ -20,6 +20,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -540,6 +541,30 @@ def test_a_stop_inside_an_import_waits_for_the_import(tiny_pattern, tmp_path, mo
     monkeypatch.setattr(writeloop, "_open_writer", opened)
     r = run(*CONVERT, "--max-file-size", "1MiB", tiny_pattern, tmp_path / "out")
     assert imported == [True] and r.exit_code == 143 and "--resume" in r.output, r.output
+
+
+def test_a_stop_inside_a_thread_primitive_waits_until_it_returns(tiny_pattern, tmp_path, monkeypatch):
+    """A SIGTERM that lands while the main thread is inside the standard library's locks (here: waiting on a
+    future) is sent again until it lands outside: raised in there, it once left the pool's semaphore lock
+    taken, and the stop's own cleanup then waited for ever on a worker blocked on that lock."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lucifer_shard.engine import writeloop
+
+    real, waited = writeloop._open_writer, []
+
+    def opened(*args, **kwargs):
+        if not waited:
+            with ThreadPoolExecutor(1) as pool:
+                future = pool.submit(time.sleep, 1.0)
+                threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()  # lands in result()
+                waited.append(future.result() is None)
+            time.sleep(5)  # the stop sent again lands here
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writeloop, "_open_writer", opened)
+    r = run(*CONVERT, "--max-file-size", "1MiB", tiny_pattern, tmp_path / "out")
+    assert waited == [True] and r.exit_code == 143 and "--resume" in r.output, r.output
 
 
 def test_a_stop_while_a_writer_is_made_leaves_no_temporary_file(tiny_pattern, tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ The console lives in the click context's `meta` (shared by a command and its gro
 """
 from __future__ import annotations
 
+import concurrent.futures.thread
 import contextlib
 import errno
 import functools
@@ -32,6 +33,7 @@ import json
 import logging
 import math
 import os
+import queue
 import signal
 import sys
 import threading
@@ -251,13 +253,18 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (what containers and systemd send), raised where Ctrl-C would be: the same clean stop."""
 
 
-STOP_AGAIN_S = 0.05  # a stop that lands inside an import is sent again this often until the import is over
+STOP_AGAIN_S = 0.05  # a stop that lands where it may not be raised is sent again this often
+# Where a raised stop can leave a lock held (the standard library's thread primitives take their locks in
+# Python, a stop between the acquire and the `with` leaves it taken: a worker then waits on it for ever).
+_THREAD_PRIMITIVES = {m.__file__ for m in (threading, queue, concurrent.futures._base, concurrent.futures.thread)}
 
 
-def _importing(frame) -> bool:
-    """Whether `frame` (where a signal landed) is inside an import: under a frame of importlib's bootstrap."""
+def _unsafe_to_raise(frame) -> bool:
+    """Whether `frame` (where a signal landed) is inside an import (under a frame of importlib's
+    bootstrap) or inside the standard library's thread primitives."""
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
+        name = frame.f_code.co_filename
+        if name.startswith("<frozen importlib") or name in _THREAD_PRIMITIVES:
             return True
         frame = frame.f_back
     return False
@@ -266,12 +273,13 @@ def _importing(frame) -> bool:
 @contextlib.contextmanager
 def _stops_interrupt():
     """While a command runs, Ctrl-C raises KeyboardInterrupt and SIGTERM raises Terminated in the main
-    thread, except inside an import: raised there, a stop comes out wrapped (the RuntimeError of a class
-    being built) or, under a C++ extension's import (torch's pybind11), aborts the process; so it is sent
-    again every STOP_AGAIN_S until it lands outside. Elsewhere (a command run from a worker thread)
-    signals stay as they are."""
+    thread, but not inside an import, where a stop comes out wrapped (the RuntimeError of a class being
+    built) or, under a C++ extension's import (torch's pybind11), aborts the process, nor inside a lock,
+    queue or future of the standard library (`_THREAD_PRIMITIVES`); there it is sent again every
+    STOP_AGAIN_S until it lands outside. Elsewhere (a command run from a worker thread) signals stay as
+    they are."""
     def handler(signum, frame):
-        if _importing(frame):
+        if _unsafe_to_raise(frame):
             again = threading.Timer(STOP_AGAIN_S, os.kill, (os.getpid(), signum))
             again.daemon = True
             again.start()
