@@ -501,26 +501,42 @@ def test_a_stop_just_after_a_rank_file_is_closed_does_not_close_it_again(tiny_pa
     assert run(*CONVERT, "--max-file-size", "1MiB", "--resume", tiny_pattern, out).exit_code == 0
 
 
+def _stopped_at_the_first_writer(first, tiny_pattern, out: Path, monkeypatch):
+    """Convert, calling `first()` where the first rank file's writer is made and then waiting there for a
+    stop sent again (5 s); the run must end as a SIGTERM stop: exit 143 and the --resume line. What
+    `first()` returned (empty if it raised), and the run."""
+    from lucifer_shard.engine import writeloop
+
+    real, got = writeloop._open_writer, []
+
+    def opened(*args, **kwargs):
+        if not got:
+            got.append(first())
+            time.sleep(5)  # the stop sent again lands here
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writeloop, "_open_writer", opened)
+    r = run(*CONVERT, "--max-file-size", "1MiB", tiny_pattern, out)
+    assert r.exit_code == 143 and "--resume" in r.output, r.output
+    return got, r
+
+
 def test_a_stop_wrapped_by_python_is_still_the_stop(tiny_pattern, tmp_path, monkeypatch):
     """A SIGTERM that lands inside an import comes out as the RuntimeError of the class being built
     (seen once in torch's import, SIGTERM at a random time): exit 143 and the --resume line, not an internal error."""
     from lucifer_shard.cli.console import Terminated
-    from lucifer_shard.engine import writeloop
 
-    def opened(*args, **kwargs):
+    def wrapped():
         raise RuntimeError("Error calling __set_name__ on 'Field' instance") from Terminated()
 
-    monkeypatch.setattr(writeloop, "_open_writer", opened)
-    r = run(*CONVERT, "--max-file-size", "1MiB", tiny_pattern, tmp_path / "out")
-    assert r.exit_code == 143 and "Traceback" not in r.output and "--resume" in r.output, r.output
+    _, r = _stopped_at_the_first_writer(wrapped, tiny_pattern, tmp_path / "out", monkeypatch)
+    assert "Traceback" not in r.output, r.output
 
 
 def test_a_stop_inside_an_import_waits_for_the_import(tiny_pattern, tmp_path, monkeypatch):
     """A SIGTERM that lands inside an import is sent again until the import is over (raised there it is
     wrapped, or under torch's pybind11 import aborts the process: seen at random stop times); then it is
     the usual clean stop."""
-    from lucifer_shard.engine import writeloop
-
     (tmp_path / "slow_import.py").write_text(
         "import os, signal, time\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -529,18 +545,13 @@ def test_a_stop_inside_an_import_waits_for_the_import(tiny_pattern, tmp_path, mo
         "    pass\n"
         "FINISHED = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    real, imported = writeloop._open_writer, []
 
-    def opened(*args, **kwargs):
-        if not imported:
-            import slow_import
-            imported.append(slow_import.FINISHED)
-            time.sleep(5)  # the stop sent again lands here
-        return real(*args, **kwargs)
+    def slow_import():
+        import slow_import
+        return slow_import.FINISHED
 
-    monkeypatch.setattr(writeloop, "_open_writer", opened)
-    r = run(*CONVERT, "--max-file-size", "1MiB", tiny_pattern, tmp_path / "out")
-    assert imported == [True] and r.exit_code == 143 and "--resume" in r.output, r.output
+    got, _ = _stopped_at_the_first_writer(slow_import, tiny_pattern, tmp_path / "out", monkeypatch)
+    assert got == [True]
 
 
 def test_a_stop_inside_a_thread_primitive_waits_until_it_returns(tiny_pattern, tmp_path, monkeypatch):
@@ -549,22 +560,14 @@ def test_a_stop_inside_a_thread_primitive_waits_until_it_returns(tiny_pattern, t
     taken, and the stop's own cleanup then waited for ever on a worker blocked on that lock."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from lucifer_shard.engine import writeloop
+    def wait_on_a_future():
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(time.sleep, 1.0)
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()  # lands in result()
+            return future.result() is None
 
-    real, waited = writeloop._open_writer, []
-
-    def opened(*args, **kwargs):
-        if not waited:
-            with ThreadPoolExecutor(1) as pool:
-                future = pool.submit(time.sleep, 1.0)
-                threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()  # lands in result()
-                waited.append(future.result() is None)
-            time.sleep(5)  # the stop sent again lands here
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(writeloop, "_open_writer", opened)
-    r = run(*CONVERT, "--max-file-size", "1MiB", tiny_pattern, tmp_path / "out")
-    assert waited == [True] and r.exit_code == 143 and "--resume" in r.output, r.output
+    got, _ = _stopped_at_the_first_writer(wait_on_a_future, tiny_pattern, tmp_path / "out", monkeypatch)
+    assert got == [True]
 
 
 def test_a_stop_while_a_writer_is_made_leaves_no_temporary_file(tiny_pattern, tmp_path, monkeypatch):
