@@ -268,6 +268,22 @@ def mutable_out(converted, tmp_path_factory):
         yield out, text, nodes, shallow
 
 
+def test_kernel_layout_options_without_an_arch_are_a_finding(mutable_out):
+    """The mutation CI's random draw found (options.arch null, the manifest re-sealed): the layout table
+    refuses kernel layout without an arch, and verify and inspect report that as a finding, not an
+    internal error."""
+    out, text, _, _ = mutable_out
+    reseal(out, _set(json.loads(text), ("options", "arch"), None))
+    try:
+        for command in ("verify", "inspect"):
+            r = run(command, "--quiet", out)
+            one_error(r, 1)
+        r = run("verify", out)
+        assert "the recorded options are not a combination convert writes: unknown arch None" in r.output, r.output
+    finally:
+        (out / MANIFEST_NAME).write_text(text)
+
+
 @settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), value=_VALUES)
 def test_manifest_field_mutations_are_findings_or_refusals(mutable_out, data, value):

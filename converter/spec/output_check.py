@@ -263,7 +263,13 @@ def _from_options(check: OutputCheck) -> None:
     """The fields derived from the options; the runtime record's `vllm_line` (prose naming this tool's
     vetted builds) only when this tool version wrote it."""
     m = check.manifest
-    for key, want in recorded_fields(m.options).items():
+    try:
+        fields = recorded_fields(m.options)
+    except ValueError as e:  # the layout table refuses the combination (kernel layout without an arch)
+        check.add("manifest", f"the recorded options are not a combination convert writes: {e}; {EDITED}",
+                  file=MANIFEST_NAME)
+        return
+    for key, want in fields.items():
         got = getattr(m, key)
         if key == "runtime" and m.tool_version != __version__:
             got, want = ({k: v for k, v in d.items() if k != "vllm_line"} for d in (got, want))
