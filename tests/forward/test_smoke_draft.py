@@ -10,7 +10,8 @@ loader on the checkpoint (lucifer_tp3 refuses it: vLLM makes the target's model 
 ngram, vllm/config/speculative.py:1226, and the loader's role detection then takes the target's load
 for a draft's). On the random-weight `forward` model it is a drafter that does not predict its target,
 as a drafter with broken weights: the output stays the target's, acceptance collapses, and smoke must
-say so from /metrics alone.
+say so from /metrics alone. (Unless that run's greedy output loops: then ngram predicts it, and smoke must
+say OK; which one a run gets follows from smoke's random nonce line, so the test reads it from the counters.)
 """
 from __future__ import annotations
 
@@ -58,9 +59,15 @@ def test_smoke_flags_a_drafter_that_does_not_predict_its_target(drafting, forwar
     result = doc["result"]
     status = {c["name"]: c["status"] for c in result["checks"]}
     assert status["greedy repeat"] == "ok", result["checks"]  # greedy drafting keeps the target's output
-    assert r.returncode == 1 and status["drafter"] == "FAIL", result["checks"]
-    assert doc["error"]["message"].startswith("smoke: 1 check(s) failed; first: [FAIL] drafter: ")
     prompts = {a["prompt"]: a for a in result["acceptance"]}
+    # smoke's nonce line makes each run's prompt, so the random model's greedy output, new: mostly the ngram
+    # drafter cannot predict it; when that output falls into a loop, it can, and smoke must then say so
+    first = prompts["counting"]["per_position"][0]
+    if first is None or first < sm.COUNTING_FIRST_POSITION:
+        assert r.returncode == 1 and status["drafter"] == "FAIL", result["checks"]
+        assert doc["error"]["message"].startswith("smoke: 1 check(s) failed; first: [FAIL] drafter: ")
+    else:
+        assert r.returncode == 0 and status["drafter"] == "ok", result["checks"]
     assert set(prompts) == {"counting", "prose"}
     for a in prompts.values():  # what smoke read is within what the server counted over the whole run
         assert len(a["per_position"]) == NGRAM["num_speculative_tokens"]
