@@ -58,17 +58,27 @@ def node_serve_args(nnodes: int, node_rank: int, master_addr: str, master_port: 
 
 
 def launch_script(share: Path, node_rank: int, nnodes: int, identity: str, args: Sequence[str]) -> str:
-    """Node `node_rank`'s script: serve on its share (at `share` unless LUCIFER_SHARE names another path)."""
+    """Node `node_rank`'s script: serve on its share (at `share` unless LUCIFER_SHARE names another path).
+
+    Every value reaches serve as exactly the argv it was given: each is one single-quoted word (shlex), never
+    inside double quotes or a `${VAR:-default}`, where the shell would still run `$(...)` and backticks."""
     order = "start it first: it serves the API" if node_rank == 0 else "start it once node 0 is up (headless)"
     return "\n".join([
         "#!/usr/bin/env bash",
         f"# lucifer-shard: node {node_rank} of {nnodes}; {order}.",
-        f"# Its share must be of {identity}: `lucifer-shard inspect \"$SHARE\"` prints that identity line.",
+        f"# Its share must be of {_comment_text(identity)}: `lucifer-shard inspect \"$SHARE\"` prints that identity line.",
         "set -euo pipefail",
-        f"SHARE=\"${{{SHARE_VAR}:-{shlex.quote(str(share))}}}\"",
+        f"DEFAULT_SHARE={shlex.quote(str(share))}",
+        f"SHARE=\"${{{SHARE_VAR}:-$DEFAULT_SHARE}}\"",  # a variable's value is never expanded again
+        'case "$SHARE" in -*) SHARE="./$SHARE";; esac',  # a relative path is never read as an option
         f"exec lucifer-shard serve \"$SHARE\" {shlex.join(args)}",
         "",
     ])
+
+
+def _comment_text(text: str) -> str:
+    """`text` for a comment line: a newline or other control character would end the comment and start code."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def write_launch(folder: Path, scripts: dict[int, str]) -> list[Path]:
@@ -83,7 +93,7 @@ def write_launch(folder: Path, scripts: dict[int, str]) -> list[Path]:
                                f"another folder")
     folder.mkdir(parents=True, exist_ok=True)
     for rank, text in scripts.items():
-        tree.write_bytes(names[rank], text.encode())
+        tree.write_bytes(names[rank], text.encode("utf-8", "surrogateescape"))  # a path's non-UTF-8 bytes as they are
         fd = tree.open_read(names[rank])  # the file just written (never a link): made executable
         try:
             os.fchmod(fd, SCRIPT_MODE)

@@ -3,7 +3,6 @@ environment, and every node's line (serve, doctor, inspect) carries the identity
 from __future__ import annotations
 
 import os
-import shlex
 import subprocess
 from pathlib import Path
 
@@ -107,11 +106,91 @@ def test_link_environment_and_interface_problem():
                                                                        "on this host (it has eth0, lo)")
 
 
-def test_scripts_quote_what_the_shell_would_split(tmp_path):
-    args = launch.node_serve_args(3, 1, ADDR, 29500, True, 5, None, None, ["--served-model-name", "a b; rm -rf /"])
-    text = launch.launch_script(tmp_path / "my share", 1, 3, "conversion x, content y", args)
-    exec_line = text.splitlines()[-1]
-    assert shlex.split(exec_line)[4:] == args and "SHARE=\"${LUCIFER_SHARE:-'" in text
+# Hostile text for every value a launch script carries: shell syntax, quotes, expansions, globs, whitespace,
+# control characters, leading dashes, non-UTF-8 bytes (as Python holds them: surrogate escapes).
+HOSTILE = [
+    "$(touch PWN)", "`touch PWN`", "'", '"', "a b", "a\nb", "*", "?", "[ab]", "-rf", "--help", "~", "~root",
+    "$HOME", "${IFS}", "a;touch PWN", "a&&touch PWN", "a|touch PWN", ">PWN", "<in", "\\", "\t", "!", "!!",
+    "{a,b}", "#x", "%s", "'; touch PWN; '", '"; touch PWN; "', "$'\\x41'", "a\rb", "\u00e9t\u00e9", "=x",
+    " lead", "trail ", "\x1b[31m", "$((1+1))", "\\$(touch PWN)", os.fsdecode(b"\xff\xfe-bytes"),
+]
+
+
+def _recording_stub(tmp_path: Path) -> Path:
+    """A `lucifer-shard` that writes its argv, NUL-separated, to $RECORD: what the script really passed."""
+    stub = tmp_path / "bin" / "lucifer-shard"
+    stub.parent.mkdir(exist_ok=True)
+    stub.write_text('#!/usr/bin/env bash\nprintf \'%s\\0\' "$@" > "$RECORD"\n')
+    stub.chmod(0o755)
+    return stub
+
+
+def _argv_of(script: Path, stub: Path, tmp_path: Path, **env: str) -> list[str]:
+    """Run `script` with `stub` first on PATH, in an empty folder; the argv it gave serve. Nothing the script
+    ran may have made a file there (every hostile string's payload is `touch PWN`)."""
+    record, cwd = tmp_path / "argv", tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    full = {k: v for k, v in os.environ.items() if k != "LUCIFER_SHARE"}
+    full.update(PATH=f"{stub.parent}:{os.environ['PATH']}", RECORD=str(record), HOME=str(cwd), **env)
+    subprocess.run(["bash", str(script)], env=full, cwd=cwd, check=True)
+    assert list(cwd.iterdir()) == [], f"{script.name} ran text as code: {list(cwd.iterdir())}"
+    return [os.fsdecode(a) for a in record.read_bytes().split(b"\0")[:-1]]
+
+
+def test_hostile_strings_table_is_thirty_and_more():
+    assert len(set(HOSTILE)) >= 30
+
+
+@pytest.mark.parametrize("text", HOSTILE, ids=ascii)
+def test_every_value_in_a_launch_script_reaches_serve_as_its_argv(tmp_path, text):
+    """The share's path, node 0's address, the interface, the RDMA devices and vLLM's arguments, each the
+    hostile text: the script passes exactly them, and runs none of it."""
+    share = tmp_path / f"share {text}"
+    args = launch.node_serve_args(3, 2, text, 29500, True, 5, text, text, ["--served-model-name", text, text])
+    launch.write_launch(tmp_path / "launch", {2: launch.launch_script(share, 2, 3, f"conversion {text}", args)})
+    script = tmp_path / "launch" / "node-2.sh"
+    stub = _recording_stub(tmp_path)
+    assert _argv_of(script, stub, tmp_path) == ["serve", str(share), *args]
+    # LUCIFER_SHARE names a share elsewhere: that path, as given (a relative one led by '-' made ./-...)
+    moved = f"other {text}"
+    expect = f"./{moved}" if moved.startswith("-") else moved
+    assert _argv_of(script, stub, tmp_path, LUCIFER_SHARE=moved) == ["serve", expect, *args]
+
+
+def test_a_share_path_led_by_a_dash_is_never_an_option(tmp_path):
+    args = launch.node_serve_args(3, 0, ADDR, None, False, None, None, None, [])
+    launch.write_launch(tmp_path / "launch", {0: launch.launch_script(Path("/x"), 0, 3, "conversion x", args)})
+    argv = _argv_of(tmp_path / "launch" / "node-0.sh", _recording_stub(tmp_path), tmp_path, LUCIFER_SHARE="--help")
+    assert argv == ["serve", "./--help", *args]
+
+
+def test_an_identity_with_a_newline_stays_in_its_comment(tmp_path):
+    args = launch.node_serve_args(3, 0, ADDR, None, False, None, None, None, [])
+    text = launch.launch_script(Path("/x"), 0, 3, "conversion x\ntouch PWN\r\x00", args)
+    assert "touch PWN" in text and all(line.startswith("#") for line in text.splitlines()[1:3])
+    launch.write_launch(tmp_path / "launch", {0: text})
+    assert _argv_of(tmp_path / "launch" / "node-0.sh", _recording_stub(tmp_path), tmp_path)[1] == "/x"
+
+
+@pytest.mark.parametrize("name", ["$(touch PWN)", "`touch PWN`", "it's", 'say "hi"', "a b\nc", "-x *"], ids=ascii)
+def test_serve_write_launch_from_an_output_at_a_hostile_path(converted, tmp_path, name):
+    """The whole command: OUT at a path of hostile text, the link options and vLLM's arguments hostile too (serve
+    refuses such a --master-addr itself); each node's script gives serve exactly them, and runs nothing."""
+    src = converted(expert_layout="model")
+    out = tmp_path / name
+    for p in src.rglob("*"):
+        if p.is_file():
+            (out / p.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+            os.link(p, out / p.relative_to(src))
+    folder = tmp_path / "launch"
+    r = run("serve", out, "--nnodes", 3, "--master-addr", ADDR, "--ifname", name, "--ib-hca", name,
+            "--write-launch", folder, "--", "--served-model-name", name)
+    assert r.exit_code == 0, r.output
+    stub = _recording_stub(tmp_path)
+    for rank in range(3):
+        assert _argv_of(folder / f"node-{rank}.sh", stub, tmp_path) == [
+            "serve", str(out), "--nnodes", "3", "--node-rank", str(rank), "--master-addr", ADDR, "--ifname", name,
+            "--ib-hca", name, "--", "--served-model-name", name]
 
 
 def test_inspect_and_doctor_print_the_identity_every_node_compares(converted):
