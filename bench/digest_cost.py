@@ -1,6 +1,6 @@
 """Where verify=full's warm cost goes (issue 41): the host's memory-copy ceiling, BLAKE3's own rate by
 thread count and update size (alone, and beside four threads reading the page cache), and the reader
-(runtime_shim/reader.py) warm onto the device with digests off and on under other thread, slot and chunk
+(src/lucifer_shard/runtime_shim/load/reader.py) warm onto the device with digests off and on under other thread, slot and chunk
 settings, and beside a hasher streaming through a large (memory) or a small (cache) buffer.
 
     python bench/digest_cost.py --json digest-cost.json        # the GPU host, ~1 min, ~4 GB in /tmp
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from blake3 import blake3
 
-from lucifer_shard.runtime_shim import reader
+from lucifer_shard.runtime_shim.load import reader
 
 MiB = 1 << 20
 W13_MB = 805  # a Flash TP3 rank's w13, U8[256, 1536, 2048]: 805.3 MB

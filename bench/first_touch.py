@@ -3,7 +3,7 @@
     python bench/first_touch.py RANK_DIR SOURCE_DIR [--reps N]
 
 Reads every tensor of RANK_DIR's rank files (one rank of `convert --expert-layout model`) into
-freshly allocated tensors with the loader's own reader (runtime_shim/reader.py), page cache evicted
+freshly allocated tensors with the loader's own reader (src/lucifer_shard/runtime_shim/load/reader.py), page cache evicted
 first, with and without its transparent-huge-page advice, each right after one of two predecessors:
 another such load (whose freed memory the next reuses) or a buffered read of SOURCE_DIR (what the
 floor, DefaultModelLoader and sharded_state leave behind). Prints wall and CPU seconds per case.
@@ -23,9 +23,9 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "shim")]
 from measure import drop_caches  # noqa: E402
 from vllm_cpu_model import read_once  # noqa: E402  (the load bench's floor; imports no vLLM)
 
-from lucifer_shard.runtime_shim import reader  # noqa: E402
-from lucifer_shard.spec.stheader import read_header  # noqa: E402
-from lucifer_shard.spec.dtypes import TORCH_DTYPE  # noqa: E402
+from lucifer_shard.formats.stheader import read_header  # noqa: E402
+from lucifer_shard.formats.torch_dtypes import TORCH_DTYPE  # noqa: E402
+from lucifer_shard.runtime_shim.load import reader  # noqa: E402
 
 
 def page_cache_read(source: Path) -> None:

@@ -10,8 +10,8 @@ Phases, each written to --json as soon as it ends (a cut call keeps what finishe
   disk      `dd iflag=direct bs=64M` on the rank's files, all at once (the disk without page cache),
             and `dd bs=16M` buffered one file at a time, cold and warm
   loaders   safetensors (safe_open + get_tensor().to(device), vLLM's default iterator), the lucifer
-            reader (runtime_shim/reader.py) with digests off and on (on a GPU also with the GPU's
-            tensors hashed on the host, as before runtime_shim/device_blake3.py), and fastsafetensors,
+            reader (src/lucifer_shard/runtime_shim/load/reader.py) with digests off and on (on a GPU also with the GPU's
+            tensors hashed on the host, as before src/lucifer_shard/runtime_shim/load/device_blake3.py), and fastsafetensors,
             instanttensor, runai-model-streamer, safetensors 0.9's `prefetch` (on a GPU) when importable (else skipped, the reason printed);
             per repetition all cold (page cache dropped before each run), then all warm (files read
             once before), the loaders' order rotated each repetition; every tensor compared byte for
@@ -38,8 +38,8 @@ import safetensors
 import torch
 from safetensors import safe_open
 
-from lucifer_shard.runtime_shim import reader
-from lucifer_shard.spec.stheader import read_header
+from lucifer_shard.formats.stheader import read_header
+from lucifer_shard.runtime_shim.load import reader
 
 # rank-file bytes of `synth flash-layer --no-mtp` at TP3, all ranks: 6.16 GB at one layer (measured);
 # a layer ~4.1 GB (the full Flash: 177.7 GB for 43 layers), the rest embeddings, head and norms
@@ -189,7 +189,7 @@ def lucifer_loader(digests: bool, threads: int, slots: int, chunk: int, hash_on_
 
 
 def header_dtype(dtype: str) -> torch.dtype:
-    from lucifer_shard.spec.dtypes import TORCH_DTYPE
+    from lucifer_shard.formats.torch_dtypes import TORCH_DTYPE
 
     return TORCH_DTYPE[dtype]
 

@@ -215,7 +215,7 @@ def flash_bytes(work: Path) -> dict:
     bytes a conversion reads and each rank's target rank-file bytes (headers included)."""
     model = work / "flash-config"
     model.mkdir(exist_ok=True)
-    shutil.copy2(ROOT / "configs" / "deepseek-v4-flash.json", model / "config.json")
+    shutil.copy2(ROOT / "src" / "lucifer_shard" / "configs" / "deepseek-v4-flash.json", model / "config.json")
     out = subprocess.run([*lucifer(), "plan", "--tp", str(FLASH_TP), "--arch", "sm120", "--json", str(model)],
                          capture_output=True, text=True, check=True).stdout
     fp = json.loads(out)["result"]["footprint"]

@@ -21,12 +21,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lucifer_shard.engine.job import stored_shape, tensor_layouts
-from lucifer_shard.spec.dtypes import TORCH_DTYPE
-from lucifer_shard.spec.manifest import Options
-from lucifer_shard.spec.plan import make_plan
-from lucifer_shard.spec.rules import DTYPE_SIZE
-from lucifer_shard.spec.tensorspecs import build_specs
-from lucifer_shard.spec.source import open_checkpoint
+from lucifer_shard.formats.dtypes import DTYPE_SIZE
+from lucifer_shard.formats.torch_dtypes import TORCH_DTYPE
+from lucifer_shard.model.options import Options
+from lucifer_shard.model.plan import make_plan
+from lucifer_shard.model.tensorspecs import build_specs
+from lucifer_shard.source.checkpoint import open_checkpoint
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

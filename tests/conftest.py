@@ -10,8 +10,8 @@ import pytest
 
 from lucifer_shard.engine.convert import convert
 from lucifer_shard.engine.synth import preset_config, synth
-from lucifer_shard.spec.config import parse_config
-from lucifer_shard.spec.manifest import Options
+from lucifer_shard.model.config import parse_config
+from lucifer_shard.model.options import Options
 
 from helpers import CONFIGS, scratch
 from skiplog import pytest_runtest_logreport  # noqa: F401  (the hook: make test's list of what it did not prove)

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = REPO / "configs"
+CONFIGS = REPO / "src" / "lucifer_shard" / "configs"
 
 
 def run(*args: object, catch_exceptions: bool = False, **kw):

@@ -1,16 +1,17 @@
-"""The GPU-arch facts live in one table, converter/spec/arches.py: no other module of the converter or the shim
+"""The GPU-arch facts live in one table, src/lucifer_shard/model/arches.py: no other module of the converter or the shim
 spells an --arch, a CUDA capability, a MoE variant or a backend name as a value (checked from the source with
-`ast`; prose in messages and docstrings is not a value). The build table (spec/runtimes.py) derives its columns
+`ast`; prose in messages and docstrings is not a value). The build table (model/runtimes.py) derives its columns
 from this one; what it derives is pinned here."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from lucifer_shard.spec import arches, runtimes
+from lucifer_shard.model import arches, runtimes
 
 REPO = Path(__file__).resolve().parent.parent
-TABLE = REPO / "converter" / "spec" / "arches.py"
+SRC = REPO / "src" / "lucifer_shard"
+TABLE = SRC / "model" / "arches.py"
 FACTS = {*arches.ARCHES, *arches.MOE_VARIANT.values(), *(a.attention for a in arches.ARCH_TABLE),
          *(m for a in arches.ARCH_TABLE for m in a.moe_backends)}
 CAPABILITIES = {a.capability for a in arches.ARCH_TABLE}
@@ -31,7 +32,7 @@ def copies(path: Path) -> list[str]:
 
 
 def test_the_arch_facts_live_only_in_the_arch_table():
-    sources = sorted({*(REPO / "converter").rglob("*.py"), *(REPO / "runtime_shim").rglob("*.py")} - {TABLE})
+    sources = sorted(set(SRC.rglob("*.py")) - {TABLE})
     assert len(sources) > 50
     assert [c for path in sources for c in copies(path)] == []
 
@@ -58,8 +59,8 @@ def test_the_build_tables_kernel_columns_are_the_arch_tables_families():
 
 def test_the_table_is_consistent():
     """Every step a row names is a layouts step; capabilities are distinct; a MoE route runs on some family."""
-    from lucifer_shard.spec.layouts import STEPS
-    from lucifer_shard.spec.plan import MOE_ROUTES
+    from lucifer_shard.model.layouts import STEPS
+    from lucifer_shard.model.plan import MOE_ROUTES
 
     assert {s for a in arches.ARCH_TABLE for g in a.kernel_steps.values() for ss in g.values() for s in ss} <= set(STEPS)
     assert len(CAPABILITIES) == len(arches.ARCH_TABLE)

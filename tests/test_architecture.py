@@ -1,23 +1,37 @@
-"""The architecture the tree draws (converter/__init__.py), checked from the source with `ast`: every
-import, absolute or relative, at module level or inside a function, of every module of
-`lucifer_shard` and `lucifer_shard.runtime_shim`. spec/ is below the engine and the proof, which
-never import each other; cli/ is on top; the runtime shim reuses spec/ (and proof/), never the
-engine or the commands. No module grows past 600 lines."""
+"""The architecture the tree draws (src/lucifer_shard/__init__.py), checked from the source with `ast`: every
+import, absolute or relative, at module level or inside a function, of every module of `lucifer_shard`.
+Folders are import names (src/lucifer_shard/ is `lucifer_shard`). The rooms are ordered: each imports only
+the rooms below it, formats < model < source < output < engine | proof < cli, the engine and the proof
+never each other; the runtime shim reuses the rooms up to proof/, never the engine or the commands, and
+its own rooms are ordered too: its shared modules < adapt < load < serving, which only the CLI and the
+plugin's register() import. No lazy import breaks a circle, and no module grows past 600 lines."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = {"lucifer_shard": REPO / "converter", "lucifer_shard.runtime_shim": REPO / "runtime_shim"}
-ROOMS = ("spec", "engine", "proof", "cli")
-# What each part may not import. "shared" is errors.py, units.py and the package's __init__: below every room.
-FORBIDDEN = {
-    "shared": {"spec", "engine", "proof", "cli", "runtime_shim"},
-    "spec": {"engine", "proof", "cli"},
-    "engine": {"proof", "cli"},
-    "proof": {"engine", "cli"},
-    "runtime_shim": {"engine", "cli"},
+PACKAGES = {"lucifer_shard": REPO / "src" / "lucifer_shard"}
+ROOMS = ("formats", "model", "source", "output", "engine", "proof", "cli")
+SHIM_ROOMS = ("adapt", "load", "serving")
+# "shared": errors.py, units.py, guarded_io.py, outnames.py and the package's __init__, below every room;
+# "runtime_shim": the shim's own shared modules (errors, manifest, checks); "plugin": its __init__ (register()).
+_BELOW = ("shared", "formats", "model", "source", "output")
+ALLOWED = {
+    "shared": {"shared"},
+    "formats": {"shared", "formats"},
+    "model": {"shared", "formats", "model"},
+    "source": {*_BELOW[:3], "source"},
+    "output": {*_BELOW},
+    "engine": {*_BELOW, "engine"},
+    "proof": {*_BELOW, "proof"},
+    "cli": {*_BELOW, "engine", "proof", "cli", "plugin", "runtime_shim", *(f"runtime_shim.{r}" for r in SHIM_ROOMS)},
+    "runtime_shim": {*_BELOW, "proof", "runtime_shim"},
+    "runtime_shim.adapt": {*_BELOW, "proof", "runtime_shim", "runtime_shim.adapt"},
+    "runtime_shim.load": {*_BELOW, "proof", "runtime_shim", "runtime_shim.adapt", "runtime_shim.load"},
+    "runtime_shim.serving": {*_BELOW, "proof", "plugin", "runtime_shim", "runtime_shim.adapt", "runtime_shim.load",
+                             "runtime_shim.serving"},
+    "plugin": {*_BELOW, "proof", "plugin", "runtime_shim", *(f"runtime_shim.{r}" for r in SHIM_ROOMS)},
 }
 MAX_LINES = 600
 
@@ -34,12 +48,25 @@ def modules(packages: dict[str, Path]) -> dict[str, Path]:
     return out
 
 
-def imported(name: str, path: Path) -> set[str]:
-    """The dotted names a module imports anywhere in its file, relative imports resolved; for
-    `from X import y` both X and X.y (y may be a module: `from ..engine import diskspace`)."""
+def _imports(name: str, path: Path, where: str = "anywhere") -> set[str]:
+    """The dotted names a module imports (`where`: "anywhere", "module" (executed at import: the module's
+    body, outside `if TYPE_CHECKING`) or "lazy" (the rest)), relative imports resolved; for `from X import y`
+    both X and X.y (y may be a module: `from ..engine import diskspace`)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    at_import = set()
+    todo = list(tree.body)
+    while todo:  # the statements run at import: the body, and the branches of its if/try (not TYPE_CHECKING's)
+        node = todo.pop()
+        at_import.add(id(node))
+        if isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+            todo += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            todo += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
+        if where != "anywhere" and (id(node) in at_import) != (where == "module"):
+            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -52,24 +79,37 @@ def imported(name: str, path: Path) -> set[str]:
     return found
 
 
+def imported(name: str, path: Path) -> set[str]:
+    """Every dotted name a module imports, anywhere in its file."""
+    return _imports(name, path)
+
+
 def part_of(name: str) -> str | None:
-    """The room (or "runtime_shim", "shared") of a dotted name; None outside lucifer_shard."""
+    """The room of a dotted name ("shared", a room, "runtime_shim[.room]", "plugin"); None outside lucifer_shard."""
     parts = name.split(".")
     if parts[0] != "lucifer_shard":
         return None
-    if len(parts) > 1 and parts[1] in (*ROOMS, "runtime_shim"):
+    if len(parts) > 1 and parts[1] in ROOMS:
         return parts[1]
+    if len(parts) > 1 and parts[1] == "runtime_shim":
+        if len(parts) == 2 or parts[2] == "register":
+            return "plugin"
+        return f"runtime_shim.{parts[2]}" if parts[2] in SHIM_ROOMS else "runtime_shim"
     return "shared"
 
 
+def _shown(path: Path, packages: dict[str, Path]) -> Path:
+    root = next(r for r in packages.values() if r in path.parents or r == path.parent)
+    return path.relative_to(root.parent.parent if root.parent.name == "src" else root.parent)
+
+
 def violations(packages: dict[str, Path]) -> list[str]:
-    """One line per forbidden import (the outermost name it reaches) and per module past MAX_LINES."""
+    """One line per import a room may not make (the outermost name it reaches) and per module past MAX_LINES."""
     found = []
-    top = {root: root.parent for root in packages.values()}
     for name, path in modules(packages).items():
-        shown = next(path.relative_to(parent) for root, parent in top.items() if root in path.parents)
+        shown = _shown(path, packages)
         own = part_of(name)
-        bad = {target for target in imported(name, path) if part_of(target) in FORBIDDEN.get(own, ())}
+        bad = {target for target in imported(name, path) if part_of(target) not in (None, *ALLOWED[own])}
         found += [f"{shown} ({own}) imports {target}" for target in sorted(bad)
                   if target.rpartition(".")[0] not in bad]
         lines = len(path.read_text().splitlines())
@@ -79,10 +119,9 @@ def violations(packages: dict[str, Path]) -> list[str]:
 
 
 def import_style(packages: dict[str, Path]) -> list[str]:
-    """One line per import spelled against the rule: a module imports its own folder's modules relatively
-    and the other folder's absolutely. The converter (converter/, `lucifer_shard`) never names
-    `lucifer_shard`; the runtime shim (runtime_shim/, a folder of its own installed inside it) names the
-    converter only as `lucifer_shard.*`, so every crossing of the shim's boundary reads as one."""
+    """One line per import spelled against the rule: the converter (every room but the shim) imports the
+    package relatively and never names `lucifer_shard`; the runtime shim imports its own modules relatively
+    and names the converter only as `lucifer_shard.*`, so every crossing of the shim's boundary reads as one."""
     found = []
     shim = "lucifer_shard.runtime_shim"
     for name, path in modules(packages).items():
@@ -105,20 +144,76 @@ def import_style(packages: dict[str, Path]) -> list[str]:
     return found
 
 
-def test_imports_are_relative_inside_a_folder_and_absolute_across():
+# A lazy import (inside a function, or for type checking) that would close a circle at module level is a
+# layering fault hidden: a fact sits in the wrong room. The exceptions, each with its reason:
+LAZY_EXEMPT = {
+    "lucifer_shard.runtime_shim": "the plugin's entry point: vLLM imports it in every process; register() imports "
+                                  "what it installs only when it runs",
+}
+
+
+def _module_of(name: str, mods: dict[str, Path]) -> str | None:
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _with_packages(name: str, importer: str) -> set[str]:
+    """A module and the packages Python imports first to reach it, but the importer's own packages (they
+    are always imported before it)."""
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)} - _with_packages(importer, "") if importer else \
+        {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+
+
+def lazy_circles(packages: dict[str, Path]) -> list[str]:
+    """'a imports b lazily: b imports a at module level (b -> ... -> a)' for each lazy import that breaks a circle."""
+    mods = modules(packages)
+    graph = {n: sorted({m for t in _imports(n, p, "module") if (mod := _module_of(t, mods))
+                        for m in _with_packages(mod, n) if m in mods and m != n}) for n, p in mods.items()}
+
+    def route(start: str, goal: str) -> list[str] | None:
+        todo, came = [start], {start: None}
+        while todo:
+            node = todo.pop(0)
+            if node == goal:
+                found = [node]
+                while came[found[-1]] is not None:
+                    found.append(came[found[-1]])
+                return found[::-1]
+            for nxt in graph[node]:
+                if nxt not in came:
+                    came[nxt] = node
+                    todo.append(nxt)
+        return None
+
+    found = []
+    for name, path in mods.items():
+        if name in LAZY_EXEMPT:
+            continue
+        targets = {mod for t in _imports(name, path, "lazy") if (mod := _module_of(t, mods)) and mod != name}
+        for target in sorted(targets):
+            back = route(target, name)
+            if back:
+                found.append(f"{name} imports {target} lazily: {' -> '.join(back)}")
+    return found
+
+
+def test_imports_are_relative_inside_the_converter_and_absolute_across_the_shims_boundary():
     assert import_style(PACKAGES) == []
 
 
 def test_the_import_style_check_finds_each_kind(tmp_path):
-    conv, shim = tmp_path / "converter", tmp_path / "runtime_shim"
-    (conv / "spec").mkdir(parents=True)
+    root = tmp_path / "src" / "lucifer_shard"
+    shim = root / "runtime_shim"
+    (root / "model").mkdir(parents=True)
     shim.mkdir()
-    (conv / "spec" / "a.py").write_text("from lucifer_shard.spec import b\n")
-    (shim / "x.py").write_text("from ..spec import rules\nfrom lucifer_shard.runtime_shim import y\n")
-    (shim / "ok.py").write_text("from . import y\nfrom lucifer_shard.spec import rules\n")
-    found = import_style({"lucifer_shard": conv, "lucifer_shard.runtime_shim": shim})
-    assert found == ["a.py: imports lucifer_shard.spec absolutely (its own folder: relatively)",
-                     "x.py: imports lucifer_shard.spec relatively (the converter: lucifer_shard.*)",
+    (root / "model" / "a.py").write_text("from lucifer_shard.model import b\n")
+    (shim / "x.py").write_text("from ..model import rules\nfrom lucifer_shard.runtime_shim import y\n")
+    (shim / "ok.py").write_text("from . import y\nfrom lucifer_shard.model import rules\n")
+    found = import_style({"lucifer_shard": root})
+    assert found == ["a.py: imports lucifer_shard.model absolutely (its own folder: relatively)",
+                     "x.py: imports lucifer_shard.model relatively (the converter: lucifer_shard.*)",
                      "x.py: imports lucifer_shard.runtime_shim absolutely (its own folder: relatively)"], found
 
 
@@ -126,49 +221,81 @@ def test_every_room_imports_only_what_it_may():
     assert violations(PACKAGES) == []
 
 
+def test_no_lazy_import_breaks_a_circle():
+    assert lazy_circles(PACKAGES) == []
+
+
+def test_the_lazy_import_check_finds_a_circle(tmp_path):
+    root = tmp_path / "src" / "lucifer_shard"
+    (root / "model").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "model" / "__init__.py").write_text("")
+    (root / "model" / "config.py").write_text("def f():\n    from .v41 import refusal\n")
+    (root / "model" / "v41.py").write_text("from .plan import x\n")
+    (root / "model" / "plan.py").write_text("from typing import TYPE_CHECKING\nfrom .config import y\n"
+                                            "if TYPE_CHECKING:\n    from .v41 import z\n")
+    assert lazy_circles({"lucifer_shard": root}) == [
+        "lucifer_shard.model.config imports lucifer_shard.model.v41 lazily: lucifer_shard.model.v41 -> "
+        "lucifer_shard.model.plan -> lucifer_shard.model.config",
+        "lucifer_shard.model.plan imports lucifer_shard.model.v41 lazily: lucifer_shard.model.v41 -> "
+        "lucifer_shard.model.plan"]
+
+
 def test_the_check_reads_every_room():
-    """Not vacuous: the tree has the four rooms, the shim, and modules that import across them."""
+    """Not vacuous: the tree has every room, the shim's, and modules that import across them."""
     found = modules(PACKAGES)
-    assert {part_of(n) for n in found} == {*ROOMS, "runtime_shim", "shared"}
+    assert {part_of(n) for n in found} == {*ROOMS, "shared", "plugin", "runtime_shim",
+                                           *(f"runtime_shim.{r}" for r in SHIM_ROOMS)}
     # a relative import inside a function, an absolute one at module level
     assert "lucifer_shard.engine.convert" in imported("lucifer_shard.cli.group", found["lucifer_shard.cli.group"])
-    plan = "lucifer_shard.runtime_shim.loadplan"
-    assert "lucifer_shard.spec.runtimes" in imported(plan, found[plan])
+    plan = "lucifer_shard.runtime_shim.load.loadplan"
+    assert "lucifer_shard.model.runtimes" in imported(plan, found[plan])
 
 
 def test_a_forbidden_import_is_found_wherever_it_is(tmp_path):
     """Relative and absolute imports, at module level and inside functions, and a module past the limit."""
-    root = tmp_path / "converter"
+    root = tmp_path / "src" / "lucifer_shard"
     for room in ROOMS:
         (root / room).mkdir(parents=True)
         (root / room / "__init__.py").write_text("")
     (root / "__init__.py").write_text("from .engine import convert\n")
-    (root / "spec" / "plan.py").write_text("def f():\n    from ..proof.diff import diff\n")
+    (root / "model" / "plan.py").write_text("def f():\n    from ..proof.diff import diff\n")
+    (root / "formats" / "schema.py").write_text("from ..model import config\n")
+    (root / "source" / "hub.py").write_text("from ..output.manifest import X\n")
     (root / "engine" / "convert.py").write_text("import lucifer_shard.cli.group\nfrom .. import proof\n")
-    (root / "proof" / "verify.py").write_text("from ..spec import rules\n" + "x = 1\n" * MAX_LINES)
-    (root / "cli" / "group.py").write_text("from ..engine.convert import convert\nfrom ..proof import diff\n")
-    shim = tmp_path / "runtime_shim"
-    shim.mkdir()
-    (shim / "loader.py").write_text("def load():\n    from lucifer_shard.engine.stwriter import file_digest\n")
-    got = violations({"lucifer_shard": root, "lucifer_shard.runtime_shim": shim})
+    (root / "proof" / "verify.py").write_text("from ..model import rules\n" + "x = 1\n" * MAX_LINES)
+    (root / "cli" / "group.py").write_text("from ..engine.convert import convert\nfrom ..proof import diff\n"
+                                           "from ..runtime_shim.serving import doctor\n")
+    shim = root / "runtime_shim"
+    for room in SHIM_ROOMS:
+        (shim / room).mkdir(parents=True)
+    (shim / "load" / "loader.py").write_text("def load():\n    from lucifer_shard.engine.stwriter import file_digest\n"
+                                             "from ..serving import doctor\n")
+    (shim / "adapt" / "compat.py").write_text("from ..load import loadplan\n")
+    (shim / "serving" / "doctor.py").write_text("from ..load import nodefiles\nfrom .. import register\n")
+    got = violations({"lucifer_shard": root})
     assert got == [
-        "converter/__init__.py (shared) imports lucifer_shard.engine",
-        "converter/engine/convert.py (engine) imports lucifer_shard.cli.group",
-        "converter/engine/convert.py (engine) imports lucifer_shard.proof",
-        f"converter/proof/verify.py: {MAX_LINES + 1} lines, more than {MAX_LINES}",
-        "converter/spec/plan.py (spec) imports lucifer_shard.proof.diff",
-        "runtime_shim/loader.py (runtime_shim) imports lucifer_shard.engine.stwriter",
-    ]
+        "src/lucifer_shard/__init__.py (shared) imports lucifer_shard.engine",
+        "src/lucifer_shard/engine/convert.py (engine) imports lucifer_shard.cli.group",
+        "src/lucifer_shard/engine/convert.py (engine) imports lucifer_shard.proof",
+        "src/lucifer_shard/formats/schema.py (formats) imports lucifer_shard.model",
+        "src/lucifer_shard/model/plan.py (model) imports lucifer_shard.proof.diff",
+        f"src/lucifer_shard/proof/verify.py: {MAX_LINES + 1} lines, more than {MAX_LINES}",
+        "src/lucifer_shard/runtime_shim/adapt/compat.py (runtime_shim.adapt) imports lucifer_shard.runtime_shim.load",
+        "src/lucifer_shard/runtime_shim/load/loader.py (runtime_shim.load) imports lucifer_shard.engine.stwriter",
+        "src/lucifer_shard/runtime_shim/load/loader.py (runtime_shim.load) imports lucifer_shard.runtime_shim.serving",
+        "src/lucifer_shard/source/hub.py (source) imports lucifer_shard.output.manifest",
+    ], got
 
 
 # Inside the runtime shim: vLLM at module level only where a vLLM class is subclassed (the loader),
 # so that doctor and `serve --dry-run` import on a machine without vLLM. The one table of builds is
-# spec/runtimes.py (no other module of either package defines a build row); compat.py, the judge the
+# model/runtimes.py (no other module of either package defines a build row); compat.py, the judge the
 # wrapper files import, imports no other shim module; and no two shim modules import each other, by
 # any path (a package's __init__ aside: `from . import x` names the package too).
-SHIM_VLLM_AT_IMPORT = {"lucifer_shard.runtime_shim.loader"}
-BUILD_TABLE = "lucifer_shard.spec.runtimes"
-SHIM_JUDGE = "lucifer_shard.runtime_shim.compat"
+SHIM_VLLM_AT_IMPORT = {"lucifer_shard.runtime_shim.load.loader"}
+BUILD_TABLE = "lucifer_shard.model.runtimes"
+SHIM_JUDGE = "lucifer_shard.runtime_shim.adapt.compat"
 
 
 def module_level_imports(path: Path) -> set[str]:
@@ -229,21 +356,23 @@ def test_the_shim_keeps_vllm_lazy_its_build_table_in_one_place_and_no_import_cir
 
 def test_the_shim_check_finds_each_kind(tmp_path):
     root = tmp_path / "runtime_shim"
-    root.mkdir()
+    (root / "adapt").mkdir(parents=True)
     (root / "__init__.py").write_text("")
-    (root / "compat.py").write_text("from lucifer_shard.runtime_shim import patches\nB = 1\n")
+    (root / "adapt" / "__init__.py").write_text("")
+    (root / "adapt" / "compat.py").write_text("from .. import patches\nB = 1\n")
     (root / "patches.py").write_text("import vllm.config\nX = Build('1.0', 'x', {}, True, '', ())\n"
-                                     "def f():\n    from . import stock_vtp\n")
-    (root / "stock_vtp.py").write_text("from .patches import X\n")
-    (root / "loader.py").write_text("from vllm.model_executor import model_loader\n")
+                                     "def f():\n    from .adapt import stock_vtp\n")
+    (root / "adapt" / "stock_vtp.py").write_text("from ..patches import X\n")
+    (root / "load").mkdir()
+    (root / "load" / "loader.py").write_text("from vllm.model_executor import model_loader\n")
     found = shim_problems(modules({"lucifer_shard.runtime_shim": root}))
     assert found == ["lucifer_shard.runtime_shim.patches defines vLLM builds (line 2); the table is "
-                     "lucifer_shard.spec.runtimes",
+                     "lucifer_shard.model.runtimes",
                      "lucifer_shard.runtime_shim.patches imports ['vllm.config'] at module level",
-                     "lucifer_shard.runtime_shim.compat imports ['lucifer_shard.runtime_shim', "
+                     "lucifer_shard.runtime_shim.adapt.compat imports ['lucifer_shard.runtime_shim', "
                      "'lucifer_shard.runtime_shim.patches']",
-                     "import circle: lucifer_shard.runtime_shim.patches -> lucifer_shard.runtime_shim.stock_vtp -> "
-                     "lucifer_shard.runtime_shim.patches"], found
+                     "import circle: lucifer_shard.runtime_shim.adapt.stock_vtp -> lucifer_shard.runtime_shim.patches "
+                     "-> lucifer_shard.runtime_shim.adapt.stock_vtp"], found
 
 
 # File I/O goes through lucifer_shard.guarded_io (issue 26): no other module opens, deletes or
@@ -295,11 +424,10 @@ def io_calls(path: Path) -> list[tuple[int, str]]:
 
 def unguarded_io(packages: dict[str, Path]) -> list[str]:
     found = []
-    top = {root: root.parent for root in packages.values()}
     for name, path in modules(packages).items():
         if name == GUARDED:
             continue
-        shown = next(path.relative_to(parent) for root, parent in top.items() if root in path.parents)
+        shown = _shown(path, packages)
         found += [f"{shown}:{line} calls {call}" for line, call in io_calls(path) if (name, call) not in IO_EXEMPT]
     return found
 
@@ -309,7 +437,7 @@ def test_file_io_goes_through_the_guarded_helpers():
 
 
 def test_the_io_check_finds_each_primitive(tmp_path):
-    root = tmp_path / "converter"
+    root = tmp_path / "src" / "lucifer_shard"
     (root / "engine").mkdir(parents=True)
     (root / "guarded_io.py").write_text("import os\nos.unlink('x')\n")
     (root / "engine" / "bad.py").write_text(
@@ -317,7 +445,7 @@ def test_the_io_check_finds_each_primitive(tmp_path):
         "Path('d').unlink()\nPath('e').replace(Path('f'))\n'g'.replace('h', 'i')\nPath('j').write_text('k')\n"
         "os.replace('l', 'm')\ntree.write_bytes('n', b'')\nTree(o).remove('p')\npath.read_bytes()\n")
     assert unguarded_io({"lucifer_shard": root}) == [
-        "converter/engine/bad.py:3 calls open", "converter/engine/bad.py:4 calls os.open",
-        "converter/engine/bad.py:5 calls shutil.rmtree", "converter/engine/bad.py:6 calls unlink",
-        "converter/engine/bad.py:7 calls replace", "converter/engine/bad.py:9 calls write_text",
-        "converter/engine/bad.py:10 calls os.replace", "converter/engine/bad.py:13 calls path.read_bytes"]
+        "src/lucifer_shard/engine/bad.py:3 calls open", "src/lucifer_shard/engine/bad.py:4 calls os.open",
+        "src/lucifer_shard/engine/bad.py:5 calls shutil.rmtree", "src/lucifer_shard/engine/bad.py:6 calls unlink",
+        "src/lucifer_shard/engine/bad.py:7 calls replace", "src/lucifer_shard/engine/bad.py:9 calls write_text",
+        "src/lucifer_shard/engine/bad.py:10 calls os.replace", "src/lucifer_shard/engine/bad.py:13 calls path.read_bytes"]

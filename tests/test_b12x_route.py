@@ -9,11 +9,12 @@ import json
 
 import pytest
 
+from lucifer_shard.model.options import Options
+from lucifer_shard.model.plan import make_plan
+from lucifer_shard.model.runtimes import runtime_record, stock_backends
+from lucifer_shard.output.manifest import conversion_id
 from lucifer_shard.proof.diff import diff
 from lucifer_shard.proof.verify import verify
-from lucifer_shard.spec.manifest import Options, conversion_id
-from lucifer_shard.spec.plan import make_plan
-from lucifer_shard.spec.runtimes import runtime_record, stock_backends
 
 from helpers import CONFIGS, run
 

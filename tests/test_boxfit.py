@@ -1,4 +1,4 @@
-"""`plan`'s per-box table (spec/boxfit.py): each rank's weights, what vLLM keeps besides, the KV-cache room and
+"""`plan`'s per-box table (model/boxfit.py): each rank's weights, what vLLM keeps besides, the KV-cache room and
 the context it holds, on 3x DGX Spark, RTX PRO 6000, H100 and H200.
 
 The KV figures are checked three ways: the runs that printed vLLM's own "GPU KV cache size" line (the H200
@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from helpers import CONFIGS, run
-from lucifer_shard.spec import boxfit
+from helpers import CONFIGS, REPO, run
+from lucifer_shard.model import boxfit
 
 GIB = 1 << 30
 ALIGN = 576  # vLLM pads every DeepSeek-V4 KV page to 576 bytes (fp8_ds_mla)
@@ -113,7 +113,7 @@ def test_the_docs_table_is_plans_output():
     row = re.compile(r"^  (?P<box>.+?)\s+(?P<memory>[\d.]+ GiB)\s+[\d.]+ GiB\s+(?P<besides>[\d.]+ GiB)\s+"
                      r"(?P<room>[\d.]+ GiB)\s+(?P<longest>[\d,]+)\s+(?P<tokens>[\d,]+ \([\d.]+\))$")
     printed = {m["box"]: m.groupdict() for m in map(row.match, out.splitlines()) if m}
-    doc = (CONFIGS.parent / "docs" / "cli.md").read_text().split("## What fits, per box", 1)[1].split("\n## ", 1)[0]
+    doc = (REPO / "docs" / "cli.md").read_text().split("## What fits, per box", 1)[1].split("\n## ", 1)[0]
     quoted = [[c.strip() for c in line.strip("|").split("|")] for line in doc.splitlines()
               if line.startswith("| ") and "GiB" in line]
     assert len(quoted) == len(printed) == len(boxfit.BOXES)

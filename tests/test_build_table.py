@@ -1,6 +1,7 @@
-"""The one table of what runs where (spec/runtimes.py) and the data file of vetted source hashes that tools/vet.py
-writes (runtime_shim/wrappers/hashes.json) say the same builds: each row has the hash of every symbol its wrappers
-rely on, and each hashed build has a row. The cells' proof levels agree with the README's proof table. No vLLM
+"""The one table of what runs where (model/runtimes.py) and the data file of vetted source hashes that tools/vet.py
+writes (src/lucifer_shard/runtime_shim/adapt/wrappers/hashes.json) say the same builds: each row has the hash of every symbol its wrappers
+rely on, and each hashed build has a row. The cells' proof levels agree with the proof table
+(docs/evidence/proof-status.md, moved from the README). No vLLM
 needed: the table, the data file and the wrappers' records import none."""
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import json
 import re
 from pathlib import Path
 
-from lucifer_shard.runtime_shim import compat, wrappers
-from lucifer_shard.spec import runtimes
+from lucifer_shard.model import runtimes
+from lucifer_shard.runtime_shim.adapt import compat, wrappers
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+PROOF_PAGE = (Path(__file__).resolve().parent.parent / "docs" / "evidence" / "proof-status.md").read_text()
 HASH = re.compile(r"sha256:[0-9a-f]{64}")
 
 
@@ -66,8 +67,9 @@ def test_each_cell_says_how_far_it_is_proven_where_the_build_serves_it():
 
 
 def test_the_readmes_gpu_rows_name_exactly_the_releases_with_a_gpu_cell():
-    """A release served on a GPU in the README's proof table has GPU cells in the table, and no other has."""
-    table = README.split("## Proof status", 1)[1].split("\n## ", 1)[0]
+    """A release served on a GPU in the proof table (docs/evidence/proof-status.md) has GPU cells in the table, and
+    no other has."""
+    table = PROOF_PAGE.split("## Proof status", 1)[1].split("\n## ", 1)[0]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[3:] if line.startswith("|")]
     gpu = {v for _, status, _ in rows if status.startswith("proven") and "CPU" not in status
            for v in re.findall(r"\bvLLM (\d+\.\d+\.\d+)", status)}

@@ -80,8 +80,8 @@ def test_plan_prints_the_audit_table_and_the_footprint(flash_dir):
 
 
 def test_plan_json_carries_byte_counts(flash_dir, flash_cfg):
-    from lucifer_shard.spec.rules import DTYPE_SIZE
-    from lucifer_shard.spec.tensorspecs import expected_sources
+    from lucifer_shard.formats.dtypes import DTYPE_SIZE
+    from lucifer_shard.model.tensorspecs import expected_sources
 
     doc = envelope(run("plan", "--tp", 3, "--arch", "sm90", "--json", flash_dir))
     assert doc["ok"] and doc["command"] == "plan" and doc["error"] is None
@@ -145,7 +145,7 @@ def test_plan_checks_the_room_on_outs_filesystem(flash_dir, tmp_path, monkeypatc
 
 def test_the_time_estimate_is_the_measured_benchmark():
     """The throughput the estimate uses is the one `make bench` recorded (bench/results.json)."""
-    from lucifer_shard.spec.footprint import MEASURED_BYTES_PER_S
+    from lucifer_shard.model.footprint import MEASURED_BYTES_PER_S
 
     run_ = json.loads((REPO / "bench" / "results.json").read_text())["summary"]["L1 convert w1"]
     assert MEASURED_BYTES_PER_S == pytest.approx(run_["moved"] / run_["wall"], rel=1e-9)

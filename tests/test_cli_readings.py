@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from helpers import run, run_process
-from lucifer_shard.spec.manifest import STATE_DIR
-from lucifer_shard.spec.share import SHARE_NAME
-from lucifer_shard.spec.source import SHIPPED_CONFIGS, is_repo_id
+from lucifer_shard.outnames import STATE_DIR
+from lucifer_shard.output.share import SHARE_NAME
+from lucifer_shard.source.checkpoint import SHIPPED_CONFIGS, is_repo_id
 
 
 def offline(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from helpers import run, Source
-from lucifer_shard.spec.content import BLOCK, ContentDigests, TensorDigest, checkpoint_digest, shard_digests
-from lucifer_shard.spec.manifest import MANIFEST_NAME
+from lucifer_shard.outnames import MANIFEST_NAME
+from lucifer_shard.source.content import BLOCK, ContentDigests, TensorDigest, checkpoint_digest, shard_digests
 
 
 def reference_digest(data: bytes) -> str:
@@ -115,7 +115,8 @@ def test_resume_keeps_the_content_digests(tiny_pattern, tmp_path, converted):
     """A conversion finished by --resume records the same content as one run straight through."""
     from lucifer_shard.engine.convert import convert
     from lucifer_shard.engine.owned import JOURNAL
-    from lucifer_shard.spec.manifest import STATE_DIR, Options
+    from lucifer_shard.model.options import Options
+    from lucifer_shard.outnames import STATE_DIR
 
     options = Options(tp=3, max_file_bytes=1 << 20)
     out = tmp_path / "out"

@@ -12,8 +12,8 @@ import pytest
 from safetensors import safe_open
 
 from helpers import Source, cli_argv, rank_tensors
-from lucifer_shard.spec.layouts import layout_by_name
-from lucifer_shard.spec.rules import DTYPE_SIZE
+from lucifer_shard.formats.dtypes import DTYPE_SIZE
+from lucifer_shard.model.layouts import layout_by_name
 
 LAYOUTS = {
     "sm120": dict(arch="sm120"),
@@ -151,7 +151,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 def test_conversion_is_byte_deterministic(tiny_pattern, tmp_path):
     from lucifer_shard.engine.convert import convert
-    from lucifer_shard.spec.manifest import Options
+    from lucifer_shard.model.options import Options
 
     a, b = tmp_path / "a", tmp_path / "b"
     convert(str(tiny_pattern), a, Options(tp=3), progress=False)
@@ -191,7 +191,7 @@ def test_sigkill_then_resume_equals_clean_run(tiny_pattern, tmp_path, converted)
 def test_align_4096_for_direct_io(converted, tiny_pattern):
     """--align 4096: the data section and every tensor whose size is a multiple of 4096 start on a
     4 KiB boundary; the files still read back and hold the same tensors."""
-    from lucifer_shard.spec.stheader import read_header
+    from lucifer_shard.formats.stheader import read_header
 
     out = converted(align=4096)
     plain = converted()

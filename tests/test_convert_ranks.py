@@ -18,8 +18,8 @@ from helpers import cli_argv, run
 from lucifer_shard.cli import cli
 from lucifer_shard.engine import stwriter, writeloop
 from lucifer_shard.engine.convert import convert
-from lucifer_shard.spec.manifest import Options
-from lucifer_shard.spec.share import NodeShare, read_share
+from lucifer_shard.model.options import Options
+from lucifer_shard.output.share import NodeShare, read_share
 
 MIB = 1 << 20
 # The CLI flags of each layout and the Options the session's `converted` fixture takes for them.

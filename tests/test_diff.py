@@ -13,10 +13,10 @@ from safetensors.torch import save_file
 
 from helpers import run
 from lucifer_shard.errors import MismatchError
+from lucifer_shard.formats.stheader import read_header
+from lucifer_shard.outnames import MANIFEST_NAME
 from lucifer_shard.proof.diff import diff
 from lucifer_shard.proof.verify import verify
-from lucifer_shard.spec.manifest import MANIFEST_NAME
-from lucifer_shard.spec.stheader import read_header
 
 CASES = {
     "sm120": dict(arch="sm120"),
@@ -337,7 +337,7 @@ def test_stock_vllm_slicing_is_rejected(converted, tiny_pattern, tmp_path):
 def test_an_edited_source_file_size_is_a_finding_of_diff(converted, tiny_pattern, tmp_path):
     """Issue 52 V: source.files (the shard sizes inspect prints) can be derived only from MODEL, so diff
     compares them; on main a re-sealed size passed."""
-    from lucifer_shard.spec.manifest import manifest_text
+    from lucifer_shard.output.manifest import manifest_text
 
     out = copy_out(converted(), tmp_path)
     doc = json.loads((out / MANIFEST_NAME).read_text())

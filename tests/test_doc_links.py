@@ -62,7 +62,7 @@ def test_every_relative_link_and_anchor_resolves(page):
 
 # A cited markdown file, optionally followed by a section: `docs/design/kernel-layouts.md §5.4`.
 CITED = re.compile(r"(?<![\w.-])((?:\.{1,2}/|[\w-]+/)*[\w-]+\.md)\b(?:`?\)?\s+§(\d+(?:\.\d+)*))?")
-SOURCES = [p for d in ("converter", "runtime_shim", "tests", "bench", "tools") for p in sorted((REPO / d).rglob("*"))
+SOURCES = [p for d in ("src", "tests", "bench", "tools") for p in sorted((REPO / d).rglob("*"))
            if p.suffix in (".py", ".sh") and p.is_file() and p != Path(__file__).resolve()]  # this file: examples
 
 
@@ -102,17 +102,24 @@ def test_citation_pattern():
                     ("design/tensor-plan.md", "3"), ("cli.md", None)]
 
 
-@pytest.mark.parametrize("path", [*PAGES, *SOURCES], ids=lambda p: str(p.relative_to(REPO)))
-def test_every_cited_markdown_file_is_in_the_checkout(path):
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_cited_markdown_file_is_in_the_checkout(page):
     """A design document outside the repository (the project's own notes, say) is no
     help to a reader of a clone: cite the checkout's page (docs/design/) and its section."""
-    assert not citation_problems(path)
+    assert not citation_problems(page)
+
+
+def test_every_markdown_file_the_code_cites_is_in_the_checkout():
+    """The same for every source file's docstrings and comments, in one test (one case per file was a fifth
+    of the suite's test count)."""
+    assert len(SOURCES) > 100
+    assert {str(path.relative_to(REPO)): found for path in SOURCES if (found := citation_problems(path))} == {}
 
 
 def test_architecture_names_every_module():
-    """docs/architecture.md names each module of converter/ and runtime_shim/ (as `name.py` or `name/`)."""
+    """docs/architecture.md names each module of src/lucifer_shard/ (as `name.py` or `name/`)."""
     page = (REPO / "docs" / "architecture.md").read_text()
-    missing = [str(p.relative_to(REPO)) for d in ("converter", "runtime_shim") for p in sorted((REPO / d).rglob("*.py"))
+    missing = [str(p.relative_to(REPO)) for p in sorted((REPO / "src" / "lucifer_shard").rglob("*.py"))
                if p.name != "__init__.py" and not re.search(rf"(?<![\w]){re.escape(p.name)}\b", page)]
     assert not missing, missing
 
@@ -122,9 +129,10 @@ def test_architecture_names_every_module():
 # as of the commits they cite (docs/evidence/README.md), so they are exempt and carry a `Record:` line instead.
 EVIDENCE = REPO / "docs" / "evidence"
 GUIDE = [p for p in PAGES if EVIDENCE not in p.parents]
-# Where the code lives, and the import prefix of each tree (pyproject.toml's package-dir).
-CODE_TREES = {"converter": "lucifer_shard", "runtime_shim": "lucifer_shard.runtime_shim", "tools": "", "bench": "",
-              "tests": ""}
+# Where the code lives, and the import prefix of each tree (src/lucifer_shard/ is the package lucifer_shard).
+CODE_TREES = {"src/lucifer_shard": "lucifer_shard", "tools": "", "bench": "", "tests": ""}
+ROOM_FOLDERS = {"formats", "model", "source", "output", "engine", "proof", "cli", "runtime_shim", "adapt", "load",
+                "serving", "wrappers", "spec"}
 FILE_SUFFIXES = {"py", "md", "json", "jsonl", "sh", "toml", "txt", "yaml", "yml", "safetensors", "example", "env",
                  "log", "whl", "cfg", "lock", "partial"}
 BACKTICKED = re.compile(r"`([^`\s]+)`")
@@ -135,8 +143,8 @@ OTHERS_VARIABLES = ("VLLM_", "NCCL_", "GLOO_", "CUDA_", "TORCH_", "PYTORCH_", "H
 
 
 def module_index() -> dict[str, list[Path]]:
-    """Every name a doc may give a module by: its path from its tree (`spec/plan`, `wrappers/policy`) or from the
-    repository (`runtime_shim/compat`), dotted (`lucifer_shard.spec.plan`), or its bare name (`compat`)."""
+    """Every name a doc may give a module by: its path from its tree (`model/plan`, `wrappers/policy`) or from the
+    repository (`src/lucifer_shard/runtime_shim/adapt/compat`), dotted (`lucifer_shard.model.plan`), or its bare name (`compat`)."""
     index: dict[str, list[Path]] = {}
     for tree, prefix in CODE_TREES.items():
         for f in sorted((REPO / tree).rglob("*.py")):
@@ -224,15 +232,17 @@ class CodeNames:
         for cut in range(len(parts), 0, -1):
             key = ".".join(parts[:cut])
             if key in self.modules and cut == len(parts):
-                return None  # the module itself: `lucifer_shard.spec.layouts`
+                return None  # the module itself: `lucifer_shard.model.layouts`
             if key in self.modules:
                 attrs = parts[cut:]
                 if cut == 1 and "/" not in key and not re.search(r"[A-Z_]", attrs[0]):
                     return None  # a bare `plan.axes` or `source.content`: a manifest field, not code
+                if cut == 1 and all(f.name == "__init__.py" for f in self.modules[key]):
+                    return None  # a bare room name before no module of it: `model.layers.0.ffn`, a tensor
                 if any(self.resolves(self.tree(f), attrs) for f in self.modules[key]):
                     return None
                 return f"{' or '.join(str(f.relative_to(REPO)) for f in self.modules[key])} defines no {'.'.join(attrs)}"
-        if "/" in parts[0] and parts[0].split("/")[0] in {*CODE_TREES, "spec", "engine", "proof", "cli", "wrappers"}:
+        if "/" in parts[0] and parts[0].split("/")[0] in {*CODE_TREES, "src", *ROOM_FOLDERS}:
             return f"no module {parts[0]}.py in the checkout"
         if classes := self.classes(parts[0]):
             if any(self.resolves(c, parts[1:]) for c in classes):
@@ -275,12 +285,12 @@ def test_every_backticked_code_name_in_the_guide_resolves(page, code_names):
 def test_a_stale_code_name_is_caught(tmp_path, code_names):
     """The names issue 54 found stale, planted in a page, are each reported; their live successors are not."""
     page = tmp_path / "stale.md"
-    page.write_text("Add it to `spec/plan.ARCHES` and `ARCH_CAPABILITY`, `spec/layouts.ARCHS`, `compat.SYMBOLS`,\n"
-                    "`layouts.same_kernel_layout`, `spec/nothere.X`, `Rule.nothere`. Live: `spec/arches.ARCH_TABLE`,\n"
-                    "`lucifer_shard.spec.layouts`, `spec/rules.RULES`, `Rule.pad`, `torch.cuda.is_available`, `config.json`.\n")
+    page.write_text("Add it to `model/plan.ARCHES` and `ARCH_CAPABILITY`, `model/layouts.ARCHS`, `compat.SYMBOLS`,\n"
+                    "`layouts.same_kernel_layout`, `spec/nothere.X`, `Rule.nothere`. Live: `model/arches.ARCH_TABLE`,\n"
+                    "`lucifer_shard.model.layouts`, `model/rules.RULES`, `Rule.pad`, `torch.cuda.is_available`, `config.json`.\n")
     found = code_name_problems(page, code_names)
     assert [f.split(": `")[1].split("`")[0] for f in found] == [
-        "spec/plan.ARCHES", "ARCH_CAPABILITY", "spec/layouts.ARCHS", "compat.SYMBOLS", "layouts.same_kernel_layout",
+        "model/plan.ARCHES", "ARCH_CAPABILITY", "model/layouts.ARCHS", "compat.SYMBOLS", "layouts.same_kernel_layout",
         "spec/nothere.X", "Rule.nothere"], found
     assert found[0].startswith("stale.md:1: ") and found[-1].startswith("stale.md:2: ")
 

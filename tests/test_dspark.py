@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 
 from helpers import CONFIGS, rank_tensors, raw, run, scratch
 from lucifer_shard.errors import SourceError
-from lucifer_shard.spec.config import DSPARK, parse_config
-from lucifer_shard.spec.plan import make_plan
-from lucifer_shard.spec.tensorspecs import build_specs
+from lucifer_shard.model.config import DSPARK, parse_config
+from lucifer_shard.model.plan import make_plan
+from lucifer_shard.model.tensorspecs import build_specs
 
 CONFIG_0731 = CONFIGS / "deepseek-v4-flash-0731.json"
 # the pin of the published config (OpenTallas checkpoint_source.json, in the team's checkpoint notes)
@@ -235,7 +235,7 @@ def test_a_flipped_context_byte_is_found_by_diff(out_0731, tmp_path):
     changed in it alone is still a difference diff names."""
     import shutil
 
-    from lucifer_shard.spec.stheader import read_header
+    from lucifer_shard.formats.stheader import read_header
 
     out = tmp_path / "out"
     shutil.copytree(out_0731, out)

@@ -9,7 +9,7 @@ import pytest
 from lucifer_shard.engine import assemble, stwriter
 from lucifer_shard.engine.convert import convert
 from lucifer_shard.guarded_io import Tree
-from lucifer_shard.spec.manifest import Options
+from lucifer_shard.model.options import Options
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -76,10 +76,10 @@ def test_contiguity_rule():
 
 def test_swap_fold_matches_the_layout_step(tiny_pattern):
     """Assembling w13 with swapped pieces equals assembling it plainly and applying swap_halves."""
-    from lucifer_shard.spec.layouts import swap_halves
-    from lucifer_shard.spec.plan import make_plan
-    from lucifer_shard.spec.tensorspecs import build_specs
-    from lucifer_shard.spec.source import open_checkpoint
+    from lucifer_shard.model.layouts import swap_halves
+    from lucifer_shard.model.plan import make_plan
+    from lucifer_shard.model.tensorspecs import build_specs
+    from lucifer_shard.source.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(tiny_pattern)
     specs = build_specs(ckpt.config, make_plan(ckpt.config, 3), "target")

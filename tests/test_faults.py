@@ -33,10 +33,9 @@ from pathlib import Path
 import pytest
 
 from helpers import cli_argv, run, run_process
-from lucifer_shard.engine import assemble
-from lucifer_shard.engine import writeloop
+from lucifer_shard.engine import assemble, writeloop
 from lucifer_shard.errors import ERROR_KINDS, SourceError, fault
-from lucifer_shard.spec.stheader import read_header
+from lucifer_shard.formats.stheader import read_header
 from test_reliability import (_journal_lines, _start, _wait_for, everything, record, small_fs,  # noqa: F401
                               snapshot)  # small_fs: a fixture
 from test_repair import flip

@@ -229,7 +229,7 @@ def test_convert_writes_the_model_card_the_manifest_records(tiny_pattern, tmp_pa
     recorded among the copies, so verify checks it, stage and fetch bring it and --resume writes it again."""
     from huggingface_hub import ModelCard
 
-    from lucifer_shard.spec.manifest_types import Manifest
+    from lucifer_shard.output.manifest_types import Manifest
 
     model = tmp_path / "model"
     shutil.copytree(tiny_pattern, model)
@@ -267,7 +267,7 @@ def test_the_card_names_the_source_repo_as_base_model(converted):
     import dataclasses
 
     from lucifer_shard.engine.card import card_text
-    from lucifer_shard.spec.manifest_types import Manifest
+    from lucifer_shard.output.manifest_types import Manifest
 
     m = Manifest.load(converted())
     hub = dataclasses.replace(m, source=dataclasses.replace(m.source, repo="deepseek-ai/DeepSeek-V4-Flash-0731",

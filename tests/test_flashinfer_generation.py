@@ -1,12 +1,12 @@
-"""Which sm90 layout generation an installed FlashInfer reads (`spec/runtimes.flashinfer_generation`, read off
+"""Which sm90 layout generation an installed FlashInfer reads (`model/runtimes.flashinfer_generation`, read off
 the one table FLASHINFER_VERSIONS) and what serving sm90 kernel-layout files on the other one is told
 (`flashinfer_problem`, which doctor and the loader report): docs/design/kernel-layouts.md §1."""
 from __future__ import annotations
 
 import pytest
 
-from lucifer_shard.spec import runtimes
-from lucifer_shard.spec.runtimes import FLASHINFER_VERSIONS, flashinfer_generation, flashinfer_problem
+from lucifer_shard.model import runtimes
+from lucifer_shard.model.runtimes import FLASHINFER_VERSIONS, flashinfer_generation, flashinfer_problem
 
 
 @pytest.mark.parametrize("version,generation", [

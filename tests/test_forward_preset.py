@@ -11,12 +11,13 @@ import pytest
 
 from lucifer_shard.engine.convert import convert
 from lucifer_shard.engine.synth import PRESETS, preset_config, synth
+from lucifer_shard.model.config import parse_config
+from lucifer_shard.model.options import Options
+from lucifer_shard.model.tensorspecs import expected_sources
+from lucifer_shard.outnames import MANIFEST_NAME
 from lucifer_shard.proof.diff import diff
 from lucifer_shard.proof.verify import verify
-from lucifer_shard.spec.config import parse_config
-from lucifer_shard.spec.manifest import MANIFEST_NAME, Options
-from lucifer_shard.spec.tensorspecs import expected_sources
-from lucifer_shard.spec.source import open_checkpoint
+from lucifer_shard.source.checkpoint import open_checkpoint
 
 from helpers import scratch
 

@@ -42,15 +42,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lucifer_shard.errors import LuciferError, SourceError
+from lucifer_shard.formats.stheader import HeaderError, read_header
+from lucifer_shard.output.manifest_types import Manifest
 from lucifer_shard.proof.diff import diff
 from lucifer_shard.proof.report import Report
 from lucifer_shard.proof.structure import open_files
 from lucifer_shard.proof.verify import verify
 from lucifer_shard.runtime_shim.errors import ShimError
 from lucifer_shard.runtime_shim.manifest import read_header as shim_read_header
-from lucifer_shard.spec.manifest_types import Manifest
-from lucifer_shard.spec.source import INDEX_NAME, open_checkpoint
-from lucifer_shard.spec.stheader import HeaderError, read_header
+from lucifer_shard.source.checkpoint import INDEX_NAME, open_checkpoint
 
 from corruptions import INDEX_KINDS, KINDS, corrupted, corrupted_index
 from helpers import one_error, run_process, scratch
@@ -244,7 +244,7 @@ def test_checkpoint_reader(model, fuzz):
 @pytest.fixture(scope="module")
 def out_copy(tiny_pattern, tmp_path_factory) -> Iterator[Path]:
     from lucifer_shard.engine.convert import convert
-    from lucifer_shard.spec.manifest import Options
+    from lucifer_shard.model.options import Options
 
     with scratch(tmp_path_factory, "fuzz-out") as root:
         convert(str(tiny_pattern), root / "out", Options(tp=3, max_file_bytes=1 << 20), progress=False)

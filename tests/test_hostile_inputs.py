@@ -15,8 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lucifer_shard.spec.manifest import COMPLETE_NAME, MANIFEST_NAME, Options, manifest_text
-from lucifer_shard.spec.stheader import read_header
+from lucifer_shard.formats.stheader import read_header
+from lucifer_shard.model.options import Options
+from lucifer_shard.outnames import MANIFEST_NAME
+from lucifer_shard.output.manifest import COMPLETE_NAME, manifest_text
 
 from helpers import one_error, run, run_process, scratch
 
@@ -292,9 +294,8 @@ def test_manifest_field_mutations_are_findings_or_refusals(mutable_out, data, va
     with a finding (exit 1) or a one-line refusal (exit 2), never an internal error; the loader's
     manifest reader raises its one-line ShimError or reads the rank entries it would load."""
     from lucifer_shard.runtime_shim.errors import ShimError
-    from lucifer_shard.runtime_shim.loadplan import expert_groups
-    from lucifer_shard.runtime_shim.manifest import load_manifest as shim_load
-    from lucifer_shard.runtime_shim.manifest import rank_entry, roles
+    from lucifer_shard.runtime_shim.load.loadplan import expert_groups
+    from lucifer_shard.runtime_shim.manifest import load_manifest as shim_load, rank_entry, roles
 
     out, text, nodes, shallow = mutable_out
     path = data.draw(st.one_of(st.sampled_from(shallow), st.sampled_from(nodes)))
@@ -343,7 +344,7 @@ def test_a_manifest_of_the_wrong_type_is_an_input_error(converted, tiny_pattern,
 def _many_files_out(tiny_pattern: Path, tmp_path: Path) -> Path:
     """64 KiB parts: below the command line's 1 MiB floor, so through the engine (which takes any size)."""
     from lucifer_shard.engine.convert import convert
-    from lucifer_shard.spec.manifest import Options
+    from lucifer_shard.model.options import Options
 
     out = tmp_path / "many"
     convert(str(tiny_pattern), out, Options(tp=3, max_file_bytes=64 << 10), progress=False)

@@ -16,9 +16,9 @@ import pytest
 from helpers import CONFIGS, cli_argv, one_error, run_process, scratch
 from hubserver import HubServer
 from lucifer_shard.engine.feed import job_files, part_files
-from lucifer_shard.spec.streaming import peak_bytes, stream_order
 from lucifer_shard.engine.job import prepare
-from lucifer_shard.spec.manifest import Options
+from lucifer_shard.model.options import Options
+from lucifer_shard.source.streaming import peak_bytes, stream_order
 
 REPO_ID = "deepseek-ai/DeepSeek-V4-Flash-0731"
 SMALL_PARTS = ["--max-file-size", "1M"]  # many parts, so a streamed run holds a few shards at a time

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from helpers import run
-from lucifer_shard.runtime_shim import doctor, launch, serve
-from lucifer_shard.runtime_shim.doctor import OK, Check
-from lucifer_shard.spec.manifest_types import Manifest
+from lucifer_shard.output.manifest_types import Manifest
+from lucifer_shard.runtime_shim.serving import doctor, launch, serve
+from lucifer_shard.runtime_shim.serving.doctor import OK, Check
 
 ADDR = "10.0.0.1"
 

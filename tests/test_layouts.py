@@ -6,9 +6,9 @@ import itertools
 import numpy as np
 import pytest
 
-from lucifer_shard.spec import layouts as L
-from lucifer_shard.spec.layouts import (EXPERT_TENSORS, FLASHINFER_LAYOUTS, LAYOUT_VERSION, Layout, expert_layout,
-                                        layout_by_name)
+from lucifer_shard.model import layouts as L
+from lucifer_shard.model.layouts import (EXPERT_TENSORS, FLASHINFER_LAYOUTS, LAYOUT_VERSION, Layout, expert_layout,
+                                         layout_by_name)
 
 RNG = np.random.default_rng(20250)
 

@@ -1,4 +1,4 @@
-"""The load plan (runtime_shim/loadplan.py, loadfiles.py) on CPU, without vLLM: every refusal the loader makes before
+"""The load plan (src/lucifer_shard/runtime_shim/load/loadplan.py, loadfiles.py) on CPU, without vLLM: every refusal the loader makes before
 the first byte, by name, against `tiny` converted at TP3 (sm120 kernel layout with MTP, sm90, model layout), and the
 torch side (loadcopy.py) on the same outputs. The vLLM suites (tests/shim/test_loader.py) keep the proofs against
 vLLM's real classes; these pin each message where no vLLM is installed.
@@ -44,7 +44,7 @@ vLLM's real classes; these pin each message where no vLLM is installed.
 | `_check_digests` | `loadcopy.check_digests` | `test_verify_full_refuses_tampered_bytes` |
 | `_check_zero_regions` | `loadcopy.check_zero_regions` | `test_verify_full_refuses_a_nonzero_pad_region` |
 
-The refusals of `load_manifest`, `check_watch` and the cross-node identity are runtime_shim/manifest.py's and
+The refusals of `load_manifest`, `check_watch` and the cross-node identity are src/lucifer_shard/runtime_shim/manifest.py's and
 crossnode.py's, unchanged (tests/test_hostile_inputs.py, tests/shim/test_loader.py).
 """
 from __future__ import annotations
@@ -59,13 +59,13 @@ import pytest
 import torch
 
 from lucifer_shard.engine.stage import stage
-from lucifer_shard.runtime_shim import loadcopy, loadfiles, loadplan
+from lucifer_shard.formats.torch_dtypes import TORCH_DTYPE
+from lucifer_shard.model.config import DSPARK, MTP
+from lucifer_shard.model.drafts import DRAFT_KINDS
 from lucifer_shard.runtime_shim.errors import ShimError
-from lucifer_shard.runtime_shim.loadplan import Engine, ModelView, MoeModule, Param
+from lucifer_shard.runtime_shim.load import loadcopy, loadfiles, loadplan
+from lucifer_shard.runtime_shim.load.loadplan import Engine, ModelView, MoeModule, Param
 from lucifer_shard.runtime_shim.manifest import load_manifest, rank_entry
-from lucifer_shard.spec.drafts import DRAFT_KINDS
-from lucifer_shard.spec.dtypes import TORCH_DTYPE
-from lucifer_shard.spec.config import DSPARK, MTP
 
 from helpers import rank_tensors
 
@@ -132,7 +132,7 @@ def with_entry(doc, role: str, rank: int, **changes):
 
 
 def test_the_plan_imports_neither_vllm_nor_torch():
-    code = ("import sys, lucifer_shard.runtime_shim.loadplan; "
+    code = ("import sys, lucifer_shard.runtime_shim.load.loadplan; "
             "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]", r.stdout

@@ -1,6 +1,6 @@
 """The Makefile's targets that remove folders (issue 53): `make demo` and `make clean` remove DEMO only when make
 demo made it (the quickstart's own demo/ is a user's), and `make wheel` leaves DIST as it was when the build
-fails (a Python 3.12 venv has no setuptools for --no-build-isolation)."""
+fails (a Python 3.12 venv has no setuptools for --no-build-isolation); and `make test` runs every suite."""
 from __future__ import annotations
 
 import os
@@ -51,3 +51,15 @@ def test_make_wheel_that_cannot_build_leaves_dist_as_it_was(tmp_path):
                                            "PIP_NO_INDEX": "1"})
     assert r.returncode != 0, r.stdout
     assert [p.name for p in dist.iterdir()] == ["kept.whl"] and not (tmp_path / "dist.new").exists()
+
+
+def test_make_test_runs_every_suite_and_ends_with_each_ones_result(tmp_path):
+    """A failed suite does not hide the others (issue 60): each runs, and the last lines say each one's result;
+    the exit status is non-zero. The suites here are two stand-in targets (MAKEFILES reaches every sub-make)."""
+    suites = tmp_path / "suites.mk"
+    suites.write_text("fake-fail:\n\t@echo running fake-fail; exit 3\nfake-pass:\n\t@echo running fake-pass\n")
+    r = make("test", "SUITES=fake-fail fake-pass", env={"MAKEFILES": str(suites)})
+    assert r.returncode != 0 and "running fake-fail" in r.stdout and "running fake-pass" in r.stdout, r.stdout + r.stderr
+    last = r.stdout.splitlines()[-3:]
+    assert last[0] == "make test, each suite:", last
+    assert last[1].startswith("fake-fail: FAILED in ") and last[2].startswith("fake-pass: passed in "), last

@@ -1,6 +1,6 @@
-"""The typed documents (spec/records.py): the manifest (spec/manifest_types.py) reads back what convert
+"""The typed documents (formats/records.py): the manifest (output/manifest_types.py) reads back what convert
 wrote byte for byte, looks a rank up by its `rank` field and counts pad bytes as the regions lie; the
-manifest, the share record (spec/share.py) and the journal (engine/journal.py) are each read only by
+manifest, the share record (output/share.py) and the journal (engine/journal.py) are each read only by
 their owners: the source is checked with `ast` for a second reader."""
 from __future__ import annotations
 
@@ -16,21 +16,22 @@ from hypothesis import strategies as st
 
 from lucifer_shard.engine.journal import JournalEntry
 from lucifer_shard.errors import OutputError
-from lucifer_shard.spec.manifest import MANIFEST_NAME, manifest_text
-from lucifer_shard.spec.manifest_types import MANIFEST_FIELDS, Manifest
-from lucifer_shard.spec.records import Only, Rec, fields_of, from_doc, schema_of, to_doc
-from lucifer_shard.spec.rules import DTYPE_SIZE
-from lucifer_shard.spec.schema import Bool, Int, ListOf, MapOf, Null, Obj, OneOf, Spec, Str, Where, check
-from lucifer_shard.spec.share import ShareRecord
+from lucifer_shard.formats.dtypes import DTYPE_SIZE
+from lucifer_shard.formats.records import Only, Rec, fields_of, from_doc, schema_of, to_doc
+from lucifer_shard.formats.schema import Bool, Int, ListOf, MapOf, Null, Obj, OneOf, Spec, Str, Where, check
+from lucifer_shard.outnames import MANIFEST_NAME
+from lucifer_shard.output.manifest import manifest_text
+from lucifer_shard.output.manifest_types import MANIFEST_FIELDS, Manifest
+from lucifer_shard.output.share import ShareRecord
 
 from test_architecture import PACKAGES, modules
 
 # The modules that read the manifest's fields: its schema and the records built from it.
-OWNERS = ("lucifer_shard.spec.manifest", "lucifer_shard.spec.manifest_types")
+OWNERS = ("lucifer_shard.output.manifest", "lucifer_shard.output.manifest_types")
 # Field names other documents of the tool carry too, so a subscript with them says nothing about the
-# manifest: the share record (spec/share.py), the conversion record and journal (engine/outstate.py),
+# manifest: the share record (output/share.py), the conversion record and journal (engine/outstate.py),
 # the inspect summary (cli/cmd_check.summarize, which mirrors the manifest's names), the safetensors
-# header (spec/stheader.py), the RUNTIME table, and names too common to be the manifest's alone.
+# header (formats/stheader.py), the RUNTIME table, and names too common to be the manifest's alone.
 SHARED = {"format", "format_version", "conversion_id", "tp_size", "ranks", "options", "tool_version", "side_files",
           "path", "bytes", "digest", "tensors", "sources", "source", "fingerprint", "content", "files", "plan",
           "axes", "name", "original", "padded", "local", "kernel_local", "moe_backend", "arch", "moe_variant",
@@ -68,20 +69,20 @@ def _string_key(node: ast.AST) -> str | None:
 
 # The other typed documents: their owners (the modules that may name their fields) and their specs.
 DOCUMENTS = {
-    "share record": (("lucifer_shard.spec.share",), schema_of(ShareRecord), "ShareRecord.parse (spec/share.py)"),
+    "share record": (("lucifer_shard.output.share",), schema_of(ShareRecord), "ShareRecord.parse (output/share.py)"),
     "journal": (("lucifer_shard.engine.journal",), schema_of(JournalEntry), "engine/journal.read_journal"),
 }
 # Their field names are common ones: a module outside their owners may read them only from another
 # document, named here with the keys it reads (a key added here must be read there: checked below).
 OTHER_DOCUMENTS = {
-    "lucifer_shard.spec.manifest_types": ({"format", "format_version"}, "the manifest's own format check"),
+    "lucifer_shard.output.manifest_types": ({"format", "format_version"}, "the manifest's own format check"),
     "lucifer_shard.cli.cmd_check": ({"conversion_id", "format_version", "tp_size", "path", "bytes", "tensors"},
                                     "inspect's summary (`summarize`), which mirrors the manifest's names"),
     "lucifer_shard.cli.cmd_numerics": ({"tp_size"}, "check-numerics' report"),
     "lucifer_shard.cli.group": ({"bytes"}, "plan's per-node footprint"),
     "lucifer_shard.cli.planview": ({"bytes", "ranks"}, "plan's footprint"),
     "lucifer_shard.cli.serve_cli": ({"nnodes"}, "serve's --nnodes/--node-rank settings"),
-    "lucifer_shard.runtime_shim.serve": ({"nnodes", "node_rank"}, "serve's --nnodes/--node-rank settings"),
+    "lucifer_shard.runtime_shim.serving.serve": ({"nnodes", "node_rank"}, "serve's --nnodes/--node-rank settings"),
     "lucifer_shard.proof.diff": ({"digest", "tp_size", "conversion_id"}, "diff's report"),
     "lucifer_shard.proof.verify": ({"tensors", "conversion_id"}, "verify's report"),
     "lucifer_shard.engine.convert": ({"conversion_id"}, "the conversion record (.lucifer/conversion.json)"),
@@ -90,8 +91,8 @@ OTHER_DOCUMENTS = {
                                              "delete, a damaged one's too"),
     "lucifer_shard.runtime_shim.manifest": ({"tp_size"}, "vLLM's virtual-TP plan"),
 }
-# The modules that build records from a document (spec/records.from_doc): each document's one reader.
-BUILDERS = {"lucifer_shard.spec.records", *OWNERS, *(o for owners, _, _ in DOCUMENTS.values() for o in owners)}
+# The modules that build records from a document (formats/records.from_doc): each document's one reader.
+BUILDERS = {"lucifer_shard.formats.records", *OWNERS, *(o for owners, _, _ in DOCUMENTS.values() for o in owners)}
 
 
 def other_keys(packages: dict[str, Path]) -> dict[str, set[str]]:

@@ -14,15 +14,15 @@ from helpers import run, Source
 from lucifer_shard.engine.convert import convert
 from lucifer_shard.engine.synth import synth
 from lucifer_shard.errors import SourceError
+from lucifer_shard.formats.stheader import read_header
+from lucifer_shard.model.options import Options
 from lucifer_shard.proof.check_numerics import (ATTN, ROUTED, SHARED, TOLERANCE, VIRTUAL, attn_rank_partials,
                                                 check_numerics, compare, evaluate, load_layer, make_inputs, moe_tp_sum,
                                                 source_experts)
 from lucifer_shard.proof.numerics import (E2M1, attn_output_reference, bf16_round, dequant_fp8_block, dequant_mxfp4,
                                           moe_reference)
 from lucifer_shard.proof.outdir import Output
-from lucifer_shard.spec.manifest import Options
-from lucifer_shard.spec.source import open_checkpoint
-from lucifer_shard.spec.stheader import read_header
+from lucifer_shard.source.checkpoint import open_checkpoint
 
 LAYOUTS = {
     "sm120": dict(arch="sm120"),

@@ -14,7 +14,9 @@ import pytest
 from lucifer_shard.engine.convert import convert
 from lucifer_shard.engine.synth import synth
 from lucifer_shard.errors import ERROR_KINDS
-from lucifer_shard.spec.manifest import COMPLETE_NAME, MANIFEST_NAME, Options, manifest_text
+from lucifer_shard.model.options import Options
+from lucifer_shard.outnames import MANIFEST_NAME
+from lucifer_shard.output.manifest import COMPLETE_NAME, manifest_text
 
 from helpers import run, scratch
 
@@ -146,7 +148,7 @@ def edited(out: Path, dst: Path, edit) -> Path:
 @pytest.mark.parametrize("name, which, edit", EDITS, ids=[e[0] for e in EDITS])
 def test_every_reader_refuses_a_resealed_edit_alike(outputs, tmp_path, name, which, edit):
     """Each command (with --json) ends with kind mismatch and exit 1, nothing staged: the same verdict
-    verify gives, from the one output check (spec/output_check)."""
+    verify gives, from the one output check (output/output_check)."""
     out, model = outputs[which]
     bad = edited(out, tmp_path / "out", edit)
     code = ERROR_KINDS["mismatch"][0]

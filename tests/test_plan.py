@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from lucifer_shard.errors import PlanError
-from lucifer_shard.spec.plan import make_plan, stock_padded
-from lucifer_shard.spec.tensorspecs import build_specs, expected_sources
+from lucifer_shard.model.plan import make_plan, stock_padded
+from lucifer_shard.model.tensorspecs import build_specs, expected_sources
 
 
 def test_audit_tp3_axis_table(flash_cfg):

@@ -16,9 +16,10 @@ import pytest
 from helpers import CONFIGS, rank_tensors, run, run_process
 from lucifer_shard.cli import cli
 from lucifer_shard.errors import OutputError
-from lucifer_shard.spec.manifest import MANIFEST_NAME, manifest_text
-from lucifer_shard.spec.manifest_types import Manifest
-from lucifer_shard.spec.runtimes import FLASHINFER_VERSIONS
+from lucifer_shard.model.runtimes import FLASHINFER_VERSIONS
+from lucifer_shard.outnames import MANIFEST_NAME
+from lucifer_shard.output.manifest import manifest_text
+from lucifer_shard.output.manifest_types import Manifest
 from lucifer_shard.units import parse_size
 
 REPO = Path(__file__).resolve().parent.parent

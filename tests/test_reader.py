@@ -1,4 +1,4 @@
-"""The loader's read path (`runtime_shim/reader.py`): positional reads into parameter storage, in place
+"""The loader's read path (`src/lucifer_shard/runtime_shim/load/reader.py`): positional reads into parameter storage, in place
 or through the host-buffer ring a GPU parameter takes, with BLAKE3 computed while reading."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from lucifer_shard.runtime_shim import reader
+from lucifer_shard.formats.stheader import read_header
 from lucifer_shard.runtime_shim.errors import ShimError
-from lucifer_shard.spec.stheader import read_header
+from lucifer_shard.runtime_shim.load import reader
 
 TENSORS = {  # odd sizes: chunks end inside elements and tensors
     "a.weight": ((300, 77), torch.bfloat16),

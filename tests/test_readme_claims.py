@@ -1,6 +1,7 @@
-"""The README's first screen and its proof table say the same thing (issue 53, item 6): the first screen
-names what ran on a GPU (the machine, the vLLM and FlashInfer releases, the synthetic checkpoints) and
-lists what never ran; the table says it row by row. Both are read here, so neither can change alone:
+"""The README's first screen and the proof table (docs/evidence/proof-status.md since issue 60 item 7) say the
+same thing (issue 53, item 6): the first screen names what ran on a GPU (the machine, the vLLM and FlashInfer
+releases, the synthetic checkpoints) and lists what never ran; the table says it row by row. Both are read
+here, so neither can change alone:
 a GPU row of another machine or release, a "**not proven**" row added or dropped, or a first screen that
 claims more, fails a test. The figures the README quotes from `plan` are `plan`'s."""
 from __future__ import annotations
@@ -15,7 +16,9 @@ from lucifer_shard.units import size
 
 from helpers import CONFIGS, run
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+REPO = Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+PROOF_PAGE = (REPO / "docs" / "evidence" / "proof-status.md").read_text()  # the proof table, moved from the README
 FIRST_SCREEN = "\n".join(README.splitlines()[:60])
 RAN = FIRST_SCREEN.split("**What ran.**", 1)[1].split("**Never run:**", 1)[0]
 NEVER = FIRST_SCREEN.split("**Never run:**", 1)[1].split("\n", 1)[0]
@@ -26,8 +29,8 @@ FLASHINFER = re.compile(r"\bFlashInfer (\d+\.\d+\.\d+(?:\.post\d+)?)")
 
 
 def proof_rows() -> list[tuple[str, str]]:
-    """(claim, status) of each row of the README's proof table."""
-    table = README.split("## Proof status", 1)[1].split("\n## ", 1)[0]
+    """(claim, status) of each row of the proof table (docs/evidence/proof-status.md)."""
+    table = PROOF_PAGE.split("## Proof status", 1)[1].split("\n## ", 1)[0]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[3:] if line.startswith("|")]
     return [(claim, status) for claim, status, _ in rows]
 
@@ -82,3 +85,10 @@ def test_the_b12x_saving_quoted_for_0731_is_plans():
     saving = json.loads(r.output)["result"]["route_saving"]
     less = size(saving["default_rank_bytes"][0] - saving["rank_bytes"][0])
     assert f"{less} less per GPU at TP3 for 0731" in README, less
+
+
+def test_the_readme_is_a_guide_under_12_kb():
+    """Issue 60 item 7: the README guides (what it is, the quickstart, the routes, the checklist, a one-line proof
+    summary); the proof table and the measured figures live under docs/evidence/."""
+    size_bytes = (REPO / "README.md").stat().st_size
+    assert size_bytes < 12 * 1024, size_bytes

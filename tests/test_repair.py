@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 from helpers import run
-from lucifer_shard.engine import convert as engine
-from lucifer_shard.engine import writeloop
-from lucifer_shard.spec.manifest import Options
-from lucifer_shard.spec.stheader import read_header
+from lucifer_shard.engine import convert as engine, writeloop
+from lucifer_shard.formats.stheader import read_header
+from lucifer_shard.model.options import Options
 
 ARGS = ("convert", "--tp", "3", "--arch", "sm120")
 DAMAGED = "target/rank-1/part-00000.safetensors"  # a byte flipped inside its data

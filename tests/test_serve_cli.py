@@ -17,10 +17,11 @@ import pytest
 
 from lucifer_shard import __version__
 from lucifer_shard.cli import cli
-from lucifer_shard.runtime_shim import doctor, serve
-from lucifer_shard.runtime_shim.doctor import FAIL, OK, Check
-from lucifer_shard.spec import runtimes
-from lucifer_shard.spec.manifest import MANIFEST_NAME, manifest_text
+from lucifer_shard.model import runtimes
+from lucifer_shard.outnames import MANIFEST_NAME
+from lucifer_shard.output.manifest import manifest_text
+from lucifer_shard.runtime_shim.serving import doctor, serve
+from lucifer_shard.runtime_shim.serving.doctor import FAIL, OK, Check
 
 from helpers import run, script_module
 
@@ -163,7 +164,7 @@ def test_vllm_arguments_the_plugin_accepts_pass(converted, args):
 
 def test_the_refusals_are_the_loaders_table():
     """One table: serve reads the loader's keys and the load-time settings, it has no list of its own."""
-    from lucifer_shard.runtime_shim import settings
+    from lucifer_shard.runtime_shim.adapt import settings
 
     assert settings.argument_problems(["--model-loader-extra-config", json.dumps(
         {k: v[-1] for k, v in settings.LOADER_OPTIONS.items()})]) == []
@@ -344,8 +345,8 @@ def test_no_serve_extra_and_the_wheel_carries_the_plugin(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         entry = z.read(f"lucifer_shard-{__version__}.dist-info/entry_points.txt").decode()
-    assert {"lucifer_shard/runtime_shim/loader.py", "lucifer_shard/configs/deepseek-v4-flash.json",
-            "lucifer_shard/runtime_shim/wrappers/hashes.json"} <= names
+    assert {"lucifer_shard/runtime_shim/load/loader.py", "lucifer_shard/configs/deepseek-v4-flash.json",
+            "lucifer_shard/runtime_shim/adapt/wrappers/hashes.json"} <= names
     assert "lucifer_tp3 = lucifer_shard.runtime_shim:register" in entry and "lucifer-shard = lucifer_shard.cli:main" in entry
 
 
@@ -353,7 +354,7 @@ def test_where_to_get_a_server_is_one_table_in_doctor_and_readme():
     """The serving page's "Where to get a server" and doctor's guide (here, without vLLM) say the same routes, in
     the same order, from guide.routes(); the stock route comes first, with the install that works where the index
     lacks 0.34.0's FlashInfer pin (tools/vllm-env.sh's re-pin); no route names an image no one can pull."""
-    from lucifer_shard.runtime_shim import guide
+    from lucifer_shard.runtime_shim.serving import guide
 
     readme = (REPO / "docs" / "serving.md").read_text()
     section = readme.split("## Where to get a server", 1)[1].split("\n## ", 1)[0]
@@ -384,7 +385,7 @@ def test_where_to_get_a_server_is_one_table_in_doctor_and_readme():
 def test_inside_a_vetted_build_doctor_names_it_first_and_points_nowhere_else(commit):
     """Issue 53: inside a working vetted build, that build is the first route (serve with it here), marked in the
     table; no other is "the route to take"."""
-    from lucifer_shard.runtime_shim import guide
+    from lucifer_shard.runtime_shim.serving import guide
 
     here = next(b for b in runtimes.SUPPORTED_BUILDS if b.commit == commit)
     found = guide.routes(here)
@@ -439,14 +440,14 @@ def test_serve_adds_at_most_two_seconds_before_vllm_starts(converted, tmp_path):
 def test_the_preflight_before_exec_imports_no_vllm_or_torch(converted, monkeypatch):
     """quick_checks is what serve runs before exec: nothing of vLLM or torch may be imported by it."""
     out = converted(expert_layout="model")
-    code = ("import sys; from lucifer_shard.runtime_shim import doctor; doctor.quick_checks(sys.argv[1], True); "
+    code = ("import sys; from lucifer_shard.runtime_shim.serving import doctor; doctor.quick_checks(sys.argv[1], True); "
             "doctor.serve_backends(None); print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]", r.stdout
 
 
 def test_the_readme_checklist_names_the_vetted_stock_pin_and_the_gpu_families():
-    """The serving checklist's vLLM pin is the shim's vetted stock build (spec/runtimes' table: update one, the
+    """The serving checklist's vLLM pin is the shim's vetted stock build (model/runtimes' table: update one, the
     other must follow), and its GPU families are doctor's, by product name."""
     readme = (REPO / "README.md").read_text()
     checklist = readme.split("## Serving checklist", 1)[1].split("\n## ", 1)[0]
@@ -544,8 +545,8 @@ def test_each_gpu_row_of_the_proof_table_names_its_machine_model_and_vllm():
     drafter's acceptance: the drafts that ran on the H200 were random-fill)."""
     from lucifer_shard.engine.presets import PRESETS
 
-    readme = (REPO / "README.md").read_text()
-    table = readme.split("## Proof status", 1)[1].split("\n## ", 1)[0]
+    proof_page = (REPO / "docs" / "evidence" / "proof-status.md").read_text()  # the table, moved from the README
+    table = proof_page.split("## Proof status", 1)[1].split("\n## ", 1)[0]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[3:] if line.startswith("|")]
     gpu = [(claim, status) for claim, status, _ in rows if status.startswith("proven") and "CPU" not in status]
     assert gpu

@@ -18,8 +18,8 @@ from helpers import run
 from lucifer_shard.engine import stage as stage_mod
 from lucifer_shard.errors import Locked, OutputError
 from lucifer_shard.guarded_io import Tree
-from lucifer_shard.spec.outlock import OutLock, reading
-from lucifer_shard.spec.share import SHARE_NAME, read_share, record_problem
+from lucifer_shard.output.outlock import OutLock, reading
+from lucifer_shard.output.share import SHARE_NAME, read_share, record_problem
 
 PART1 = "target/rank-1/part-00000.safetensors"
 

@@ -15,7 +15,7 @@ import torch
 from helpers import run
 from lucifer_shard.engine import stage as stage_mod
 from lucifer_shard.guarded_io import Tree
-from lucifer_shard.spec.share import SHARE_NAME, missing_rank, node_ranks, read_share, share_problem
+from lucifer_shard.output.share import SHARE_NAME, missing_rank, node_ranks, read_share, share_problem
 
 
 def listing(root: Path) -> dict[str, tuple[int, int]]:
@@ -201,7 +201,7 @@ def test_plan_shows_the_bytes_per_node(tiny_pattern, converted):
 def test_sm121_is_the_sm120_familys_layout(converted, tmp_path):
     """GB10 (12.1): vLLM 0.33.0 and FlashInfer choose the SM120 family's kernels, so sm121 files are sm120's
     byte for byte (the manifest names the arch it was converted for)."""
-    from lucifer_shard.spec.arches import arch_of_capability
+    from lucifer_shard.model.arches import arch_of_capability
 
     assert [arch_of_capability(*c) for c in ((12, 0), (12, 1), (10, 0), (10, 3), (9, 0), (8, 0), (12, 2))] == [
         "sm120", "sm121", "sm100", "sm100", "sm90", None, None]
@@ -225,7 +225,7 @@ def test_doctor_takes_sm120_files_on_a_gb10_and_refuses_other_families():
     """The doctor's arch check on a GB10 (12.1): sm120 kernel-layout files are its files; sm90's are not."""
     from types import SimpleNamespace
 
-    from lucifer_shard.runtime_shim.doctor import FAIL, _arch_checks
+    from lucifer_shard.runtime_shim.serving.doctor import FAIL, _arch_checks
 
     def out(arch):
         return SimpleNamespace(arch=arch, expert_layout="kernel")

@@ -10,8 +10,8 @@ from safetensors import safe_open
 
 from helpers import run
 from lucifer_shard.engine.synth import synth
-from lucifer_shard.spec.tensorspecs import expected_sources
-from lucifer_shard.spec.source import open_checkpoint
+from lucifer_shard.model.tensorspecs import expected_sources
+from lucifer_shard.source.checkpoint import open_checkpoint
 
 
 def _keys_and_types(root):
@@ -118,7 +118,7 @@ def test_every_file_written_is_0666_minus_umask(tmp_path, umask):
     import stat
 
     from lucifer_shard.engine.convert import convert
-    from lucifer_shard.spec.manifest import Options
+    from lucifer_shard.model.options import Options
 
     old = os.umask(umask)
     try:
@@ -169,7 +169,7 @@ def test_a_truncated_dspark_drafter_reads_the_last_decoder_layers(preset, layers
     its schema at Flash size, three DSpark stages with all 256 experts; a truncated decoder's drafter reads
     its last layers, as 0731's reads layers 40-42 of 43, so vLLM's aux-state capture stays inside it."""
     from lucifer_shard.engine.presets import preset_bytes, preset_config
-    from lucifer_shard.spec.config import DSPARK, parse_config
+    from lucifer_shard.model.config import DSPARK, parse_config
 
     raw = preset_config(preset, layers)
     cfg = parse_config(raw, preset)

@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 
-from helpers import CONFIGS, run
-from lucifer_shard.spec import boxfit, v41
+from helpers import CONFIGS, REPO, run
+from lucifer_shard.model import boxfit, v41
 
 CONFIG = CONFIGS / "deepseek-v4.1-flash.json"
 # From the V4.1 tensor inventory (the team's checkpoint notes): TP3 routed-expert bytes per rank, main model
@@ -35,7 +35,7 @@ def test_plan_shows_gpu_and_host_bytes_and_the_boxes():
     assert "    3      96.69 GiB                62.94 GiB" in r.output
     rows = {line.split()[0]: line for line in r.output.splitlines() if line.startswith(("  DGX Spark (", "  H200 "))}
     assert "fits (tokens not modelled)" in rows["H200"] and "does not fit" in rows["DGX"]
-    doc = (CONFIGS.parent / "docs" / "deepseek-v4.1.md").read_text()
+    doc = (REPO / "docs" / "deepseek-v4.1.md").read_text()
     for figure in ("27.97 GiB", "13.25", "28.35 GiB short", "51.32 GiB short"):  # what the doc quotes of this table
         assert figure in r.output and figure.removesuffix(" short") in doc, figure
     doc = json.loads(run("plan", "--tp", "3", str(CONFIG), "--json").output)["result"]

@@ -6,10 +6,11 @@ import shutil
 
 import pytest
 
+from lucifer_shard.formats.dtypes import DTYPE_SIZE
+from lucifer_shard.formats.stheader import read_header
+from lucifer_shard.outnames import MANIFEST_NAME
+from lucifer_shard.output.manifest import COMPLETE_NAME
 from lucifer_shard.proof.verify import verify
-from lucifer_shard.spec.manifest import COMPLETE_NAME, MANIFEST_NAME
-from lucifer_shard.spec.rules import DTYPE_SIZE
-from lucifer_shard.spec.stheader import read_header
 
 from helpers import run
 from test_diff import CASES, PART, W2, copy_out, flip, named, tensor_start
@@ -211,8 +212,8 @@ def test_pad_bit_in_interleaved_w2_is_located(converted, tiny_pattern, tmp_path,
     row) is found through the stored-layout pad mask, and located in model layout by verify and diff."""
     import numpy as np
 
+    from lucifer_shard.model.layouts import layout_by_name
     from lucifer_shard.proof.diff import diff
-    from lucifer_shard.spec.layouts import layout_by_name
 
     out = copy_out(converted(**CASES[case]), tmp_path)
     path = out / PART.format(0)

@@ -11,8 +11,8 @@
 4. builds the release's CPU test venv (tools/vllm-env.sh: --venv, else $LUCIFER_VLLM_VENV, else
    ~/.cache/lucifer-shard/vllm-VERSION) and runs the stock proofs on it, the candidate row allowed in
    the test harness only (LUCIFER_VET_CANDIDATE, read by tests/shim);
-5. on success writes the release's hashes into the data file the shim reads (runtime_shim/wrappers/hashes.json:
-   review it with git diff) and prints the `Build` row to add to `spec/runtimes.SUPPORTED_BUILDS`; until that row
+5. on success writes the release's hashes into the data file the shim reads (src/lucifer_shard/runtime_shim/adapt/wrappers/hashes.json:
+   review it with git diff) and prints the `Build` row to add to `model/runtimes.SUPPORTED_BUILDS`; until that row
    names the release, its hashes vet nothing (tests/test_build_table.py refuses one without the other).
 
 A maintainer tool: it runs from a checkout of lucifer-shard installed editable (it needs tools/ and
@@ -37,9 +37,9 @@ from pathlib import Path
 import vllm_hashes  # tools/vllm_hashes.py, beside this file
 
 from lucifer_shard.guarded_io import read_regular
-from lucifer_shard.runtime_shim import compat, wrappers
-from lucifer_shard.spec import runtimes
-from lucifer_shard.spec.runtimes import release_numbers
+from lucifer_shard.model import runtimes
+from lucifer_shard.model.runtimes import release_numbers
+from lucifer_shard.runtime_shim.adapt import compat, wrappers
 
 DIST = "vllm"
 ROOT = Path(__file__).resolve().parent.parent  # the checkout
@@ -104,7 +104,7 @@ def last_vetted(version: str) -> runtimes.Build:
     """The release a new one is compared with: the newest vetted one other than `version`."""
     others = [b for b in stock_releases() if b.commit != version]
     if not others:
-        raise VetError(f"no vetted {DIST} release other than {version} in spec/runtimes.SUPPORTED_BUILDS to compare with")
+        raise VetError(f"no vetted {DIST} release other than {version} in model/runtimes.SUPPORTED_BUILDS to compare with")
     return others[0]
 
 
@@ -178,7 +178,7 @@ def changes(version: str, wheel: Path, against: runtimes.Build, against_wheel: P
 
 
 def row_text(b: runtimes.Build) -> str:
-    """The Python text of a row of spec/runtimes.SUPPORTED_BUILDS (evaluates to an equal Build)."""
+    """The Python text of a row of model/runtimes.SUPPORTED_BUILDS (evaluates to an equal Build)."""
     return (f"    Build(\n        commit={b.commit!r},\n        label={b.label!r},\n"
             f"        draft_virtual_tp={b.draft_virtual_tp!r},\n        flashinfer={b.flashinfer!r},\n"
             f"        branches={b.branches!r},\n        wrappers={b.wrappers!r},\n        install={b.install!r},\n"
@@ -251,7 +251,7 @@ def vet(version: str, against_version: str | None, hashes_only: bool, work: Path
             return 1
     print(write_hashes(found, hashes_file))
     unproven = " (hashes only: the stock proofs did not run)" if hashes_only else ""
-    print(f"row for spec/runtimes.SUPPORTED_BUILDS{unproven} (stock releases newest first):")
+    print(f"row for model/runtimes.SUPPORTED_BUILDS{unproven} (stock releases newest first):")
     print(row_text(found.build))
     return 0
 
@@ -268,7 +268,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--wheels", type=Path, help="keep the wheels in this folder (default: a temporary one)")
     p.add_argument("--hashes-file", type=Path, default=compat.HASHES_FILE,
                    help="the data file of vetted hashes that gets the release's (default: the one the shim reads, "
-                        "runtime_shim/wrappers/hashes.json; review the change with git diff)")
+                        "src/lucifer_shard/runtime_shim/adapt/wrappers/hashes.json; review the change with git diff)")
     p.add_argument("--venv", type=Path, help=f"the release's test venv for the stock proofs, built there once and "
                    f"reused (about {VENV_GIB} GiB, a few minutes); its editable install is pointed at this checkout, "
                    f"so vet refuses one installed for another checkout (default: $LUCIFER_VLLM_VENV, else "

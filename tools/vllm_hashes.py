@@ -7,7 +7,7 @@ imports the installed lucifer_shard, and vLLM not at all):
 
 For each symbol the wrappers rely on (`wrappers.SYMBOLS`) that the vLLM has, `compat.source_hash` of
 its `inspect.getsource` text (`compat.source_from_module_text`): the values the data file
-runtime_shim/wrappers/hashes.json keeps per build. tools/vet.py uses these functions on a stock release's wheel.
+src/lucifer_shard/runtime_shim/adapt/wrappers/hashes.json keeps per build. tools/vet.py uses these functions on a stock release's wheel.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import textwrap
 import zipfile
 from pathlib import Path
 
-from lucifer_shard.runtime_shim import compat, wrappers
+from lucifer_shard.runtime_shim.adapt import compat, wrappers
 
 
 def hashes_at_commit(git_dir: str, commit: str) -> dict[str, str]:

@@ -19,7 +19,7 @@ def flip_routed_expert_byte(model: Path, out: Path, rank: int = 0) -> dict:
     hash routing gives SHORT[0][0]; returns where."""
     from safetensors import safe_open
 
-    from lucifer_shard.spec.stheader import read_header
+    from lucifer_shard.formats.stheader import read_header
 
     index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
     with safe_open(str(model / index["layers.0.ffn.gate.tid2eid"]), "pt") as f:

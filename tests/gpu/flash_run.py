@@ -100,7 +100,7 @@ def free_bytes(path: Path) -> int:
 
 def flip_copy(out: Path, flipped: Path, model: Path, rank: int) -> dict:
     """A copy of OUT by hard links, except rank RANK's part holding FLIP_TENSOR (a real copy), flipped there."""
-    from lucifer_shard.spec.stheader import read_header
+    from lucifer_shard.formats.stheader import read_header
 
     from inputs import flip_routed_expert_byte
 

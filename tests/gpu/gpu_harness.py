@@ -230,7 +230,7 @@ def _u8np(t: torch.Tensor) -> np.ndarray:
 def source_experts(src: Path, experts: int) -> dict[str, np.ndarray]:
     """Source tensors as uint8 numpy stacked over experts: w1, w3 [E, I, H/2], w1s, w3s [E, I, H/32],
     w2 [E, H, I/2], w2s [E, H, I/32]."""
-    from lucifer_shard.spec.source import open_checkpoint
+    from lucifer_shard.source.checkpoint import open_checkpoint
 
     ck = open_checkpoint(Path(src))
     try:
@@ -301,7 +301,7 @@ def build_rank_model(srcx: dict[str, np.ndarray], rank: int, inter: int, tp: int
 
 def lay_out(model: dict[str, np.ndarray], arch: str = ARCH, fi_layout: str = FI_LAYOUT) -> dict[str, np.ndarray]:
     """Model layout -> kernel layout with the converter's own layout functions."""
-    from lucifer_shard.spec.layouts import expert_layout
+    from lucifer_shard.model.layouts import expert_layout
 
     return {n: expert_layout(arch, "kernel", fi_layout, n).forward(np.ascontiguousarray(a)) for n, a in model.items()}
 

@@ -49,34 +49,9 @@ if FLASHINFER_W4A16_TRIM=0 python3 -m pip install -q --no-deps --no-build-isolat
    && (cd /tmp && FLASHINFER_W4A16_TRIM=0 python3 -c "import lucifer_shard.proof.outdir") 2>/dev/null; then
   log "editable install OK"
 else
-  log "editable install failed or not importable; using a symlinked package root; pip said:"
+  log "editable install failed or not importable; using src/ on PYTHONPATH (its folders are the import names); pip said:"
   tail -20 "$SCRATCH/pip-editable.txt" || true
-  # Mirror pyproject's [tool.setuptools] package-dir (lucifer_shard = converter/, subpackages elsewhere).
-  python3 - "$ROOT" "$SCRATCH/pkgroot" <<'EOF'
-import os, sys, tomllib
-root, dst = sys.argv[1:]
-st = tomllib.load(open(os.path.join(root, "pyproject.toml"), "rb")).get("tool", {}).get("setuptools", {})
-pdir = dict(st.get("package-dir") or {"lucifer_shard": "converter"})
-for pkg in st.get("packages") or []:  # packages without their own mapping live under their parent
-    if pkg not in pdir:
-        parent, _, leaf = pkg.rpartition(".")
-        if parent in pdir:
-            pdir[pkg] = os.path.join(pdir[parent], leaf)
-pkgs = sorted(pdir, key=lambda k: k.count("."))
-for pkg in [p for p in pkgs if p]:
-    src = os.path.join(root, pdir[pkg])
-    out = os.path.join(dst, *pkg.split("."))
-    os.makedirs(out, exist_ok=True)
-    if not os.path.isdir(src):
-        continue
-    children = {p.split(".")[-1] for p in pkgs if p.rpartition(".")[0] == pkg}
-    for name in os.listdir(src):
-        if name in children or name == "__pycache__" or os.path.lexists(os.path.join(out, name)):
-            continue
-        os.symlink(os.path.join(src, name), os.path.join(out, name))
-print("pkgroot:", {k: pdir[k] for k in pkgs})
-EOF
-  export PYTHONPATH=$SCRATCH/pkgroot${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}
   if ! (cd /tmp && FLASHINFER_W4A16_TRIM=0 python3 -c "import lucifer_shard.proof.outdir"); then
     log "lucifer_shard still not importable (blake3 missing? it must come as a wheel in .gpu/wheels)"
   fi

@@ -257,7 +257,7 @@ def phase_probe(work: Path) -> dict:
             "print(vllm.__version__, tilelang.__version__, dg.is_deep_gemm_supported())")
     t = time.monotonic()
     r = sh([sys.executable, "-c", code])
-    build = sh([sys.executable, "-m", "lucifer_shard.runtime_shim.compat", "tree",
+    build = sh([sys.executable, "-m", "lucifer_shard.runtime_shim.adapt.compat", "tree",
                 str(Path(__import__("vllm").__file__).parent.parent)]) if r.returncode == 0 else None
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
             "capability": list(torch.cuda.get_device_capability(0)), "python": sys.version.split()[0],

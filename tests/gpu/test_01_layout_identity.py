@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gpu_harness as H
-from lucifer_shard.spec.layouts import fold_scales_sm90, interleave_sm90, swizzle_128x4
+from lucifer_shard.model.layouts import fold_scales_sm90, interleave_sm90, swizzle_128x4
 
 pytestmark = pytest.mark.gpu
 

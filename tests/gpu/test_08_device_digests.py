@@ -1,4 +1,4 @@
-"""verify=full's hashing on the GPU (runtime_shim/device_blake3.py, Triton) against the blake3 package.
+"""verify=full's hashing on the GPU (src/lucifer_shard/runtime_shim/load/device_blake3.py, Triton) against the blake3 package.
 
   * the kernels, compiled for the GPU: every tree shape up to 17 chunks, and large tensors (one Flash
     TP3 layer's w13 experts, 805 MB) with a short last chunk; the per-device self check;
@@ -30,7 +30,7 @@ def _host(t: torch.Tensor) -> str:
 
 
 def test_kernels_hash_as_the_blake3_package_on_the_gpu():
-    from lucifer_shard.runtime_shim import device_blake3 as b3
+    from lucifer_shard.runtime_shim.load import device_blake3 as b3
 
     assert b3.self_check(torch.device(H.DEVICE)) is None
     g = torch.Generator().manual_seed(8)
@@ -40,7 +40,7 @@ def test_kernels_hash_as_the_blake3_package_on_the_gpu():
 
 
 def test_kernels_speed_recorded():
-    from lucifer_shard.runtime_shim import device_blake3 as b3
+    from lucifer_shard.runtime_shim.load import device_blake3 as b3
 
     t = torch.randint(0, 256, (W13,), dtype=torch.uint8, device=H.DEVICE)
     b3.digest_words(t)  # compiled before it is timed
@@ -66,8 +66,8 @@ def rank_like(tmp_path):
 
 
 def _read(path, tensors, hash_on_device=True):
-    from lucifer_shard.runtime_shim import reader
-    from lucifer_shard.spec.stheader import read_header
+    from lucifer_shard.formats.stheader import read_header
+    from lucifer_shard.runtime_shim.load import reader
 
     header = read_header(path)
     dst = {n: torch.empty_like(t, device=H.DEVICE) for n, t in tensors.items()}
@@ -77,7 +77,7 @@ def _read(path, tensors, hash_on_device=True):
 
 
 def test_reader_hashes_on_the_gpu_as_the_host_does(rank_like, monkeypatch):
-    from lucifer_shard.runtime_shim import device_blake3 as b3
+    from lucifer_shard.runtime_shim.load import device_blake3 as b3
 
     path, tensors = rank_like
     assert b3.self_check(torch.empty(0, device=H.DEVICE).device) is None  # done (and cached) before counting
@@ -94,7 +94,7 @@ def test_reader_hashes_on_the_gpu_as_the_host_does(rank_like, monkeypatch):
 
 
 def test_a_flipped_byte_changes_that_tensors_device_digest_only(rank_like):
-    from lucifer_shard.spec.stheader import read_header
+    from lucifer_shard.formats.stheader import read_header
 
     path, tensors = rank_like
     _, before = _read(path, tensors)

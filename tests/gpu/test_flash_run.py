@@ -85,7 +85,7 @@ def test_a_node_given_another_nodes_share_is_refused_before_vllm(shares):
 
 
 def test_the_flipped_copy_changes_one_byte_of_its_own_file_only(converted, tiny_pattern, tmp_path):
-    from lucifer_shard.spec.stheader import read_header
+    from lucifer_shard.formats.stheader import read_header
 
     out = converted(tp=3, arch="sm90", expert_layout="model")
     flipped = tmp_path / "flipped"

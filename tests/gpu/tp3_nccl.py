@@ -66,7 +66,7 @@ def _rank_tensors(cfg: dict, rank: int, dev: torch.device) -> dict:
     """This rank's four expert tensors from its own rank file, as written (cpu mode: + inverse layout)."""
     t = H.load_rank_stored(Path(cfg["out"]), rank, dev)
     if cfg["mode"] == "cpu":
-        from lucifer_shard.spec.layouts import expert_layout
+        from lucifer_shard.model.layouts import expert_layout
 
         t = {n: torch.from_numpy(expert_layout(H.ARCH, "kernel", H.FI_LAYOUT, n).inverse(v.numpy())) for n, v in t.items()}
     return t

@@ -19,8 +19,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from lucifer_shard.spec import runtimes
-from lucifer_shard.spec.dtypes import TORCH_DTYPE as TORCH_DTYPES
+from lucifer_shard.formats.torch_dtypes import TORCH_DTYPE as TORCH_DTYPES
+from lucifer_shard.model import runtimes
 
 SINK_PARAM_LEN = 32  # DeepseekV4FlashInferSM120Attention pads 24 local heads to 32
 
@@ -39,7 +39,7 @@ def allow_vet_candidate() -> None:
     """Add `vet`'s candidate (LUCIFER_VET_CANDIDATE, set by tools/vet.py) to the vetted builds and its
     hashes to its wrappers' records, in this process only: the stock proofs run on a release before its row
     is committed. Tests only; the product reads nothing of it."""
-    from lucifer_shard.runtime_shim import wrappers
+    from lucifer_shard.runtime_shim.adapt import wrappers
 
     vet = tool("vet")
     text = os.environ.get(vet.CANDIDATE_ENV)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 
 import shim_fixtures as sf
-from lucifer_shard.spec.drafts import owned_by_runtime
+from lucifer_shard.model.drafts import owned_by_runtime
 from vllm_cpu_model import NVIDIA_ENGINE
 
 TP = 3
@@ -122,8 +122,8 @@ def test_doctor_says_where_b12x_comes_from_and_refuses_another_gpu_family(world,
     """doctor's route check in this vLLM environment: on an SM120-family GPU it passes, naming where vLLM's
     `b12x` imports from (FlashInfer's embedded copy behind its top-level alias, in these venvs); on an H200
     (sm90) it fails, naming the route and the fix."""
-    from lucifer_shard.runtime_shim import doctor
     from lucifer_shard.runtime_shim.manifest import load_manifest
+    from lucifer_shard.runtime_shim.serving import doctor
 
     m = load_manifest(world["out"])
     (ok,) = doctor._route_checks(m, "sm121", "12.1")

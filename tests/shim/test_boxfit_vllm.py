@@ -1,4 +1,4 @@
-"""spec/boxfit.py against vLLM itself: `plan`'s KV-cache figures for DeepSeek-V4-Flash and 0731 are the ones
+"""model/boxfit.py against vLLM itself: `plan`'s KV-cache figures for DeepSeek-V4-Flash and 0731 are the ones
 vLLM's own planner makes from the layers its own classes build (`vllm_kv_plan.py`: the full-size configs on the
 meta device, the KV cache groups, blocks and the "GPU KV cache size" tokens), per attention backend the Lucifer
 tuple serves with (FlashInfer's on SM120, FlashMLA's on SM90), with and without the draft."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import CONFIGS
-from lucifer_shard.spec import boxfit
+from lucifer_shard.model import boxfit
 from vllm_cpu_model import NVIDIA_ENGINE
 
 HERE = Path(__file__).resolve().parent

@@ -5,7 +5,7 @@ import importlib.util
 import inspect
 import re
 
-from lucifer_shard.spec import runtimes
+from lucifer_shard.model import runtimes
 
 SOURCE = '''import functools
 
@@ -33,7 +33,7 @@ class K:
 
 
 def test_allow_list_entries_are_well_formed():
-    from lucifer_shard.runtime_shim import wrappers
+    from lucifer_shard.runtime_shim.adapt import wrappers
 
     commits = [b.commit for b in runtimes.SUPPORTED_BUILDS]
     assert commits == ["45c1582e9", "cece381c4", "81564374e", "0.34.0", "0.33.0", "0.32.0"]
@@ -48,7 +48,7 @@ def test_allow_list_entries_are_well_formed():
         assert name == w.name and w.process in ("engine", "worker"), name
         assert w.does and w.why and w.remove_when and w.upstream.startswith("https://") and w.read_in_diff, name
     assert len(wrappers.SYMBOLS) == sum(len(w.symbols) for w in wrappers.WRAPPERS.values())  # each wrapper its own
-    from lucifer_shard.spec.drafts import DRAFT_KINDS
+    from lucifer_shard.model.drafts import DRAFT_KINDS
 
     assert {k for b in runtimes.SUPPORTED_BUILDS for k in b.draft_kinds} == set(DRAFT_KINDS) == {runtimes.MTP, runtimes.DSPARK}
     by = {b.commit: b for b in runtimes.SUPPORTED_BUILDS}
@@ -68,7 +68,7 @@ def test_stock_hashes_equal_the_installed_release(shim):
     import vllm
 
     import shim_fixtures as sf
-    from lucifer_shard.runtime_shim import compat, wrappers
+    from lucifer_shard.runtime_shim.adapt import compat, wrappers
 
     tree = sf.tool("vllm_hashes").hashes_in_tree(str(Path(vllm.__file__).parent.parent))
     by = {b.commit: b for b in runtimes.SUPPORTED_BUILDS}
@@ -82,7 +82,7 @@ def test_stock_hashes_equal_the_installed_release(shim):
 
 
 def test_hash_function_reproduces_known_value_and_inspect_getsource(tmp_path):
-    from lucifer_shard.runtime_shim import compat
+    from lucifer_shard.runtime_shim.adapt import compat
 
     path = tmp_path / "hashfix.py"
     path.write_text(SOURCE)
@@ -100,7 +100,7 @@ def test_hash_function_reproduces_known_value_and_inspect_getsource(tmp_path):
 def test_offline_extraction_equals_runtime_hash_on_installed_vllm(shim):
     """The hash of an installed vLLM function equals the hash computed from its file text, as the
     allow-list was computed from `git show <commit>:<path>` of mlow/vllm."""
-    from lucifer_shard.runtime_shim import compat, wrappers
+    from lucifer_shard.runtime_shim.adapt import compat, wrappers
 
     for key in ("convert_weight_to_mxfp4_moe_kernel_format", "Mxfp4MoEMethod._setup_kernel"):
         sym = wrappers.SYMBOLS[key]

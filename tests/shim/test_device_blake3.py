@@ -1,4 +1,4 @@
-"""runtime_shim/device_blake3.py's Triton kernels against the blake3 package, on the CPU through Triton's
+"""src/lucifer_shard/runtime_shim/load/device_blake3.py's Triton kernels against the blake3 package, on the CPU through Triton's
 interpreter (the vLLM venv has Triton; tests/gpu/test_08_device_digests.py runs them compiled, on a GPU).
 
 The interpreter is chosen when the kernels are decorated (TRITON_INTERPRET=1 at import), so they run in a
@@ -21,7 +21,7 @@ SIZES = [1028, 2048, 2052, 3072, 4096 + 64 + 4, 5120, 6144 + 252, 7168, 8192, 92
 CHILD = """
 import json, sys, torch
 from blake3 import blake3
-from lucifer_shard.runtime_shim import device_blake3 as b3
+from lucifer_shard.runtime_shim.load import device_blake3 as b3
 g = torch.Generator().manual_seed(41)
 out = {"self_check": b3.self_check(torch.device("cpu")), "sizes": {}}
 for n in json.loads(sys.argv[1]):
@@ -67,6 +67,6 @@ def test_the_self_check_passes_where_the_kernels_are_right(interpreted):
     (2050, 256, False), (4096, 2, False),  # a part of a word, a misaligned address
 ])
 def test_the_kernels_take_whole_words_of_more_than_one_chunk(nbytes, address, fits):
-    from lucifer_shard.runtime_shim import device_blake3 as b3
+    from lucifer_shard.runtime_shim.load import device_blake3 as b3
 
     assert b3.fits(nbytes, address) is fits

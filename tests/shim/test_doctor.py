@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from lucifer_shard.spec import runtimes
+from lucifer_shard.model import runtimes
 
 
 # The git commit each wheel was built from (its vllm/_version.py)
@@ -19,7 +19,7 @@ def _by_name(checks):
 
 def test_doctor_on_the_stock_release_reports_plugin_virtual_tp(shim):
     import shim_fixtures as sf
-    from lucifer_shard.runtime_shim.doctor import FAIL, OK, WARN, doctor_report, format_report
+    from lucifer_shard.runtime_shim.serving.doctor import FAIL, OK, WARN, doctor_report, format_report
 
     checks = doctor_report()
     c = _by_name(checks)
@@ -47,7 +47,7 @@ def test_doctor_on_the_stock_release_reports_plugin_virtual_tp(shim):
 
 
 def test_doctor_gates_on_what_the_output_needs(out_kernel, out_model, tmp_path, shim):
-    from lucifer_shard.runtime_shim.doctor import FAIL, INFO, OK, doctor_report
+    from lucifer_shard.runtime_shim.serving.doctor import FAIL, INFO, OK, doctor_report
 
     c = _by_name(doctor_report(out_kernel))  # TP3, experts in kernel layout: the stock release loads them verbatim
     assert "tp 3, arch sm120, experts kernel layout (FLASHINFER_CUTLASS_MXFP4_MXFP8)" in c["output"].detail
@@ -71,8 +71,8 @@ def test_doctor_checks_sm90_kernel_layout_against_the_installed_flashinfers_gene
     (its version replaced here: the venv has one FlashInfer) fails the output, naming both fixes. sm120 kernel
     layout depends on no generation: no such check."""
     import shim_fixtures as sf
-    from lucifer_shard.runtime_shim import doctor
-    from lucifer_shard.runtime_shim.doctor import FAIL, OK, doctor_report
+    from lucifer_shard.runtime_shim.serving import doctor
+    from lucifer_shard.runtime_shim.serving.doctor import FAIL, OK, doctor_report
 
     out = sf.convert_tiny(shim_base, "--arch", "sm90")
     c = _by_name(doctor_report(out))["output FlashInfer layout"]
@@ -88,7 +88,7 @@ def test_doctor_checks_sm90_kernel_layout_against_the_installed_flashinfers_gene
 @pytest.fixture
 def unvetted(monkeypatch, shim):
     """This vLLM as an unvetted release: no vetted build has its create_engine_config."""
-    from lucifer_shard.runtime_shim import compat, wrappers
+    from lucifer_shard.runtime_shim.adapt import compat, wrappers
 
     keys = {s.key for s in wrappers.WRAPPERS[runtimes.STOCK_CONFIG].symbols}
     other = {commit: {key: "sha256:" + "0" * 64 if key in keys else h for key, h in hashes.items()}
@@ -102,8 +102,8 @@ def test_unvetted_vllm_fails_in_one_line_naming_the_function_the_pin_and_the_vet
     doctor fails without OUT (lucifer_tp3 is there for TP3), saying in one line which function's hash did
     not match, the newest vetted release to install and the command that vets this one."""
     import shim_fixtures as sf
-    from lucifer_shard.runtime_shim import compat
-    from lucifer_shard.runtime_shim.doctor import FAIL, STOCK, doctor_report
+    from lucifer_shard.runtime_shim.adapt import compat
+    from lucifer_shard.runtime_shim.serving.doctor import FAIL, STOCK, doctor_report
 
     checks = _by_name(doctor_report())
     vt = checks["virtual TP"]
@@ -123,7 +123,7 @@ def test_unvetted_vllm_doctor_exits_non_zero_for_tp3_and_not_for_tp2(unvetted, o
     import shim_fixtures as sf
     from lucifer_shard.cli import cli
 
-    from lucifer_shard.runtime_shim.doctor import STOCK
+    from lucifer_shard.runtime_shim.serving.doctor import STOCK
 
     fix = f"-> pip install vllm=={STOCK.commit}"
     for args in ([], [str(out_model)]):  # without OUT, and with a TP3 output
@@ -140,7 +140,7 @@ def test_unvetted_vllm_doctor_exits_non_zero_for_tp3_and_not_for_tp2(unvetted, o
 
 
 def test_doctor_flags_b12x_env_and_plugin_allow_list(monkeypatch, shim):
-    from lucifer_shard.runtime_shim.doctor import FAIL, doctor_report
+    from lucifer_shard.runtime_shim.serving.doctor import FAIL, doctor_report
 
     monkeypatch.setenv("VLLM_USE_B12X_MOE", "1")
     monkeypatch.setenv("VLLM_PLUGINS", "something_else")
@@ -150,8 +150,8 @@ def test_doctor_flags_b12x_env_and_plugin_allow_list(monkeypatch, shim):
 
 
 def test_serve_argv_and_refusals(out_kernel, shim):
-    from lucifer_shard.runtime_shim.serve import serve_argv
     from lucifer_shard.runtime_shim.errors import ShimError
+    from lucifer_shard.runtime_shim.serving.serve import serve_argv
 
     argv = serve_argv(out_kernel, 3, ["--max-model-len", "4096"])
     assert argv == ["vllm", "serve", str(out_kernel), "--tensor-parallel-size", "3", "--load-format", "lucifer_tp3",
@@ -197,8 +197,9 @@ def test_serve_checks_what_needs_vllm_inside_vllm(out_kernel, out_model, shim, m
 
     from lucifer_shard import runtime_shim
     from lucifer_shard.cli import cli
-    from lucifer_shard.runtime_shim import compat, doctor, serve
-    from lucifer_shard.runtime_shim.settings import SERVE_ENV
+    from lucifer_shard.runtime_shim.adapt import compat
+    from lucifer_shard.runtime_shim.adapt.settings import SERVE_ENV
+    from lucifer_shard.runtime_shim.serving import doctor, serve
 
     execs = []
     monkeypatch.setattr(serve, "exec_vllm", lambda argv, env: execs.append((argv, env)))
@@ -211,7 +212,7 @@ def test_serve_checks_what_needs_vllm_inside_vllm(out_kernel, out_model, shim, m
     assert os.path.basename(argv[0]) == "vllm" and argv[1:3] == ["serve", str(out_kernel)] and SERVE_ENV in env
     assert [str(c) for c in doctor.in_vllm_failures(out_model, False)] == []
     assert [str(c) for c in doctor.in_vllm_failures(out_kernel, False)] == []  # the release's re-layout is vetted
-    from lucifer_shard.runtime_shim import compat
+    from lucifer_shard.runtime_shim.adapt import compat
 
     monkeypatch.setitem(compat.VERDICTS, runtimes.RELAYOUT,  # as on a vLLM whose re-layout is not vetted
                         compat.WrapperVerdict(runtimes.RELAYOUT, False, None, (), "a stand-in reason"))
@@ -242,7 +243,7 @@ def test_vllm_serve_parses_the_exact_command(out_kernel, shim, cpu_platform):
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from lucifer_shard.runtime_shim.serve import serve_argv
+    from lucifer_shard.runtime_shim.serving.serve import serve_argv
 
     argv = serve_argv(out_kernel, 3, ["--max-model-len", "4096"], mtp_tokens=2)
     parser = FlexibleArgumentParser()
@@ -264,7 +265,7 @@ def test_the_mtp_draft_comes_from_out_with_the_targets_loader(out_kernel, shim, 
     from vllm.config import ParallelConfig, SpeculativeConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from lucifer_shard.spec.drafts import speculative_config
+    from lucifer_shard.model.drafts import speculative_config
 
     target = AsyncEngineArgs(model=str(out_kernel), load_format="lucifer_tp3", max_model_len=4096).create_model_config()
     spec = SpeculativeConfig(target_model_config=target, target_parallel_config=ParallelConfig(tensor_parallel_size=1),
@@ -301,7 +302,7 @@ def _vllm_reads(argv):
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from lucifer_shard.runtime_shim import settings
+    from lucifer_shard.runtime_shim.adapt import settings
 
     parser = FlexibleArgumentParser()
     ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
@@ -319,8 +320,8 @@ def _vllm_reads(argv):
 def test_serve_refuses_exactly_what_vllm_parses_into_a_refused_config(out_model, shim, cpu_platform, args):
     """serve reads vLLM's arguments without vLLM (the conversion box); here vLLM's own parser reads the same
     words, and the load-time checks find in its result exactly the problems serve found in the words."""
-    from lucifer_shard.runtime_shim import settings
-    from lucifer_shard.runtime_shim.serve import serve_argv
+    from lucifer_shard.runtime_shim.adapt import settings
+    from lucifer_shard.runtime_shim.serving.serve import serve_argv
 
     argv = serve_argv(out_model, 3, ["--max-model-len", "4096"])
     assert settings.argument_problems(args) == _vllm_reads(argv + args)
@@ -344,12 +345,13 @@ def test_an_output_for_any_arch_serves_with_this_gpus_backends(out_model, tmp_pa
     from click.testing import CliRunner
 
     from lucifer_shard.cli import cli
-    from lucifer_shard.runtime_shim import lucifer_tuple
-    from lucifer_shard.runtime_shim.doctor import FAIL, INFO, doctor_report
-    from lucifer_shard.runtime_shim.serve import backends_remark
+    from lucifer_shard.runtime_shim.adapt import lucifer_tuple
     from lucifer_shard.runtime_shim.manifest import load_manifest
+    from lucifer_shard.runtime_shim.serving.doctor import FAIL, INFO, doctor_report
+    from lucifer_shard.runtime_shim.serving.serve import backends_remark
 
-    from lucifer_shard.runtime_shim import doctor, lucifer_tuple
+    from lucifer_shard.runtime_shim.adapt import lucifer_tuple
+    from lucifer_shard.runtime_shim.serving import doctor
 
     out = _any_arch(out_model, tmp_path)
     assert load_manifest(out).arch is None
@@ -387,8 +389,8 @@ def _engine_like(out):
 
 
 def test_a_gpu_of_no_supported_family_is_told_unsupported(shim, monkeypatch):
-    from lucifer_shard.runtime_shim import lucifer_tuple
-    from lucifer_shard.runtime_shim.doctor import FAIL, doctor_report
+    from lucifer_shard.runtime_shim.adapt import lucifer_tuple
+    from lucifer_shard.runtime_shim.serving.doctor import FAIL, doctor_report
 
     monkeypatch.setattr(lucifer_tuple, "device_arch", lambda: (None, "8.0"))
     gpu = _by_name(doctor_report())["GPU"]
@@ -404,7 +406,7 @@ def test_doctor_inside_this_vetted_release_names_it_first_with_its_flashinfer(sh
 
     import shim_fixtures as sf
     from lucifer_shard.cli import cli
-    from lucifer_shard.runtime_shim.doctor import OK, dist_version, doctor_report
+    from lucifer_shard.runtime_shim.serving.doctor import OK, dist_version, doctor_report
 
     v = sf.vllm_version()
     text = CliRunner().invoke(cli, ["doctor"]).stdout

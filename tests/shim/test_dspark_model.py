@@ -18,7 +18,7 @@ fresh model:
   DeepSeekV4MTP, which has none of these weights), refused in one line.
 
 vLLM 0.33.0 has the same class (its `load_weights` drops an unloaded confidence head instead of keeping it):
-these are stock proofs, run on both vetted releases (`spec/runtimes.Build.draft_kinds`).
+these are stock proofs, run on both vetted releases (`model/runtimes.Build.draft_kinds`).
 """
 from __future__ import annotations
 
@@ -31,10 +31,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import shim_fixtures as sf
-from lucifer_shard.spec.runtimes import SUPPORTED_BUILDS
-from lucifer_shard.spec.config import DSPARK
-from lucifer_shard.spec.drafts import owned_by_runtime
-from lucifer_shard.spec.manifest import MANIFEST_NAME, manifest_text
+from lucifer_shard.model.config import DSPARK
+from lucifer_shard.model.drafts import owned_by_runtime
+from lucifer_shard.model.runtimes import SUPPORTED_BUILDS
+from lucifer_shard.outnames import MANIFEST_NAME
+from lucifer_shard.output.manifest import manifest_text
 from vllm_cpu_model import NVIDIA_ENGINE
 
 DSPARK_CLASS = "vllm.models.deepseek_v4.nvidia.dspark.DSparkDeepseekV4ForCausalLM"
@@ -56,7 +57,7 @@ def dspark_release() -> None:
     """The venv's release has a vetted DSpark draft class (0.34.0; not 0.33.0)."""
     version = sf.vllm_version()
     if DSPARK not in next((b.draft_kinds for b in SUPPORTED_BUILDS if b.commit == version), ()):
-        pytest.skip(f"vLLM {version}: no vetted DSpark draft class for DeepSeek-V4 (spec/runtimes.Build.draft_kinds)")
+        pytest.skip(f"vLLM {version}: no vetted DSpark draft class for DeepSeek-V4 (model/runtimes.Build.draft_kinds)")
 
 
 def drop_tensor(out: Path, dst: Path, role: str, rank: int, name: str) -> Path:

@@ -1,6 +1,6 @@
 """TP3 in the target fork's own code: mlow/vllm's DeepSeek-V4 models, virtual-TP plan and loaders.
 
-For each vetted fork build (`spec/runtimes.SUPPORTED_BUILDS`, the stock releases left out), one world of three gloo processes
+For each vetted fork build (`model/runtimes.SUPPORTED_BUILDS`, the stock releases left out), one world of three gloo processes
 (`vllm_cpu_model.py` with the fork's source first on PYTHONPATH, from tools/fork-overlay.sh) builds
 the fork's own `DeepseekV4ForCausalLM` and `DeepSeekV4MTP` at tensor-parallel size 3 and loads them
 before post-load processing, each into a fresh model:
@@ -33,12 +33,12 @@ import pytest
 import torch
 
 import shim_fixtures as sf
-from lucifer_shard.spec.runtimes import SUPPORTED_BUILDS
+from lucifer_shard.model.runtimes import SUPPORTED_BUILDS
 
 FORK_BUILDS = tuple(b for b in SUPPORTED_BUILDS if not b.stock)
+from lucifer_shard.model.drafts import owned_by_runtime
+from lucifer_shard.output.manifest_types import Manifest
 from lucifer_shard.runtime_shim.manifest import compare_plan
-from lucifer_shard.spec.manifest_types import Manifest
-from lucifer_shard.spec.drafts import owned_by_runtime
 from vllm_cpu_model import NVIDIA_ENGINE
 
 TP = 3

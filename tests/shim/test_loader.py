@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lucifer_shard.spec import runtimes
+from lucifer_shard.model import runtimes
 
 import shim_fixtures as sf
 
@@ -53,7 +53,7 @@ def test_three_processes_gloo_tp3_each_loads_its_rank_byte_exact(out_kernel, tmp
     reports = [json.loads((tmp_path / f"rank-{i}.json").read_text()) for i in range(3)]
     for rank, rep in enumerate(reports):
         assert rep["tp_rank"] == rank and rep["tp_size"] == 3 and rep["all_ranks"] == [0, 1, 2]
-        assert rep["loader"] == "lucifer_shard.runtime_shim.loader.LuciferTP3Loader"
+        assert rep["loader"] == "lucifer_shard.runtime_shim.load.loader.LuciferTP3Loader"
         for role in ("target", "draft"):
             want_files = [str(out_kernel / f["path"]) for f in man["roles"][role]["ranks"][rank]["files"]]
             assert rep[role]["files"] == sorted(want_files)
@@ -116,7 +116,7 @@ def test_a_drafter_without_weights_loads_the_target_as_the_target(shim):
     (vllm/config/speculative.py), and the target's load must not be taken for the draft's."""
     from types import SimpleNamespace
 
-    from lucifer_shard.runtime_shim.loader import LuciferTP3Loader
+    from lucifer_shard.runtime_shim.load.loader import LuciferTP3Loader
 
     target, draft = SimpleNamespace(), SimpleNamespace()
     ngram = SimpleNamespace(model_config=target, speculative_config=SimpleNamespace(draft_model_config=target))
@@ -244,7 +244,7 @@ def test_refuses_plan_mismatch(out_kernel, tp_world):
 
 
 def test_refuses_wrong_arch_for_kernel_layout(out_kernel, tp_world, monkeypatch):
-    from lucifer_shard.runtime_shim import lucifer_tuple
+    from lucifer_shard.runtime_shim.adapt import lucifer_tuple
 
     monkeypatch.setattr(lucifer_tuple, "device_arch", lambda: ("sm90", "9.0"))
     with pytest.raises(ValueError) as e:
@@ -257,7 +257,7 @@ def test_refuses_wrong_backend_for_tagged_layer(out_kernel, tp_world, monkeypatc
 
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
 
-    from lucifer_shard.runtime_shim import compat
+    from lucifer_shard.runtime_shim.adapt import compat
 
     monkeypatch.setitem(compat.VERDICTS, runtimes.RELAYOUT, compat.WrapperVerdict(runtimes.RELAYOUT, True, None, (), ""))
     model = sf.build_model(sf.manifest(out_kernel), "target")
@@ -275,7 +275,7 @@ def test_refuses_kernel_layout_without_relayout_wrapper(out_kernel, tp_world, mo
     kernel bytes."""
     from types import SimpleNamespace
 
-    from lucifer_shard.runtime_shim import compat
+    from lucifer_shard.runtime_shim.adapt import compat
 
     monkeypatch.setitem(compat.VERDICTS, runtimes.RELAYOUT,
                         compat.WrapperVerdict(runtimes.RELAYOUT, False, None, (), "matches no build vetted for it"))
@@ -441,7 +441,7 @@ def test_refuses_a_rank_file_of_other_weights_at_verify_headers(out_kernel, out_
 def test_reads_nothing_outside_the_output(out_kernel, tmp_path, tp_world, where):
     """A rank file that is a symlink (to the very same bytes), or a re-sealed manifest that points
     outside OUT, is refused before a byte is loaded."""
-    from lucifer_shard.spec.manifest import manifest_text
+    from lucifer_shard.output.manifest import manifest_text
 
     out = sf.link_copy(out_kernel, tmp_path / "out")
     p = "target/rank-0/part-00000.safetensors"
@@ -468,8 +468,8 @@ def test_a_convert_during_the_load_is_named_not_loaded(out_kernel, out_twin, tmp
     """A whole `convert --force` of other weights while the loader reads: refused with the reason
     (on main the mixed bytes were loaded at verify=headers)."""
     from lucifer_shard.engine.convert import convert
-    from lucifer_shard.runtime_shim import reader
-    from lucifer_shard.spec.manifest import Options
+    from lucifer_shard.model.options import Options
+    from lucifer_shard.runtime_shim.load import reader
 
     out = tmp_path / "out"
     shutil.copytree(out_kernel, out)

@@ -34,7 +34,7 @@ def test_vllm_plugin_loader_finds_entry_point_and_resolves_loader():
     got = _probe()
     assert got["heavy_at_import"] == []  # importing the plugin module imports neither vLLM nor torch
     assert got["registered"] is True
-    assert got["loader"] == "lucifer_shard.runtime_shim.loader.LuciferTP3Loader"
+    assert got["loader"] == "lucifer_shard.runtime_shim.load.loader.LuciferTP3Loader"
 
 
 def test_vllm_plugins_allow_list_excluding_the_plugin_leaves_load_format_unknown():
@@ -47,7 +47,7 @@ def test_register_is_idempotent_and_get_model_loader_returns_shim(shim):
     from vllm.config import LoadConfig
     from vllm.model_executor import model_loader as ml
 
-    from lucifer_shard.runtime_shim.loader import LuciferTP3Loader
+    from lucifer_shard.runtime_shim.load.loader import LuciferTP3Loader
 
     before = dict(ml._LOAD_FORMAT_TO_MODEL_LOADER)
     shim._state["registered"] = False  # force the body to run again

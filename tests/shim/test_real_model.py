@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import shim_fixtures as sf
-from lucifer_shard.spec.drafts import owned_by_runtime
+from lucifer_shard.model.drafts import owned_by_runtime
 from vllm_cpu_model import NVIDIA_ENGINE
 
 TP_SIZES = (1, 2, 4)
@@ -34,7 +34,7 @@ WORLD_TIMEOUT_S = 900
 
 def flip_byte(out: Path, role: str, rank: int, name: str, at: int = 100) -> tuple[Path, int]:
     """Flip one byte of tensor `name` in a private copy of its rank file; (file, absolute offset)."""
-    from lucifer_shard.spec.stheader import read_header
+    from lucifer_shard.formats.stheader import read_header
 
     entry = next(e for e in sf.manifest(out)["roles"][role]["ranks"] if int(e["rank"]) == rank)
     path = out / entry["tensors"][name]["file"]

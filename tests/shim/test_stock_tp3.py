@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 import shim_fixtures as sf
-from lucifer_shard.spec.drafts import owned_by_runtime
+from lucifer_shard.model.drafts import owned_by_runtime
 from vllm_cpu_model import NVIDIA_ENGINE
 
 TP = 3

@@ -1,5 +1,5 @@
 """`vet` (tools/vet.py), the one command that vets a stock vLLM release: on the real wheels of the vetted
-releases it reproduces their committed rows of `spec/runtimes.SUPPORTED_BUILDS` and their entries in the data file
+releases it reproduces their committed rows of `model/runtimes.SUPPORTED_BUILDS` and their entries in the data file
 of hashes byte for byte, and shows what changed between them.
 
 The wheels come from `pip download --no-deps`, which pip answers from its cache once the test venvs were
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from lucifer_shard.spec import runtimes
+from lucifer_shard.model import runtimes
 
 from shim_fixtures import TOOLS, tool
 
@@ -36,7 +36,7 @@ def _committed(version: str):
 @pytest.mark.network
 @pytest.mark.parametrize("version", RELEASES)
 def test_vet_reproduces_the_committed_row(wheels, version, tmp_path):
-    from lucifer_shard.runtime_shim import compat, wrappers
+    from lucifer_shard.runtime_shim.adapt import compat, wrappers
 
     vet = tool("vet")
     against = vet.last_vetted(version)
@@ -59,7 +59,7 @@ def test_vet_shows_the_diff_of_each_changed_symbol(wheels):
     headers = [ln for ln in lines if ln.startswith("=== ")]
     engine = [h for h in headers if ".EngineArgs.create_engine_config " in h]
     assert len(engine) == 1 and "(used by stock_virtual_tp_config)" in engine[0], headers
-    from lucifer_shard.runtime_shim.wrappers import stock_config
+    from lucifer_shard.runtime_shim.adapt.wrappers import stock_config
 
     assert lines[lines.index(engine[0]) + 1] == f"read: {stock_config.WRAPPER.read_in_diff}"
     assert "sha256:1f9166220749 -> sha256:6df2ef3ae3e1, parameters unchanged" in engine[0]
@@ -75,7 +75,7 @@ def test_vet_shows_the_diff_of_each_changed_symbol(wheels):
 def test_vet_command_writes_the_committed_hashes_and_prints_the_committed_row(wheels, tmp_path):
     """The command itself, without the venv and the proofs (--hashes-only): vetting 0.33.0 again leaves the data
     file of hashes as committed, byte for byte (a release's review is `git diff` of it), and prints its row."""
-    from lucifer_shard.runtime_shim import compat
+    from lucifer_shard.runtime_shim.adapt import compat
 
     data = tmp_path / "hashes.json"
     data.write_bytes(compat.HASHES_FILE.read_bytes())
@@ -106,7 +106,7 @@ def test_the_candidate_row_reaches_the_harness_intact(monkeypatch):
     import dataclasses
 
     import shim_fixtures as sf
-    from lucifer_shard.runtime_shim import compat, wrappers
+    from lucifer_shard.runtime_shim.adapt import compat, wrappers
 
     vet = tool("vet")
     row = dataclasses.replace(_committed("0.34.0"), commit="9.9.9", label="vLLM 9.9.9 (PyPI, CUDA 13 wheel)",

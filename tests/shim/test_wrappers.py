@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lucifer_shard.spec import runtimes
+from lucifer_shard.model import runtimes
 
 import shim_fixtures as sf
 
@@ -30,7 +30,7 @@ def _vllm_config(out, load_format="lucifer_tp3", tp=3, attn="FLASHINFER_MLA_SPAR
 
 
 def _policy(calls, moe_align=32):
-    from lucifer_shard.runtime_shim.wrappers import policy
+    from lucifer_shard.runtime_shim.adapt.wrappers import policy
 
     def original(vllm_config):
         calls.append("original")
@@ -54,7 +54,7 @@ def _refusal(e, *needles):
 
 @pytest.fixture
 def sm120(monkeypatch, shim):
-    from lucifer_shard.runtime_shim import lucifer_tuple
+    from lucifer_shard.runtime_shim.adapt import lucifer_tuple
 
     monkeypatch.setattr(lucifer_tuple, "device_arch", lambda: ("sm120", "12.0"))
 
@@ -87,7 +87,7 @@ def test_policy_refuses_other_tuples_with_lucifer_load_format(out_kernel, sm120,
 
 
 def test_policy_refuses_wrong_gpu_arch(out_kernel, monkeypatch, shim):
-    from lucifer_shard.runtime_shim import lucifer_tuple
+    from lucifer_shard.runtime_shim.adapt import lucifer_tuple
 
     monkeypatch.setattr(lucifer_tuple, "device_arch", lambda: ("sm90", "9.0"))
     with pytest.raises(ValueError) as e:
@@ -113,7 +113,7 @@ def test_policy_passes_everything_else_to_the_original(out_kernel, shim):
 
 
 def _tagged_layer(variant="FLASHINFER_CUTLASS_MXFP4_MXFP8"):
-    from lucifer_shard.runtime_shim.wrappers import relayout
+    from lucifer_shard.runtime_shim.adapt.wrappers import relayout
 
     layer = torch.nn.Module()
     for n in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
@@ -138,8 +138,7 @@ def _fake_convert(mxfp4_backend, layer, w13_weight, w2_weight, w13_weight_scale,
 def test_relayout_is_identity_for_tagged_layers_and_refuses_wrong_backend(shim):
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
 
-    from lucifer_shard.runtime_shim.wrappers import relayout
-    from lucifer_shard.runtime_shim.wrappers import relayout
+    from lucifer_shard.runtime_shim.adapt.wrappers import relayout
 
     wrapper = relayout.make_relayout_wrapper(_fake_convert)
     layer, tag = _tagged_layer()
@@ -160,7 +159,7 @@ def test_relayout_hands_sm90_scales_over_in_the_files_shape_on_the_same_storage(
     identity returns that storage viewed as the file's shape, which replace_parameter then binds."""
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
 
-    from lucifer_shard.runtime_shim.wrappers import relayout
+    from lucifer_shard.runtime_shim.adapt.wrappers import relayout
 
     wrapper = relayout.make_relayout_wrapper(_fake_convert)
     layer, tag = _tagged_layer("FLASHINFER_CUTLASS_MXFP4_BF16")
@@ -186,7 +185,7 @@ def apply_b12x_virtual_tp_padding_to_model_config(model_config, parallel_config)
 def _fake_fork(tmp_path, monkeypatch):
     import vllm.config
 
-    from lucifer_shard.runtime_shim import compat
+    from lucifer_shard.runtime_shim.adapt import compat
 
     path = tmp_path / "fake_virtual_tp.py"
     path.write_text(textwrap.dedent(FAKE_VTP))
@@ -202,7 +201,7 @@ def _fake_fork(tmp_path, monkeypatch):
 def test_policy_wrapper_installed_only_when_signature_and_hash_match(tmp_path, monkeypatch, shim):
     import dataclasses
 
-    from lucifer_shard.runtime_shim import compat, wrappers
+    from lucifer_shard.runtime_shim.adapt import compat, wrappers
 
     mod = _fake_fork(tmp_path, monkeypatch)
     text = (tmp_path / "fake_virtual_tp.py").read_text()
@@ -236,7 +235,7 @@ def test_policy_wrapper_installed_only_when_signature_and_hash_match(tmp_path, m
 
 
 def test_policy_wrapper_refuses_changed_signature(tmp_path, monkeypatch, shim):
-    from lucifer_shard.runtime_shim import compat, wrappers
+    from lucifer_shard.runtime_shim.adapt import compat, wrappers
 
     mod = _fake_fork(tmp_path, monkeypatch)
 
@@ -256,7 +255,7 @@ def test_relayout_wrapper_installed_only_where_its_hash_is_vetted(monkeypatch, s
 
     import vllm.model_executor.layers.quantization.mxfp4 as q
 
-    from lucifer_shard.runtime_shim import compat, wrappers
+    from lucifer_shard.runtime_shim.adapt import compat, wrappers
 
     release = sf.vllm_version()
     assert compat.installed(runtimes.RELAYOUT) and compat.VERDICTS[runtimes.RELAYOUT].build.commit == release
@@ -277,7 +276,7 @@ def test_load_model_refuses_kernel_layout_on_vllm_without_relayout_wrapper(out_k
     from vllm.config import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
 
-    from lucifer_shard.runtime_shim import compat
+    from lucifer_shard.runtime_shim.adapt import compat
 
     monkeypatch.setitem(compat.VERDICTS, runtimes.RELAYOUT,
                         compat.WrapperVerdict(runtimes.RELAYOUT, False, None, (), "a stand-in reason"))
@@ -306,7 +305,7 @@ def test_load_model_refuses_sm90_kernel_layout_on_a_flashinfer_of_the_other_gene
     from vllm.config import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
 
-    from lucifer_shard.runtime_shim import loader as shim_loader
+    from lucifer_shard.runtime_shim.load import loader as shim_loader
 
     out = sf.convert_tiny(shim_base, "--arch", "sm90")
     monkeypatch.setattr(shim_loader, "dist_version", lambda name: installed if name == "flashinfer-python" else None)
@@ -319,7 +318,7 @@ def test_load_model_refuses_sm90_kernel_layout_on_a_flashinfer_of_the_other_gene
 
 
 def test_stock_padding_comes_from_the_manifest_and_refuses_another_config(out_model, shim):
-    from lucifer_shard.runtime_shim import stock_vtp
+    from lucifer_shard.runtime_shim.adapt import stock_vtp
     from lucifer_shard.runtime_shim.manifest import load_manifest
 
     pad = stock_vtp.padding(out_model, load_manifest(out_model))
@@ -342,7 +341,7 @@ def test_vocab_wrapper_pads_only_lucifer_models_and_checks_the_manifest(out_mode
     import vllm.config as vc
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    from lucifer_shard.runtime_shim.wrappers import stock_vocab
+    from lucifer_shard.runtime_shim.adapt.wrappers import stock_vocab
 
     pad = {"sizes": {}, "vocab": (1000, 1152), "tp": 3}
     text = SimpleNamespace(lucifer_tp3_padding=pad)

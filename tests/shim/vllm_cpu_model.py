@@ -351,7 +351,7 @@ def moe_post_load(model: torch.nn.Module, loader) -> dict:
     post-load steps pack CPU kernels and do not touch the experts."""
     from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
-    from lucifer_shard.runtime_shim.wrappers import relayout
+    from lucifer_shard.runtime_shim.adapt.wrappers import relayout
 
     layers, prefix, qm = {}, None, None
     try:
@@ -379,7 +379,7 @@ def moe_post_load(model: torch.nn.Module, loader) -> dict:
 def count_post_load_hooks(model: torch.nn.Module) -> dict[str, int]:
     """Count, from now on, the calls of each post-load hook the lucifer_tp3 loader knows
     (`runtime_shim.loader`'s hook tables) that this model has, whoever calls it."""
-    from lucifer_shard.runtime_shim import loader as lucifer
+    from lucifer_shard.runtime_shim.load import loader as lucifer
 
     inner = getattr(model, "model", None)
     owners = [(model, lucifer.DRAFT_HOOKS), (inner, lucifer.TARGET_MODEL_HOOKS),

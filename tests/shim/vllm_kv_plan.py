@@ -1,4 +1,4 @@
-"""vLLM's own KV-cache plan for a DeepSeek-V4 config, computed on this CPU (the check of spec/boxfit.py).
+"""vLLM's own KV-cache plan for a DeepSeek-V4 config, computed on this CPU (the check of model/boxfit.py).
 
     python vllm_kv_plan.py SPEC.json
 
@@ -33,6 +33,12 @@ def main(spec: dict) -> dict:
 
     vcm.CAPABILITY[:] = spec.get("capability", vcm.SM120)
     vcm.allow_construction_on_this_cpu()
+    # Harness-only: the planner's inputs as a GPU's. vLLM's CPU platform keeps chunked prefill for DeepSeek-V4
+    # only where the CPU has AMX tiles (platforms/cpu.py, check_and_update_config: `amx_mla_or_dsv4_enabled`);
+    # elsewhere it sets max_num_batched_tokens to max_model_len, so the tokens in flight, and the KV figures,
+    # would be the test machine's CPU's. The GPU platform has no such rule: told AMX is there, the CPU
+    # platform leaves the engine's max_num_batched_tokens as given, whatever this CPU has.
+    torch.cpu._is_amx_tile_supported = lambda: True
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends

@@ -6,7 +6,7 @@ CPU box. It proves nothing about FlashInfer: the layout "identity" holds by cons
 import numpy as np
 import torch
 
-from lucifer_shard.spec.layouts import swizzle_128x4
+from lucifer_shard.model.layouts import swizzle_128x4
 
 from . import fused_moe  # noqa: F401  (import flashinfer.fused_moe as the real package allows)
 

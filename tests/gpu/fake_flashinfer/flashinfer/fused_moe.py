@@ -2,8 +2,8 @@
 import numpy as np
 import torch
 
+from lucifer_shard.model.layouts import expert_layout, fold_scales_sm90, interleave_sm90
 from lucifer_shard.proof.numerics import moe_reference
-from lucifer_shard.spec.layouts import expert_layout, fold_scales_sm90, interleave_sm90
 
 _NAMES = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 

@@ -1,2 +1,0 @@
-"""How an output is written: stream the source checkpoint once into per-rank safetensors files
-(convert) and write synthetic checkpoints (synth); it imports spec/, never proof/ or cli/."""

@@ -1,0 +1,355 @@
+"""`lucifer-shard doctor` and `lucifer-shard serve`: thin click commands over lucifer_shard.runtime_shim.serving.doctor.
+
+The runtime shim (and with it vLLM) is imported inside the command bodies only: the converter never
+imports vLLM at import time.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import click
+
+from ..errors import CheckFailed, MismatchError, OutputError, PreflightFailed, UsageRefused
+from ..model.arches import backends_help
+from ..model.config import MTP
+from ..model.drafts import DRAFT_KINDS
+from ..output.share import identity_line
+from .console import Console, conventions
+
+SERVE_EXAMPLE = "lucifer-shard serve OUT [OPTIONS] -- --max-model-len 65536"
+
+
+class ServeCommand(click.Command):
+    """`serve OUT [OPTIONS] [-- VLLM_ARGS...]`: serve's own options anywhere before `--`, vLLM's after it."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        own, vllm_args = (args[:args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args, [])
+        try:
+            rest = super().parse_args(ctx, own)
+        except click.UsageError as e:
+            if isinstance(e, click.NoSuchOption) and e.possibilities:  # a typo of serve's own option
+                raise
+            if not (isinstance(e, click.NoSuchOption) or "extra argument" in e.message):
+                raise
+            raise click.UsageError(f"{e.message.rstrip('.')}; vLLM's own arguments go after `--`: {SERVE_EXAMPLE}",
+                                   ctx) from None
+        ctx.params["vllm_args"] = tuple(vllm_args)
+        return rest
+
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return [*super().collect_usage_pieces(ctx), "[-- VLLM_ARGS]..."]
+
+
+def _failed(checks) -> list:
+    from ..runtime_shim.serving.doctor import FAIL
+
+    return [c for c in checks if c.status == FAIL]
+
+
+def _refusal(failed: list, message: str, otherwise: type[CheckFailed] | type[PreflightFailed]):
+    """The error for failed checks: kind mismatch when one finds OUT damaged or edited (as every command
+    that reads OUT says it), else `otherwise` (check_failed, preflight_failed)."""
+    return (MismatchError if any(c.damage for c in failed) else otherwise)(message)
+
+
+def _manifest_or_none(out: Path | None):
+    """OUT's manifest, or None where it cannot be read (the output check then says why)."""
+    from ..runtime_shim.errors import ShimError
+    from ..runtime_shim.manifest import load_manifest
+
+    try:
+        return None if out is None else load_manifest(out)
+    except ShimError:
+        return None
+
+
+def _output_dir(out: Path) -> Path:
+    """OUT as an absolute path (vLLM gets it so). The OUT rule of every command: what is not a
+    lucifer-shard output at all is an OutputError (exit 2) that names the next step; a damaged one is
+    left to the checks."""
+    from ..outnames import MANIFEST_NAME, STATE_DIR
+    from ..output.manifest import COMPLETE_NAME
+    from .argorder import is_checkpoint
+
+    if out.is_file():
+        raise OutputError(f"{out}: a file, not an output directory; pass the directory lucifer-shard convert wrote")
+    if not out.is_dir():
+        raise OutputError(f"{out}: no such output directory")
+    if is_checkpoint(out):
+        raise OutputError(f"{out}: this is a checkpoint: convert it first (lucifer-shard convert --tp 3 "
+                          f"--expert-layout model {out} OUT), then use OUT")
+    if (out / STATE_DIR).is_dir() and not ((out / MANIFEST_NAME).is_file() and (out / COMPLETE_NAME).exists()):
+        raise OutputError(f"{out}: unfinished: run the same convert with --resume")
+    if not (out / MANIFEST_NAME).exists():
+        raise OutputError(f"{out}: not a lucifer-shard output (no {MANIFEST_NAME}): convert into it first "
+                          f"(lucifer-shard convert --tp 3 --expert-layout model MODEL {out})")
+    return out.resolve()
+
+
+def _nodes(nnodes: int | None, node_rank: int | None, master_addr: str | None,
+           master_port: int | None) -> dict | None:
+    """vLLM's multi-node options, as serve takes them before `--` and passes them on; None: one node."""
+    if nnodes is None and node_rank is None and master_addr is None and master_port is None:
+        return None
+    if nnodes is None or node_rank is None or master_addr is None:
+        raise UsageRefused("--nnodes, --node-rank and --master-addr go together (--master-port optional); pass "
+                           "all three, or none for one node")
+    if node_rank >= nnodes:
+        raise UsageRefused(f"--node-rank {node_rank}: nodes are numbered 0..{nnodes - 1}")
+    if not is_host(master_addr):
+        raise UsageRefused(f"--master-addr {master_addr!r}: not a host name or IP address; pass node 0's address "
+                           f"(serve adds --headless itself on nodes above 0)")
+    return {"nnodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
+
+
+HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def is_host(text: str) -> bool:
+    """A host name (RFC 1123 labels) or an IPv4/IPv6 address: what vLLM can connect to as --master-addr."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return len(text) <= 253 and HOST_NAME.fullmatch(text) is not None
+
+
+def _importing_note(con: Console) -> None:
+    """Importing vLLM takes from seconds to a minute: say so before the wait."""
+    from ..runtime_shim.serving.doctor import vllm_identity
+
+    version = vllm_identity()[0]
+    if version is not None:
+        con.note(f"importing vLLM {version} to check it (this can take a minute) ...")
+
+
+def draft_asked(draft: bool, mtp: bool, out: Path | None, manifest) -> bool:
+    """Whether serve (or doctor) is asked for OUT's own draft: --draft takes whichever kind OUT holds,
+    --mtp only an MTP layer (a DSpark output served as MTP would build a class that has none of its weights)."""
+    from ..runtime_shim.manifest import draft_kind
+
+    held = draft_kind(manifest) if manifest is not None else None
+    if mtp and held not in (None, MTP):
+        kind = DRAFT_KINDS[held]
+        raise UsageRefused(f"--mtp: {out}/draft holds a {kind.label}, not an MTP layer; use --draft "
+                           f"(--speculative-config method {kind.method!r})")
+    return draft or mtp
+
+
+DRAFT_HELP = ("With OUT's own draft (speculative decoding), whichever kind OUT/draft holds: an MTP layer (method "
+              "'mtp') or DeepSeek-V4-Flash-0731's DSpark drafter (method 'dspark').")
+MTP_HELP = "As --draft, refused unless OUT's draft is an MTP layer (the original DeepSeek-V4-Flash)."
+
+
+@click.command("doctor")
+@click.argument("out", required=False, type=click.Path(path_type=Path))
+@click.option("--draft", is_flag=True, help="Also check that OUT can be served with its draft (serve --draft). "
+              + DRAFT_HELP.split(", ", 1)[1])
+@click.option("--mtp", is_flag=True, help=MTP_HELP)
+@conventions(interrupted="interrupted: doctor changes nothing")
+def doctor(out: Path | None, draft: bool, mtp: bool) -> None:
+    """Check this environment for serving lucifer-shard outputs (and OUT, if given) with vLLM.
+
+    Prints each check with its fix: given OUT, its TP size, arch, layout and roles first; then
+    lucifer-shard's install and dependencies, the vLLM version and commit, each symbol the shim
+    needs with its source hash, virtual-TP support, the plugin registration and the GPU. Then which
+    vLLM builds serve which outputs (--arch, expert layout, draft) and how far each is proven, where
+    to get one (inside a vetted build: that one first), and how to put lucifer-shard into it. Runs
+    with or without vLLM. Exit 1 if a check fails.
+    """
+    from ..runtime_shim.serving.doctor import doctor_report, format_report
+    from ..runtime_shim.serving.guide import builds, guide_lines, installed_build, routes
+
+    if (draft or mtp) and out is None:
+        raise UsageRefused(f"--{'draft' if draft else 'mtp'} checks an output's draft: pass OUT")
+    con = Console.of()
+    out = None if out is None else _output_dir(out)
+    asked = draft_asked(draft, mtp, out, _manifest_or_none(out))
+    _importing_note(con)
+    checks = doctor_report(out, asked)
+    here = installed_build()
+    con.emit({"checks": [c.to_dict() for c in checks], "builds": builds(),
+              "routes": [{"route": r, "how": h} for r, h in routes(here)]},
+             [format_report(checks, verbose=con.verbosity > 0), "", *guide_lines(here)])
+    failed = _failed(checks)
+    if failed:
+        raise _refusal(failed, f"doctor: {len(failed)} check(s) failed; first: {failed[0]}", CheckFailed)
+
+
+def _with_backends(f):
+    """Writes model/arches.py's backends per --arch into serve's help, in place of its docstring's BACKENDS line."""
+    f.__doc__ = f.__doc__.replace("BACKENDS\n", "\n      ".join(backends_help()) + "\n", 1)
+    return f
+
+
+@click.command("serve", cls=ServeCommand)
+@_with_backends
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--dry-run", is_flag=True,
+              help="Print the preflight report and the exact vllm command, run nothing. Exit 0 when the "
+                   "preflight passes, and on a machine without vLLM (the conversion box) when OUT's own checks "
+                   "pass: the environment's are then skipped, to be run on the serving host. The command is "
+                   "printed only then.")
+@click.option("--draft", is_flag=True, help="Serve " + DRAFT_HELP.split(" ", 1)[1] + " Adds --speculative-config "
+              "'{\"method\":M,\"num_speculative_tokens\":K}'.")
+@click.option("--mtp", is_flag=True, help=MTP_HELP)
+@click.option("--draft-tokens", "--mtp-tokens", "mtp_tokens", type=click.IntRange(1), default=None,
+              help="With --draft: draft tokens per step (K)  [default: the manifest's: 1 for MTP (more reruns the "
+                   "one layer), the config's dspark_block_size for DSpark]")
+@click.option("--nnodes", type=click.IntRange(1), default=None,
+              help="vLLM's multi-node launch: the node count (the TP size must divide by it); with --node-rank and "
+                   "--master-addr. The preflight checks this node's ranks; the dry run prints every node's command.")
+@click.option("--node-rank", type=click.IntRange(0), default=None, help="With --nnodes: this node, 0..N-1.")
+@click.option("--master-addr", default=None, help="With --nnodes: node 0's address, as vLLM takes it.")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=None,
+              help="With --nnodes: node 0's port (vLLM's default when left out).")
+@click.option("--ifname", default=None, metavar="IFACE",
+              help="With --nnodes: the network interface of the link between the boxes (e.g. a ConnectX port; "
+                   "`ip -br addr` lists them). vLLM gets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME=IFACE; refused "
+                   "before vLLM starts where this host has no such interface.")
+@click.option("--ib-hca", default=None, metavar="HCAS",
+              help="With --nnodes: the RDMA devices NCCL may use (NCCL_IB_HCA, e.g. mlx5_0,mlx5_1; `ibdev2netdev` "
+                   "pairs them with interfaces).")
+@click.option("--write-launch", type=click.Path(path_type=Path, file_okay=False), default=None, metavar="DIR",
+              help="With --nnodes and --master-addr (--node-rank defaults to 0): run the dry run, then write "
+                   "DIR/node-R.sh for every node: each runs lucifer-shard serve on that node's share with these "
+                   "options (copy each to its box; LUCIFER_SHARE=PATH names a share at another path). Starts nothing.")
+@conventions(interrupted="interrupted: serve started nothing")
+def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | None, nnodes: int | None,
+          node_rank: int | None, master_addr: str | None, master_port: int | None, ifname: str | None,
+          ib_hca: str | None, write_launch: Path | None, vllm_args: tuple[str, ...]) -> None:
+    """Preflight OUT against the installed vLLM, then exec `vllm serve OUT` with the flags it needs.
+
+    \b
+    The command is
+      vllm serve /abs/OUT --tensor-parallel-size <from the manifest> --load-format lucifer_tp3
+        --attention-backend A --moe-backend M
+        [--speculative-config '{"method":M,"num_speculative_tokens":K}'  with --draft: M is "mtp"
+          for an MTP layer, "dspark" for DeepSeek-V4-Flash-0731's DSpark drafter]
+        [VLLM_ARGS: everything after `--`]
+    with A, M for the output's --arch on stock vLLM (virtual TP supplied by the plugin):
+      BACKENDS
+    (a model-layout output may take another --moe-backend among VLLM_ARGS: vLLM lays its experts out);
+    for an output converted without --arch, those of the serving host's GPU (left out where no GPU
+    is visible); FLASHINFER_MLA_SPARSE_DSV4, flashinfer_cutlass on a vetted mlow/vllm build.
+    VLLM_ARGS the plugin refuses at load are refused here, before vLLM starts: a pipeline, data or
+    prefill-context parallel size above 1, --enable-expert-parallel, --enable-eplb, --enable-lora,
+    a --model-loader-extra-config that is not an object of the loader's keys (verify, role).
+    e.g. lucifer-shard serve out/ --draft -- --max-model-len 65536 --port 8000
+    Three boxes: lucifer-shard serve OUT --nnodes 3 --master-addr H --ifname IFACE --write-launch DIR
+    writes DIR/node-R.sh, each node's serve on its share (docs/three-boxes.md).
+    Before exec, the preflight checks OUT and what needs no vLLM import (package versions, the
+    vllm command, the plugin's entry point, an NVIDIA GPU in sight of nvidia-smi unless vLLM is the
+    CPU build): it adds well under 2 s to the start. The checks that
+    need vLLM (symbols, source hashes, virtual TP, the GPU) run inside vLLM's own process as it
+    starts, where the plugin is loaded anyway; a failed check stops serve, or vLLM, with exit 1.
+    --dry-run runs every check (`lucifer-shard doctor OUT`).
+    """
+    from ..runtime_shim.errors import ShimError
+    from ..runtime_shim.manifest import draft_kind, draft_tokens, load_manifest
+    from ..runtime_shim.serving import doctor as dr, serve as sv
+
+    con = Console.of()
+    if mtp_tokens is not None and not (draft or mtp):
+        raise UsageRefused("--draft-tokens applies only with --draft")
+    if con.json and not dry_run:
+        raise UsageRefused("--json applies only with --dry-run (serve otherwise becomes vLLM)")
+    if write_launch is not None:
+        if nnodes is None:
+            raise UsageRefused("--write-launch writes every node's launch: pass --nnodes N and --master-addr H")
+        node_rank, dry_run = 0 if node_rank is None else node_rank, True
+    nodes = _nodes(nnodes, node_rank, master_addr, master_port)
+    if (ifname or ib_hca) and nodes is None:
+        raise UsageRefused(f"--{'ifname' if ifname else 'ib-hca'} sets the link between nodes: it applies with --nnodes")
+    out = _output_dir(out)
+    try:
+        manifest = load_manifest(out)
+        tp, arch = manifest.tp_size, manifest.arch
+    except ShimError:
+        manifest = tp = arch = None  # the output check says why; no command is printed for it
+    mtp = draft_asked(draft, mtp, out, manifest)  # from here on: serve with OUT's draft
+    kind = draft_kind(manifest) if manifest is not None else MTP
+    tokens = (mtp_tokens or (draft_tokens(manifest) if manifest is not None else 1)) if mtp else None
+    layout = manifest.expert_layout if manifest is not None else "kernel"
+    backends = dr.serve_backends(arch, layout, manifest.options.moe_backend) if manifest is not None else None
+    node_ranks = None  # the TP ranks this node runs: all of them on one node
+    if tp is not None:
+        from ..output.share import SHARE_NAME, node_ranks as ranks_of
+
+        # --write-launch on a whole output (the conversion box) checks every node's ranks; on a share, its own
+        every_node = write_launch is not None and not (out / SHARE_NAME).exists()
+        node_ranks = ranks_of(tp, nnodes, node_rank) if nodes is not None and not every_node else list(range(tp))
+    argv = None
+    try:  # the refused vLLM arguments are refused whatever OUT is
+        argv = sv.serve_argv(out, tp or 1, vllm_args, tokens, backends=backends, node=nodes, expert_layout=layout,
+                             draft_kind=kind, moe_route=manifest.options.moe_backend if manifest is not None else None)
+    except ShimError as e:
+        raise UsageRefused(str(e)) from None
+    if manifest is None:
+        argv = None
+    elif shutil.which("vllm") is None and dr.vllm_command():  # beside this python, not on PATH
+        argv[0] = dr.vllm_command()
+    if dry_run:  # the thorough report (it runs nothing, so it may take its time)
+        _importing_note(con)
+        checks = dr.doctor_report(out, mtp, node_ranks)
+    else:  # before exec only what needs no vLLM import; the rest runs inside vLLM as it starts
+        checks = dr.quick_checks(out, mtp, node_ranks, manifest)
+    verdict = sv.preflight(checks, dry_run)
+    notes = [n for n in (verdict.note(), sv.backends_remark() if backends is None and manifest is not None else None)
+             if n]
+    line = shlex.join(argv) if argv else None
+    if dry_run:
+        if line and not verdict.ok:  # a script capturing -q's line gets no command to run
+            line = None
+            tail = ["no command: the preflight failed (the FAIL lines above say what to fix)"]
+        else:
+            tail = [line] if line else ["no command: OUT's manifest is refused (the output check above says why)"]
+        if line and write_launch is not None and verdict.output_ok:
+            tail = _write_launch(write_launch, out, manifest, nodes, mtp, mtp_tokens, ifname, ib_hca, vllm_args)
+        elif line and nodes is not None:  # every node's command, this one's marked
+            tail = ["every node's command (each on its own share: lucifer-shard stage OUT DEST --nnodes "
+                    f"{nnodes} --node-rank R, or convert ... --nnodes {nnodes} --node-rank R on that node; node 0 "
+                    f"serves the API, start it first). Each names this box's "
+                    f"path, {out}: on another box put the path of that node's share there:"]
+            for r in range(nnodes):
+                other = sv.serve_argv(out, tp, vllm_args, tokens, backends=backends, node={**nodes, "node_rank": r},
+                                      expert_layout=layout, draft_kind=kind)
+                tail.append(f"  node {r}{' (this one)' if r == node_rank else ''}: {shlex.join([argv[0], *other[1:]])}")
+        con.emit({"preflight_ok": verdict.ok, "output_ok": verdict.output_ok,
+                  "environment_checked": verdict.environment_checked, "notes": notes,
+                  "checks": [c.to_dict() for c in verdict.shown], "argv": argv if line else None, "command": line},
+                 [dr.format_report(list(verdict.shown), verbose=con.verbosity > 0), "", *notes, *tail])
+    elif verdict.failed:
+        click.echo("\n".join(str(c) for c in verdict.failed), err=True)
+    else:
+        con.note("; ".join([f"preflight passed ({len(checks)} checks before vLLM; vLLM's own run as it starts)",
+                            identity_line(manifest.conversion_id, manifest.source.content.digest), *notes,
+                            f"exec {line}"]))
+    if not verdict.ok:
+        raise _refusal(list(verdict.failed), f"serve: preflight failed ({len(verdict.failed)} check(s)); first: "
+                       f"{verdict.failed[0]}; lucifer-shard doctor OUT shows every check", PreflightFailed)
+    if not dry_run:
+        from ..runtime_shim.serving import launch
+
+        problem = launch.interface_problem(ifname) if ifname else None
+        if problem:
+            raise UsageRefused(problem)
+        sv.exec_vllm(argv, {**sv.serve_environment(out, mtp), **launch.link_environment(ifname, ib_hca)})
+
+
+def _write_launch(folder: Path, out: Path, manifest, nodes: dict, draft: bool, tokens: int | None, ifname: str | None,
+                  ib_hca: str | None, vllm_args: tuple[str, ...]) -> list[str]:
+    """serve --write-launch: every node's script (src/lucifer_shard/runtime_shim/serving/launch.py); the lines the dry run ends with."""
+    from ..runtime_shim.serving import launch
+
+    identity = identity_line(manifest.conversion_id, manifest.source.content.digest)
+    scripts = {r: launch.launch_script(out, r, nodes["nnodes"], identity, launch.node_serve_args(
+        nodes["nnodes"], r, nodes["master_addr"], nodes["master_port"], draft, tokens, ifname, ib_hca, vllm_args))
+        for r in range(nodes["nnodes"])}
+    written = launch.write_launch(folder, scripts)
+    return [f"every node's launch, written (copy node-R.sh to node R's box, which holds its share at {out} or at "
+            f"LUCIFER_SHARE; start node 0 first):", *(f"  {p}" for p in written)]

@@ -1,0 +1,339 @@
+"""A source checkpoint on the Hugging Face Hub: what a repo holds at one commit, its shard headers
+read by ranged requests, and the tool's own download folder for a streamed conversion.
+
+Order of a conversion from a repo id (docs/cli.md, "From the Hub"): config.json first (the refusals
+that need nothing else: another model, an unsupported variant), then the repo's file list with the
+sizes and SHA-256 the Hub publishes and the index, then every shard's header by ranged requests (a few
+KiB each: the plan, the fingerprint, the conversion id, OUT's refusals and the room check need no
+weight), and only then weights, each shard just before the first part that reads it.
+
+Every request goes through huggingface_hub (`hf_hub_download`, `HfApi.model_info`, and its HTTP session
+with `build_hf_headers` for the ranged header reads), so HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE and its
+retries apply. huggingface_hub checks a download's size only (`file_download.http_get`: "Consistency
+check failed: file should be of size ..."), so each shard is hashed here against the SHA-256 the Hub
+publishes for LFS files before a byte of it is used. A download stopped part-way is continued by the
+next run (`download_resumed`), shared with `fetch`.
+
+The download folder holds only what this tool downloaded for one repo at one commit (a marker file
+says which); shards are removed from it as soon as no later part needs them, never from the user's
+Hugging Face cache (blobs there are shared between revisions and tools) or a local checkpoint.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import SourceError
+from ..formats.stheader import Header, HeaderError, parse_header
+from ..guarded_io import Tree, open_regular
+
+NOT_HERE = "no such directory here, and as a Hugging Face repo id"
+
+logger = logging.getLogger("lucifer_shard.hub")  # -v: each shard's download, -vv: its SHA-256 check
+MARKER = "lucifer-download.json"
+HEADER_GUESS = 1 << 18  # first ranged read of a shard; a larger header takes one more request
+HASH_BLOCK = 16 << 20
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    name: str
+    size: int
+    sha256: str | None  # the Hub's SHA-256 of an LFS file; None for a git file (its blob id is `blob`)
+    blob: str | None
+
+    @property
+    def identity(self) -> str:
+        """What names these bytes on the Hub: the SHA-256, or the git blob id."""
+        return f"sha256:{self.sha256}" if self.sha256 else f"git:{self.blob}"
+
+
+@dataclass(frozen=True)
+class HubRepo:
+    """A model repo at one commit: every file with its size and published identity."""
+
+    repo: str
+    commit: str
+    files: dict[str, RemoteFile]
+    card: dict = field(default_factory=dict)  # the repo card's front matter as the Hub parsed it (license, ...)
+
+    def get(self, name: str) -> RemoteFile:
+        f = self.files.get(name)
+        if f is None:
+            raise SourceError(f"{self.repo} at {self.commit[:12]}: has no file {name}; the index or the repo is "
+                              f"incomplete (check the revision)")
+        return f
+
+
+def _hub_error(repo: str, revision: str | None, what: str, e: Exception) -> SourceError:
+    """One line for a failed Hub request: which repo, revision and file, why, and what to do."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RemoteEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    at = revision or "main"
+    if isinstance(e, GatedRepoError):
+        return SourceError(f"{repo}: gated; accept its terms on the Hub and log in (`hf auth login` or HF_TOKEN)")
+    if isinstance(e, RepositoryNotFoundError):
+        return SourceError(f"{repo}: {NOT_HERE}: no model repo on {constants.ENDPOINT} (or it is private: log "
+                           f"in with `hf auth login` or HF_TOKEN); check the path or the repo id")
+    if isinstance(e, RevisionNotFoundError):
+        return SourceError(f"{repo}: no revision {at}; pass an existing branch, tag or commit to --revision")
+    if isinstance(e, RemoteEntryNotFoundError):
+        return SourceError(f"{repo} at {at}: has no {what}; not a safetensors checkpoint (check the repo id)")
+    if isinstance(e, LocalEntryNotFoundError):
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub is unreachable"
+        return SourceError(f"{repo}: {NOT_HERE}: {what} of {repo} at {at} is not in the local Hugging Face cache "
+                           f"({constants.HF_HUB_CACHE}) and {why}; run `hf download {repo}"
+                           f"{' --revision ' + revision if revision else ''}` where the Hub is reachable, or pass a "
+                           f"local checkpoint directory")
+    return SourceError(f"{repo}: cannot read {what} of {repo} at {at} from the Hub ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else ''})")
+
+
+def guarded(repo: str, revision: str | None, what: str, call: Callable):
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return call()
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
+        raise _hub_error(repo, revision, what, e) from None
+
+
+def small_file(repo: str, name: str, revision: str | None) -> Path:
+    """A small file of the repo (config.json, the index) through huggingface_hub's cache; its path,
+    whose folder is named for the commit the revision resolved to."""
+    from huggingface_hub import hf_hub_download
+
+    return Path(guarded(repo, revision, name, lambda: hf_hub_download(repo, name, revision=revision)))
+
+
+def repo_at(repo: str, commit: str) -> HubRepo | None:
+    """The repo's files at `commit`, with the sizes and SHA-256 the Hub publishes (one request); None
+    when the Hub cannot be reached (HF_HUB_OFFLINE, no network): then only the cache can serve."""
+    import httpx2
+    from huggingface_hub import HfApi
+
+    def info():
+        try:
+            return HfApi().model_info(repo, revision=commit, files_metadata=True)
+        except (ConnectionError, httpx2.ConnectError, httpx2.TimeoutException):  # OfflineModeIsEnabled too
+            return None
+    info = guarded(repo, commit, "the file list", info)
+    if info is None:
+        return None
+    files = {}
+    for s in info.siblings or []:
+        sha = s.lfs.sha256 if s.lfs is not None else None
+        size = s.lfs.size if s.lfs is not None else s.size
+        if size is None:
+            raise SourceError(f"{repo} at {commit[:12]}: the Hub gave no size for {s.rfilename}; try again later")
+        files[s.rfilename] = RemoteFile(s.rfilename, size, sha, s.blob_id)
+    card = info.card_data.to_dict() if info.card_data is not None else {}
+    return HubRepo(repo, info.sha or commit, files, card)
+
+
+def _ranged(repo: HubRepo, name: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a file of the repo, by one ranged GET through huggingface_hub's session."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    def get() -> bytes:
+        headers = {**build_hf_headers(), "Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
+        r = get_session().get(hf_hub_url(repo.repo, name, revision=repo.commit), headers=headers,
+                              follow_redirects=True)
+        hf_raise_for_status(r)
+        return r.content
+    data = guarded(repo.repo, repo.commit, name, get)
+    if len(data) != end - start:  # a server that ignored the range sends the whole file: refuse, do not use it
+        raise SourceError(f"{repo.repo}: a ranged read of {name} [{start}, {end}) returned {len(data)} bytes; the "
+                          f"endpoint does not serve byte ranges (check HF_ENDPOINT)")
+    return data
+
+
+def remote_header(repo: HubRepo, name: str) -> Header:
+    """A shard's header from its first bytes on the Hub, validated as a local one is (`stheader`)."""
+    size = repo.get(name).size
+    first = _ranged(repo, name, 0, min(size, HEADER_GUESS)) if size >= 8 else b""
+    n = int.from_bytes(first[:8], "little") if len(first) >= 8 else 0
+    if len(first) >= 8 and 8 + n > len(first) and 8 + n <= size:
+        first += _ranged(repo, name, len(first), 8 + n)
+    try:
+        return parse_header(f"{repo.repo}/{name}", first[:8 + n] if len(first) >= 8 else first, size)
+    except HeaderError as e:
+        raise SourceError(f"{name} of {repo.repo} at {repo.commit[:12]}: {e.reason}; the shard on the Hub is damaged "
+                          f"or not safetensors", key=e.tensor) from None
+
+
+def cached_snapshot(repo: HubRepo, names: list[str]) -> Path | None:
+    """The Hugging Face cache's snapshot folder of `repo` at its commit when it holds every file of
+    `names` (then nothing needs downloading), else None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    paths = [try_to_load_from_cache(repo.repo, n, revision=repo.commit) for n in names]
+    return Path(paths[0]).parent if paths and all(isinstance(p, str) for p in paths) else None
+
+
+def download_resumed(repo: str, commit: str, name: str, tree: Tree, rel: str, size: int,
+                     report: Callable[[int], None], sync: bool = False) -> str | None:
+    """File `name` of `repo` at `commit` into `tree`'s `rel`, continuing the bytes a stopped run left there
+    with a Range request, through huggingface_hub's own `http_get(resume_size=)` (its URL, headers,
+    retries and range handling); `report(n)` gets the bytes as they come (those already there first).
+    Not `hf_hub_download(local_dir=)`: huggingface_hub 2.4.0 writes each download to a process-unique
+    `<etag>.<uuid>.incomplete` opened "wb" (file_download.py `_download_to_tmp_and_move`), so a killed run
+    would start the file again from byte 0. `sync`: flushed to the disk (for a file published by a link).
+    Returns the file's SHA-256, hashed as its bytes were written (no second read), or None where
+    http_get rewound the file (a server that ignored the range): then the caller hashes it."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    def get() -> str | None:
+        headers = build_hf_headers()
+        location = get_hf_file_metadata(hf_hub_url(repo, name, revision=commit), headers=headers).location
+        with os.fdopen(tree.open_own(rel, os.O_RDWR), "r+b") as f:
+            have = f.seek(0, os.SEEK_END)
+            if have > size:  # not a start of this file: begin again
+                have = f.seek(0)
+                f.truncate()
+            out = _Hashing(f, have)
+            report(have)
+            if have < size:
+                http_get(location, out, resume_size=have, headers=headers, expected_size=size, displayed_filename=name,
+                         tqdm_class=_bar(report))
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+            return out.sha.hexdigest() if out.whole else None
+    return guarded(repo, commit, name, get)
+
+
+class _Hashing:
+    """The file http_get writes into, hashing (SHA-256) the bytes already there and each write, so a
+    download is checked without reading it again; a seek or truncate (http_get rewinds when a server
+    ignored the range) leaves the hash incomplete (`whole` False)."""
+
+    def __init__(self, f, have: int):
+        self.f, self.sha, self.whole = f, hashlib.sha256(), True
+        f.seek(0)
+        while f.tell() < have and (chunk := f.read(min(HASH_BLOCK, have - f.tell()))):
+            self.sha.update(chunk)
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def seek(self, *args: int) -> int:
+        self.whole = False
+        return self.f.seek(*args)
+
+    def truncate(self, *args: int) -> int:
+        self.whole = False
+        return self.f.truncate(*args)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    fd = open_regular(path)
+    try:
+        while chunk := os.read(fd, HASH_BLOCK):
+            h.update(chunk)
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+class DownloadFolder:
+    """The folder a streamed conversion downloads into (`OUT/.lucifer/download` or --download-dir): a
+    marker names the repo and commit, so a folder of another download (or a user's) is refused, and
+    only files of that repo which this tool downloaded are ever removed from it."""
+
+    def __init__(self, repo: HubRepo, root: Path, report: Callable[[int], None] | None = None):
+        self.repo, self.root, self.tree = repo, Path(root), Tree(root)
+        self.report = report or (lambda n: None)  # bytes downloaded, for the one progress display
+        self.downloaded = 0
+        self.seconds = 0.0
+
+    def marker(self) -> dict:
+        return {"format": "lucifer-shard-download", "hf": f"{self.repo.repo}@{self.repo.commit}"}
+
+    def claim(self) -> None:
+        """Make the folder (or take over this download's), refusing one that holds anything else."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        entries = self.tree.entries()
+        if MARKER in entries:
+            try:
+                theirs = json.loads(self.tree.read(MARKER))
+            except (ValueError, UnicodeDecodeError):
+                theirs = None
+            if theirs != self.marker():
+                what = str(theirs.get("hf"))[:80] if isinstance(theirs, dict) else "an unreadable marker"
+                raise SourceError(f"{self.root}: a download folder of {what}, not of {self.repo.repo} at "
+                                  f"{self.repo.commit[:12]}; choose another --download-dir (or empty this one)")
+        elif entries:
+            raise SourceError(f"{self.root}: not empty and not a lucifer-shard download folder; choose an empty or "
+                              f"new --download-dir (lucifer-shard deletes only files it downloaded)")
+        else:
+            self.tree.write_bytes(MARKER, (json.dumps(self.marker(), sort_keys=True) + "\n").encode())
+
+    def fetch(self, name: str) -> Path:
+        """`name` in the folder, downloaded (continued where a stopped run left it) unless already whole,
+        and checked against the Hub's SHA-256 before any byte of it is used; a file that fails is
+        removed and named."""
+        remote = self.repo.get(name)
+        st = self.tree.lstat(name)
+        sha = None
+        if st is None or st.st_size != remote.size:
+            t0 = time.perf_counter()
+            sha = download_resumed(self.repo.repo, self.repo.commit, name, self.tree, name, remote.size, self.report)
+            took = time.perf_counter() - t0
+            self.seconds += took
+            self.downloaded += remote.size - (st.st_size if st is not None else 0)
+            logger.info("%s: downloaded, %d bytes in %.1f s", name, remote.size, took)
+        t0 = time.perf_counter()
+        if remote.sha256 is not None and (sha or _sha256(self.tree.path(name))) != remote.sha256:
+            self.remove(name)
+            raise SourceError(f"{name} of {self.repo.repo} at {self.repo.commit[:12]}: its bytes do not have the "
+                              f"SHA-256 the Hub publishes for it ({remote.sha256[:16]}...); removed. The download "
+                              f"was damaged or the endpoint served other bytes: run the same command again (it "
+                              f"downloads it anew), and if it fails again, report it to the repo's owner")
+        logger.debug("%s: SHA-256 checked in %.1f s", name, time.perf_counter() - t0)
+        return self.tree.path(name)
+
+    def remove(self, name: str) -> None:
+        """Remove a file of the repo this folder downloaded."""
+        self.tree.remove(name)
+
+    def close(self, names: list[str]) -> None:
+        """Remove what is left of the download (`names`: the repo files it may hold), the marker, then the
+        folder itself if it is empty."""
+        for name in names:
+            self.remove(name)
+        self.tree.remove(MARKER)
+        if not self.tree.entries():
+            Tree(self.root.parent).remove_dir(self.root.name)
+
+
+def _bar(report: Callable[[int], None]) -> type:
+    """A tqdm class for huggingface_hub's download that shows nothing and reports each update: the
+    download is shown on the command's one progress line, not as a bar of its own per file."""
+    from tqdm.auto import tqdm
+
+    class Forward(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> None:
+            report(int(n or 0))
+
+    return Forward
