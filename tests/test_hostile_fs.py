@@ -524,7 +524,7 @@ def _stopped_at_the_first_writer(first, tiny_pattern, out: Path, monkeypatch):
 def test_a_stop_wrapped_by_python_is_still_the_stop(tiny_pattern, tmp_path, monkeypatch):
     """A SIGTERM that lands inside an import comes out as the RuntimeError of the class being built
     (seen once in torch's import, SIGTERM at a random time): exit 143 and the --resume line, not an internal error."""
-    from lucifer_shard.cli.console import Terminated
+    from lucifer_shard.stops import Terminated
 
     def wrapped():
         raise RuntimeError("Error calling __set_name__ on 'Field' instance") from Terminated()

@@ -347,7 +347,7 @@ def test_no_serve_extra_and_the_wheel_carries_the_plugin(tmp_path):
         entry = z.read(f"lucifer_shard-{__version__}.dist-info/entry_points.txt").decode()
     assert {"lucifer_shard/runtime_shim/load/loader.py", "lucifer_shard/configs/deepseek-v4-flash.json",
             "lucifer_shard/runtime_shim/adapt/wrappers/hashes.json"} <= names
-    assert "lucifer_tp3 = lucifer_shard.runtime_shim:register" in entry and "lucifer-shard = lucifer_shard.cli:main" in entry
+    assert "lucifer_tp3 = lucifer_shard.runtime_shim:register" in entry and "lucifer-shard = lucifer_shard.cli.entry:main" in entry
 
 
 def test_where_to_get_a_server_is_one_table_in_doctor_and_readme():

@@ -1,4 +1,4 @@
 """`python -m lucifer_shard.cli`, as the `lucifer-shard` console script."""
-from .group import main
+from .entry import main
 
 main()

@@ -43,7 +43,9 @@ from typing import Any, Callable, NoReturn
 import click
 from click.core import ParameterSource
 
+from .. import stops
 from ..errors import BROKEN_PIPE, ERROR_KINDS, LuciferError, UsageRefused, exit_codes, fault
+from ..stops import Terminated
 
 SCHEMA_VERSION = 2  # 2: error.kind is a kind of errors.ERROR_KINDS (1 had Python class names)
 PROG = "lucifer-shard"
@@ -249,10 +251,6 @@ def _internal(con: Console, e: BaseException, out) -> NoReturn:
     con.fail(message, ERROR_KINDS["internal"][0], "internal", line=f"error: {message}; details in {log}")
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (what containers and systemd send), raised where Ctrl-C would be: the same clean stop."""
-
-
 STOP_AGAIN_S = 0.05  # a stop that lands where it may not be raised is sent again this often
 # Where a raised stop can leave a lock held (the standard library's thread primitives take their locks in
 # Python, a stop between the acquire and the `with` leaves it taken: a worker then waits on it for ever).
@@ -292,6 +290,8 @@ def _stops_interrupt():
         yield
         return
     try:
+        if (stop := stops.pending()) is not None:  # recorded before the command began (cli/entry.py)
+            raise stop
         yield
     finally:
         for s, h in previous.items():

@@ -1,0 +1,88 @@
+"""A stop (Ctrl-C, SIGTERM) for the whole life of a `lucifer-shard` process: outside a command's run a signal
+only sets a flag, so it never lands as a traceback in an import, in click's parsing or in the interpreter's
+exit; the command's own handler (cli/console.py) raises the one recorded before it began, and a stop after
+the command has finished ends the process at once, its output complete. A second signal always ends it at once.
+Below every room: the process's entry point (cli/entry.py) and the console share it."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import NoReturn
+
+from .errors import BROKEN_PIPE
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what containers and systemd send), raised where Ctrl-C would be: the same clean stop."""
+
+
+_received: list[int] = []
+
+
+def pending() -> KeyboardInterrupt | None:
+    """The first stop recorded so far, as the exception a command raises for it; None without one."""
+    if not _received:
+        return None
+    return Terminated() if _received[0] == signal.SIGTERM else KeyboardInterrupt()
+
+
+def end_now(signum: int, why: str) -> None:
+    """One line on stderr and the signal's exit code, at once: nothing is left to finish or clean up."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: the line below may still reach stderr
+            pass
+    try:
+        os.write(2, f"{why} ({NAMES[signal.Signals(signum)]})\n".encode())
+    except OSError:
+        pass
+    os._exit(EXIT_CODES[signal.Signals(signum)])
+
+
+def _record(signum: int, frame) -> None:
+    _received.append(signum)
+    if len(_received) > 1:
+        end_now(signum, "stopped at once: a second stop")
+
+
+def _after(signum: int, frame) -> None:
+    end_now(signum, "stopped after the command had finished: its output above is complete")
+
+
+def record_stops() -> None:
+    """From here on a stop is recorded, not raised (the process's first act, before the heavy imports)."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, _record)
+
+
+def exit_now(code: int | str | None) -> NoReturn:
+    """The command has finished (`code`: its SystemExit's): what it wrote is flushed and the process leaves
+    without the interpreter's finalization, which puts the default handlers back, so that a stop while it
+    joins threads would kill the process with no word (exit -2). A stop recorded meanwhile, or from here on,
+    ends it at once with its line."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, _after)
+    if _received:
+        end_now(_received[0], "stopped after the command had finished: its output above is complete")
+    if isinstance(code, str):  # as the interpreter does with a message for an exit code
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()  # a log file's last records (the internal-error log, -v to a file)
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # a reader such as `head` went away: the console's exit for it
+        code = BROKEN_PIPE
+    except (OSError, ValueError):
+        pass
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(code or 0)
