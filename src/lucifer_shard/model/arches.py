@@ -60,6 +60,9 @@ class Arch:
     attention: str  # stock vLLM's attention backend on it
     moe_backends: tuple[str, ...]
     caveat: str = ""  # what serve's --help adds to its backends
+    # stock vLLM's attention here (DeepseekV4FlashInferSM120Attention) refuses to build unless FlashInfer's DSV4
+    # sparse-MLA decode dispatch admits the rank's (padded heads, top_k): doctor reads it (serving/kernels.py)
+    sparse_mla_dispatch: bool = False
 
     def backends(self, expert_layout: str) -> tuple[str, str]:
         """(attention, MoE backend) stock vLLM serves an output of this family in `expert_layout` with."""
@@ -78,9 +81,9 @@ class Arch:
 # family only (`B12xExperts._supports_current_device`). Order: --arch's choices.
 ARCH_TABLE = (
     Arch("sm120", (12, 0), "RTX PRO 6000, RTX 5090", "FLASHINFER_CUTLASS_MXFP4_MXFP8", _MXFP8_KERNEL, FLASHINFER_MLA,
-         (FLASHINFER_CUTLASS, MARLIN, B12X)),
+         (FLASHINFER_CUTLASS, MARLIN, B12X), sparse_mla_dispatch=True),
     Arch("sm121", (12, 1), "DGX Spark GB10", "FLASHINFER_CUTLASS_MXFP4_MXFP8", _MXFP8_KERNEL, FLASHINFER_MLA,
-         (FLASHINFER_CUTLASS, MARLIN, B12X), caveat="GB10: not yet run"),
+         (FLASHINFER_CUTLASS, MARLIN, B12X), caveat="GB10: not yet run", sparse_mla_dispatch=True),
     Arch("sm100", (10, None), "B200, GB200", "FLASHINFER_CUTLASS_MXFP4_MXFP8", _MXFP8_KERNEL, FLASHINFER_MLA,
          (FLASHINFER_CUTLASS, MARLIN)),
     Arch("sm90", (9, None), "H100, H200", "FLASHINFER_CUTLASS_MXFP4_BF16", _BF16_KERNEL, FLASHMLA,

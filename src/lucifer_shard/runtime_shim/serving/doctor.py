@@ -27,10 +27,12 @@ from lucifer_shard.output.share import identity_line
 
 from ..adapt import compat
 from ..adapt.versions import dist_version
-from ..checks import (ENVIRONMENT, FAIL, INFO, OK, OUTPUT, SKIP, WARN, Check, format_report, out_check as _out)  # noqa: F401 (doctor's names)
+from ..checks import ENVIRONMENT, FAIL, INFO, OK, OUTPUT, SKIP, WARN, Check, format_report  # noqa: F401 (doctor's names)
+from ..checks import out_check as _out
 from ..errors import ShimError
 from ..load.nodefiles import rank_files_check, share_checks
 from ..manifest import draft_kind, needs_virtual_tp, roles
+from .kernels import sparse_mla_checks
 
 # The newest vetted release's install, for a fix line (doctor's guide prints the whole route without the pin)
 STOCK_INSTALL = STOCK.install + (f" (where the package index lacks flashinfer-python=={STOCK.flashinfer}: the "
@@ -394,7 +396,9 @@ def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | 
     checks.extend(_draft_checks(m, build, mtp))
     if verdicts is None:
         return checks
-    return checks + _output_vllm_checks(m, verdicts)
+    from ..adapt.lucifer_tuple import device_arch
+
+    return checks + _output_vllm_checks(m, verdicts) + sparse_mla_checks(Path(out_dir), m, device_arch()[0], mtp)
 
 
 def _draft_checks(m, build, asked: bool) -> list[Check]:
