@@ -81,7 +81,8 @@ def test_a_launch_for_a_refused_output_writes_nothing(converted, tmp_path):
     assert r.exit_code == 1 and not (tmp_path / "L").exists(), r.output
 
 
-def test_the_interface_reaches_vllm_and_a_missing_one_is_refused_before_it_starts(converted, monkeypatch):
+def test_the_interface_reaches_vllm_and_a_missing_one_is_refused_before_it_starts(converted, monkeypatch, tmp_path):
+    monkeypatch.setattr(launch, "SYS", _sysfs(tmp_path, {}, ["mlx5_0", "mlx5_1"]))  # this box has no RDMA device
     ran = []
     passed = [Check("vllm", OK, "vetted build")]
     monkeypatch.setattr(doctor, "quick_checks", lambda out, mtp=False, node_ranks=None, manifest=None: passed)
@@ -197,3 +198,50 @@ def test_inspect_and_doctor_print_the_identity_every_node_compares(converted):
     out = converted(expert_layout="model")
     assert f"identity       {identity(out)}" in run("inspect", out).stdout
     assert f": {identity(out)}, tp 3" in run("doctor", out).stdout
+
+
+def _sysfs(tmp_path: Path, states: dict[str, str], hcas: list[str]) -> Path:
+    root = tmp_path / "sys"
+    for name, state in states.items():
+        (root / "class" / "net" / name).mkdir(parents=True)
+        (root / "class" / "net" / name / "operstate").write_text(state + "\n")
+    (root / "class" / "infiniband").mkdir(parents=True)
+    for hca in hcas:
+        (root / "class" / "infiniband" / hca).mkdir()
+    return root
+
+
+def test_an_interface_that_is_down_or_an_rdma_device_that_is_missing_is_named(tmp_path):
+    root = _sysfs(tmp_path, {"enp1s0f0np0": "up", "enp1s0f1np1": "down", "lo": "unknown"}, ["rocep1s0f0", "roceP2p1s0f1"])
+    names = ["lo", "enp1s0f0np0", "enp1s0f1np1"]
+    assert launch.interface_problem("enp1s0f0np0", names, root) is None
+    assert launch.interface_problem("lo", names, root) is None  # "unknown": virtual links that carry traffic
+    assert launch.interface_problem("enp1s0f1np1", names, root).startswith("--ifname enp1s0f1np1: the interface is "
+                                                                            "down (its cable, or `ip link set")
+    assert launch.ib_hca_problem("rocep1s0f0,roceP2p1s0f1:1", root) is None
+    assert launch.ib_hca_problem("roce", root) is None  # NCCL matches a prefix
+    assert launch.ib_hca_problem("^mlx5_9", root) is None  # an exclusion list: nothing to find
+    assert launch.ib_hca_problem("=roce", root).startswith("--ib-hca =roce: no RDMA device roce on this host (it "
+                                                           "has roceP2p1s0f1, rocep1s0f0)")
+    assert "mlx5_0" in launch.ib_hca_problem("mlx5_0,rocep1s0f0", root)
+    empty = tmp_path / "bare"
+    assert "class/infiniband is empty or missing: no RDMA device or driver" in launch.ib_hca_problem("mlx5_0", empty)
+
+
+def test_the_dry_run_checks_both_link_options_and_the_start_refuses_them(converted, monkeypatch):
+    """Before: the dry run never checked --ifname (only the real start did) and nothing checked --ib-hca."""
+    out = converted()
+    here = [name for _, name in __import__("socket").if_nameindex()][0]
+    r = run("serve", out, "--nnodes", 1, "--node-rank", 0, "--master-addr", ADDR, "--ifname", "nosuch0",
+            "--ib-hca", "=nosuch_hca", "--dry-run")
+    # vLLM is not installed here: the environment's lines are shown as skipped, as on any conversion box
+    assert r.exit_code == 0, r.output
+    assert "--ifname: --ifname nosuch0: no such network interface" in r.stdout
+    assert "--ib-hca: --ib-hca =nosuch_hca: no RDMA device nosuch_hca" in r.stdout
+    ran = []
+    monkeypatch.setattr(doctor, "quick_checks", lambda out, mtp=False, node_ranks=None, manifest=None:
+                        [Check("vllm", OK, "vetted build")])
+    monkeypatch.setattr(serve, "exec_vllm", lambda argv, env: ran.append(env))
+    r = run("serve", out, "--nnodes", 1, "--node-rank", 0, "--master-addr", ADDR, "--ifname", here,
+            "--ib-hca", "=nosuch_hca")
+    assert r.exit_code == 2 and "--ib-hca =nosuch_hca: no RDMA device nosuch_hca" in r.stderr and ran == [], r.output

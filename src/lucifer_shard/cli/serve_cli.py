@@ -210,10 +210,11 @@ def _with_backends(f):
 @click.option("--ifname", default=None, metavar="IFACE",
               help="With --nnodes: the network interface of the link between the boxes (e.g. a ConnectX port; "
                    "`ip -br addr` lists them). vLLM gets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME=IFACE; refused "
-                   "before vLLM starts where this host has no such interface.")
+                   "before vLLM starts where this host has no such interface or it is down (the dry run says so).")
 @click.option("--ib-hca", default=None, metavar="HCAS",
               help="With --nnodes: the RDMA devices NCCL may use (NCCL_IB_HCA, e.g. mlx5_0,mlx5_1; `ibdev2netdev` "
-                   "pairs them with interfaces).")
+                   "pairs them with interfaces); refused before vLLM starts where /sys/class/infiniband has none of "
+                   "them (the dry run says so).")
 @click.option("--write-launch", type=click.Path(path_type=Path, file_okay=False), default=None, metavar="DIR",
               help="With --nnodes and --master-addr (--node-rank defaults to 0): run the dry run, then write "
                    "DIR/node-R.sh for every node: each runs lucifer-shard serve on that node's share with these "
@@ -296,6 +297,8 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     if dry_run:  # the thorough report (it runs nothing, so it may take its time)
         _importing_note(con)
         checks = dr.doctor_report(out, mtp, node_ranks)
+        if write_launch is None:  # this box's link (a launch written for every box checks it on each, at start)
+            checks += _link_checks(ifname, ib_hca)
     else:  # before exec only what needs no vLLM import; the rest runs inside vLLM as it starts
         checks = dr.quick_checks(out, mtp, node_ranks, manifest)
     verdict = sv.preflight(checks, dry_run)
@@ -335,10 +338,25 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     if not dry_run:
         from ..runtime_shim.serving import launch
 
-        problem = launch.interface_problem(ifname) if ifname else None
-        if problem:
-            raise UsageRefused(problem)
+        problems = launch.link_problems(ifname, ib_hca)
+        if problems:
+            raise UsageRefused("; ".join(problems))
         sv.exec_vllm(argv, {**sv.serve_environment(out, mtp), **launch.link_environment(ifname, ib_hca)})
+
+
+def _link_checks(ifname: str | None, ib_hca: str | None) -> list:
+    """The dry run's lines for --ifname and --ib-hca on this host: what the real start refuses (exit 2)."""
+    from ..runtime_shim.checks import FAIL, OK, Check
+    from ..runtime_shim.serving import launch
+
+    checks = []
+    if ifname:
+        why = launch.interface_problem(ifname)
+        checks.append(Check("--ifname", FAIL if why else OK, why or f"{ifname}: present and up here"))
+    if ib_hca:
+        why = launch.ib_hca_problem(ib_hca)
+        checks.append(Check("--ib-hca", FAIL if why else OK, why or f"{ib_hca}: present here"))
+    return checks
 
 
 def _write_launch(folder: Path, out: Path, manifest, nodes: dict, draft: bool, tokens: int | None, ifname: str | None,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lucifer_shard.errors import UsageRefused
-from lucifer_shard.guarded_io import Tree
+from lucifer_shard.guarded_io import Refused, Tree, read_regular
 
 # serve's link options -> the environment variables vLLM's process group libraries read: NCCL's TCP bootstrap
 # and socket transport, gloo's (vLLM's CPU group: its metadata, and lucifer_tp3's cross-node check), and the
@@ -26,6 +26,8 @@ LINK_ENV = {
 SCRIPT_NAME = "node-{rank}.sh"
 SHARE_VAR = "LUCIFER_SHARE"  # a box whose share is elsewhere: LUCIFER_SHARE=/path bash node-R.sh
 SCRIPT_MODE = 0o755
+SYS = Path("/sys")
+DOWN = ("down", "lowerlayerdown", "notpresent")  # operstate values of a link that carries nothing
 
 
 def link_environment(ifname: str | None, ib_hca: str | None) -> dict[str, str]:
@@ -34,14 +36,48 @@ def link_environment(ifname: str | None, ib_hca: str | None) -> dict[str, str]:
     return {var: value for opt, value in given.items() if value for var in LINK_ENV[opt]}
 
 
-def interface_problem(ifname: str, present: Sequence[str] | None = None) -> str | None:
-    """Why `ifname` cannot carry this node's traffic here (no such interface), or None. `present`: the
-    host's interface names (socket.if_nameindex's, by default)."""
+def interface_problem(ifname: str, present: Sequence[str] | None = None, sys_root: Path | None = None) -> str | None:
+    """Why `ifname` cannot carry this node's traffic here (no such interface, or it is down), or None.
+    `present`: the host's interface names (socket.if_nameindex's, by default); `sys_root`: SYS by default."""
     names = [n for _, n in socket.if_nameindex()] if present is None else list(present)
-    if ifname in names:
+    if ifname not in names:
+        return (f"--ifname {ifname}: no such network interface on this host (it has {', '.join(sorted(names))}); "
+                f"pass the interface of the link between the boxes (`ip -br addr` lists them with their addresses)")
+    state = _read_text((sys_root or SYS) / "class" / "net" / ifname / "operstate")
+    if state in DOWN:  # "unknown" is what virtual and some RDMA netdevs report while they carry traffic
+        return (f"--ifname {ifname}: the interface is {state} (its cable, or `ip link set {ifname} up`; "
+                f"`ip -br link` shows each state)")
+    return None
+
+
+def ib_hca_problem(ib_hca: str, sys_root: Path | None = None) -> str | None:
+    """Why NCCL would find none of `ib_hca`'s RDMA devices here, or None. NCCL_IB_HCA's syntax: `^` excludes
+    the devices listed (nothing to check), `=` matches names exactly (else as prefixes), `:port` per device."""
+    if ib_hca.startswith("^"):
         return None
-    return (f"--ifname {ifname}: no such network interface on this host (it has {', '.join(sorted(names))}); pass "
-            f"the interface of the link between the boxes (`ip -br addr` lists them with their addresses)")
+    exact = ib_hca.startswith("=")
+    wanted = [d.split(":", 1)[0] for d in ib_hca.lstrip("=").split(",") if d]
+    folder = (sys_root or SYS) / "class" / "infiniband"
+    present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    missing = [d for d in wanted if not any(n == d if exact else n.startswith(d) for n in present)]
+    if not missing:
+        return None
+    have = f"it has {', '.join(present)}" if present else f"{folder} is empty or missing: no RDMA device or driver"
+    return (f"--ib-hca {ib_hca}: no RDMA device {', '.join(missing)} on this host ({have}); `ibdev2netdev` pairs "
+            f"each with its interface")
+
+
+def link_problems(ifname: str | None, ib_hca: str | None) -> list[str]:
+    """Every reason this host's link options cannot work, checked where serve starts (and in its dry run)."""
+    return [p for p in (interface_problem(ifname) if ifname else None, ib_hca_problem(ib_hca) if ib_hca else None)
+            if p]
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return read_regular(path, 64, follow=True).decode(errors="replace").strip()
+    except (OSError, Refused):  # not readable here (no sysfs): nothing known against it
+        return "unknown"
 
 
 def node_serve_args(nnodes: int, node_rank: int, master_addr: str, master_port: int | None, draft: bool,
