@@ -216,8 +216,11 @@ def test_an_interface_that_is_down_or_an_rdma_device_that_is_missing_is_named(tm
     names = ["lo", "enp1s0f0np0", "enp1s0f1np1"]
     assert launch.interface_problem("enp1s0f0np0", names, root) is None
     assert launch.interface_problem("lo", names, root) is None  # "unknown": virtual links that carry traffic
-    assert launch.interface_problem("enp1s0f1np1", names, root).startswith("--ifname enp1s0f1np1: the interface is "
-                                                                            "down (its cable, or `ip link set")
+    assert launch.interface_problem("enp1s0f1np1", names, root).startswith("--ifname enp1s0f1np1: enp1s0f1np1 is down "
+                                                                            "(its cable, or `ip link set")
+    assert launch.interface_problem("enp1s0f0np0,lo", names, root) is None  # a triangle's list, as NCCL takes it
+    assert "enp1s0f1np1 is down" in launch.interface_problem("enp1s0f0np0,enp1s0f1np1", names, root)
+    assert "no such network interface eth7 on" in launch.interface_problem("enp1s0f0np0,eth7", names, root)
     assert launch.ib_hca_problem("rocep1s0f0,roceP2p1s0f1:1", root) is None
     assert launch.ib_hca_problem("roce", root) is None  # NCCL matches a prefix
     assert launch.ib_hca_problem("^mlx5_9", root) is None  # an exclusion list: nothing to find

@@ -37,16 +37,20 @@ def link_environment(ifname: str | None, ib_hca: str | None) -> dict[str, str]:
 
 
 def interface_problem(ifname: str, present: Sequence[str] | None = None, sys_root: Path | None = None) -> str | None:
-    """Why `ifname` cannot carry this node's traffic here (no such interface, or it is down), or None.
-    `present`: the host's interface names (socket.if_nameindex's, by default); `sys_root`: SYS by default."""
+    """Why `ifname` (one interface, or a comma-separated list, as NCCL and gloo take it: a triangle's two ports)
+    cannot carry this node's traffic here (no such interface, or one is down), or None. `present`: the host's
+    interface names (socket.if_nameindex's, by default); `sys_root`: SYS by default."""
     names = [n for _, n in socket.if_nameindex()] if present is None else list(present)
-    if ifname not in names:
-        return (f"--ifname {ifname}: no such network interface on this host (it has {', '.join(sorted(names))}); "
-                f"pass the interface of the link between the boxes (`ip -br addr` lists them with their addresses)")
-    state = _read_text((sys_root or SYS) / "class" / "net" / ifname / "operstate")
-    if state in DOWN:  # "unknown" is what virtual and some RDMA netdevs report while they carry traffic
-        return (f"--ifname {ifname}: the interface is {state} (its cable, or `ip link set {ifname} up`; "
-                f"`ip -br link` shows each state)")
+    for name in ifname.split(","):
+        if name not in names:
+            which = f" {name}" if name != ifname else ""  # in a list, which one
+            return (f"--ifname {ifname}: no such network interface{which} on this host (it has "
+                    f"{', '.join(sorted(names))}); pass the interface of the link between the boxes (`ip -br addr` "
+                    f"lists them with their addresses)")
+        state = _read_text((sys_root or SYS) / "class" / "net" / name / "operstate")
+        if state in DOWN:  # "unknown" is what virtual and some RDMA netdevs report while they carry traffic
+            return (f"--ifname {ifname}: {name} is {state} (its cable, or `ip link set {name} up`; `ip -br link` "
+                    f"shows each state)")
     return None
 
 
