@@ -34,11 +34,11 @@ def pending() -> KeyboardInterrupt | None:
 
 def end_now(signum: int, why: str) -> None:
     """One line on stderr and the signal's exit code, at once: nothing is left to finish or clean up."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed or broken stream: the line below may still reach stderr
-            pass
+    _flush(sys.stderr)
+    try:
+        _flush(sys.stdout)
+    except OSError:  # a reader gone: the line below may still reach stderr
+        pass
     try:
         os.write(2, f"{why} ({NAMES[signal.Signals(signum)]})\n".encode())
     except OSError:
@@ -76,13 +76,19 @@ def exit_now(code: int | str | None) -> NoReturn:
         code = 1
     logging.shutdown()  # a log file's last records (the internal-error log, -v to a file)
     try:
-        sys.stdout.flush()
+        _flush(sys.stdout)
     except BrokenPipeError:  # a reader such as `head` went away: the console's exit for it
         code = BROKEN_PIPE
-    except (OSError, ValueError):
+    except OSError:
         pass
     try:
-        sys.stderr.flush()
-    except (OSError, ValueError):
+        _flush(sys.stderr)
+    except OSError:
         pass
     os._exit(code or 0)
+
+
+def _flush(stream) -> None:
+    """Flush a standard stream that may be None (the process started with it closed: `>&-`) or closed."""
+    if stream is not None and not stream.closed:
+        stream.flush()
