@@ -83,6 +83,28 @@ def test_0731_at_tp3_per_box():
     assert "what fits, per rank, one rank a box (3x each box)" in out
 
 
+
+def test_the_utilization_is_given_or_vllms_default_with_a_spark_at_the_guides_value():
+    """plan --gpu-memory-utilization F figures every box at F; without it, vLLM's default 0.92, and a DGX Spark
+    again at the host guide's 0.80 (issue 64: the table and the guide said different things for the Spark)."""
+    config = str(CONFIGS / "deepseek-v4-flash-0731.json")
+    default = json.loads(run("plan", "--tp", "3", config, "--json").output)["result"]
+    weights = max(n["bytes"] for n in default["per_node"])
+    spark = (5 * GIB) // 2 + 2048 * (256 << 10)  # besides, at the Spark's 2,048 batched tokens
+    (guide,) = default["fit"]["unified_at_guide"]
+    assert guide["box"] == "DGX Spark (GB10)" and guide["utilization"] == 0.80
+    assert guide["kv_room_bytes"] == math.ceil(121 * GIB * 0.80) - weights - spark
+    given = json.loads(run("plan", "--tp", "3", config, "--json", "--gpu-memory-utilization", "0.8").output)["result"]
+    rows = {b["box"]: b for b in given["fit"]["boxes"]}
+    assert given["fit"]["unified_at_guide"] == [] and given["fit"]["assumed"]["gpu_memory_utilization"] == 0.8
+    assert rows["DGX Spark (GB10)"] == guide and not rows["H100"]["fits"]
+    out = run("plan", "--tp", "3", config).output
+    assert "memory x 0.92 (vLLM's default --gpu-memory-utilization)" in out
+    assert "DGX Spark (GB10) at --gpu-memory-utilization 0.8 (the host guide's value there" in out
+    assert "memory x 0.8 (--gpu-memory-utilization)" in run("plan", "--tp", "3", config, "--gpu-memory-utilization",
+                                                            "0.8").output
+    assert run("plan", "--tp", "3", config, "--gpu-memory-utilization", "1.5").exit_code == 2
+
 def test_the_table_follows_the_tp_and_the_draft():
     """At --tp 1 the whole model is one rank's and fits no box; --no-mtp serves no draft: fewer weights and
     a request's windows cover fewer layers, so the pool is larger."""

@@ -249,11 +249,15 @@ def cli() -> None:
 @target_options
 @node_options
 @download_options
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0.05, 1.0), default=None, metavar="F",
+              help="The share of each box's GPU memory vLLM takes, for the per-box table  [default: 0.92, vLLM's "
+                   "default where it does not size its KV cache from measured memory; a DGX Spark is also shown at "
+                   "0.80, the host guide's value on unified memory]")
 @conventions(interrupted="interrupted: plan writes nothing")
 def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None,
          max_file_size: str, align: int, no_mtp: bool, revision: str | None, workers: int, resume: bool,
          force: bool, moe_backend: str | None, ranks: str | None, nnodes: int | None, node_rank: int | None,
-         download_dir: Path | None, keep_source: bool) -> None:
+         download_dir: Path | None, keep_source: bool, gpu_memory_utilization: float | None) -> None:
     """Dry run of convert: the virtual-TP plan and the conversion's disk footprint. Writes nothing.
 
     MODEL is a checkpoint directory, a repo id, a config.json file or a shipped config by name
@@ -299,7 +303,7 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     config = resolve_config(model, revision)
     raw = read_config(config)
     if is_v41(raw):  # another model: its bytes per rank, then convert's one-line refusal names what is missing
-        lines, doc = v41_report(raw, tp, str(config))
+        lines, doc = v41_report(raw, tp, str(config), gpu_memory_utilization)
         Console.of().emit(doc, lines)
         return
     cfg = parse_config(raw, str(config))
@@ -326,7 +330,7 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
                 if room is not None and is_repo_id(model) else None)
     if download is not None and download.out == room.out:  # on OUT's filesystem: OUT's room counts it
         room, download = download, None
-    fits, pool = box_fits(cfg, specs, fp)
+    fits, pool = box_fits(cfg, specs, fp, gpu_memory_utilization)
     Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(mine, room), "per_node": nodes,
                        "draft": draft_record(cfg) if "draft" in specs else None, "route_saving": saving,
                        "routes": routes, "download_room": download.to_dict() if download else None,

@@ -258,7 +258,7 @@ def _pad_bytes(spec: TensorSpec) -> int:
     return n * (spec.experts or 1)
 
 
-def v41_report(raw: dict, tp: int, where: str) -> tuple[list[str], dict]:
+def v41_report(raw: dict, tp: int, where: str, utilization: float | None = None) -> tuple[list[str], dict]:
     """`plan` on a DeepSeek-V4.1 config: per TP size each rank's GPU and host bytes (an estimate, model/v41.py),
     at `tp` per family and against the common boxes, and why convert refuses it."""
     sizes = {t: v41.rank_bytes(raw, t, where) for t in sorted({*v41.TP_SIZES, tp})}
@@ -270,7 +270,7 @@ def v41_report(raw: dict, tp: int, where: str) -> tuple[list[str], dict]:
     lines += ["", f"per family at --tp {tp}, on each rank's GPU:"]
     lines += [f"  {name:<24} {size(n):>12}" for name, n in at.gpu.items()]
     lines += [f"  {'Engram tables (host)':<24} {size(at.host):>12}"]
-    fits = boxfit.fits(at.gpu_total, None, at.host)
+    fits = boxfit.fits(at.gpu_total, None, at.host, utilization or boxfit.UTILIZATION)
     lines += box_lines(fits, None, tp, "GPU weights (with the Engram tables on unified memory); its KV cache is "
                                        "not modelled (vLLM's DeepseekV41 spec is another)")
     lines += ["", f"convert refuses it: {v41_refusal(where)}"]
@@ -280,41 +280,52 @@ def v41_report(raw: dict, tp: int, where: str) -> tuple[list[str], dict]:
     return lines, doc
 
 
-def box_fits(cfg: ModelConfig, specs: dict[str, list[list[TensorSpec]]], fp: fpm.Footprint
-             ) -> tuple[list[boxfit.Fit], boxfit.KVPool | None]:
+def box_fits(cfg: ModelConfig, specs: dict[str, list[list[TensorSpec]]], fp: fpm.Footprint,
+             utilization: float | None = None) -> tuple[list[boxfit.Fit], boxfit.KVPool | None]:
     """Each common box against the largest rank's files (target and draft) and the KV cache of the layers
-    vLLM serves (the draft's too when the plan has one)."""
+    vLLM serves (the draft's too when the plan has one), at `utilization` (None: vLLM's default, and the
+    unified-memory boxes shown again at the host guide's value)."""
     served = cfg.num_layers + (cfg.num_mtp if "draft" in specs else 0)
     pool = boxfit.kv_pool(cfg.raw, list(cfg.compress_ratios[:served]))
     weights = max(n["bytes"] for n in per_node(fp, len(next(iter(specs.values())))))
-    return boxfit.fits(weights, pool), pool
+    return boxfit.fits(weights, pool, utilization=utilization or boxfit.UTILIZATION), pool
 
 
 def boxes_json(fits: list[boxfit.Fit], pool: boxfit.KVPool | None) -> dict:
     kv = None if pool is None else {"block_bytes": pool.block_bytes, "bytes_per_token": boxfit.per_token_bytes(pool),
                                     "groups": [vars(g) for g in pool.groups], "max_position_embeddings": pool.max_len}
     return {"boxes": [boxfit.fit_json(f) for f in fits], "kv_cache": kv,
-            "assumed": {"gpu_memory_utilization": boxfit.UTILIZATION, "besides": dict(boxfit.BESIDES),
+            "unified_at_guide": [boxfit.fit_json(f) for f in boxfit.at_guide(fits, pool)],
+            "assumed": {"gpu_memory_utilization": fits[0].utilization, "besides": dict(boxfit.BESIDES),
                         "activation_bytes_per_batched_token": boxfit.ACTIVATION_BYTES_PER_BATCHED_TOKEN,
                         "in_flight_batches": boxfit.IN_FLIGHT_BATCHES}}
+
+
+def _fit_tail(f: boxfit.Fit) -> str:
+    """A box's row after its KV room: the longest --max-model-len and the tokens (requests) it holds, or why not."""
+    if f.room <= 0 or f.longest == 0:
+        return f"does not fit: {size(-f.room)} short" if f.room <= 0 else "does not fit: no room for one block"
+    if f.longest is None:
+        return "fits (tokens not modelled)"
+    short = f" at {f.longest:,}" if f.longest < boxfit.SERVED_LEN else ""
+    return f"{f.longest:>15,}  {f.served[0]:,} ({f.served[1]:.1f}){short}"
 
 
 def box_lines(fits: list[boxfit.Fit], pool: boxfit.KVPool | None, tp: int, weights: str) -> list[str]:
     """The per-box table: one rank on each of `tp` boxes (model/boxfit.py says where each figure comes from)."""
     at = f"at {boxfit.SERVED_LEN:,}: tokens (requests)"
-    lines = ["", f"what fits, per rank, one rank a box ({tp}x each box); memory x {boxfit.UTILIZATION} (vLLM's default "
-                 f"--gpu-memory-utilization) less weights and what vLLM keeps besides is the KV cache's room:",
+    u = fits[0].utilization
+    said = "vLLM's default --gpu-memory-utilization" if u == boxfit.UTILIZATION else "--gpu-memory-utilization"
+    lines = ["", f"what fits, per rank, one rank a box ({tp}x each box); memory x {u} ({said}) less weights and "
+                 f"what vLLM keeps besides is the KV cache's room:",
              f"  {'box':<17} {'memory':>11} {'weights':>10} {'besides':>9} {'KV room':>10}  {'--max-model-len':>15}  {at}"]
     for f in fits:
-        if f.room <= 0 or f.longest == 0:
-            tail = f"does not fit: {size(-f.room)} short" if f.room <= 0 else "does not fit: no room for one block"
-        elif f.longest is None:
-            tail = "fits (tokens not modelled)"
-        else:
-            short = f" at {f.longest:,}" if f.longest < boxfit.SERVED_LEN else ""
-            tail = f"{f.longest:>15,}  {f.served[0]:,} ({f.served[1]:.1f}){short}"
         lines.append(f"  {f.box.name:<17} {size(f.box.memory):>11} {size(f.weights):>10} {size(f.besides):>9} "
-                     f"{size(f.room) if f.room > 0 else '-':>10}  {tail}")
+                     f"{size(f.room) if f.room > 0 else '-':>10}  {_fit_tail(f)}")
+    for g in boxfit.at_guide(fits, pool):
+        lines.append(f"  {g.box.name} at --gpu-memory-utilization {g.utilization} (the host guide's value there; "
+                     f"vLLM's docs ask for one on unified memory): KV room {size(g.room) if g.room > 0 else '-'}, "
+                     f"--max-model-len and tokens {' '.join(_fit_tail(g).split())}")
     lines.append(f"  weights: {weights}; besides (assumed, not measured on this model: a real run's \"Available KV "
                  f"cache memory\" line is the measure): " + ", ".join(f"{what} {size(n)}" for what, n in boxfit.BESIDES)
                  + f", activations {size(boxfit.ACTIVATION_BYTES_PER_BATCHED_TOKEN)} a batched token "

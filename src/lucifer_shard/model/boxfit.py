@@ -56,6 +56,9 @@ BOXES = (
 # sizes the KV cache from all the memory left after warm-up instead (its extensible KV cache, cache.py:495-501),
 # which on a unified-memory box leaves the host nothing: there, pass --gpu-memory-utilization yourself.
 UTILIZATION = 0.92
+# On a unified-memory box (a DGX Spark) vLLM's documentation says to set it (cache.py:216-234); the host guide
+# (docs/three-boxes.md §4) and the public three-Spark lanes run 0.80: plan shows that box at it too.
+UNIFIED_UTILIZATION = 0.80
 # What vLLM keeps on the GPU besides the weights and the KV cache (v1/worker/gpu_worker.py:673-790: the
 # profile run's peak, the CUDA-graph estimate, non-torch memory). Assumed, not measured on this model: a real
 # run's "Available KV cache memory" line replaces the sum.
@@ -208,6 +211,7 @@ class Fit:
     room: int  # KV-cache room: memory x utilization - weights - besides (negative: does not fit)
     longest: int | None  # the largest --max-model-len of one request; None: KV not modelled
     served: tuple[int, float] | None  # (tokens, concurrency) at SERVED_LEN, or at `longest` if shorter
+    utilization: float = UTILIZATION  # the --gpu-memory-utilization it is figured at
 
     @property
     def fits(self) -> bool:
@@ -218,20 +222,28 @@ def besides(box: Box) -> int:
     return sum(n for _, n in BESIDES) + ACTIVATION_BYTES_PER_BATCHED_TOKEN * box.batched_tokens
 
 
-def fit(box: Box, weights: int, pool: KVPool | None) -> Fit:
+def fit(box: Box, weights: int, pool: KVPool | None, utilization: float = UTILIZATION) -> Fit:
     """One box, one rank: the room its KV cache gets and the context that room holds."""
-    room = math.ceil(box.memory * UTILIZATION) - weights - besides(box)  # v1/worker/utils.py:743
+    room = math.ceil(box.memory * utilization) - weights - besides(box)  # v1/worker/utils.py:743
     if pool is None or room <= 0:
-        return Fit(box, weights, besides(box), room, None if pool is None else 0, None)
+        return Fit(box, weights, besides(box), room, None if pool is None else 0, None, utilization)
     in_flight = IN_FLIGHT_BATCHES * box.batched_tokens
     longest = pool.longest(room, in_flight)
     served = pool.tokens(room, min(SERVED_LEN, longest), in_flight) if longest else None
-    return Fit(box, weights, besides(box), room, longest, served)
+    return Fit(box, weights, besides(box), room, longest, served, utilization)
 
 
-def fits(weights: int, pool: KVPool | None, host: int = 0) -> list[Fit]:
+def fits(weights: int, pool: KVPool | None, host: int = 0, utilization: float = UTILIZATION) -> list[Fit]:
     """Every common box for a rank of `weights` GPU bytes and `host` bytes in host memory."""
-    return [fit(b, weights + (host if b.unified else 0), pool) for b in BOXES]
+    return [fit(b, weights + (host if b.unified else 0), pool, utilization) for b in BOXES]
+
+
+def at_guide(fits: list[Fit], pool: KVPool | None) -> list[Fit]:
+    """The unified-memory boxes of `fits` again at UNIFIED_UTILIZATION, the value the host guide gives them
+    (none when `fits` were figured at a --gpu-memory-utilization the user gave)."""
+    if any(f.utilization != UTILIZATION for f in fits):
+        return []
+    return [fit(f.box, f.weights, pool, UNIFIED_UTILIZATION) for f in fits if f.box.unified]
 
 
 def per_token_bytes(pool: KVPool) -> float:
@@ -241,7 +253,7 @@ def per_token_bytes(pool: KVPool) -> float:
 
 def fit_json(f: Fit) -> dict:
     return {"box": f.box.name, "memory_bytes": f.box.memory, "memory_from": f.box.source, "unified": f.box.unified,
-            "utilization": UTILIZATION,
+            "utilization": f.utilization,
             "weights_bytes": f.weights, "besides_bytes": f.besides, "kv_room_bytes": f.room, "fits": f.fits,
             "max_num_batched_tokens": f.box.batched_tokens, "longest_max_model_len": f.longest,
             "served": None if f.served is None else {"max_model_len": min(SERVED_LEN, f.longest or 0),
