@@ -237,6 +237,25 @@ def test_a_server_that_never_finishes_ends_smoke_within_its_timeout(standin, arg
     assert wall <= 3 + MARGIN_S, wall
 
 
+
+def test_a_deadline_that_passes_while_connecting_still_cuts_the_answer(monkeypatch):
+    """A connection that takes longer than --timeout to open (a slow name lookup, which no timer can
+    interrupt), to a server that then drips: the deadline passed before there was a socket to cut, and the
+    answer must still end the run (before: its every byte, 0.1 s each, read past the deadline)."""
+    opened = socket.create_connection
+
+    def slow(*args, **kw):
+        time.sleep(1.5)
+        return opened(*args, **kw)
+
+    monkeypatch.setattr(socket, "create_connection", slow)
+    with StandIn(fault="drip_head", delay=0.1) as s:
+        t0 = time.monotonic()
+        r = run("smoke", s.url, "--timeout", "1", "--json")
+        wall = time.monotonic() - t0
+    _server_line(r, "no answer within --timeout 1 s (at: GET /version)")
+    assert wall <= 1.5 + MARGIN_S, wall
+
 @pytest.mark.parametrize("standin,needle", [
     (dict(fault="huge", at="/v1/models", size=300 << 20), "/v1/models: the answer is larger than 8 MiB"),
     (dict(fault="huge", at="/v1/completions", size=300 << 20), "/v1/completions: the answer is larger than 8 MiB"),

@@ -148,6 +148,9 @@ class _Exchange:
         self._timer.daemon = True
         self._timer.start()
         try:
+            self.conn.connect()
+            if self.cut:  # it fired before there was a socket to shut down (a name lookup it cannot interrupt)
+                raise TimeoutError
             self.conn.request(method, server.base + path, body=json.dumps(body) if body is not None else None,
                               headers={"Content-Type": "application/json", "Accept": "*/*"})
             self.resp = self.conn.getresponse()
