@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
+import subprocess
+import sys
+import tempfile
+import time
 
 import pytest
 
 from lucifer_shard.errors import ERROR_KINDS
 from lucifer_shard.proof import smoke as sm
 
-from helpers import run
+from helpers import one_error, run
 from vllmstandin import MODEL, StandIn
 
 # What vLLM 0.32.0's /metrics holds for a drafting server (names and labels of vllm/v1/spec_decode/metrics.py;
@@ -172,3 +177,170 @@ def test_what_is_no_http_url_is_a_usage_error(url):
     r = run("smoke", url, "--json")
     assert r.exit_code == 2 and json.loads(r.stdout)["error"]["kind"] == "usage"
     assert "not an http(s) URL; pass the server's base URL" in r.stderr
+
+
+# ---------------------------------------------------------------- hostile servers (issue 61, class F)
+
+# smoke ends within --timeout plus this, counted from the process's start (the interpreter's start, about
+# 0.4 s, is in it); its peak memory stays under HOSTILE_RSS whatever the server sends (an idle run: 42 MiB).
+MARGIN_S = 2.0
+HOSTILE_RSS = 128 << 20
+DRAFTS_SAMPLE = f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="{MODEL}"}}'
+# The CLI, then its own peak RSS written to $SMOKE_HWM: /proc's VmHWM is this process's alone (getrusage's
+# and wait4's maxrss keep the forking pytest's, some 240 MiB with torch, across exec).
+_PEAK = """import os, runpy
+try:
+    runpy.run_module("lucifer_shard.cli", run_name="__main__")
+finally:
+    status = open("/proc/self/status").read()
+    open(os.environ["SMOKE_HWM"], "w").write(status.split("VmHWM:")[1].split()[0])
+"""
+
+
+def _smoke_process(url: str, *args: str, timeout: float = 3.0) -> tuple[subprocess.CompletedProcess, float, int]:
+    """`lucifer-shard smoke URL --timeout T --json ARGS` in a fresh interpreter: the run, its wall seconds and
+    its peak RSS in bytes (0 when it was killed). Killed at T + MARGIN_S + 5 s, so a run that would never end
+    fails the test instead of hanging it."""
+    argv = [sys.executable, "-c", _PEAK, "smoke", url, "--timeout", str(timeout), "--json", *args]
+    with tempfile.TemporaryDirectory() as tmp:
+        hwm = os.path.join(tmp, "hwm")
+        t0 = time.monotonic()
+        try:
+            p = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "SMOKE_HWM": hwm},
+                               timeout=timeout + MARGIN_S + 5)
+        except subprocess.TimeoutExpired as e:  # its partial output comes as bytes
+            p = subprocess.CompletedProcess(argv, -9, *((x or b"").decode() for x in (e.stdout, e.stderr)))
+        wall = time.monotonic() - t0
+        rss = int(open(hwm).read()) << 10 if os.path.exists(hwm) else 0
+    return p, wall, rss
+
+
+def _server_line(r, *needles: str) -> str:
+    """The run's one error line, of kind `server` (exit 2) in --json's envelope too, holding `needles`."""
+    line = one_error(r, 2, *needles)
+    assert json.loads(r.stdout)["error"]["kind"] == "server", r.stdout
+    return line
+
+
+@pytest.mark.parametrize("standin,args,step", [
+    (dict(fault="drip_head", delay=1.0), (), "GET /version"),
+    (dict(fault="drip_body", delay=1.0), (), "GET /version"),
+    (dict(fault="endless_stream"), ("--concurrency", "1"), "latency at concurrency 1"),
+    (dict(fault="endless_stream", spare=1), ("--concurrency", "32"), "latency at concurrency 32"),
+], ids=["drip-head", "drip-body", "endless-stream", "endless-stream-x32"])
+def test_a_server_that_never_finishes_ends_smoke_within_its_timeout(standin, args, step):
+    """A whole-run deadline, not a bound on each socket read: a byte a second, or a stream kept alive, is
+    cut when --timeout passes (before: still running after 130 s with --timeout 10)."""
+    with StandIn(**standin) as s:
+        r, wall, _ = _smoke_process(s.url, "--max-tokens", "4", *args)
+    _server_line(r, f"no answer within --timeout 3 s (at: {step})")
+    assert wall <= 3 + MARGIN_S, wall
+
+
+
+def test_a_deadline_that_passes_while_connecting_still_cuts_the_answer(monkeypatch):
+    """A connection that takes longer than --timeout to open (a slow name lookup, which no timer can
+    interrupt), to a server that then drips: the deadline passed before there was a socket to cut, and the
+    answer must still end the run (before: its every byte, 0.1 s each, read past the deadline)."""
+    opened = socket.create_connection
+
+    def slow(*args, **kw):
+        time.sleep(1.5)
+        return opened(*args, **kw)
+
+    monkeypatch.setattr(socket, "create_connection", slow)
+    with StandIn(fault="drip_head", delay=0.1) as s:
+        t0 = time.monotonic()
+        r = run("smoke", s.url, "--timeout", "1", "--json")
+        wall = time.monotonic() - t0
+    _server_line(r, "no answer within --timeout 1 s (at: GET /version)")
+    assert wall <= 1.5 + MARGIN_S, wall
+
+@pytest.mark.parametrize("standin,needle", [
+    (dict(fault="huge", at="/v1/models", size=300 << 20), "/v1/models: the answer is larger than 8 MiB"),
+    (dict(fault="huge", at="/v1/completions", size=300 << 20), "/v1/completions: the answer is larger than 8 MiB"),
+    (dict(fault="huge", at="/metrics", size=300 << 20, accept=(1.0,)), "/metrics: the answer is larger than 8 MiB"),
+    (dict(fault="huge_line", size=500 << 20), "/v1/completions: a stream line is longer than 1 MiB"),
+    (dict(fault="huge_line", size=500 << 20, spare=1), "/v1/completions: a stream line is longer than 1 MiB"),
+    (dict(fault="token_flood"), "/v1/completions: the stream carried more than the 4 tokens asked"),
+], ids=["json-models", "json-completion", "metrics", "stream-line", "stream-line-x32", "token-flood"])
+def test_an_answer_too_large_is_refused_in_bounded_memory(standin, needle):
+    """Before: a 300 MB JSON answer and a 500 MB stream line were read into memory whole (peak 5.0 GiB for
+    /v1/models, 2.2 GiB and a pass for the line); a stream of tokens that never stops, never ended."""
+    concurrency = "32" if standin.get("spare") else "1"  # 32 streams at once, after concurrency 1 was served whole
+    with StandIn(**standin) as s:
+        r, _, rss = _smoke_process(s.url, "--max-tokens", "4", "--concurrency", concurrency, timeout=30)
+    _server_line(r, needle)
+    assert 0 < rss < HOSTILE_RSS, f"peak RSS {rss / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("standin,needle", [
+    (dict(fault="deep"), "/v1/models: the answer is not JSON"),
+    (dict(tokens="[1]"), "usage.completion_tokens is [1], not a count"),
+    (dict(tokens='"many"'), "usage.completion_tokens is 'many', not a count"),
+    (dict(tokens='{"n": 1}'), "usage.completion_tokens is {'n': 1}, not a count"),
+    (dict(tokens="NaN"), "usage.completion_tokens is nan, not a count"),
+    (dict(tokens="Infinity"), "usage.completion_tokens is inf, not a count"),
+    (dict(tokens="1e400"), "usage.completion_tokens is inf, not a count"),
+    (dict(tokens="-1"), "usage.completion_tokens is -1, not a count"),
+    (dict(tokens="100000"), "usage.completion_tokens is 100000, not a count of at most the 4 tokens asked"),
+    (dict(accept=(1.0,), counter="NaN"), DRAFTS_SAMPLE + " is NaN, not a count"),
+    (dict(accept=(1.0,), counter="+Inf"), DRAFTS_SAMPLE + " is +Inf, not a count"),
+    (dict(accept=(1.0,), counter="-Inf"), DRAFTS_SAMPLE + " is -Inf, not a count"),
+    (dict(accept=(1.0,), counter="-5"), DRAFTS_SAMPLE + " is -5, not a count"),
+    (dict(accept=(1.0,), counter="1e400"), DRAFTS_SAMPLE + " is +Inf, not a count"),
+    (dict(accept=(1.0,), counter="0.5"), DRAFTS_SAMPLE + " is 0.5, not a count"),
+    (dict(accept=(1.0,), counter="1_000"), "line 4: value '1_000' is not a number"),
+    (dict(accept=(1.0,), counter="many"), "line 4: value 'many' is not a number"),
+    (dict(accept=(1.0,), position="100000000"), "has 2 position(s), the highest 100000000"),
+    (dict(accept=(1.0,), position="9" * 5000), "has position '99999"),
+    (dict(accept=(1.0,), position="\u00b2"), "has position '\u00b2', not a draft position"),
+], ids=["deep-json", "tokens-list", "tokens-string", "tokens-dict", "tokens-nan", "tokens-inf", "tokens-1e400",
+        "tokens-negative", "tokens-more", "counter-nan", "counter-inf", "counter-minus-inf", "counter-negative",
+        "counter-1e400", "counter-fraction", "counter-underscore", "counter-many", "position-gap",
+        "position-5000-digits", "position-superscript"])
+def test_an_answer_smoke_cannot_use_is_one_line_of_kind_server(standin, needle):
+    """Before: figures that are a list, a string, an object, NaN or infinity, a nesting deeper than the JSON
+    reader's recursion, a position label that int() refuses (a superscript digit, 5,000 digits): exit 70
+    (internal error); a negative count or a position 10^8 (a tuple of 10^8 floats, 800 MB) taken as figures."""
+    with StandIn(**standin) as s:
+        r = run("smoke", s.url, "--max-tokens", "4", "--concurrency", "1", "--timeout", "20", "--json")
+    _server_line(r, needle)
+
+
+def test_counters_that_go_backwards_between_reads_are_a_restart_never_a_pass():
+    """The counters read after the counting prompt are below those read before it: the server restarted
+    between the reads, and no acceptance can be read from them (before: "smoke passed")."""
+    with StandIn(fault="restart", accept=(1.0, 0.9)) as s:
+        r = run("smoke", s.url, "--max-tokens", "4", "--concurrency", "1", "--json")
+    _server_line(r, "/metrics: vllm:spec_decode_num_drafts_total went from 12 to 0 between two reads: the "
+                    "server restarted")
+
+
+def test_a_counter_that_goes_backwards_or_vanishes_is_refused_by_the_arithmetic():
+    before = sm.SpecCounters(10, 50, 20, (8, 7))
+    with pytest.raises(sm.Restarted, match="num_accepted_tokens_per_pos_total at position 1 went from 7 to 0"):
+        sm.SpecCounters(11, 55, 21, (9,)).minus(before)
+    with pytest.raises(sm.Restarted, match="num_drafts_total went from 10 to 9"):
+        sm.SpecCounters(9, 55, 21, (9, 7)).minus(before)
+    with pytest.raises(sm.Restarted, match="appeared or vanished between two reads"):
+        sm.counter_delta(before, None)
+    assert sm.counter_delta(before, sm.SpecCounters(20, 100, 40, (16, 14, 3))) == sm.SpecCounters(10, 50, 20, (8, 7, 3))
+
+
+@pytest.mark.parametrize("value", ["1", "-2.5", "1e+09", "1.79e+09", ".5", "+Inf", "-Inf", "NaN"])
+def test_the_prometheus_values_of_the_text_format_are_read(value):
+    assert len(sm.parse_metrics(f'x{{a="b"}} {value} 1700000000000\n')["x"]) == 1
+
+
+@pytest.mark.parametrize("value", ["1_000", "0x10", "nan", "inf", "Infinity", "1e", "--1", "１"])
+def test_values_outside_the_text_format_are_refused(value):
+    with pytest.raises(sm.MetricsError, match="is not a number"):
+        sm.parse_metrics(f"x {value}\n")
+
+
+def test_the_help_states_the_limits_smoke_reads_by():
+    from lucifer_shard.proof.smoke_client import MAX_BODY, MAX_LINE
+
+    text = " ".join(run("smoke", "--help").stdout.split())
+    assert f"an answer past {MAX_BODY >> 20} MiB or a stream line past {MAX_LINE >> 20} MiB" in text, text

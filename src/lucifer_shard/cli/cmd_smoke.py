@@ -34,7 +34,7 @@ def _with_threshold(f):
 @click.option("--expect-draft", is_flag=True,
               help="Fail when the server does not draft (after serve --draft: the draft really runs).")
 @click.option("--timeout", type=click.FloatRange(1, 3600), default=300, show_default=True,
-              help="Seconds for the whole run; past it, exit 2 naming the step.")
+              help="Seconds for the whole run, however slowly the server answers; past it, exit 2 naming the step.")
 @conventions(interrupted="interrupted: smoke stopped (it changes nothing on the server)")
 @_with_threshold
 def smoke(url: str, model: str | None, concurrency: int, max_tokens: int, draft_tokens: int, expect_draft: bool,
@@ -55,8 +55,9 @@ def smoke(url: str, model: str | None, concurrency: int, max_tokens: int, draft_
        the output correct while its acceptance falls (docs/serving.md cites the figures).
     Every prompt starts with a random nonce, so no earlier run's prefix cache answers it. Run it on
     an idle server: other requests add to the counters. Exit 0 when every check passes, 1 when one
-    fails (kind check_failed), 2 when URL answers nothing, is not vLLM, or --timeout passes (kind
-    server). e.g.
+    fails (kind check_failed), 2 when URL answers nothing, is not vLLM, answers what smoke cannot
+    use (an answer past 8 MiB or a stream line past 1 MiB, a count that is none, counters that went
+    backwards: a restart), or --timeout passes, cutting any request still open (kind server). e.g.
       lucifer-shard smoke http://127.0.0.1:8000 --model /data/out --expect-draft
     """
     from ..proof.smoke_client import SmokeOptions, run

@@ -30,10 +30,19 @@ OK, FAIL, INFO, SKIP = "ok", "FAIL", "info", "skip"
 
 
 class MetricsError(ValueError):
-    """A /metrics body that is not Prometheus' text format."""
+    """A /metrics body that is not Prometheus' text format, or counters that are no counts."""
 
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$')
+class Restarted(ValueError):
+    """Spec-decode counters that went backwards, appeared or vanished between two reads: a restarted server."""
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+(\S+))?$')
+# The text format's values (Go's float syntax as Prometheus writes it): Python's float() also takes "1_000",
+# "nan", "infinity" and non-ASCII digits, none of which an exporter writes.
+_VALUE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?Inf|NaN")
+_TIMESTAMP = re.compile(r"-?[0-9]+")
+MAX_COUNT = 2 ** 53  # the largest count a float holds exactly
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(?:,|$)')
 
 
@@ -48,7 +57,7 @@ def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
         m = _SAMPLE.match(line)
         if m is None:
             raise MetricsError(f"line {n} is not a Prometheus sample: {line[:80]!r}")
-        name, body, raw = m.groups()
+        name, body, raw, stamp = m.groups()
         labels, pos = {}, 0
         while body and pos < len(body):
             lm = _LABEL.match(body, pos)
@@ -56,11 +65,11 @@ def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
                 raise MetricsError(f"line {n}: bad labels {{{body[:60]}}}")
             labels[lm.group(1)] = re.sub(r"\\(.)", lambda e: "\n" if e.group(1) == "n" else e.group(1), lm.group(2))
             pos = lm.end()
-        try:
-            value = float(raw)
-        except ValueError:
-            raise MetricsError(f"line {n}: value {raw!r} is not a number") from None
-        samples.setdefault(name, []).append((labels, value))
+        if not _VALUE.fullmatch(raw):
+            raise MetricsError(f"line {n}: value {raw[:40]!r} is not a number")
+        if stamp is not None and not _TIMESTAMP.fullmatch(stamp):
+            raise MetricsError(f"line {n}: timestamp {stamp[:40]!r} is not milliseconds")
+        samples.setdefault(name, []).append((labels, float(raw)))
     return samples
 
 
@@ -74,25 +83,59 @@ class SpecCounters:
     per_position: tuple[float, ...]  # accepted tokens at draft position 0, 1, ...
 
     def minus(self, before: "SpecCounters") -> "SpecCounters":
-        """The counts between `before` and this moment (a position first seen now started at 0)."""
+        """The counts between `before` and this moment (a position first seen now started at 0). Raises
+        Restarted where a count went down: a counter only grows while its server runs."""
         k = max(len(self.per_position), len(before.per_position))
         now, then = (v + (0.0,) * (k - len(v)) for v in (self.per_position, before.per_position))
-        return SpecCounters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
-                            self.accepted - before.accepted, tuple(a - b for a, b in zip(now, then)))
+        pairs = [(DRAFTS, self.drafts, before.drafts), (DRAFT_TOKENS, self.draft_tokens, before.draft_tokens),
+                 (ACCEPTED, self.accepted, before.accepted),
+                 *((f"{ACCEPTED_PER_POS} at position {i}", a, b) for i, (a, b) in enumerate(zip(now, then)))]
+        for name, a, b in pairs:
+            if a < b:
+                raise Restarted(f"{name} went from {b:.0f} to {a:.0f} between two reads: the server restarted (or "
+                                f"its counters were reset), so no acceptance can be read from them")
+        return SpecCounters(*(a - b for _, a, b in pairs[:3]), tuple(a - b for _, a, b in pairs[3:]))
+
+
+def counter_delta(before: SpecCounters | None, after: SpecCounters | None) -> SpecCounters:
+    """The counts between two reads of the counters, as `after.minus(before)`. Raises Restarted where the
+    counters appeared or vanished between them (vLLM registers them at start, with a speculative config)."""
+    if before is None or after is None:
+        raise Restarted("the spec-decode counters appeared or vanished between two reads: the server restarted "
+                        "with other options")
+    return after.minus(before)
+
+
+def _count(name: str, labels: dict[str, str], value: float) -> float:
+    """`value` of a counter sample, when it is a count: whole, not negative, exact in a float."""
+    if not (value.is_integer() and 0 <= value <= MAX_COUNT):  # NaN and the infinities are not integers
+        text = "NaN" if math.isnan(value) else f"{value:+}".replace("inf", "Inf") if math.isinf(value) else f"{value:g}"
+        raise MetricsError(f"{name}{_labels(labels)} is {text}, not a count of at most 2^53")
+    return value
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return "{" + ",".join(f'{k}="{v[:40]}"' for k, v in labels.items()) + "}" if labels else ""
 
 
 def spec_counters(samples: dict[str, list[tuple[dict[str, str], float]]]) -> SpecCounters | None:
     """The spec-decode counters of a parsed /metrics, or None when the server does not draft (vLLM
-    registers them only with a speculative config)."""
+    registers them only with a speculative config). Raises MetricsError for a value that is no count, or
+    positions that are not vLLM's 0..k-1, one per draft position (so the tuple is no longer than the text)."""
     if DRAFTS not in samples:
         return None
-    total = {name: sum(v for _, v in samples.get(name, [])) for name in (DRAFTS, DRAFT_TOKENS, ACCEPTED)}
+    total = {name: sum(_count(name, labels, v) for labels, v in samples.get(name, []))
+             for name in (DRAFTS, DRAFT_TOKENS, ACCEPTED)}
     by_pos: dict[int, float] = {}
     for labels, value in samples.get(ACCEPTED_PER_POS, []):
-        if labels.get("position", "").isdigit():
-            by_pos[int(labels["position"])] = by_pos.get(int(labels["position"]), 0.0) + value
-    per_position = tuple(by_pos.get(i, 0.0) for i in range(max(by_pos) + 1)) if by_pos else ()
-    return SpecCounters(total[DRAFTS], total[DRAFT_TOKENS], total[ACCEPTED], per_position)
+        label = labels.get("position", "")
+        if not re.fullmatch(r"[0-9]{1,9}", label):
+            raise MetricsError(f"{ACCEPTED_PER_POS} has position {label[:40]!r}, not a draft position (0, 1, ...)")
+        by_pos[int(label)] = by_pos.get(int(label), 0.0) + _count(ACCEPTED_PER_POS, labels, value)
+    if by_pos and max(by_pos) >= len(by_pos):
+        raise MetricsError(f"{ACCEPTED_PER_POS} has {len(by_pos)} position(s), the highest {max(by_pos)}: vLLM's "
+                           f"counts one for each draft position 0..k-1")
+    return SpecCounters(total[DRAFTS], total[DRAFT_TOKENS], total[ACCEPTED], tuple(by_pos[i] for i in range(len(by_pos))))
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,32 @@
 """The smoke test's I/O: a running vLLM OpenAI-compatible server asked over HTTP (the standard library's
-http.client: the huggingface_hub releases this tool supports bring different HTTP clients), every call
-bounded by what is left of --timeout. The arithmetic and the verdict are smoke.py's."""
+http.client: the huggingface_hub releases this tool supports bring different HTTP clients). The whole run
+has one deadline, --timeout from its start, which cuts any request still open when it passes (a socket
+timeout bounds each read, which a server dripping a byte a second never trips); every answer is read in
+bounded memory (MAX_BODY, MAX_LINE). The arithmetic and the verdict are smoke.py's."""
 from __future__ import annotations
 
 import http.client
 import json
+import reprlib
 import secrets
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator, NoReturn
 from urllib.parse import urlsplit
 
 from ..errors import ServerError, UsageRefused
-from .smoke import (FAIL, INFO, Check, Report, SpecCounters, Stream, acceptance, draft_checks, latency, model_check,
-                    parse_metrics, repeat_check, spec_counters, MetricsError)
+from .smoke import (FAIL, INFO, Check, MetricsError, Report, Restarted, SpecCounters, Stream, acceptance,
+                    counter_delta, draft_checks, latency, model_check, parse_metrics, repeat_check, spec_counters)
+
+# What smoke reads at most. The largest answer it asks for is a completion of 4096 tokens (--max-tokens'
+# cap) with their ids, about 100 KB, or vLLM's /metrics, some 100 KB; a stream event is one token's chunk,
+# a few hundred bytes beside the model's name. Ten to a hundred times those, and no more held at once.
+MAX_BODY = 8 << 20
+MAX_LINE = 1 << 20
+READ = 64 << 10  # one read: what arrives, up to this
 
 # The prompts, each after a nonce line so that no earlier request's prefix cache serves it. Counting is
 # what a drafter predicts best (a healthy DSpark accepts ~100%); prose is its hardest ordinary case.
@@ -38,7 +49,7 @@ class SmokeOptions:
 
 
 class Server:
-    """One base URL, every request bounded by the run's deadline."""
+    """One base URL, every request cut at the run's deadline."""
 
     def __init__(self, url: str, timeout: float):
         parts = urlsplit(url if "://" in url else f"http://{url}")
@@ -61,121 +72,204 @@ class Server:
         raise ServerError(f"{self.url}: no answer within --timeout {self.timeout:g} s (at: {self.step}); a loaded or "
                           f"still-starting server may need a larger --timeout")
 
-    def _connection(self) -> http.client.HTTPConnection:
-        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-        return cls(self.host, self.port, timeout=self._left())
-
-    def request(self, method: str, path: str, body: dict | None = None) -> tuple[int, http.client.HTTPResponse,
-                                                                                   http.client.HTTPConnection]:
-        conn = self._connection()
-        try:
-            conn.request(method, self.base + path, body=json.dumps(body) if body is not None else None,
-                         headers={"Content-Type": "application/json", "Accept": "*/*"})
-            resp = conn.getresponse()
-        except (socket.timeout, TimeoutError):
-            conn.close()
-            self._timed_out()
-        except (OSError, http.client.HTTPException) as e:
-            conn.close()
-            why = getattr(e, "strerror", None) or str(e) or type(e).__name__
-            raise ServerError(f"{self.url}: cannot reach the server ({why}); is it running, and is this its address "
-                              f"and port?") from None
-        return resp.status, resp, conn
+    def _too_large(self, path: str, what: str, limit: int) -> NoReturn:
+        raise ServerError(f"{self.url}{path}: {what} {limit >> 20} MiB (smoke reads at most that); not an answer of "
+                          f"a vLLM OpenAI-compatible server")
 
     def get_text(self, path: str) -> tuple[int, str]:
-        status, resp, conn = self.request("GET", path)
-        try:
-            return status, self._read(resp)
-        finally:
-            conn.close()
-
-    def _read(self, resp: http.client.HTTPResponse) -> str:
-        try:
-            return resp.read().decode("utf-8", "replace")
-        except (socket.timeout, TimeoutError):
-            self._timed_out()
-        except (OSError, http.client.HTTPException) as e:
-            raise ServerError(f"{self.url}: the connection broke during {self.step} ({type(e).__name__}); is the "
-                              f"server still running?") from None
+        with _Exchange(self, "GET", path) as ex:
+            return ex.status, ex.text()
 
     def json(self, method: str, path: str, body: dict | None = None) -> dict:
-        status, resp, conn = self.request(method, path, body)
-        try:
-            text = self._read(resp)
-        finally:
-            conn.close()
+        with _Exchange(self, method, path, body) as ex:
+            status, text = ex.status, ex.text()
         if status != 200:
             raise ServerError(f"{self.url}{path}: HTTP {status}: {_error_text(text)}")
-        try:
-            doc = json.loads(text)
-        except ValueError:
+        doc = _decoded(text)
+        if doc is None:
             raise ServerError(f"{self.url}{path}: the answer is not JSON ({text[:60]!r}); is this an OpenAI-"
-                              f"compatible vLLM server?") from None
+                              f"compatible vLLM server?")
         if not isinstance(doc, dict):
             raise ServerError(f"{self.url}{path}: the answer is JSON but not an object; not an OpenAI-compatible server")
         return doc
 
-    def stream(self, body: dict) -> tuple[Stream, str]:
-        """One streamed completion: its timings and its text."""
+    def stream(self, body: dict) -> Stream:
+        """One streamed completion's timings."""
         t0 = time.monotonic()
-        status, resp, conn = self.request("POST", "/v1/completions", {**body, "stream": True,
-                                                                     "stream_options": {"include_usage": True}})
-        arrivals, parts, usage = [], [], None
-        try:
-            if status != 200:
-                raise ServerError(f"{self.url}/v1/completions: HTTP {status}: {_error_text(self._read(resp))}")
-            while True:
-                try:
-                    raw = resp.readline()
-                except (socket.timeout, TimeoutError):
-                    self._timed_out()
-                except (OSError, http.client.HTTPException) as e:
-                    raise ServerError(f"{self.url}: the stream broke during {self.step} ({type(e).__name__}); is "
-                                      f"the server still running?") from None
-                if not raw:
-                    break
+        where, asked = f"{self.url}/v1/completions", body["max_tokens"]
+        arrivals, tokens = [], None
+        with _Exchange(self, "POST", "/v1/completions",
+                       {**body, "stream": True, "stream_options": {"include_usage": True}}) as ex:
+            if ex.status != 200:
+                raise ServerError(f"{where}: HTTP {ex.status}: {_error_text(ex.text())}")
+            for raw in ex.lines():
                 line = raw.decode("utf-8", "replace").strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
-                chunk = _chunk(self.url, line[5:])
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or ():
-                    if choice.get("text") or choice.get("token_ids"):
-                        arrivals.append(time.monotonic() - t0)
-                        parts.append(choice.get("text") or "")
-        finally:
-            conn.close()
+                chunk = _chunk(where, line[5:])
+                tokens = _tokens(where, chunk.get("usage"), asked, tokens)
+                choices = chunk.get("choices") or []
+                if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+                    raise ServerError(f"{where}: a stream event's choices are not a list of objects; not vLLM's "
+                                      f"completion stream")
+                arrivals += [time.monotonic() - t0 for c in choices if c.get("text") or c.get("token_ids")]
+                if len(arrivals) > asked:  # each event carries a token at least: more is no answer to this request
+                    raise ServerError(f"{where}: the stream carried more than the {asked} tokens asked; not vLLM's "
+                                      f"completion stream")
         if not arrivals:
-            raise ServerError(f"{self.url}/v1/completions: the stream carried no token; not a vLLM completion stream")
-        tokens = int((usage or {}).get("completion_tokens") or len(arrivals))
-        return Stream(tuple(arrivals), tokens), "".join(parts)
+            raise ServerError(f"{where}: the stream carried no token; not a vLLM completion stream")
+        return Stream(tuple(arrivals), tokens or len(arrivals))
 
-    def metrics(self):
+    def counters(self) -> SpecCounters | None:
+        """The spec-decode counters at /metrics, or None where the server does not draft."""
         status, text = self.get_text("/metrics")
         if status != 200:
             raise ServerError(f"{self.url}/metrics: HTTP {status}; vLLM serves its Prometheus metrics there (is "
                               f"this vLLM, started without --disable-log-stats?)")
         try:
-            return parse_metrics(text)
+            return spec_counters(parse_metrics(text))
         except MetricsError as e:
             raise ServerError(f"{self.url}/metrics: {e}; not vLLM's Prometheus metrics") from None
 
 
-def _chunk(url: str, text: str) -> dict:
+class _Exchange:
+    """One request and its answer on a connection of its own, shut down by a timer when the run's deadline
+    passes: however its server drips or streams, no read outlives --timeout. Its body arrives in reads of
+    what is there (read1), so the deadline and the caps are checked as it comes."""
+
+    def __init__(self, server: Server, method: str, path: str, body: dict | None = None):
+        self.server, self.path = server, path
+        self.cut = False  # the deadline shut the socket: whatever a read then says, the run timed out
+        self._lock = threading.Lock()  # close and cut never overlap: a closed socket's number may be reused
+        self._closed = False
+        cls = http.client.HTTPSConnection if server.https else http.client.HTTPConnection
+        self.conn = cls(server.host, server.port, timeout=server._left())
+        self._timer = threading.Timer(server._left(), self._cut)
+        self._timer.daemon = True
+        self._timer.start()
+        try:
+            self.conn.connect()
+            if self.cut:  # it fired before there was a socket to shut down (a name lookup it cannot interrupt)
+                raise TimeoutError
+            self.conn.request(method, server.base + path, body=json.dumps(body) if body is not None else None,
+                              headers={"Content-Type": "application/json", "Accept": "*/*"})
+            self.resp = self.conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            self.close()
+            if self.cut or isinstance(e, TimeoutError):
+                server._timed_out()
+            why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            raise ServerError(f"{server.url}: cannot reach the server ({why}); is it running, and is this its "
+                              f"address and port?") from None
+        except BaseException:
+            self.close()
+            raise
+        self.status = self.resp.status
+
+    def __enter__(self) -> "_Exchange":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._timer.cancel()
+        self.conn.close()
+
+    def _cut(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self.cut = True
+            sock = self.conn.sock  # the raw socket during a TLS handshake too
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # a blocked read returns; close stays the owner's
+                except OSError:
+                    pass
+
+    def _chunks(self) -> Iterator[bytes]:
+        """The body as it arrives; the run's timeout once the deadline cut it."""
+        while True:
+            try:
+                data = self.resp.read1(READ)
+            except (OSError, http.client.HTTPException) as e:
+                if self.cut or isinstance(e, TimeoutError):
+                    self.server._timed_out()
+                raise ServerError(f"{self.server.url}: the connection broke during {self.server.step} "
+                                  f"({type(e).__name__}); is the server still running?") from None
+            if self.cut:
+                self.server._timed_out()
+            if not data:
+                if self.resp.length:  # it declared more than it sent
+                    raise ServerError(f"{self.server.url}: the connection broke during {self.server.step} (the "
+                                      f"answer ended {self.resp.length} bytes short); is the server still running?")
+                return
+            yield data
+
+    def text(self) -> str:
+        """The whole body, refused past MAX_BODY (a declared length at once)."""
+        if (self.resp.length or 0) > MAX_BODY:
+            self.server._too_large(self.path, "the answer is larger than", MAX_BODY)
+        parts, size = [], 0
+        for data in self._chunks():
+            size += len(data)
+            if size > MAX_BODY:
+                self.server._too_large(self.path, "the answer is larger than", MAX_BODY)
+            parts.append(data)
+        return b"".join(parts).decode("utf-8", "replace")
+
+    def lines(self) -> Iterator[bytes]:
+        """The body's lines as they arrive, each refused past MAX_LINE."""
+        rest = b""
+        for data in self._chunks():
+            *done, rest = (rest + data).split(b"\n")
+            if len(rest) > MAX_LINE or any(len(line) > MAX_LINE for line in done):
+                self.server._too_large(self.path, "a stream line is longer than", MAX_LINE)
+            yield from done
+        if rest:
+            yield rest
+
+
+def _decoded(text: str):
+    """`text` as JSON, or None where it is not (a nesting deeper than the reader's recursion included)."""
     try:
-        doc = json.loads(text)
-    except ValueError:
-        raise ServerError(f"{url}/v1/completions: a stream event is not JSON ({text[:60]!r})") from None
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _tokens(where: str, usage, asked: int, default: int | None) -> int | None:
+    """usage.completion_tokens of an answer, or `default` without one: a count of at most the tokens asked."""
+    if usage is None:
+        return default
+    if not isinstance(usage, dict):
+        raise ServerError(f"{where}: usage is {reprlib.repr(usage)}, not an object; not vLLM's answer")
+    n = usage.get("completion_tokens")
+    if n is None:
+        return default
+    if type(n) is not int or not 0 <= n <= asked:
+        raise ServerError(f"{where}: usage.completion_tokens is {reprlib.repr(n)}, not a count of at most the {asked} "
+                          f"tokens asked; not vLLM's answer")
+    return n
+
+
+def _chunk(where: str, text: str) -> dict:
+    doc = _decoded(text)
+    if doc is None:
+        raise ServerError(f"{where}: a stream event is not JSON ({text[:60]!r})")
     if not isinstance(doc, dict):
-        raise ServerError(f"{url}/v1/completions: a stream event is not a JSON object")
+        raise ServerError(f"{where}: a stream event is not a JSON object")
     return doc
 
 
 def _error_text(text: str) -> str:
     try:
-        doc = json.loads(text)
+        doc = _decoded(text)
         message = doc.get("error", {}).get("message") if isinstance(doc.get("error"), dict) else doc.get("detail")
-    except (ValueError, AttributeError):
+    except AttributeError:
         message = None
     return " ".join(str(message or text[:120] or "(empty)").split())
 
@@ -193,10 +287,8 @@ def identify(server: Server, expected: str | None) -> tuple[str, str, Check]:
     """vLLM's version (GET /version, vLLM's own endpoint), the model to use and the models check."""
     server.step = "GET /version"
     status, text = server.get_text("/version")
-    try:
-        version = json.loads(text).get("version") if status == 200 else None
-    except (ValueError, AttributeError):
-        version = None
+    doc = _decoded(text) if status == 200 else None
+    version = doc.get("version") if isinstance(doc, dict) else None
     server.step = "GET /v1/models"
     doc = server.json("GET", "/v1/models")
     data = doc.get("data")
@@ -224,28 +316,33 @@ def run(url: str, options: SmokeOptions, log: Callable[[str], None]) -> Report:
     body = {**_request(model, _nonced(GREEDY_PROMPT), options.max_tokens), "return_token_ids": True}
     first, second = (server.json("POST", "/v1/completions", body) for _ in range(2))
     texts = [_completion(server, d) for d in (first, second)]
-    report.checks.append(repeat_check(texts[0], texts[1], int((first.get("usage") or {}).get("completion_tokens") or 0)))
+    tokens = _tokens(f"{server.url}/v1/completions", first.get("usage"), options.max_tokens, 0)
+    report.checks.append(repeat_check(texts[0], texts[1], tokens))
     for c in sorted({1, options.concurrency}):
         server.step = f"latency at concurrency {c}"
         log(f"latency: {c} streamed request(s) of {options.max_tokens} tokens")
         bodies = [_request(model, _nonced(GREEDY_PROMPT), options.max_tokens) for _ in range(c)]
         t0 = time.monotonic()
         with ThreadPoolExecutor(c) as pool:
-            streams = [s for s, _ in pool.map(server.stream, bodies)]
+            streams = list(pool.map(server.stream, bodies))
         lat = latency(c, time.monotonic() - t0, streams)
         report.latency.append(lat)
         report.checks.append(Check("latency", INFO, lat.line()))
     server.step = "GET /metrics"
-    if spec_counters(server.metrics()) is None:
+    if server.counters() is None:
         report.checks += draft_checks(None, None, options.expect_draft)
         return report
     for name, prompt in PROMPTS.items():
         server.step = f"draft acceptance, {name} prompt"
         log(f"draft acceptance: the {name} prompt, {options.draft_tokens} tokens")
-        before = spec_counters(server.metrics())
+        before = server.counters()
         server.json("POST", "/v1/completions", _request(model, _nonced(prompt), options.draft_tokens))
-        after = spec_counters(server.metrics())
-        report.acceptance.append(acceptance(name, after.minus(before) if after and before else SpecCounters(0, 0, 0, ())))
+        after = server.counters()
+        try:
+            delta = counter_delta(before, after)
+        except Restarted as e:  # a restart between the reads: the deltas would be nonsense, never a pass
+            raise ServerError(f"{server.url}/metrics: {e}; run smoke again once the server stays up") from None
+        report.acceptance.append(acceptance(name, delta))
     report.checks += draft_checks(*report.acceptance, options.expect_draft)
     return report
 
