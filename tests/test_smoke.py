@@ -187,13 +187,16 @@ MARGIN_S = 2.0
 HOSTILE_RSS = 128 << 20
 DRAFTS_SAMPLE = f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="{MODEL}"}}'
 # The CLI, then its own peak RSS written to $SMOKE_HWM: /proc's VmHWM is this process's alone (getrusage's
-# and wait4's maxrss keep the forking pytest's, some 240 MiB with torch, across exec).
+# and wait4's maxrss keep the forking pytest's, some 240 MiB with torch, across exec). The CLI leaves through
+# os._exit (lucifer_shard.stops.exit_now: no interpreter finalization), so the harness writes it there.
 _PEAK = """import os, runpy
-try:
-    runpy.run_module("lucifer_shard.cli", run_name="__main__")
-finally:
+_exit = os._exit
+def _exit_after_writing_the_peak(code):
     status = open("/proc/self/status").read()
     open(os.environ["SMOKE_HWM"], "w").write(status.split("VmHWM:")[1].split()[0])
+    _exit(code)
+os._exit = _exit_after_writing_the_peak
+runpy.run_module("lucifer_shard.cli", run_name="__main__")
 """
 
 
