@@ -291,22 +291,28 @@ def open_remote(repo: str, revision: str | None, download_to: Path | None = None
     hub = repo_at(repo, config_path.parent.name)  # the commit `revision` resolved to: every later file is its
     if hub is None:  # offline: what the Hugging Face cache holds of that commit, as before
         return open_checkpoint(resolve_model(repo, config_path.parent.name, cached_only=True), roles)
+    config_bytes = read_regular(config_path, JSON_LIMIT, follow=True)
+    hub.check("config.json", config_bytes)  # the bytes the plan is made from are the commit's
     cached = cached_snapshot(hub, [INDEX_NAME if INDEX_NAME in hub.files else SINGLE_NAME,
                                    *(n for n in SIDE_FILES if n in hub.files)])
     if cached is not None and (cached / INDEX_NAME).is_file():  # the cache may hold all of it: read in place
         names = set(_weight_map(cached / INDEX_NAME).values())
         if cached_snapshot(hub, sorted(names)) is not None:
-            return open_checkpoint(cached, roles)
+            local = open_checkpoint(cached, roles)
+            _check_snapshot(hub, local)
+            return local
     if INDEX_NAME in hub.files:
-        weight_map = _weight_map(small_file(repo, INDEX_NAME, hub.commit))
+        index_path = small_file(repo, INDEX_NAME, hub.commit)
+        hub.check(INDEX_NAME, read_regular(index_path, JSON_LIMIT, follow=True))
+        weight_map = _weight_map(index_path)
     elif SINGLE_NAME in hub.files:
         weight_map = None
     else:
         raise SourceError(f"{repo} at {hub.commit[:12]}: no {INDEX_NAME} or {SINGLE_NAME}; not a safetensors "
                           f"checkpoint")
     side = {n: hub.files[n].size for n in SIDE_FILES if n in hub.files}
-    ckpt = _checkpoint(Path(download_to or "."), cfg, read_regular(config_path, JSON_LIMIT, follow=True), weight_map,
-                       lambda name: remote_header(hub, name), roles, side)
+    ckpt = _checkpoint(Path(download_to or "."), cfg, config_bytes, weight_map, lambda name: remote_header(hub, name),
+                       roles, side)
     ckpt.hub = hub
     return ckpt
 
@@ -331,11 +337,22 @@ def download_whole(ckpt: Checkpoint, roles: tuple[str, ...] = ROLES) -> Checkpoi
     root = Path(guarded(hub.repo, hub.commit, "the checkpoint", lambda: snapshot_download(
         hub.repo, revision=hub.commit, allow_patterns=names)))
     local = open_checkpoint(root, roles)
+    _check_snapshot(hub, local)
     if local.fingerprint != ckpt.fingerprint:
         raise SourceError(f"{hub.repo} at {hub.commit[:12]}: the downloaded checkpoint's headers differ from the "
                           f"Hub's ({root}); remove that snapshot from the Hugging Face cache and run again")
     local.hub = hub
     return local
+
+
+def _check_snapshot(hub: HubRepo, local: Checkpoint) -> None:
+    """The config and tokenizer files of a Hugging Face cache snapshot against the git blob ids the Hub
+    publishes (huggingface_hub checks their size only; convert copies them into OUT). The shards are not
+    hashed here: the fingerprint binds their headers, and a snapshot of 170 GB is the user's cache."""
+    for name in local.side:
+        hub.check(name, read_regular(local.root / name, hub.get(name).size, follow=True),
+                  f"{local.root / name} is in the Hugging Face cache: remove that revision from the cache (`hf cache "
+                  f"rm`) and run again")
 
 
 def _checkpoint(root: Path, cfg: ModelConfig, config_bytes: bytes, weight_map: dict[str, str] | None,
