@@ -17,8 +17,8 @@ It answers the routes huggingface_hub 2.x uses to download (read from its `file_
 the others as git blobs (ETag: the git blob id), as on the Hub. Every request is recorded
 (`requests`), so tests can prove the order of what a command asked for and the bytes it fetched.
 `tamper` serves other bytes for a file while its published SHA-256 (or git blob id) stays the original's,
-from its first GET on, or after the number of honest GETs `honest` gives (a Hub that changes under a
-conversion: the same commit, other bytes on a later request); `stall_after`
+on every GET of it, or on those `lie_on` counts (from 1: a Hub that changes under a conversion, the same
+commit answering one request with other bytes than another); `stall_after`
 blocks a download once that many body bytes were sent (a test then kills the client mid-download).
 
 Run alone: python tests/hubserver.py owner/name=DIR [owner/other=DIR2 ...] [--rate=BYTES_PER_S]
@@ -93,7 +93,7 @@ class HubServer:
             self.add(repo_id, root)
         self.requests: list[Request] = []
         self.tamper: dict[tuple[str, str], bytes] = {}  # (repo, file) -> bytes served instead
-        self.honest: dict[tuple[str, str], int] = {}  # (repo, file) -> GETs served truthfully before `tamper`
+        self.lie_on: dict[tuple[str, str], range | set[int]] = {}  # (repo, file) -> its GETs `tamper` answers
         self._gets: dict[tuple[str, str], int] = {}  # (repo, file) -> GETs served so far
         self.stall_after: int | None = None  # body bytes of resolve GETs after which downloads block
         self.rate: float | None = None  # bytes per second all downloads share (None: as fast as loopback goes)
@@ -255,8 +255,8 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                 key = (m["repo"], m["file"])
                 with hub._lock:
                     n = hub._gets[key] = hub._gets.get(key, 0) + 1
-                self._stream(hub.tamper.get(key) if n > hub.honest.get(key, 0) else None, served.path, lo, hi,
-                             request)
+                lie = key in hub.tamper and (key not in hub.lie_on or n in hub.lie_on[key])
+                self._stream(hub.tamper[key] if lie else None, served.path, lo, hi, request)
 
         def _stream(self, tampered: bytes | None, path: Path, lo: int, hi: int, request: Request) -> None:
             with open(path, "rb") as f:

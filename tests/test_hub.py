@@ -190,7 +190,7 @@ def test_a_config_changed_on_a_later_request_is_refused(ckpts, hub, tmp_path):
     commit, the same size): that download is checked against the git blob id the Hub published."""
     config = (ckpts / "model" / "config.json").read_bytes()
     hub.tamper[(REPO_ID, "config.json")] = same_size_edit(config, b'"rope_theta": 10000', b'"rope_theta": 90000')
-    hub.honest[(REPO_ID, "config.json")] = 1
+    hub.lie_on[(REPO_ID, "config.json")] = range(2, 100)  # the plan's read honest, every later one not
     out = tmp_path / "out"
     line = one_error(cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub, check=False), alone=True)
     assert "config.json" in line and "git blob" in line, line
@@ -217,6 +217,32 @@ def test_a_git_file_with_other_bytes_of_the_same_size_is_refused(ckpts, hub, tmp
                          hub=hub, check=False), alone=not keep)
     assert name in line and "git blob" in line, line
     assert not (out / "COMPLETE").exists() and not (out / name).exists()
+
+
+def test_a_shard_header_the_plan_read_is_the_downloaded_shards(ckpts, hub, tmp_path):
+    """The plan reads each shard's header by a ranged request; the shard comes whole later, checked against
+    its SHA-256. A Hub answering the ranged read with two tensors' offsets swapped (the same length) would
+    have the plan read each from the other's bytes: the downloaded shard's header must be the plan's."""
+    shard = sorted(p.name for p in (ckpts / "model").glob("*.safetensors"))[3]
+    data = (ckpts / "model" / shard).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    like: dict[tuple, list[str]] = {}
+    for k, v in header.items():
+        if k != "__metadata__":
+            like.setdefault((v["dtype"], tuple(v["shape"])), []).append(k)
+    a, b = next(keys for keys in like.values() if len(keys) > 1)[:2]
+    at = {k: json.dumps(header[k]["data_offsets"], separators=(",", ":")).encode() for k in (a, b)}
+    block = data[8:8 + n]
+    assert block.count(at[a]) == block.count(at[b]) == 1
+    swapped = block.replace(at[a], b"\0").replace(at[b], at[a]).replace(b"\0", at[b])
+    hub.tamper[(REPO_ID, shard)] = data[:8] + swapped + data[8 + n:]
+    assert len(hub.tamper[(REPO_ID, shard)]) == len(data)
+    hub.lie_on[(REPO_ID, shard)] = {1}  # the ranged header read; the download is honest
+    out = tmp_path / "out"
+    line = one_error(cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub, check=False), alone=True)
+    assert shard in line and "header" in line, line
+    assert not (out / "COMPLETE").exists()
 
 
 def test_killed_mid_download_then_resumed(ckpts, hub, tmp_path):

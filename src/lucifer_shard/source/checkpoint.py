@@ -23,7 +23,7 @@ from ..model.config import ModelConfig, load_config
 from ..model.rules import ROLES
 from ..model.tensorspecs import check_source_keys
 from ..outnames import MANIFEST_NAME, SIDE_FILES, STATE_DIR
-from .hub import NOT_HERE, HubRepo, cached_snapshot, guarded, remote_header, repo_at, small_file
+from .hub import NOT_HERE, RETRY, HubRepo, cached_snapshot, guarded, remote_header, repo_at, small_file
 
 if TYPE_CHECKING:  # torch is loaded by safetensors' "pt" framework when data is read
     import torch
@@ -161,6 +161,7 @@ class Checkpoint:
     fingerprint: str
     side: dict[str, int] = field(default_factory=dict)  # config/tokenizer files present: name -> size
     config_bytes: bytes = b""  # config.json as read (the fingerprint's first input)
+    headers: dict[str, str] = field(default_factory=dict)  # shard name -> SHA-256 of its header as the plan read it
     hub: HubRepo | None = None  # on the Hub, not on disk: `root` is where its files are downloaded to
     _fds: dict = field(default_factory=dict, repr=False)
 
@@ -174,6 +175,14 @@ class Checkpoint:
             st = (self.root / n).stat()
             stats[n] = [st.st_size, st.st_mtime_ns]
         return stats
+
+    def check_header(self, name: str) -> None:
+        """Shard `name`, now on disk, starts with the header the plan was made from. On the Hub that header
+        came by a ranged request and the shard by a download checked against its SHA-256: two reads."""
+        if hashlib.sha256(_read_shard(self.root / name).block).hexdigest() != self.headers[name]:
+            where = f" of {self.hub.repo} at {self.hub.commit[:12]}" if self.hub is not None else ""
+            raise SourceError(f"{name}{where}: its header is not the one the plan was made from (read before by a "
+                              f"ranged request): the endpoint answered the two requests with other bytes; {RETRY}")
 
     def read(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
         """The region `box` of tensor `key` (element indices), as stored: the rows of its first dim
@@ -365,8 +374,10 @@ def _checkpoint(root: Path, cfg: ModelConfig, config_bytes: bytes, weight_map: d
     tensors: dict[str, TensorEntry] = {}
     files: dict[str, int] = {}
     data_start: dict[str, int] = {}
+    headers: dict[str, str] = {}
     for name in names:
         header = header_of(name)
+        headers[name] = hashlib.sha256(header.block).hexdigest()
         files[name] = header.file_size
         data_start[name] = header.data_start
         digest.update(f"\0{name}\0{header.file_size}\0".encode())
@@ -383,7 +394,7 @@ def _checkpoint(root: Path, cfg: ModelConfig, config_bytes: bytes, weight_map: d
         if e.key in tensors:
             raise SourceError(f"{tensors[e.key].file}: {e}", key=e.key) from None
         raise
-    return Checkpoint(root, cfg, tensors, files, data_start, digest.hexdigest(), side, config_bytes)
+    return Checkpoint(root, cfg, tensors, files, data_start, digest.hexdigest(), side, config_bytes, headers)
 
 
 def side_files(root: Path) -> list[str]:

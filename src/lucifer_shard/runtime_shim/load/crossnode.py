@@ -4,8 +4,9 @@ A node's own checks (nodefiles, the loader) prove its share is whole and of the 
 nodes' shares can still hold different weights under one conversion id: the id covers config, headers,
 sizes and options, not the weights (a derivative of 0731 has the base's id). The content identity covers
 the weights: the digest of the rank files' content stamps (`Manifest.content_identity`), each bound to its
-file's bytes, so a manifest re-sealed with another output's `source.content` does not pass for it. The loader gathers every rank's `ShareIdentity` over vLLM's CPU
-process group before it reads a byte; `identity_problem` is the comparison. Imports neither vLLM nor torch.
+file's bytes, so a manifest re-sealed with another output's `source.content` does not pass for it. The
+loader gathers every rank's `ShareIdentity` over vLLM's CPU process group before it reads a byte;
+`identity_problem` is the comparison. Imports neither vLLM nor torch.
 """
 from __future__ import annotations
 
