@@ -16,7 +16,9 @@ It answers the routes huggingface_hub 2.x uses to download (read from its `file_
 `*.safetensors` files are served as LFS files (their SHA-256 as X-Linked-Etag and in `lfs.sha256`),
 the others as git blobs (ETag: the git blob id), as on the Hub. Every request is recorded
 (`requests`), so tests can prove the order of what a command asked for and the bytes it fetched.
-`tamper` serves other bytes for a file while its published SHA-256 stays the original's; `stall_after`
+`tamper` serves other bytes for a file while its published SHA-256 (or git blob id) stays the original's,
+on every GET of it, or on those `lie_on` counts (from 1: a Hub that changes under a conversion, the same
+commit answering one request with other bytes than another); `stall_after`
 blocks a download once that many body bytes were sent (a test then kills the client mid-download).
 
 Run alone: python tests/hubserver.py owner/name=DIR [owner/other=DIR2 ...] [--rate=BYTES_PER_S]
@@ -91,6 +93,8 @@ class HubServer:
             self.add(repo_id, root)
         self.requests: list[Request] = []
         self.tamper: dict[tuple[str, str], bytes] = {}  # (repo, file) -> bytes served instead
+        self.lie_on: dict[tuple[str, str], range | set[int]] = {}  # (repo, file) -> its GETs `tamper` answers
+        self._gets: dict[tuple[str, str], int] = {}  # (repo, file) -> GETs served so far
         self.stall_after: int | None = None  # body bytes of resolve GETs after which downloads block
         self.rate: float | None = None  # bytes per second all downloads share (None: as fast as loopback goes)
         self.stalled = threading.Event()  # set once a download blocked
@@ -248,7 +252,11 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                 self.send_header(k, v)
             self.end_headers()
             if body:
-                self._stream(hub.tamper.get((m["repo"], m["file"])), served.path, lo, hi, request)
+                key = (m["repo"], m["file"])
+                with hub._lock:
+                    n = hub._gets[key] = hub._gets.get(key, 0) + 1
+                lie = key in hub.tamper and (key not in hub.lie_on or n in hub.lie_on[key])
+                self._stream(hub.tamper[key] if lie else None, served.path, lo, hi, request)
 
         def _stream(self, tampered: bytes | None, path: Path, lo: int, hi: int, request: Request) -> None:
             with open(path, "rb") as f:

@@ -177,6 +177,74 @@ def test_a_tampered_shard_is_refused_by_name(ckpts, hub, tmp_path):
     assert not (out / "COMPLETE").exists() and not (out / ".lucifer" / "download" / shard).exists()
 
 
+# ---------------------------------------------------------------- issue 61, class D: the Hub changes under a conversion
+
+
+def same_size_edit(data: bytes, old: bytes, new: bytes) -> bytes:
+    assert len(old) == len(new) and data.count(old) == 1
+    return data.replace(old, new)
+
+
+def test_a_config_changed_on_a_later_request_is_refused(ckpts, hub, tmp_path):
+    """The plan reads config.json first; the Hub then answers the copy's download with other bytes (the same
+    commit, the same size): that download is checked against the git blob id the Hub published."""
+    config = (ckpts / "model" / "config.json").read_bytes()
+    hub.tamper[(REPO_ID, "config.json")] = same_size_edit(config, b'"rope_theta": 10000', b'"rope_theta": 90000')
+    hub.lie_on[(REPO_ID, "config.json")] = range(2, 100)  # the plan's read honest, every later one not
+    out = tmp_path / "out"
+    line = one_error(cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub, check=False), alone=True)
+    assert "config.json" in line and "git blob" in line, line
+    assert hub.files_requested().count("config.json") == 2  # the plan's read honest, the second the lie
+    assert not (out / "COMPLETE").exists() and not (out / "config.json").exists()
+
+
+def test_a_config_the_plan_would_read_with_other_bytes_is_refused_before_any_weight(ckpts, hub, tmp_path):
+    config = (ckpts / "model" / "config.json").read_bytes()
+    hub.tamper[(REPO_ID, "config.json")] = same_size_edit(config, b'"rope_theta": 10000', b'"rope_theta": 90000')
+    line = one_error(cli("convert", "--tp", "3", REPO_ID, tmp_path / "out", hub=hub, check=False), alone=True)
+    assert "config.json" in line and "git blob" in line, line
+    assert not weight_requests(hub) and not [r for r in hub.requests if r.path.endswith(".safetensors")]
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["streamed", "keep-source"])
+def test_a_git_file_with_other_bytes_of_the_same_size_is_refused(ckpts, hub, tmp_path, keep):
+    name = "tokenizer_config.json"
+    data = (ckpts / "model" / name).read_bytes()
+    hub.tamper[(REPO_ID, name)] = same_size_edit(data, b"1048576", b"9048576")
+    out = tmp_path / "out"
+    # alone only when streamed: --keep-source shows huggingface_hub's own snapshot progress
+    line = one_error(cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, *(["--keep-source"] if keep else []),
+                         hub=hub, check=False), alone=not keep)
+    assert name in line and "git blob" in line, line
+    assert not (out / "COMPLETE").exists() and not (out / name).exists()
+
+
+def test_a_shard_header_the_plan_read_is_the_downloaded_shards(ckpts, hub, tmp_path):
+    """The plan reads each shard's header by a ranged request; the shard comes whole later, checked against
+    its SHA-256. A Hub answering the ranged read with two tensors' offsets swapped (the same length) would
+    have the plan read each from the other's bytes: the downloaded shard's header must be the plan's."""
+    shard = sorted(p.name for p in (ckpts / "model").glob("*.safetensors"))[3]
+    data = (ckpts / "model" / shard).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    like: dict[tuple, list[str]] = {}
+    for k, v in header.items():
+        if k != "__metadata__":
+            like.setdefault((v["dtype"], tuple(v["shape"])), []).append(k)
+    a, b = next(keys for keys in like.values() if len(keys) > 1)[:2]
+    at = {k: json.dumps(header[k]["data_offsets"], separators=(",", ":")).encode() for k in (a, b)}
+    block = data[8:8 + n]
+    assert block.count(at[a]) == block.count(at[b]) == 1
+    swapped = block.replace(at[a], b"\0").replace(at[b], at[a]).replace(b"\0", at[b])
+    hub.tamper[(REPO_ID, shard)] = data[:8] + swapped + data[8 + n:]
+    assert len(hub.tamper[(REPO_ID, shard)]) == len(data)
+    hub.lie_on[(REPO_ID, shard)] = {1}  # the ranged header read; the download is honest
+    out = tmp_path / "out"
+    line = one_error(cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub, check=False), alone=True)
+    assert shard in line and "header" in line, line
+    assert not (out / "COMPLETE").exists()
+
+
 def test_killed_mid_download_then_resumed(ckpts, hub, tmp_path):
     out = tmp_path / "out"
     total = sum(p.stat().st_size for p in (ckpts / "model").glob("*.safetensors"))

@@ -102,7 +102,8 @@ def test_a_share_of_other_weights_stops_every_rank_at_load(out_model, tmp_path, 
     r = subprocess.run([sys.executable, str(HERE / "dist_load_worker.py"), str(tmp_path / "node{rank}"),
                         str(_free_port()), str(results)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
-    ours, theirs = (m["source"]["content"]["digest"].removeprefix("blake3:")[:12] for m in (base, derived))
+    # the identity line's content is the digest of the rank files' stamps, recorded as source.content.stamps (issue 61)
+    ours, theirs = (m["source"]["content"]["stamps"].removeprefix("blake3:")[:12] for m in (base, derived))
     for rank in range(3):
         msg = json.loads((results / f"rank-{rank}.json").read_text())["error"]
         assert "\n" not in msg and msg.startswith("lucifer_tp3: the nodes hold shares of different outputs: "), msg

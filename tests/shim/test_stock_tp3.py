@@ -191,7 +191,8 @@ def test_a_share_of_other_weights_stops_every_rank_of_vllms_own_model(world):
     loads, every rank stops in one line naming rank 1's and rank 0's content digests and the fix."""
     ours, theirs = (sf.manifest(p) for p in (world["out"], world["other"]))
     assert ours["conversion_id"] == theirs["conversion_id"]
-    short = [m["source"]["content"]["digest"].removeprefix("blake3:")[:12] for m in (ours, theirs)]
+    # the identity line's content is the digest of the rank files' stamps, recorded as source.content.stamps (issue 61)
+    short = [m["source"]["content"]["stamps"].removeprefix("blake3:")[:12] for m in (ours, theirs)]
     assert short[0] != short[1]
     for rep in world["reports"]:
         err = rep["runs"]["mixed_shares"].get("error", "")

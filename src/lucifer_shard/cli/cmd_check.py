@@ -207,7 +207,7 @@ def summarize(out: Path) -> dict:
         "source": {"path": src.path, "hub": f"{src.repo}@{src.revision}" if src.repo else None,
                    "fingerprint": src.fingerprint, "content": src.content.digest,
                    "content_tensors": src.content.tensors, "files": len(src.files), "bytes": sum(src.files.values())},
-        "identity": identity_line(m.conversion_id, src.content.digest),
+        "identity": identity_line(m.conversion_id, m.content_identity),
         "drafter": None if m.draft is None else {"label": DRAFT_KINDS[m.draft.kind].label, "stage_count": m.draft.stages,
                                                  "tokens_per_step": m.draft.tokens},
         "tp_size": m.tp_size,

@@ -330,7 +330,7 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
         click.echo("\n".join(str(c) for c in verdict.failed), err=True)
     else:
         con.note("; ".join([f"preflight passed ({len(checks)} checks before vLLM; vLLM's own run as it starts)",
-                            identity_line(manifest.conversion_id, manifest.source.content.digest), *notes,
+                            identity_line(manifest.conversion_id, manifest.content_identity), *notes,
                             f"exec {line}"]))
     if not verdict.ok:
         raise _refusal(list(verdict.failed), f"serve: preflight failed ({len(verdict.failed)} check(s)); first: "
@@ -364,7 +364,7 @@ def _write_launch(folder: Path, out: Path, manifest, nodes: dict, draft: bool, t
     """serve --write-launch: every node's script (src/lucifer_shard/runtime_shim/serving/launch.py); the lines the dry run ends with."""
     from ..runtime_shim.serving import launch
 
-    identity = identity_line(manifest.conversion_id, manifest.source.content.digest)
+    identity = identity_line(manifest.conversion_id, manifest.content_identity)
     scripts = {r: launch.launch_script(out, r, nodes["nnodes"], identity, launch.node_serve_args(
         nodes["nnodes"], r, nodes["master_addr"], nodes["master_port"], draft, tokens, ifname, ib_hca, vllm_args))
         for r in range(nodes["nnodes"])}

@@ -4,7 +4,8 @@
   the commit): read in place, nothing downloaded, nothing removed.
 * Streamed (a repo id, the default): each shard is downloaded into the tool's download folder
   (`source.hub.DownloadFolder`: OUT/.lucifer/download, or --download-dir) just before the first part
-  that reads it, checked against the Hub's SHA-256, and removed once no later part reads it; the
+  that reads it, checked against the Hub's SHA-256 and against the header the plan read by a ranged
+  request (`Checkpoint.check_header`), and removed once no later part reads it; the
   parts are written in the order that holds fewest shards at once (`source.streaming`), and one
   downloader thread runs ahead of the conversion as far as that many bytes allow, so the folder
   holds a few shards at a time (`peak_bytes`, which the room check counts), not the checkpoint.
@@ -20,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..outnames import STATE_DIR
@@ -114,7 +116,8 @@ class SourceFeed:
                     first.setdefault(f, i)
             for name in set(self.job.ckpt.files) - set(first):  # a stopped run's shards only kept parts read
                 self.folder.remove(name)
-            self._downloads = _Downloads(self.folder, first, self.job.ckpt.files, self.peak)
+            self._downloads = _Downloads(self.folder, first, self.job.ckpt.files, self.peak,
+                                         self.job.ckpt.check_header)
 
     def before(self, index: int) -> None:
         """Part `index` of the order is next: wait until the downloader has brought its shards (its
@@ -168,8 +171,10 @@ class _Downloads:
     written needs goes regardless): the network never waits for the disk or the other way round
     while there is room. A daemon thread: a pool's would hold Ctrl-C until a shard finished."""
 
-    def __init__(self, folder, first: dict[str, int], sizes: dict[str, int], budget: int):
+    def __init__(self, folder, first: dict[str, int], sizes: dict[str, int], budget: int,
+                 check: Callable[[str], None]):
         self.folder, self.first, self.sizes, self.budget = folder, first, sizes, budget
+        self.check = check  # a downloaded shard's header is the plan's (Checkpoint.check_header)
         self.ready: set[str] = set()
         self.on_disk = 0
         self.current = 0  # the part being written
@@ -189,6 +194,7 @@ class _Downloads:
                     if self.stopped:
                         return
                 self.folder.fetch(name)
+                self.check(name)
                 with self.cond:
                     self.ready.add(name)
                     self.on_disk += self.sizes[name]

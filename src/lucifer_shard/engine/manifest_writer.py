@@ -13,7 +13,7 @@ from ..model.drafts import draft_record
 from ..outnames import MANIFEST_NAME
 from ..output.manifest import CARD_NAME, FORMAT, FORMAT_VERSION, manifest_text, part_content, part_path
 from ..output.manifest_types import (Content, Copy, Draft, FileRecord, Manifest, PlanRecord, RankRecord, Source,
-                                     TensorRecord)
+                                     TensorRecord, roles_identity)
 from ..output.output_check import recorded_fields
 from ..source.checkpoint import side_files
 from ..source.content import ALGORITHM, BLOCK, checkpoint_digest, shard_digests
@@ -21,13 +21,14 @@ from .job import Job, layout_name, stored_shape
 from .journal import JournalEntry
 
 
-def source_content(job: Job, files: dict[str, JournalEntry]) -> Content:
-    """The manifest's `source.content`: digests of every converted source tensor, per shard and in all."""
+def source_content(job: Job, files: dict[str, JournalEntry], roles: dict[str, tuple[RankRecord, ...]]) -> Content:
+    """The manifest's `source.content`: digests of every converted source tensor, per shard and in all, and
+    the content identity of the rank files (`roles`) they stamp."""
     digests: dict[str, str] = {}
     for entry in files.values():
         digests.update(entry.sources or {})
     shards = shard_digests(digests, {k: job.ckpt.tensors[k].file for k in digests})
-    return Content(ALGORITHM, BLOCK, len(digests), shards, checkpoint_digest(shards))
+    return Content(ALGORITHM, BLOCK, len(digests), shards, checkpoint_digest(shards), roles_identity(roles))
 
 
 def copies(root: Path, follow: bool, card: bool = False) -> dict[str, Copy]:
@@ -68,20 +69,21 @@ def build_manifest(job: Job, files: dict[str, JournalEntry], out: Path | None = 
     """The manifest of `job` with these rank files; the copies digested in `out` (without it, the
     source's files: the same sizes, for the room check before anything is copied)."""
     o = job.options
+    roles = {role: _ranks(job, role, files) for role in job.roles}
     return Manifest(
         format=FORMAT,
         format_version=FORMAT_VERSION,
         tool_version=__version__,
         conversion_id=job.cid,
         source=Source(job.ckpt.fingerprint, job.source_path, dict(sorted(job.ckpt.files.items())),
-                      tuple(job.ckpt.side), source_content(job, files), **job.origin),
+                      tuple(job.ckpt.side), source_content(job, files, roles), **job.origin),
         copies=copies(out, follow=False, card=True) if out is not None else planned_copies(job),
         tp_size=job.plan.tp,
         plan=PlanRecord(job.plan.tp, job.plan.axes),
         options=o,
         **recorded_fields(o),  # what every reader derives from the options and compares (output/output_check)
         dropped=dict(sorted(job.dropped.items())),
-        roles={role: _ranks(job, role, files) for role in job.roles},
+        roles=roles,
         draft=Draft(**draft_record(job.ckpt.config)) if "draft" in job.roles else None,
     )
 

@@ -68,6 +68,16 @@ def part_content(sources: dict[str, str]) -> str:
     return "blake3:" + h.hexdigest()
 
 
+def stamps_digest(stamps: dict[str, str]) -> str:
+    """The output's content identity: BLAKE3 over every rank file's path and content stamp, in path order.
+    Each stamp is bound to its file's bytes (the header carries it, the file digest covers the header),
+    so unlike `source.content` it cannot be claimed by a re-sealed manifest without verify refusing it."""
+    h = blake3()
+    for path in sorted(stamps):
+        h.update(path.encode() + b"\0" + stamps[path].encode() + b"\0")
+    return "blake3:" + h.hexdigest()
+
+
 def file_digest(header: bytes, tensor_digests: list[str]) -> str:
     """A rank file's digest as the manifest records it: BLAKE3 over its header and its tensors' digests."""
     h = blake3(header)

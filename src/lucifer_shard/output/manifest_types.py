@@ -24,7 +24,8 @@ from ..model.plan import MAX_TP, Axis
 from ..model.rules import ROLES
 from ..model.tensorspecs import TensorSpec
 from ..outnames import MANIFEST_NAME, SIDE_FILES
-from .manifest import CARD_NAME, FORMAT, FORMAT_VERSION, digest_ok, part_path, read_manifest_bytes
+from .manifest import (CARD_NAME, FORMAT, FORMAT_VERSION, digest_ok, part_path, read_manifest_bytes,
+                       stamps_digest)
 
 _HEX64 = Str(r"[0-9a-f]{64}")
 _DIGEST = Str(r"blake3:[0-9a-f]{64}")
@@ -145,6 +146,8 @@ class Content:
     tensors: int = fld(_N)
     files: dict[str, str] = fld(MapOf(_DIGEST))
     digest: str = fld(_DIGEST)
+    # the content identity as written (`content_identity`); absent in outputs written before it was recorded
+    stamps: str | None = fld(_DIGEST, optional=True)
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,11 @@ class Draft:
     kind: str = fld(OneOf(tuple(DRAFT_KINDS)))
     stages: int = fld(Int(1, 16))
     tokens: int = fld(Int(1, 64))
+
+
+def roles_identity(roles: dict[str, tuple[RankRecord, ...]]) -> str:
+    """`output.manifest.stamps_digest` of these rank entries' file records."""
+    return stamps_digest({f.path: f.content for ranks in roles.values() for r in ranks for f in r.files})
 
 
 @dataclass(frozen=True)
@@ -251,6 +259,12 @@ class Manifest:
             raise OutputError(f"{path}: manifest_digest does not match its content: the manifest was edited "
                               f"after conversion; re-run convert --force")
         return m
+
+    @property
+    def content_identity(self) -> str:
+        """What the nodes compare as the weights' identity (`output.share.identity_line`): the digest of every
+        rank file's recorded content stamp, which verify checks against the files' bytes."""
+        return roles_identity(self.roles)
 
     def rank(self, role: str, rank: int) -> RankRecord:
         """`role`'s entry of TP rank `rank` (by its `rank` field); OutputError naming it when the manifest

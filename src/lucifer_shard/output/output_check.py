@@ -126,6 +126,11 @@ def check_manifest(check: OutputCheck, cfg: ModelConfig | None) -> None:
             conversion_id(m.source.fingerprint, m.options) != m.conversion_id:
         check.add("manifest", "conversion_id does not follow from the recorded source fingerprint and options: the "
                   "manifest was edited", file=MANIFEST_NAME)
+    c = m.source.content
+    if c.stamps is not None and c.stamps != m.content_identity:
+        check.add("manifest", f"source.content.stamps {c.stamps[:23]}... is not the digest of the rank files' content "
+                              f"stamps ({m.content_identity[:23]}...): the content record claims other weights than "
+                              f"the rank files hold; {EDITED}", file=MANIFEST_NAME)
     if cfg is not None:
         check.expected = _rules(check, cfg)
         _from_config(check, cfg)

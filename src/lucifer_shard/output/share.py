@@ -190,7 +190,9 @@ def record_problem(doc: object, tp: int | None = None) -> str | None:
 def identity_line(conversion_id: str, content: str) -> str:
     """'conversion 40e5d952756d, content 1f0c2a9b3d4e': an output's identity as serve, doctor, inspect and the
     loader's cross-node check print it, so that every node's line compares by eye. The conversion id covers
-    config, headers, sizes and options; the source content digest, the weights (source/content.py)."""
+    config, headers, sizes and options; `content`, the weights: `Manifest.content_identity`, the digest of
+    the rank files' content stamps, which verify checks against the files (never `source.content`, a claim
+    a re-sealed manifest could copy from another output)."""
     return f"conversion {conversion_id[:SHORT_DIGEST]}, content {content.rpartition(':')[2][:SHORT_DIGEST]}"
 
 

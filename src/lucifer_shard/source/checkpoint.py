@@ -23,7 +23,7 @@ from ..model.config import ModelConfig, load_config
 from ..model.rules import ROLES
 from ..model.tensorspecs import check_source_keys
 from ..outnames import MANIFEST_NAME, SIDE_FILES, STATE_DIR
-from .hub import NOT_HERE, HubRepo, cached_snapshot, guarded, remote_header, repo_at, small_file
+from .hub import NOT_HERE, RETRY, HubRepo, cached_snapshot, guarded, remote_header, repo_at, small_file
 
 if TYPE_CHECKING:  # torch is loaded by safetensors' "pt" framework when data is read
     import torch
@@ -161,6 +161,7 @@ class Checkpoint:
     fingerprint: str
     side: dict[str, int] = field(default_factory=dict)  # config/tokenizer files present: name -> size
     config_bytes: bytes = b""  # config.json as read (the fingerprint's first input)
+    headers: dict[str, str] = field(default_factory=dict)  # shard name -> SHA-256 of its header as the plan read it
     hub: HubRepo | None = None  # on the Hub, not on disk: `root` is where its files are downloaded to
     _fds: dict = field(default_factory=dict, repr=False)
 
@@ -174,6 +175,14 @@ class Checkpoint:
             st = (self.root / n).stat()
             stats[n] = [st.st_size, st.st_mtime_ns]
         return stats
+
+    def check_header(self, name: str) -> None:
+        """Shard `name`, now on disk, starts with the header the plan was made from. On the Hub that header
+        came by a ranged request and the shard by a download checked against its SHA-256: two reads."""
+        if hashlib.sha256(_read_shard(self.root / name).block).hexdigest() != self.headers[name]:
+            where = f" of {self.hub.repo} at {self.hub.commit[:12]}" if self.hub is not None else ""
+            raise SourceError(f"{name}{where}: its header is not the one the plan was made from (read before by a "
+                              f"ranged request): the endpoint answered the two requests with other bytes; {RETRY}")
 
     def read(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
         """The region `box` of tensor `key` (element indices), as stored: the rows of its first dim
@@ -291,22 +300,28 @@ def open_remote(repo: str, revision: str | None, download_to: Path | None = None
     hub = repo_at(repo, config_path.parent.name)  # the commit `revision` resolved to: every later file is its
     if hub is None:  # offline: what the Hugging Face cache holds of that commit, as before
         return open_checkpoint(resolve_model(repo, config_path.parent.name, cached_only=True), roles)
+    config_bytes = read_regular(config_path, JSON_LIMIT, follow=True)
+    hub.check("config.json", config_bytes)  # the bytes the plan is made from are the commit's
     cached = cached_snapshot(hub, [INDEX_NAME if INDEX_NAME in hub.files else SINGLE_NAME,
                                    *(n for n in SIDE_FILES if n in hub.files)])
     if cached is not None and (cached / INDEX_NAME).is_file():  # the cache may hold all of it: read in place
         names = set(_weight_map(cached / INDEX_NAME).values())
         if cached_snapshot(hub, sorted(names)) is not None:
-            return open_checkpoint(cached, roles)
+            local = open_checkpoint(cached, roles)
+            _check_snapshot(hub, local)
+            return local
     if INDEX_NAME in hub.files:
-        weight_map = _weight_map(small_file(repo, INDEX_NAME, hub.commit))
+        index_path = small_file(repo, INDEX_NAME, hub.commit)
+        hub.check(INDEX_NAME, read_regular(index_path, JSON_LIMIT, follow=True))
+        weight_map = _weight_map(index_path)
     elif SINGLE_NAME in hub.files:
         weight_map = None
     else:
         raise SourceError(f"{repo} at {hub.commit[:12]}: no {INDEX_NAME} or {SINGLE_NAME}; not a safetensors "
                           f"checkpoint")
     side = {n: hub.files[n].size for n in SIDE_FILES if n in hub.files}
-    ckpt = _checkpoint(Path(download_to or "."), cfg, read_regular(config_path, JSON_LIMIT, follow=True), weight_map,
-                       lambda name: remote_header(hub, name), roles, side)
+    ckpt = _checkpoint(Path(download_to or "."), cfg, config_bytes, weight_map, lambda name: remote_header(hub, name),
+                       roles, side)
     ckpt.hub = hub
     return ckpt
 
@@ -331,11 +346,22 @@ def download_whole(ckpt: Checkpoint, roles: tuple[str, ...] = ROLES) -> Checkpoi
     root = Path(guarded(hub.repo, hub.commit, "the checkpoint", lambda: snapshot_download(
         hub.repo, revision=hub.commit, allow_patterns=names)))
     local = open_checkpoint(root, roles)
+    _check_snapshot(hub, local)
     if local.fingerprint != ckpt.fingerprint:
         raise SourceError(f"{hub.repo} at {hub.commit[:12]}: the downloaded checkpoint's headers differ from the "
                           f"Hub's ({root}); remove that snapshot from the Hugging Face cache and run again")
     local.hub = hub
     return local
+
+
+def _check_snapshot(hub: HubRepo, local: Checkpoint) -> None:
+    """The config and tokenizer files of a Hugging Face cache snapshot against the git blob ids the Hub
+    publishes (huggingface_hub checks their size only; convert copies them into OUT). The shards are not
+    hashed here: the fingerprint binds their headers, and a snapshot of 170 GB is the user's cache."""
+    for name in local.side:
+        hub.check(name, read_regular(local.root / name, hub.get(name).size, follow=True),
+                  f"{local.root / name} is in the Hugging Face cache: remove that revision from the cache (`hf cache "
+                  f"rm`) and run again")
 
 
 def _checkpoint(root: Path, cfg: ModelConfig, config_bytes: bytes, weight_map: dict[str, str] | None,
@@ -348,8 +374,10 @@ def _checkpoint(root: Path, cfg: ModelConfig, config_bytes: bytes, weight_map: d
     tensors: dict[str, TensorEntry] = {}
     files: dict[str, int] = {}
     data_start: dict[str, int] = {}
+    headers: dict[str, str] = {}
     for name in names:
         header = header_of(name)
+        headers[name] = hashlib.sha256(header.block).hexdigest()
         files[name] = header.file_size
         data_start[name] = header.data_start
         digest.update(f"\0{name}\0{header.file_size}\0".encode())
@@ -366,7 +394,7 @@ def _checkpoint(root: Path, cfg: ModelConfig, config_bytes: bytes, weight_map: d
         if e.key in tensors:
             raise SourceError(f"{tensors[e.key].file}: {e}", key=e.key) from None
         raise
-    return Checkpoint(root, cfg, tensors, files, data_start, digest.hexdigest(), side, config_bytes)
+    return Checkpoint(root, cfg, tensors, files, data_start, digest.hexdigest(), side, config_bytes, headers)
 
 
 def side_files(root: Path) -> list[str]:

@@ -10,9 +10,12 @@ weight), and only then weights, each shard just before the first part that reads
 Every request goes through huggingface_hub (`hf_hub_download`, `HfApi.model_info`, and its HTTP session
 with `build_hf_headers` for the ranged header reads), so HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE and its
 retries apply. huggingface_hub checks a download's size only (`file_download.http_get`: "Consistency
-check failed: file should be of size ..."), so each shard is hashed here against the SHA-256 the Hub
-publishes for LFS files before a byte of it is used. A download stopped part-way is continued by the
-next run (`download_resumed`), shared with `fetch`.
+check failed: file should be of size ..."), so every file read from the Hub is checked here against what
+the Hub publishes for that commit before a byte of it is used (`HubRepo.check`): a shard (LFS) against
+its SHA-256, config.json, the index and the tokenizer files (git files) against their git blob id. So a
+Hub that answers one file with other bytes on a later request (or other bytes of the same size) cannot
+give the plan one config.json and OUT another. A download stopped part-way is continued by the next
+run (`download_resumed`), shared with `fetch`.
 
 The download folder holds only what this tool downloaded for one repo at one commit (a marker file
 says which); shards are removed from it as soon as no later part needs them, never from the user's
@@ -39,6 +42,7 @@ logger = logging.getLogger("lucifer_shard.hub")  # -v: each shard's download, -v
 MARKER = "lucifer-download.json"
 HEADER_GUESS = 1 << 18  # first ranged read of a shard; a larger header takes one more request
 HASH_BLOCK = 16 << 20
+RETRY = "run the same command again (it reads the file anew), and if it fails again, report it to the repo's owner"
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,32 @@ class HubRepo:
     files: dict[str, RemoteFile]
     card: dict = field(default_factory=dict)  # the repo card's front matter as the Hub parsed it (license, ...)
 
+    def check(self, name: str, data: bytes, fix: str = RETRY) -> None:
+        """Refuse bytes read for `name` that are not the ones the Hub publishes for this commit: its size,
+        then its SHA-256 (LFS) or git blob id (a git file), whichever the Hub gave; `fix` ends the line."""
+        f = self.get(name)
+        if len(data) != f.size:
+            got = f"{len(data)} bytes, the Hub publishes {f.size}"
+        elif f.sha256 is not None and hashlib.sha256(data).hexdigest() != f.sha256:
+            got = f"its bytes do not have the SHA-256 the Hub publishes for it ({f.sha256[:16]}...)"
+        elif f.sha256 is None and f.blob is not None and git_blob_id(data) != f.blob:
+            got = f"its bytes are not the git blob the Hub publishes for it ({f.blob[:16]}...)"
+        else:
+            return
+        raise SourceError(f"{name} of {self.repo} at {self.commit[:12]}: {got}; the endpoint served other bytes for "
+                          f"this commit (the file changed under the conversion, or the download was damaged): {fix}")
+
     def get(self, name: str) -> RemoteFile:
         f = self.files.get(name)
         if f is None:
             raise SourceError(f"{self.repo} at {self.commit[:12]}: has no file {name}; the index or the repo is "
                               f"incomplete (check the revision)")
         return f
+
+
+def git_blob_id(data: bytes) -> str:
+    """The id git gives `data` as a blob: what the Hub publishes for a file that is not in LFS."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def _hub_error(repo: str, revision: str | None, what: str, e: Exception) -> SourceError:
@@ -287,8 +311,8 @@ class DownloadFolder:
 
     def fetch(self, name: str) -> Path:
         """`name` in the folder, downloaded (continued where a stopped run left it) unless already whole,
-        and checked against the Hub's SHA-256 before any byte of it is used; a file that fails is
-        removed and named."""
+        and checked against the Hub's SHA-256 (a git file: its blob id, `HubRepo.check`) before any byte of
+        it is used; a file that fails is removed and named."""
         remote = self.repo.get(name)
         st = self.tree.lstat(name)
         sha = None
@@ -306,6 +330,12 @@ class DownloadFolder:
                               f"SHA-256 the Hub publishes for it ({remote.sha256[:16]}...); removed. The download "
                               f"was damaged or the endpoint served other bytes: run the same command again (it "
                               f"downloads it anew), and if it fails again, report it to the repo's owner")
+        if remote.sha256 is None:  # a git file (config, tokenizer): small, read whole (its size was just checked)
+            try:
+                self.repo.check(name, self.tree.read(name, remote.size))
+            except SourceError:
+                self.remove(name)
+                raise
         logger.debug("%s: SHA-256 checked in %.1f s", name, time.perf_counter() - t0)
         return self.tree.path(name)
 

@@ -2,9 +2,11 @@
 
 A node's own checks (nodefiles, the loader) prove its share is whole and of the manifest it carries. Two
 nodes' shares can still hold different weights under one conversion id: the id covers config, headers,
-sizes and options, not the weights (a derivative of 0731 has the base's id). The source content digest
-covers the weights (source/content.py). The loader gathers every rank's `ShareIdentity` over vLLM's CPU
-process group before it reads a byte; `identity_problem` is the comparison. Imports neither vLLM nor torch.
+sizes and options, not the weights (a derivative of 0731 has the base's id). The content identity covers
+the weights: the digest of the rank files' content stamps (`Manifest.content_identity`), each bound to its
+file's bytes, so a manifest re-sealed with another output's `source.content` does not pass for it. The
+loader gathers every rank's `ShareIdentity` over vLLM's CPU process group before it reads a byte;
+`identity_problem` is the comparison. Imports neither vLLM nor torch.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ FIX = ("every node must serve a share of one output: stage each node's share fro
 
 @dataclass(frozen=True)
 class ShareIdentity:
-    """What one TP rank serves: its output's conversion id and source content digest, and where it is."""
+    """What one TP rank serves: its output's conversion id and content identity, and where it is."""
 
     tp_rank: int
     host: str
@@ -38,7 +40,7 @@ class ShareIdentity:
     @classmethod
     def of(cls, out: Path, m: Manifest, tp_rank: int) -> ShareIdentity:
         share = share_record(out, m)  # an invalid one: the loader's share check names it
-        return cls(tp_rank, socket.gethostname(), str(out), m.conversion_id, m.source.content.digest,
+        return cls(tp_rank, socket.gethostname(), str(out), m.conversion_id, m.content_identity,
                    share.node_rank if share else None)
 
     @classmethod

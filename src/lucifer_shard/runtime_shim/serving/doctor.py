@@ -388,7 +388,7 @@ def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | 
         return [_out("output", FAIL, str(e), "lucifer-shard verify OUT lists every problem (the line names the fix)",
                      damage=True)]
     variant = f" ({m.moe_variant})" if m.moe_variant else ""
-    checks = [_out("output", OK, f"{out_dir}: {identity_line(m.conversion_id, m.source.content.digest)}, "
+    checks = [_out("output", OK, f"{out_dir}: {identity_line(m.conversion_id, m.content_identity)}, "
                    f"tp {m.tp_size}, {serving_arch(m.arch, m.options.moe_backend)}, experts {m.expert_layout} "
                    f"layout{variant}, roles {', '.join(roles(m))}")]
     checks.extend(share_checks(Path(out_dir), m, node_ranks))  # the copies vLLM reads were checked by load_manifest
