@@ -18,7 +18,7 @@ ADDR = "10.0.0.1"
 
 def identity(out: Path) -> str:
     m = Manifest.load(out)
-    return f"conversion {m.conversion_id[:12]}, content {m.source.content.digest.removeprefix('blake3:')[:12]}"
+    return f"conversion {m.conversion_id[:12]}, content {m.content_identity.removeprefix('blake3:')[:12]}"
 
 
 def test_write_launch_writes_a_script_per_node_that_serves_its_share(converted, tmp_path):
