@@ -197,3 +197,21 @@ def test_inspect_and_doctor_print_the_identity_every_node_compares(converted):
     out = converted(expert_layout="model")
     assert f"identity       {identity(out)}" in run("inspect", out).stdout
     assert f": {identity(out)}, tp 3" in run("doctor", out).stdout
+
+
+@pytest.mark.parametrize("stage_args, needle", [
+    (["--nnodes", 3, "--node-rank", 1], "node 1's share (of 3) by its lucifer-share.json, not node 0's"),
+    (["--ranks", 2], "a share of rank(s) 2 by its lucifer-share.json, not node 0's"),
+])
+def test_write_launch_on_another_nodes_share_without_node_rank_is_refused(converted, tmp_path, stage_args, needle):
+    """Issue 61 G: on node 1's share --write-launch ran as node 0 (the default) and wrote node 0's script for it;
+    refused now, naming the share's own node, before anything is written; with --node-rank it goes on."""
+    share = tmp_path / "share"
+    assert run("stage", converted(), share, *stage_args, "-q").exit_code == 0
+    r = run("serve", share, "--nnodes", 3, "--master-addr", ADDR, "--write-launch", tmp_path / "L")
+    assert r.exit_code == 2 and needle in r.stderr and not (tmp_path / "L").exists(), r.output
+    rank = stage_args[-1]
+    r = run("serve", share, "--nnodes", 3, "--node-rank", rank, "--master-addr", ADDR, "--write-launch", tmp_path / "L")
+    assert r.exit_code == 0 and (tmp_path / "L" / "node-2.sh").exists(), r.output
+    r = run("serve", converted(), "--nnodes", 3, "--master-addr", ADDR, "--write-launch", tmp_path / "whole")
+    assert r.exit_code == 0 and (tmp_path / "whole" / "node-2.sh").exists(), r.output
