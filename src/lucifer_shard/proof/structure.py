@@ -123,7 +123,10 @@ def check_file_digests(report: Report, manifest: Manifest, files: dict[str, Rank
         rf = files.get(f.path)
         if rf is None or report.concerns(role, rank, f.path, manifest.rank(role, rank).held(f.path)):
             continue
-        got = rf.manifest_digest(chunk_bytes)
+        try:
+            got = rf.manifest_digest(chunk_bytes)
+        finally:
+            rf.close()  # one descriptor at a time, however many files OUT has
         if got is not None and got != f.digest:
             report.add(Problem("file", f"{f.path}: file digest {got[7:23]}... differs from the manifest's "
                                f"{f.digest[7:23]}...: the manifest or the file was changed after conversion; "
