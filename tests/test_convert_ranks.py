@@ -156,6 +156,7 @@ def test_resume_keeps_the_other_ranks_digests_from_the_journal(converted, tiny_p
     (["--node-rank", "1"], "--nnodes and --node-rank go together"),
     (["--nnodes", "3"], "--nnodes and --node-rank go together"),
     (["--ranks", "3"], "--ranks '3': the output has TP ranks 0..2"),
+    (["--ranks", "0,0"], "--ranks '0,0': rank 0 is named twice"),  # issue 61 G: accepted before, as --ranks 0
     (["--nnodes", "2", "--node-rank", "0"], "--nnodes 2: vLLM needs the world size (tp 3) to divide by the number"),
 ])
 @pytest.mark.parametrize("command", ["convert", "plan"])

@@ -348,3 +348,22 @@ def test_an_edited_source_file_size_is_a_finding_of_diff(converted, tiny_pattern
     assert [p.message for p in report.problems] == [
         f"source.files: shard {shard} has {doc['source']['files'][shard] - 1:,} bytes, the converted one had "
         f"{doc['source']['files'][shard]:,}; the manifest was edited"]
+
+
+def test_61h_a_resealed_file_digest_is_a_finding_naming_the_file(converted, tiny_pattern, tmp_path):
+    """Issue 61 H: the bytes equal the source's, but the manifest records another file digest (re-sealed):
+    before the fix diff said OK (exit 0) while verify, stage and fetch refused it."""
+    from test_output_check import edited  # its edit-and-re-seal (the self-digest is public)
+
+    rel = "target/rank-0/part-00000.safetensors"
+
+    def edit(doc: dict) -> None:
+        f = doc["roles"]["target"]["ranks"][0]["files"][0]
+        assert f["path"] == rel
+        f["digest"] = "blake3:" + "1" * 64
+
+    bad = edited(converted(), tmp_path / "out", edit)
+    r = run("diff", bad, tiny_pattern)
+    assert r.exit_code == 1 and "OK" not in r.stdout, r.output
+    assert f"{rel}: file digest " in r.output and "differs from the manifest's 1111111111111111..." in r.output
+    assert run("diff", converted(), tiny_pattern).exit_code == 0  # the same bytes, the recorded digest: OK

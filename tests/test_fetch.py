@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hubserver import HubServer
-from helpers import cli_argv, run, run_process
+from helpers import cli_argv, one_error, run, run_process
 
 REPO_ID = "someone/flash-tp3"
 MiB = 1 << 20
@@ -214,6 +214,7 @@ def test_a_fetch_killed_mid_download_is_finished_by_the_same_command(converted, 
 
 @pytest.mark.parametrize("args,needle", [
     (["--ranks", "3"], "--ranks '3': the output has TP ranks 0..2"),
+    (["--ranks", "0,0"], "--ranks '0,0': rank 0 is named twice"),  # issue 61 G: taken as --ranks 0 before
     (["--nnodes", "3"], "--nnodes and --node-rank go together"),
     ([], "pass the ranks the node runs"),
     (["--ranks", "1", "--revision", "main"], "--revision applies only to a repo id"),
@@ -305,3 +306,71 @@ def test_the_license_comes_from_the_sources_own_card_or_not_at_all(tmp_path, rea
     if readme is not None:
         (tmp_path / "README.md").write_text(readme)
     assert source_license(tmp_path) == license
+
+
+# ---------------------------------------------------------------- issue 61, class B: fetch held to the output standard
+
+B_EDITS = {  # rank 0's first target file in a re-sealed manifest: (field, new value from old, what the error names)
+    "bytes + 1": ("bytes", lambda n: n + 1, "(truncated)"),
+    "bytes 2**62": ("bytes", lambda n: 2 ** 62, f"the manifest records {2 ** 62} (truncated)"),
+    "content stamp": ("content", lambda c: "blake3:" + "1" * 64, "__metadata__ lucifer.content is"),
+}
+
+
+def fetch_node0(source: Path, dest: Path, route: str, home: Path):
+    """`fetch SOURCE DEST --nnodes 3 --node-rank 0` from the directory, or from the stand-in Hub serving it;
+    `stage` for the same node, the standard fetch is held to."""
+    if route == "hub":
+        with HubServer({REPO_ID: source}) as hub:
+            return fetch_hub(hub, home, REPO_ID, dest, "--nnodes", 3, "--node-rank", 0)
+    return run(route, source, dest, "--nnodes", 3, "--node-rank", 0)
+
+
+@pytest.mark.parametrize("route", ["fetch", "hub", "stage"])
+@pytest.mark.parametrize("edit", B_EDITS)
+def test_61b_a_resealed_manifest_verify_refuses_is_refused_without_complete(published, tmp_path, edit, route):
+    """Before the fix fetch exited 0 on each (from a directory) and stage on the content stamp: fetch copied
+    by digest alone, which covers neither the recorded size nor the recorded stamp (the header holds the old)."""
+    from test_output_check import edited  # its edit-and-re-seal (the self-digest is public)
+
+    field, change, needle = B_EDITS[edit]
+
+    def edit_first_file(doc: dict) -> None:
+        f = doc["roles"]["target"]["ranks"][0]["files"][0]
+        f[field] = change(f[field])
+
+    bad = edited(published, tmp_path / "bad", edit_first_file)
+    assert run("verify", bad).exit_code == 1  # the standard: verify refuses each
+    dest = tmp_path / "node0"
+    r = fetch_node0(bad, dest, route, tmp_path / "hf")
+    if route == "hub" and field == "bytes":  # huggingface_hub asks for the manifest's size and refuses first
+        one_error(r, 2, "target/rank-0/part-00000.safetensors")
+    else:
+        one_error(r, 1, "target/rank-0/part-00000.safetensors", needle)
+    assert not (dest / "COMPLETE").exists()
+
+
+@pytest.mark.parametrize("route", ["fetch", "hub"])
+def test_61b_a_truncated_rank_file_is_refused_by_its_size_and_no_complete(published, tmp_path, route):
+    bad = published_copy(published, tmp_path / "bad")
+    rel = "target/rank-0/part-00000.safetensors"
+    data = (bad / rel).read_bytes()
+    (bad / rel).write_bytes(data[:-1])
+    dest = tmp_path / "node0"
+    r = fetch_node0(bad, dest, route, tmp_path / "hf")
+    if route == "hub":  # huggingface_hub asks for the manifest's size and refuses the short body first (what
+        one_error(r, 2, rel, "should be of size")  # came stays in the download area, for the next run to resume)
+        assert not (dest / "COMPLETE").exists() and not (dest / rel).exists()
+    else:
+        one_error(r, 1, rel, f"{len(data) - 1} bytes, the manifest records {len(data)} (truncated)")
+        refused_and_unpublished(dest, rel)
+
+
+@pytest.mark.parametrize("command", ["fetch", "stage"])
+def test_61b_a_dest_that_is_a_symlink_is_refused_untouched(published, tmp_path, command):
+    """Before the fix both followed the link and wrote the share into the folder it points to."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "dest").symlink_to(tmp_path / "empty", target_is_directory=True)
+    r = run(command, published, tmp_path / "dest", "--nnodes", 3, "--node-rank", 0)
+    one_error(r, 2, f"{tmp_path / 'dest'}: is a symlink", "does not follow a link for DEST")
+    assert not list((tmp_path / "empty").iterdir()) and (tmp_path / "dest").is_symlink()

@@ -438,3 +438,18 @@ def test_resume_repairs_a_streamed_output_from_the_hub(ckpts, hub, tmp_path):
     fetched = {q.path for q in weight_requests(hub)[n:]}
     assert fetched and len(fetched) < len(list((ckpts / "model").glob("*.safetensors")))
     assert not (out / ".lucifer" / "download").exists()
+
+
+@pytest.mark.parametrize("inside", ["", "dl", "target/rank-0/dl", ".lucifer/download"])
+@pytest.mark.parametrize("command", ["convert", "plan"])
+def test_a_download_dir_inside_out_is_refused_before_anything_is_written(tmp_path, inside, command):
+    """Issue 61 G: --download-dir inside OUT's rank folder was accepted and left a shard in the output (after a
+    kill the same --resume refused the tool's own downloads there): refused now before the Hub is asked for
+    anything and before OUT or the folder exists."""
+    out = tmp_path / "out"
+    with HubServer({}) as server:
+        server.home = tmp_path / "hf-home"
+        r = cli(command, "--tp", "3", REPO_ID, out, "--download-dir", out / inside, hub=server, check=False)
+        assert server.requests == []
+    one_error(r, 2, "--download-dir", f"inside OUT {out}; choose a folder outside OUT", alone=True)
+    assert not out.exists()

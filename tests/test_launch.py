@@ -248,3 +248,21 @@ def test_the_dry_run_checks_both_link_options_and_the_start_refuses_them(convert
     r = run("serve", out, "--nnodes", 1, "--node-rank", 0, "--master-addr", ADDR, "--ifname", here,
             "--ib-hca", "=nosuch_hca")
     assert r.exit_code == 2 and "--ib-hca =nosuch_hca: no RDMA device nosuch_hca" in r.stderr and ran == [], r.output
+
+
+@pytest.mark.parametrize("stage_args, needle", [
+    (["--nnodes", 3, "--node-rank", 1], "node 1's share (of 3) by its lucifer-share.json, not node 0's"),
+    (["--ranks", 2], "a share of rank(s) 2 by its lucifer-share.json, not node 0's"),
+])
+def test_write_launch_on_another_nodes_share_without_node_rank_is_refused(converted, tmp_path, stage_args, needle):
+    """Issue 61 G: on node 1's share --write-launch ran as node 0 (the default) and wrote node 0's script for it;
+    refused now, naming the share's own node, before anything is written; with --node-rank it goes on."""
+    share = tmp_path / "share"
+    assert run("stage", converted(), share, *stage_args, "-q").exit_code == 0
+    r = run("serve", share, "--nnodes", 3, "--master-addr", ADDR, "--write-launch", tmp_path / "L")
+    assert r.exit_code == 2 and needle in r.stderr and not (tmp_path / "L").exists(), r.output
+    rank = stage_args[-1]
+    r = run("serve", share, "--nnodes", 3, "--node-rank", rank, "--master-addr", ADDR, "--write-launch", tmp_path / "L")
+    assert r.exit_code == 0 and (tmp_path / "L" / "node-2.sh").exists(), r.output
+    r = run("serve", converted(), "--nnodes", 3, "--master-addr", ADDR, "--write-launch", tmp_path / "whole")
+    assert r.exit_code == 0 and (tmp_path / "whole" / "node-2.sh").exists(), r.output

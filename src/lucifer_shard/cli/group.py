@@ -276,7 +276,7 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     --json: every output tensor with its source slices, and the footprint in bytes.
     """
     from ..engine.job import prepare
-    from ..engine.outstate import refuse_target
+    from ..engine.outstate import refuse_download_dir, refuse_target
     from ..engine.repair import reference
     from ..guarded_io import Tree
     from ..model.config import parse_config, read_config
@@ -299,6 +299,8 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     refuse_swapped("plan", model, out, model_first=True)
     _refuse_resume_force(resume, force)
     refuse_download_options(model, download_dir, keep_source)
+    if out is not None:
+        refuse_download_dir(out, download_dir)
     node = chosen_share(tp, ranks, nnodes, node_rank)
     config = resolve_config(model, revision)
     raw = read_config(config)

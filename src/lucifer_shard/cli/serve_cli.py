@@ -259,6 +259,7 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
         raise UsageRefused("--draft-tokens applies only with --draft")
     if con.json and not dry_run:
         raise UsageRefused("--json applies only with --dry-run (serve otherwise becomes vLLM)")
+    share_node = write_launch is not None and node_rank is None  # a share then tells its node (below)
     if write_launch is not None:
         if nnodes is None:
             raise UsageRefused("--write-launch writes every node's launch: pass --nnodes N and --master-addr H")
@@ -280,6 +281,9 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     node_ranks = None  # the TP ranks this node runs: all of them on one node
     if tp is not None:
         from ..output.share import SHARE_NAME, node_ranks as ranks_of
+
+        if share_node:
+            _refuse_another_nodes_share(out, manifest.conversion_id, tp, nnodes)
 
         # --write-launch on a whole output (the conversion box) checks every node's ranks; on a share, its own
         every_node = write_launch is not None and not (out / SHARE_NAME).exists()
@@ -357,6 +361,26 @@ def _link_checks(ifname: str | None, ib_hca: str | None) -> list:
         why = launch.ib_hca_problem(ib_hca)
         checks.append(Check("--ib-hca", FAIL if why else OK, why or f"{ib_hca}: present here"))
     return checks
+
+
+def _refuse_another_nodes_share(out: Path, conversion_id: str, tp: int, nnodes: int) -> None:
+    """--write-launch without --node-rank runs as node 0: refused on a share of other ranks, whose own node
+    is named (its dry run would check node 0's ranks, absent there)."""
+    from ..output.share import SHARE_NAME, node_ranks as ranks_of, read_share
+
+    try:
+        share = read_share(out, conversion_id, tp)
+    except OutputError:
+        return  # not a valid record: the output check names it
+    if share is None or list(share.ranks) == ranks_of(tp, nnodes, 0):
+        return
+    held = ",".join(map(str, share.ranks))
+    node = f"node {share.node_rank}'s share (of {share.nnodes})" if share.node_rank is not None else \
+        f"a share of rank(s) {held}"
+    fix = f"pass --node-rank {share.node_rank}" if share.node_rank is not None else \
+        "pass the --node-rank of the node that runs those ranks"
+    raise UsageRefused(f"{out}: {node} by its {SHARE_NAME}, not node 0's, which --write-launch without --node-rank "
+                       f"checks; {fix}, or write the launch from node 0's share or the whole output")
 
 
 def _write_launch(folder: Path, out: Path, manifest, nodes: dict, draft: bool, tokens: int | None, ifname: str | None,

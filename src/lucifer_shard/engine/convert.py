@@ -40,7 +40,7 @@ from .journal import JournalEntry, journal_line, truncate_journal
 from .manifest_writer import build_manifest, write_manifest
 from .nodeshare import SHARE_NAME, share_problem, write_share
 from .outstate import (check_out, conversion_record, part_valid, partial_bytes, planned_files, record_text,
-                       refuse_target, remove_partials, sizes_to_write, source_changed)
+                       refuse_download_dir, refuse_target, remove_partials, sizes_to_write, source_changed)
 from .owned import RECORD_REL, clear, plan_clearing, read_json
 from .repair import check_content, reference, restore_copy, survey
 from .resumed import resumed_sources, stamped_sources
@@ -62,6 +62,7 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     after config.json, before a shard header is asked for; nothing is downloaded before the lock."""
     t0 = time.perf_counter()
     out = Path(out)
+    refuse_download_dir(out, download_dir)  # before the source is asked for anything
 
     def refuse_out(cfg: ModelConfig) -> None:
         refuse_target(out, None, resume, force, None, options, planned_paths(cfg, options), node=node)

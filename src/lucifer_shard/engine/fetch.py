@@ -8,10 +8,12 @@ node's ranks, in that order), then `lucifer-share.json` and `COMPLETE` last, so 
 to what `stage OUT DEST` writes for the same ranks, and a fetch stopped part-way is an unfinished share
 that the same command finishes (a file already in DEST that verifies is kept, as stage keeps it).
 
-Checks, reused from stage (its `ManifestDigest`, `verifies`, `copy_checked`): a rank file's digest over
-its header and tensor digests, another file's BLAKE3, both as the manifest records them; from the Hub,
-also the SHA-256 the Hub publishes for each LFS file, because huggingface_hub checks only the size of
-what it downloads (file_download.py `http_get`, 2.4.0: its one check after the body is "Consistency check
+Checks: the one output check every reader runs (output/output_check), on a directory SOURCE before DEST
+changes and on DEST's share before COMPLETE is written; then, reused from stage (its `ManifestDigest`,
+`verifies`, `copy_checked`), each file's size and a rank file's identity stamp and digest over its header and
+tensor digests, another file's BLAKE3, all as the manifest records them; DEST that is a link is refused, as
+stage refuses it. From the Hub, also the SHA-256 the Hub publishes for each LFS file, because
+huggingface_hub checks only the size of what it downloads (file_download.py `http_get`, 2.4.0: its one check after the body is "Consistency check
 failed: file should be of size ..."), so a file whose bytes changed on the way would otherwise pass to
 the manifest check with the wrong fix.
 
@@ -43,11 +45,12 @@ from ..guarded_io import JSON_LIMIT, Tree, read_regular
 from ..outnames import MANIFEST_NAME
 from ..output.manifest import COMPLETE_NAME
 from ..output.manifest_types import Manifest
+from ..output.output_check import check_output
 from ..output.share import SHARE_NAME, share_doc, share_text
 from ..source.hub import download_resumed
 from ..units import byte_bar
-from .stage import (CHUNK, ManifestDigest, StageSummary, Want, copy_checked, only_writer, refuse_dest, share_files,
-                    verifies)
+from .stage import (CHUNK, ManifestDigest, StageSummary, Want, copy_checked, only_writer, refuse_dest, refuse_dest_link,
+                    share_files, size_problem, stamp_problem, verifies)
 
 STAGING = ".lucifer-fetch"  # DEST's download area (the Hub route), removed once the share is complete
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -183,25 +186,29 @@ def fetch(pub: Published, dest: Path, manifest: Manifest, manifest_bytes: bytes,
     which needs config.json)."""
     t0 = time.perf_counter()
     dest = Path(dest)
+    refuse_dest_link(dest, "fetch")
     if dest.exists() and not dest.is_dir():
         raise OutputError(f"{dest}: a file, not a directory; choose another DEST")
     if pub.root is not None and (dest.resolve() == pub.root.resolve() or pub.root.resolve() in dest.resolve().parents):
         raise UsageRefused(f"{dest}: inside SOURCE {pub.root}; fetch into a directory of its own")
     complete = complete_bytes(pub, manifest)
+    if pub.root is not None:  # what verify refuses without hashing, fetch refuses before DEST changes (as stage)
+        check_output(pub.root, manifest).refuse()
     wants = share_files(manifest, ranks, manifest_bytes)
     dest.mkdir(parents=True, exist_ok=True)  # DEST itself; below it only through Tree
     with only_writer(dest, "fetch"):
         refuse_dest(dest, manifest, ranks, wants, "fetch")
         summary = FetchSummary(pub.shown, str(dest), share_doc(manifest.conversion_id, manifest.tp_size, ranks,
                                                                   nnodes, node_rank))
-        _fetch_locked(pub, Tree(dest), wants, complete, summary, progress, check_config)
+        _fetch_locked(pub, Tree(dest), manifest, wants, complete, summary, progress, check_config)
     summary.seconds = time.perf_counter() - t0
     return summary
 
 
-def _fetch_locked(pub: Published, tree: Tree, wants: list[Want], complete: bytes, summary: FetchSummary,
-                  progress: bool, check_config: Callable[[Path], None] | None) -> None:
-    """The manifest and the copies, the config check, the rank files; then the share record and COMPLETE."""
+def _fetch_locked(pub: Published, tree: Tree, manifest: Manifest, wants: list[Want], complete: bytes,
+                  summary: FetchSummary, progress: bool, check_config: Callable[[Path], None] | None) -> None:
+    """The manifest and the copies, the config check, the rank files; then the share record, the output
+    check of the share (every reader's), and COMPLETE."""
     tree.remove(COMPLETE_NAME)  # a fetch that changes DEST is unfinished until it ends
     bar = byte_bar(sum(w.bytes for w in wants), "fetch", progress)
     try:
@@ -213,6 +220,7 @@ def _fetch_locked(pub: Published, tree: Tree, wants: list[Want], complete: bytes
         bar.close()
     _clear_staging(tree, wants)
     tree.write_bytes(SHARE_NAME, share_text(summary.share).encode())
+    check_output(tree.root, manifest, finishing=True).refuse()  # a share verify would refuse gets no COMPLETE
     tree.write_bytes(COMPLETE_NAME, complete)
 
 
@@ -273,9 +281,10 @@ def _check_staged(pub: Published, staging: Tree, want: Want) -> None:
     try:
         size = os.fstat(fd).st_size
         try:
-            digest = ManifestDigest(read_header(staging.path(want.rel), whole=False, fd=fd))
+            header = read_header(staging.path(want.rel), whole=False, fd=fd)
+            digest, header_problem = ManifestDigest(header), stamp_problem(header, want)
         except HeaderError as e:
-            digest, unreadable = None, e.reason
+            digest, header_problem = None, f"unreadable safetensors header ({e.reason})"
         sha = hashlib.sha256()
         while chunk := os.read(fd, CHUNK):
             sha.update(chunk)
@@ -287,10 +296,12 @@ def _check_staged(pub: Published, staging: Tree, want: Want) -> None:
     if published is not None and sha.hexdigest() != published:  # first: the fix is another download
         problem = f"SHA-256 {sha.hexdigest()[:16]}... is not the {published[:16]}... the Hub publishes for it"
         fix = "the bytes changed on the way: run the same fetch again (it downloads this file again)"
-    elif digest is None:
-        problem, fix = f"unreadable safetensors header ({unreadable})", REPUBLISH
-    elif size != want.bytes or digest.manifest_digest() != want.digest:
-        problem = f"not the bytes the manifest records ({size} bytes, blake3 {want.digest[7:23]}...)"
+    elif header_problem is not None:  # unreadable, or another identity stamp than the manifest's
+        problem, fix = header_problem, REPUBLISH
+    elif size != want.bytes:
+        problem, fix = size_problem(size, want.bytes), REPUBLISH
+    elif digest.manifest_digest() != want.digest:
+        problem = f"not the bytes the manifest records (blake3 {want.digest[7:23]}...)"
         fix = REPUBLISH
     else:
         return

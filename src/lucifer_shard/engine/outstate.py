@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
 from .. import __version__
-from ..errors import Locked, OutputError
+from ..errors import Locked, OutputError, UsageRefused
 from ..guarded_io import Refused, Tree, kind, partial_name
 from ..model.options import Options
 from ..outnames import MANIFEST_NAME, STATE_DIR, strays
@@ -17,6 +17,7 @@ from ..output.manifest import CARD_NAME, COMPLETE_NAME, part_path
 from ..output.outlock import writer_of
 from ..output.share import SHARE_NAME, SHARE_REPAIR, NodeShare, ShareRecord, describe, share_text
 from .card import planned_sizes
+from .feed import DOWNLOAD_REL
 from .job import Job, part_keys
 from .journal import JournalEntry, journal_line, read_journal
 from .owned import OUTPUT_FILES, RECORD_REL, is_output, plan_clearing, read_json, scan
@@ -30,6 +31,17 @@ def check_paths(out: Path, root: Path) -> None:
         raise OutputError(f"OUT {out} is inside MODEL {root}; choose a directory outside the checkpoint")
     if out_r in root_r.parents:
         raise OutputError(f"OUT {out} contains MODEL {root}; choose a directory outside the checkpoint")
+
+
+def refuse_download_dir(out: Path, download_dir: Path | None) -> None:
+    """--download-dir must lie outside OUT (by path, links resolved): downloads in OUT or its role and rank
+    folders are files convert did not write there, which verify counts as strays and --resume refuses."""
+    if download_dir is None:
+        return
+    out_r, dl_r = Path(out).resolve(), Path(download_dir).resolve()
+    if dl_r == out_r or out_r in dl_r.parents:
+        raise UsageRefused(f"--download-dir {download_dir}: inside OUT {out}; choose a folder outside OUT, or drop "
+                           f"--download-dir (the default, OUT/{DOWNLOAD_REL}, is the conversion's own)")
 
 
 def refuse_target(out: Path, root: Path | None, resume: bool, force: bool, job: Job | None = None,

@@ -3,11 +3,11 @@
 Each file goes in by a hard link when DEST is on OUT's filesystem (no byte copied), otherwise by a
 copy that is hashed while it is written and read back before it is published. What is placed is
 checked against the manifest, not against OUT's bytes alone: first the one output check every reader
-runs (output/output_check), then every file's digest (a rank file's over its header and tensor
-digests, as verify computes it): a link is hashed once made (it is OUT's inode: a damaged OUT would
-otherwise publish a damaged share), a copy as it is written. A file already in DEST is kept only
-when it verifies against the manifest, and is never replaced by bytes that do not.
-Nothing outside DEST is written (guarded_io.Tree). Order: the manifest and the copies, the rank
+runs (output/output_check), then every file's size and digest (a rank file's over its header and tensor
+digests, as verify computes it, and its identity stamp): a link is hashed once made (it is OUT's inode:
+a damaged OUT would otherwise publish a damaged share), a copy as it is written. A file already in DEST
+is kept only when it verifies against the manifest, and is never replaced by bytes that do not.
+Nothing outside DEST is written (guarded_io.Tree; a DEST that is itself a link is refused). Order: the manifest and the copies, the rank
 files, `lucifer-share.json`, `COMPLETE` last, so a stage stopped part-way is an unfinished share that
 the same command finishes; a file left half-written under its temporary name is removed by the next
 run. OUT is held with a shared lock on its writer lock for the whole stage (no convert rewrites it
@@ -32,7 +32,7 @@ from ..errors import Locked, MismatchError, OutputError, UsageRefused
 from ..formats.stheader import Header, HeaderError, read_header
 from ..guarded_io import Refused, Tree, naming, write_all
 from ..outnames import strays, MANIFEST_NAME, STATE_DIR
-from ..output.manifest import COMPLETE_NAME, file_digest, read_manifest_bytes
+from ..output.manifest import COMPLETE_NAME, file_digest, file_metadata, read_manifest_bytes
 from ..output.manifest_types import Manifest
 from ..output.outlock import reading
 from ..output.output_check import check_output
@@ -73,6 +73,7 @@ class Want:
     bytes: int
     digest: str  # "blake3:..."
     rank_file: bool  # the digest is over the header and tensor digests (`file_digest`), else over the bytes
+    stamp: dict[str, str] | None = None  # a rank file's identity stamp (`file_metadata`), as verify compares it
 
 
 def share_files(manifest: Manifest, ranks: list[int], manifest_bytes: bytes) -> list[Want]:
@@ -81,9 +82,11 @@ def share_files(manifest: Manifest, ranks: list[int], manifest_bytes: bytes) -> 
     files of those ranks."""
     files = [Want(MANIFEST_NAME, len(manifest_bytes), "blake3:" + blake3(manifest_bytes).hexdigest(), False)]
     files += [Want(name, rec.bytes, rec.digest, False) for name, rec in sorted(manifest.copies.items())]
+    cid, tp = manifest.conversion_id, manifest.tp_size
     for role in manifest.roles:
-        for rank in ranks:
-            files += [Want(f.path, f.bytes, f.digest, True) for f in manifest.rank(role, rank).files]
+        for rank in ranks:  # the manifest lists a rank's files as its parts 0.. in order (`part_path`)
+            files += [Want(f.path, f.bytes, f.digest, True, file_metadata(cid, role, rank, part, tp, f.content))
+                      for part, f in enumerate(manifest.rank(role, rank).files)]
     return files
 
 
@@ -140,10 +143,19 @@ def only_writer(dest: Path, command: str = "stage") -> Iterator[None]:
 
 
 def _refuse_dest_path(out: Path, dest: Path) -> None:
+    refuse_dest_link(dest)
     if _inside(out, dest):
         raise UsageRefused(f"{dest}: inside the output {out}; stage into a directory of its own")
     if dest.exists() and not dest.is_dir():
         raise OutputError(f"{dest}: a file, not a directory; choose another DEST")
+
+
+def refuse_dest_link(dest: Path, command: str = "stage") -> None:
+    """DEST itself must not be a link: a share is written where DEST names, never where a link points
+    (Refused, as a link inside DEST is)."""
+    if dest.is_symlink():
+        raise Refused(f"{dest}: is a symlink (to {os.readlink(dest)}); lucifer-shard {command} does not follow a "
+                      f"link for DEST: name the directory itself, or {command} into a new one")
 
 
 def _inside(out: Path, dest: Path) -> bool:
@@ -234,10 +246,11 @@ def _place(src: Tree, tree: Tree, want: Want) -> str:
             raise OSError(e.errno, e.strerror, str(src.path(rel)), None, str(tree.path(rel))) from None
     else:
         with _named(src.path(rel)):  # a read the disk refuses names OUT's file: the link is its inode
-            if verifies(tree, want):
-                return "linked"
+            problem = file_problem(tree, want)
+        if problem is None:
+            return "linked"
         tree.remove(rel)  # DEST keeps no damaged link
-        raise _damaged(src, rel, f"not the bytes the manifest records (blake3 {want.digest[7:23]}...)")
+        raise _damaged(src, rel, problem)
     copy_checked(src, tree, want)
     return "copied"
 
@@ -261,9 +274,12 @@ def _copy(src: Tree, tree: Tree, want: Want, fix: str) -> str:
         fd_in = src.open_read(want.rel)
     try:
         try:
-            digest = ManifestDigest(_header(src, want, fd_in))
+            header = _header(src, want, fd_in)
         except HeaderError as e:
             raise _damaged(src, want.rel, f"unreadable safetensors header ({e.reason})", fix) from None
+        if problem := stamp_problem(header, want):
+            raise _damaged(src, want.rel, problem, fix)
+        digest = ManifestDigest(header)
 
         def write(fd: int) -> None:
             while True:
@@ -273,6 +289,8 @@ def _copy(src: Tree, tree: Tree, want: Want, fix: str) -> str:
                     break
                 digest.update(chunk)
                 write_all(fd, chunk)
+            if digest.pos != want.bytes:  # first: a file's bytes past its tensors are in no digest
+                raise _damaged(src, want.rel, size_problem(digest.pos, want.bytes), fix)
             if digest.manifest_digest() != want.digest:  # not published: DEST keeps no damaged copy
                 raise _damaged(src, want.rel, f"not the bytes the manifest records (blake3 {want.digest[7:23]}...)",
                                fix)
@@ -289,18 +307,46 @@ def _header(tree: Tree, want: Want, fd: int) -> Header | None:
 
 
 def verifies(tree: Tree, want: Want) -> bool:
-    """Whether `tree`'s file is the one the manifest records (its digest, read in full)."""
+    """Whether `tree`'s file is the one the manifest records."""
+    return file_problem(tree, want) is None
+
+
+def file_problem(tree: Tree, want: Want) -> str | None:
+    """Why `tree`'s file is not the one the manifest records (its identity stamp, size and digest, read in
+    full), or None."""
     fd = tree.open_read(want.rel)
     try:
         try:
-            digest = ManifestDigest(_header(tree, want, fd))
-        except HeaderError:
-            return False
+            header = _header(tree, want, fd)
+        except HeaderError as e:
+            return f"unreadable safetensors header ({e.reason})"
+        if problem := stamp_problem(header, want):
+            return problem
+        digest = ManifestDigest(header)
         while chunk := os.read(fd, CHUNK):
             digest.update(chunk)
-        return digest.manifest_digest() == want.digest
+        if digest.pos != want.bytes:
+            return size_problem(digest.pos, want.bytes)
+        if digest.manifest_digest() != want.digest:
+            return f"not the bytes the manifest records (blake3 {want.digest[7:23]}...)"
+        return None
     finally:
         os.close(fd)
+
+
+def stamp_problem(header: Header | None, want: Want) -> str | None:
+    """Why a rank file's identity stamp is not the one the manifest gives it (its digest covers the header, but
+    a re-sealed manifest can record another stamp beside the same digest), or None."""
+    for key, value in (want.stamp or {}).items():
+        got = header.metadata.get(key) if header is not None else None
+        if got != value:
+            return f"__metadata__ {key} is {str(got)[:30]!r}..., the manifest gives {value[:30]!r}..."
+    return None
+
+
+def size_problem(got: int, want: int) -> str:
+    """A file's size against the manifest's, in verify's words."""
+    return f"{got} bytes, the manifest records {want} ({'truncated' if got < want else 'grown'})"
 
 
 class ManifestDigest:

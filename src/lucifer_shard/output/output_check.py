@@ -90,10 +90,12 @@ class OutputCheck:
                             f"finding(s): lucifer-shard verify {self.out} names every problem)")
 
 
-def check_output(out: Path, manifest: Manifest | None = None, seal: bool = True) -> OutputCheck:
+def check_output(out: Path, manifest: Manifest | None = None, seal: bool = True,
+                 finishing: bool = False) -> OutputCheck:
     """OUT's manifest (read here unless given) and every finding of the module docstring's checks;
     OutputError when OUT holds no readable manifest. `seal=False`: the self-digest is not asked for
-    (the loader's verify=none)."""
+    (the loader's verify=none). `finishing`: a writer's own check just before it writes COMPLETE (fetch),
+    so COMPLETE is not asked for yet."""
     out = Path(out)
     m = manifest if manifest is not None else Manifest.parse(read_manifest_bytes(out), out / MANIFEST_NAME)
     check = OutputCheck(out, m)
@@ -101,7 +103,7 @@ def check_output(out: Path, manifest: Manifest | None = None, seal: bool = True)
     if seal and not m.sealed:
         check.add("manifest", f"{out / MANIFEST_NAME}: manifest_digest does not match its content: the manifest was "
                   f"edited after conversion", file=MANIFEST_NAME)
-    problem = complete_problem(out, m.conversion_id)
+    problem = None if finishing else complete_problem(out, m.conversion_id)
     if problem:
         check.add("manifest", problem, file=COMPLETE_NAME, fix=False)
     cfg = None

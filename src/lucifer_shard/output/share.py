@@ -54,11 +54,17 @@ def share_repair(out: Path | str) -> str:
 
 
 def parse_ranks(text: str, tp: int) -> list[int]:
-    """`--ranks 0,2` as a sorted list of distinct TP ranks below `tp`."""
+    """`--ranks 0,2` as a sorted list of distinct TP ranks below `tp`; a rank named twice is refused (a slip
+    for another rank, which the node would then lack)."""
     try:
-        ranks = sorted({int(x) for x in text.split(",") if x.strip()})
+        named = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageRefused(f"--ranks {text[:40]!r}: expected TP ranks separated by commas, e.g. --ranks 1") from None
+    ranks = sorted(set(named))
+    twice = [r for r in ranks if named.count(r) > 1]
+    if twice:
+        raise UsageRefused(f"--ranks {text[:40]!r}: rank {twice[0]} is named twice; name each rank the node runs "
+                           f"once, e.g. --ranks 0,1")
     bad = [r for r in ranks if not 0 <= r < tp]
     if not ranks or bad:
         raise UsageRefused(f"--ranks {text[:40]!r}: the output has TP ranks 0..{tp - 1}")

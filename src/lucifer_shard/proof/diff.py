@@ -58,7 +58,7 @@ from .pads import (check_pads, check_scales, chunk_slices, element_index, file_o
                    slice_starts, to_model)
 from .rankfile import CHUNK_BYTES, HeaderTensor, RankFile, byte_shape, read_rows_direct, row_chunks, scratch
 from .report import Problem, Report, fmt_index, hexbytes
-from .structure import check_strays, open_files, read_manifest, usable
+from .structure import check_file_digests, check_strays, open_files, read_manifest, usable
 
 logger = logging.getLogger("lucifer_shard.diff")  # -v: the source and a line per rank file, -vv: per tensor
 
@@ -136,6 +136,7 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
     try:
         _diff_data(report, reader, work, stats, bar, chunk_bytes, workers, content.settle, stream)
         content.settle()
+        check_file_digests(report, manifest, files, held, chunk_bytes)
         report.info["content"] = {**content.info(), "share": held is not None}
     finally:
         bar.close()

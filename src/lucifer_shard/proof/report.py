@@ -69,6 +69,11 @@ class Report:
         key = _tensor_key(problem)
         self.by_tensor[key] = self.by_tensor.get(key, 0) + weight
 
+    def concerns(self, role: str, rank: int, file: str, tensors: list[str]) -> bool:
+        """Whether a finding (listed in full or only counted) names the rank file `file` or a tensor it holds."""
+        keys = [_tensor_key(Problem("file", "", role, rank, name, file)) for name in tensors]
+        return file in self.reported_files or any(k in self.by_tensor for k in (file, *keys))
+
     def add_first(self, problem: Problem) -> None:
         """A finding that explains the others (the source is not the one converted): listed before them,
         in the order found."""

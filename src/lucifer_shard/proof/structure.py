@@ -113,6 +113,26 @@ def open_files(report: Report, out: Path, manifest: Manifest, held: list[int] | 
     return files
 
 
+def check_file_digests(report: Report, manifest: Manifest, files: dict[str, RankFile], held: list[int] | None,
+                       chunk_bytes: int) -> None:
+    """diff's last check: each rank file's digest against the one the manifest records, for the files whose
+    bytes were found equal to the source's (a damaged byte is a finding already): stage, fetch and the loader trust the recorded
+    digests, so a re-sealed one is a finding here as in verify. One more read of the rank files (page cache
+    warm from the comparison)."""
+    for role, rank, f in manifest.files(held):
+        rf = files.get(f.path)
+        if rf is None or report.concerns(role, rank, f.path, manifest.rank(role, rank).held(f.path)):
+            continue
+        try:
+            got = rf.manifest_digest(chunk_bytes)
+        finally:
+            rf.close()  # one descriptor at a time, however many files OUT has
+        if got is not None and got != f.digest:
+            report.add(Problem("file", f"{f.path}: file digest {got[7:23]}... differs from the manifest's "
+                               f"{f.digest[7:23]}...: the manifest or the file was changed after conversion; "
+                               f"{report.repair}", role, rank, file=f.path))
+
+
 def _part_of(rel: str) -> int | None:
     stem = Path(rel).name
     if stem.startswith("part-") and stem.endswith(".safetensors"):
