@@ -19,7 +19,11 @@ the others as git blobs (ETag: the git blob id), as on the Hub. Every request is
 `tamper` serves other bytes for a file while its published SHA-256 (or git blob id) stays the original's,
 on every GET of it, or on those `lie_on` counts (from 1: a Hub that changes under a conversion, the same
 commit answering one request with other bytes than another); `stall_after`
-blocks a download once that many body bytes were sent (a test then kills the client mid-download).
+blocks a download once that many body bytes were sent (a test then kills the client mid-download);
+`fail_after` (with `fail`) makes the link fail once that many body bytes were sent: "reset" closes the
+connection mid-body (the client's RemoteProtocolError), "refuse" stops the server (every later
+connection refused), "status:N" answers every later file request with HTTP N (503, or 402 with the
+Hub's EgressLimitReached code); `ignore_range` answers a ranged GET with the whole file (200).
 
 Run alone: python tests/hubserver.py owner/name=DIR [owner/other=DIR2 ...] [--rate=BYTES_PER_S]
 """
@@ -96,7 +100,12 @@ class HubServer:
         self.lie_on: dict[tuple[str, str], range | set[int]] = {}  # (repo, file) -> its GETs `tamper` answers
         self._gets: dict[tuple[str, str], int] = {}  # (repo, file) -> GETs served so far
         self.stall_after: int | None = None  # body bytes of resolve GETs after which downloads block
+        self.stall_min_body = 0  # ... those that sent this many bytes of their own (1 << 18: not a header read)
         self.rate: float | None = None  # bytes per second all downloads share (None: as fast as loopback goes)
+        self.fail_after: int | None = None  # body bytes of resolve GETs after which the link fails (`fail`)
+        self.fail = "reset"  # how: "reset", "refuse" or "status:N"
+        self.failed = threading.Event()  # set once the link failed
+        self.ignore_range = False  # a ranged GET gets the whole file with 200, as a server without ranges
         self.stalled = threading.Event()  # set once a download blocked
         self._release = threading.Event()
         self._sent = 0
@@ -128,6 +137,15 @@ class HubServer:
         self._httpd.shutdown()
         self._httpd.server_close()
 
+    def stop(self) -> None:
+        """Stop serving: the listening socket closed, so every later connection is refused."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def failing(self) -> str | None:
+        """How the link fails now ("status:N" for a new request), or None."""
+        return self.fail if self.failed.is_set() else None
+
     def release(self) -> None:
         """Let stalled downloads go on (and no further stalls)."""
         self.stall_after = None
@@ -144,11 +162,13 @@ class HubServer:
         with self._lock:
             self.requests.append(request)
 
-    def _count(self, n: int) -> None:
-        """Account `n` body bytes about to be sent; block while a stall is on, or until `rate` allows them."""
+    def _count(self, n: int, request: Request) -> None:
+        """Account `n` body bytes about to be sent for `request`; block while a stall is on, or until `rate`
+        allows them."""
         with self._lock:
             self._sent += n
-            stall = self.stall_after is not None and self._sent > self.stall_after
+            stall = (self.stall_after is not None and self._sent > self.stall_after
+                     and request.sent + n > self.stall_min_body)
             if self.rate:
                 self._due = max(getattr(self, "_due", 0.0), time.perf_counter()) + n / self.rate
                 wait = self._due - time.perf_counter()
@@ -157,6 +177,11 @@ class HubServer:
         if stall:
             self.stalled.set()
             self._release.wait()
+        if self.fail_after is not None and self._sent > self.fail_after:
+            self.failed.set()
+            if self.fail == "refuse":
+                threading.Thread(target=self.stop, daemon=True).start()
+            raise ConnectionResetError("the stand-in Hub dropped the link")
 
 
 RESOLVE = re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)")
@@ -218,6 +243,11 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             repo = self._repo(m, m["file"], body)
             if repo is None:
                 return
+            how = hub.failing()
+            if how is not None and how.startswith("status:"):
+                status = int(how.split(":")[1])
+                code = "EgressLimitReached" if status == 402 else "ServiceUnavailable"
+                return self._error(status, code, f"the stand-in Hub answers {status}", m["file"], body)
             served = repo.files.get(m["file"])
             if served is None:
                 return self._error(404, "EntryNotFound", f"{m['file']} does not exist on {m['rev']}", m["file"], body)
@@ -230,7 +260,7 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             lo, hi = 0, data_len
             status = 200
             wanted = self.headers.get("Range")
-            if wanted:
+            if wanted and not hub.ignore_range:
                 r = RANGE.fullmatch(wanted.strip())
                 if r is None or (not r[1] and not r[2]):
                     return self._error(416, "RangeNotSatisfiable", f"bad range {wanted}", m["file"], body)
@@ -264,11 +294,12 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                 while lo + request.sent < hi:
                     n = min(CHUNK, hi - lo - request.sent)
                     chunk = tampered[lo + request.sent:lo + request.sent + n] if tampered is not None else f.read(n)
-                    hub._count(len(chunk))
                     try:
+                        hub._count(len(chunk), request)
                         self.wfile.write(chunk)
                     except (BrokenPipeError, ConnectionResetError):
-                        return  # the client went away (killed mid-download)
+                        self.close_connection = True
+                        return  # the client went away (killed mid-download), or the link was dropped (`fail`)
                     request.sent += len(chunk)
 
         def _error(self, status: int, code: str, message: str, where: str, body: bool) -> None:

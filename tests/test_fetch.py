@@ -5,6 +5,7 @@ file is refused by name and never gets its name in DEST; --dry-run reads only th
 mid-download is finished by the same command, which asks only for what was not finished."""
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -374,3 +375,73 @@ def test_61b_a_dest_that_is_a_symlink_is_refused_untouched(published, tmp_path, 
     r = run(command, published, tmp_path / "dest", "--nnodes", 3, "--node-rank", 0)
     one_error(r, 2, f"{tmp_path / 'dest'}: is a symlink", "does not follow a link for DEST")
     assert not list((tmp_path / "empty").iterdir()) and (tmp_path / "dest").is_symlink()
+
+
+# ---------------------------------------------------------------- a failing link (issue 61 E, issue 63 item 3)
+
+FAST_RETRY = Path(__file__).resolve().parent / "fastretry"  # the harness that cuts huggingface_hub's retry waits
+
+
+def link_env(hub: HubServer, home: Path) -> dict[str, str]:
+    """hub_env with huggingface_hub's retry waits cut short (tests/fastretry) and a 1 s read timeout."""
+    return {**hub_env(hub, home), "HF_HUB_DOWNLOAD_TIMEOUT": "1", "HF_HUB_ETAG_TIMEOUT": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(FAST_RETRY), os.environ.get("PYTHONPATH"))))}
+
+
+def environment_line(r: subprocess.CompletedProcess, *needles: str) -> str:
+    line = one_error(r, 2, *needles)
+    assert json.loads(r.stdout)["error"]["kind"] == "environment", r.stdout
+    return line
+
+
+@pytest.mark.parametrize("how", ["reset", "refuse", "status:503", "status:402"])
+def test_a_link_failing_mid_file_ends_fetch_in_one_line_and_the_same_fetch_finishes(published, staged, tmp_path,
+                                                                                     how):
+    dest, home = tmp_path / "node1", tmp_path / "hf"
+    with HubServer({REPO_ID: published}) as hub:
+        hub.fail, hub.fail_after = how, sum((published / p).stat().st_size for p in node_files(published, 1)) // 2
+        r = run_process("fetch", REPO_ID, dest, "--nnodes", 3, "--node-rank", 1, "--json", env=link_env(hub, home),
+                        timeout=300)
+        line = environment_line(r, "run the same fetch again", REPO_ID)
+        if how == "status:402":
+            assert "quota" in line and "a third" in line
+        if how == "reset":  # cut inside a rank file: its bytes stay where the next run continues them
+            assert "bytes are kept in" in line and ".lucifer-fetch" in line
+        assert not (dest / "COMPLETE").exists()
+        if how != "refuse":
+            hub.fail_after = None
+            hub.failed.clear()
+            assert fetch_hub(hub, home, REPO_ID, dest, "--nnodes", 3, "--node-rank", 1).returncode == 0
+            assert contents(dest) == contents(staged)
+
+
+def test_a_hub_gone_from_the_start_ends_fetch_in_one_line(published, tmp_path):
+    with HubServer({REPO_ID: published}) as hub:
+        hub.stop()
+        r = run_process("fetch", REPO_ID, tmp_path / "d", "--ranks", 1, "--json", env=link_env(hub, tmp_path / "hf"),
+                        timeout=300)
+        environment_line(r, "cannot connect", "run the same fetch again")
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_stop_during_a_read_timeout_ends_as_the_stop(published, tmp_path, sig, code):
+    """The Hub stops sending mid-file; the stop lands while huggingface_hub waits out its read timeout or
+    its retry: the command ends as the stop, one line, no internal error."""
+    with HubServer({REPO_ID: published}) as hub:
+        hub.stall_after = sum((published / p).stat().st_size for p in node_files(published, 1)) // 2
+        env = {**hub_env(hub, tmp_path / "hf"), "HF_HUB_DOWNLOAD_TIMEOUT": "1"}
+        proc = subprocess.Popen(cli_argv("fetch", REPO_ID, tmp_path / "d", "--ranks", 1), env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert hub.stalled.wait(120)
+            time.sleep(1.5)  # past the first read timeout: in huggingface_hub's retry
+            proc.send_signal(sig)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+            hub.release()
+    assert proc.returncode == code, err
+    # huggingface_hub's own retry warnings come first; the command's last word is its stop message
+    assert "Traceback" not in err and "internal error" not in err, err
+    assert err.strip().splitlines()[-1].startswith("interrupted: "), err

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -453,3 +454,185 @@ def test_a_download_dir_inside_out_is_refused_before_anything_is_written(tmp_pat
         assert server.requests == []
     one_error(r, 2, "--download-dir", f"inside OUT {out}; choose a folder outside OUT", alone=True)
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- a failing link (issue 61 E, issue 63 item 3)
+
+FAST_RETRY = Path(__file__).resolve().parent / "fastretry"  # the harness that cuts huggingface_hub's retry waits
+
+
+def link_cli(*args, hub: HubServer, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`cli` with --json, huggingface_hub's retry waits cut short (tests/fastretry) and a 1 s read timeout:
+    a link that stays down ends the command within seconds, after all of huggingface_hub's retries."""
+    env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1", "HF_ENDPOINT": hub.url,
+           "HF_HOME": str(hub.home), "HF_HUB_DOWNLOAD_TIMEOUT": "1", "HF_HUB_ETAG_TIMEOUT": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(FAST_RETRY), os.environ.get("PYTHONPATH"))))}
+    return run_process(*args, "--json", env=env, timeout=timeout)
+
+
+def link_error(r: subprocess.CompletedProcess, *needles: str) -> str:
+    """The run ended in one line of kind environment (exit 2), holding each of `needles`."""
+    line = one_error(r, 2, *needles)
+    assert json.loads(r.stdout)["error"]["kind"] == "environment", r.stdout
+    return line
+
+
+def weight_bytes(ckpts: Path) -> int:
+    return sum(p.stat().st_size for p in (ckpts / "model").glob("*.safetensors"))
+
+
+FAULTS = ["reset", "refuse", "status:503", "status:402", "timeout"]
+
+
+def fail_midway(hub: HubServer, how: str, after: int) -> None:
+    """The link fails once `after` body bytes went out: `how` as HubServer.fail, or "timeout" (the server
+    stops sending, and huggingface_hub's reads time out)."""
+    if how == "timeout":
+        hub.stall_after = after
+    else:
+        hub.fail, hub.fail_after = how, after
+
+
+@pytest.mark.parametrize("how", FAULTS)
+def test_a_link_failing_mid_shard_ends_convert_in_one_line_with_resume(ckpts, hub, tmp_path, how):
+    out = tmp_path / "out"
+    fail_midway(hub, how, weight_bytes(ckpts) // 2)
+    r = link_cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub)
+    line = link_error(r, "--resume", ".safetensors")
+    if how == "status:402":
+        assert "quota" in line and "a third" in line and "fetch" in line
+    elif how in ("reset", "timeout"):  # cut inside a shard: its bytes are on disk and named
+        assert "bytes are kept in" in line
+    if how in ("reset", "status:503"):  # the link is back: --resume finishes it, nothing was lost
+        hub.fail_after = None
+        hub.failed.clear()
+        cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, "--resume", hub=hub)
+        same_conversion(out, ckpts / "disk")
+    hub.release()
+
+
+def test_a_link_failing_in_a_kept_download_ends_in_one_line(ckpts, hub, tmp_path):
+    fail_midway(hub, "reset", weight_bytes(ckpts) // 2)
+    r = link_cli("convert", "--tp", "3", REPO_ID, tmp_path / "out", *SMALL_PARTS, "--keep-source", hub=hub)
+    link_error(r, "--resume", "Hugging Face cache")
+
+
+def test_a_hub_gone_before_anything_ends_plan_and_convert_in_one_line(ckpts, hub, tmp_path):
+    hub.stop()
+    for args in (("plan", "--tp", "3", REPO_ID), ("convert", "--tp", "3", REPO_ID, tmp_path / "out")):
+        link_error(link_cli(*args, hub=hub), "config.json", "cannot connect")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_link_failing_mid_diff_keeps_its_bytes_and_the_same_diff_finishes(ckpts, hub, tmp_path):
+    out = tmp_path / "out"
+    cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub)
+    shutil.rmtree(hub.home)  # nothing cached: diff reads the Hub
+    hub.fail, hub.fail_after = "reset", hub.bytes_sent() + weight_bytes(ckpts) // 2
+    dl = tmp_path / "dl"
+    link_error(link_cli("diff", out, "--download-dir", dl, hub=hub), "bytes are kept in", str(dl),
+               "run the same command again")
+    hub.fail_after = None
+    hub.failed.clear()
+    r = cli("diff", out, "--download-dir", dl, hub=hub)
+    assert "OK: every rank tensor is its source slices" in r.stdout and not dl.exists()
+
+
+def test_a_link_failing_in_check_numerics_ends_in_one_line(ckpts, hub, tmp_path):
+    out = tmp_path / "out"
+    cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub)
+    shutil.rmtree(hub.home)
+    hub.fail, hub.fail_after = "reset", hub.bytes_sent() + weight_bytes(ckpts) // 2
+    link_error(link_cli("check-numerics", out, hub=hub), "run the same command again")
+
+
+# ---------------------------------------------------------------- the download folder (issue 61 E)
+
+
+def test_a_download_dir_that_is_a_file_is_refused_before_anything_is_written(hub, tmp_path):
+    (tmp_path / "dl").write_text("mine")
+    line = one_error(cli("convert", "--tp", "3", REPO_ID, tmp_path / "out", "--download-dir", tmp_path / "dl",
+                         *SMALL_PARTS, hub=hub, check=False), 2, "not a folder", alone=True)
+    assert str(tmp_path / "dl") in line
+    assert not (tmp_path / "out").exists() and (tmp_path / "dl").read_text() == "mine"
+
+
+def test_a_download_dir_the_user_made_is_left_in_place(ckpts, hub, tmp_path):
+    """The end of a conversion removes only what the tool made: an empty folder of the user's (or a mount
+    point, where removing it failed with EBUSY) stays."""
+    (tmp_path / "dl").mkdir()
+    cli("convert", "--tp", "3", REPO_ID, tmp_path / "out", "--download-dir", tmp_path / "dl", *SMALL_PARTS, hub=hub)
+    same_conversion(tmp_path / "out", ckpts / "disk")
+    assert (tmp_path / "dl").is_dir() and not list((tmp_path / "dl").iterdir())
+
+
+def test_two_conversions_sharing_a_download_dir_do_not_break_each_other(ckpts, hub, tmp_path):
+    """The folder is held by the first: the second is refused in one line (kind locked) before it writes
+    anything there, and the first, let go on, ends byte-identical to the conversion from disk."""
+    dl = tmp_path / "dl"
+    hub.stall_after, hub.stall_min_body = weight_bytes(ckpts) // 2, 1 << 18  # the second's header reads go on
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(hub.home), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    first = subprocess.Popen(cli_argv("convert", "--tp", "3", REPO_ID, tmp_path / "a", *SMALL_PARTS, "-q",
+                                      "--download-dir", dl), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        assert hub.stalled.wait(120), "the first conversion never reached the stall"
+        r = run_process("convert", "--tp", "3", REPO_ID, tmp_path / "b", *SMALL_PARTS, "--download-dir", dl,
+                        "--json", env=env, timeout=120)
+        one_error(r, 2, str(dl), "another lucifer-shard command")
+        assert json.loads(r.stdout)["error"]["kind"] == "locked"
+    finally:
+        hub.release()
+        _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    same_conversion(tmp_path / "a", ckpts / "disk")
+
+
+# ---------------------------------------------------------------- bounded reads (issue 61 E)
+
+
+@pytest.fixture
+def huge_header_repo(ckpts, tmp_path):
+    """The checkpoint with its first shard replaced by a sparse 1.5 GiB file whose header declares 1.4 GiB."""
+    repo = tmp_path / "huge"
+    shutil.copytree(ckpts / "model", repo)
+    first = sorted(repo.glob("*.safetensors"))[0]
+    with open(first, "wb") as f:
+        f.write((1400 << 20).to_bytes(8, "little") + b"{")
+        f.truncate(1536 << 20)
+    return repo, first.name
+
+
+@pytest.mark.parametrize("ignore_range", [False, True], ids=["declared-1.4GiB", "range-ignored"])
+def test_an_oversized_answer_is_refused_while_reading(huge_header_repo, tmp_path, ignore_range):
+    repo, shard = huge_header_repo
+    with HubServer({REPO_ID: repo}) as h:
+        h.home = tmp_path / "hf-home"
+        h.ignore_range = ignore_range
+        r = cli("convert", "--tp", "3", REPO_ID, tmp_path / "out", hub=h, check=False)
+        one_error(r, 2, shard)
+        sent = h.bytes_sent(shard)
+    assert sent < 64 << 20, f"{sent:,} bytes of {shard} were sent to the client"  # not the 1.4 GiB
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_stop_during_a_read_timeout_ends_convert_as_the_stop(ckpts, hub, tmp_path, sig, code):
+    """The Hub stops sending mid-shard; the stop lands while the download thread waits out its read timeout
+    or huggingface_hub's retry: convert ends as the stop, one line, no internal error."""
+    hub.stall_after = weight_bytes(ckpts) // 2
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(hub.home), "HF_HUB_DISABLE_TELEMETRY": "1",
+           "HF_HUB_DOWNLOAD_TIMEOUT": "1"}
+    proc = subprocess.Popen(cli_argv("convert", "--tp", "3", REPO_ID, tmp_path / "out", *SMALL_PARTS), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert hub.stalled.wait(120)
+        time.sleep(1.5)  # past the first read timeout: in huggingface_hub's retry
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        hub.release()
+    assert proc.returncode == code, err
+    # huggingface_hub's own retry warnings come first; the command's last word is its stop message
+    assert "Traceback" not in err and "internal error" not in err, err
+    assert err.strip().splitlines()[-1].startswith("interrupted"), err

@@ -19,11 +19,13 @@ ERROR_KINDS: dict[str, tuple[int, str]] = {
                   "unfinished, of another format version"),
     "refused": (2, "a path the tool will not follow, open or delete: a link, a FIFO, a device, a file it did "
                    "not write"),
-    "locked": (2, "OUT is being written by another lucifer-shard convert"),
+    "locked": (2, "OUT is being written by another lucifer-shard convert, or a download folder is in use by another "
+                  "command"),
     "no_room": (2, "OUT's filesystem lacks the bytes or inodes, found before the first write or by a write "
                    "(plan reports it with exit 1)"),
-    "environment": (2, "the machine refused an operation: permissions, a read-only disk, an I/O error, "
-                       "file-descriptor, file-size, memory or thread limits"),
+    "environment": (2, "the machine or the network refused an operation: permissions, a read-only disk, an I/O "
+                       "error, file-descriptor, file-size, memory or thread limits; the link to the Hub refused, "
+                       "reset, timed out, a 5xx after retries or a 402 download quota"),
     "server": (2, "smoke's URL: nothing answers there, it is not a vLLM OpenAI-compatible server, or it ran past "
                   "--timeout"),
     "mismatch": (1, "a check found a problem: diff or verify findings, numerics past tolerance, a damaged or "

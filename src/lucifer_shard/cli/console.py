@@ -15,8 +15,9 @@ A command declared with `@conventions(interrupted=...)` (under `@click.command`)
   Ctrl-C         the command's own interrupt message on stderr, exit 130
   SIGTERM        handled as Ctrl-C (the same clean stop and message), exit 143
   stdout closed  nothing more is said, exit 141 (text and --json alike)
-  a fault        of the machine (an OS error naming its file, memory or threads exhausted): one line
-                 of its kind (errors.fault), exit 2
+  a fault        of the machine (an OS error naming its file, memory or threads exhausted) or of the
+                 network (refused, reset, timed out, a 5xx or 402 from the Hub): one line of its kind
+                 (errors.fault, source.hub.link_fault), exit 2
   anything else  a bug: `error: internal error: <type>: <message>; details in <log>` (the traceback
                  goes to OUT/.lucifer/ for convert, else a temporary file: a check writes nothing
                  into OUT), exit 70; with --json also the envelope
@@ -251,6 +252,14 @@ def _internal(con: Console, e: BaseException, out) -> NoReturn:
     con.fail(message, ERROR_KINDS["internal"][0], "internal", line=f"error: {message}; details in {log}")
 
 
+def _link(e: BaseException, command: str) -> LuciferError | None:
+    """A network failure no command named a file for (each maps its own, `source.hub.link_fault`): still
+    the link's fault, kind environment, not a bug."""
+    from ..source.hub import link_fault
+
+    return link_fault(e, f"lucifer-shard {command}")
+
+
 STOP_AGAIN_S = 0.05  # a stop that lands where it may not be raised is sent again this often
 # Where a raised stop can leave a lock held (the standard library's thread primitives take their locks in
 # Python, a stop between the acquire and the `with` leaves it taken: a worker then waits on it for ever).
@@ -361,7 +370,7 @@ def conventions(interrupted: str) -> Callable:
                 stop = _stop_behind(e)
                 if stop is not None:
                     _stopped(con, stop, message)
-                known = fault(e, con.command)  # the machine's fault (an OS error, memory, threads), or a bug
+                known = fault(e, con.command) or _link(e, con.command)  # the machine's or the network's, or a bug
                 if known is None:  # only convert writes into OUT: the checks leave it as they found it
                     _internal(con, e, kwargs.get("out") if con.command == "convert" else None)
                 con.fail(str(known), known.exit_code, known.kind)

@@ -134,6 +134,10 @@ def refuse_download_options(model: str, download_dir: Path | None, keep_source: 
     if download_dir is not None and keep_source:
         raise UsageRefused("--keep-source downloads into the Hugging Face cache, --download-dir streams through a "
                            "folder of its own; pass one")
+    if download_dir is not None:
+        from ..source.hub import refuse_download_dir
+
+        refuse_download_dir(download_dir)
 
 
 def options_from(tp: int, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None, max_file_size: str,

@@ -31,6 +31,7 @@ from ..output.manifest import COMPLETE_NAME, complete_problem, part_path, rank_d
 from ..output.manifest_types import Manifest
 from ..output.outlock import OutLock, describe
 from ..output.share import NodeShare
+from ..source.hub import LinkFault
 from ..units import size
 from .card import write_card
 from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, write_failed
@@ -45,6 +46,8 @@ from .owned import RECORD_REL, clear, plan_clearing, read_json
 from .repair import check_content, reference, restore_copy, survey
 from .resumed import resumed_sources, stamped_sources
 from .writeloop import Summary, WriteLoop, logger, source_digests
+
+RESUME = "run the same command with --resume (finished files and downloaded bytes are kept)"
 
 
 def convert(model: str, out: Path, options: Options, resume: bool = False, force: bool = False,
@@ -138,6 +141,8 @@ class _Writing:
         try:
             if isinstance(err, OSError):
                 raise self._fault(err) from None
+            if isinstance(err, LinkFault):  # OUT holds this run's state now: the next run continues it
+                raise err.then(RESUME) from None
             if err is not None and self.feed is not None:
                 self.feed.close(wait=False)  # Ctrl-C, SIGTERM, a refused source: leave now
         finally:

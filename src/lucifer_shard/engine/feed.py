@@ -33,6 +33,7 @@ from .job import Job, Part, part_keys
 
 logger = logging.getLogger("lucifer_shard.convert")
 DOWNLOAD_REL = f"{STATE_DIR}/download"  # the default download folder, inside OUT's state folder
+WAIT_POLL_S = 0.05  # how often the conversion looks whether the shards it waits for are in
 
 
 def part_files(job: Job, part: Part) -> list[str]:
@@ -80,6 +81,11 @@ class SourceFeed:
         its own; the error names the filesystem and the bytes each needs."""
         if not (self.stream or self.keep):
             return
+        if self.stream:  # the folder held for this run before OUT changes: a second run naming it is refused now
+            from ..source.hub import DownloadFolder
+
+            self.folder = DownloadFolder(self.job.ckpt.hub, self.root, self._report)
+            self.folder.lock()
         if self.keep:
             from huggingface_hub import constants
 
@@ -104,9 +110,6 @@ class SourceFeed:
         if self.keep:
             self._keep()
         elif self.stream:
-            from ..source.hub import DownloadFolder
-
-            self.folder = DownloadFolder(self.job.ckpt.hub, self.root, self._report)
             self.folder.claim()
             for name in self.job.ckpt.side:
                 self.folder.fetch(name)
@@ -142,6 +145,8 @@ class SourceFeed:
         if self._downloads is not None:
             self._downloads.stop(wait)
             self._downloads = None
+        if self.folder is not None:
+            self.folder.release()
 
     def summary(self) -> str | None:
         if self.folder is None or not self.folder.downloaded:
@@ -208,10 +213,16 @@ class _Downloads:
         with self.cond:
             self.current = index
             self.cond.notify_all()
-            while not set(names) <= self.ready and self.error is None:
-                self.cond.wait()
-            if self.error is not None:
-                raise self.error
+        # polled with a sleep in this frame, not waited for in threading's: a Ctrl-C or SIGTERM is held back
+        # inside the standard library's thread primitives (cli.console), so while a download waits out a
+        # read timeout the stop lands here and ends the run as the stop, before the link's error comes
+        while True:
+            with self.cond:
+                if self.error is not None:
+                    raise self.error
+                if set(names) <= self.ready:
+                    return
+            time.sleep(WAIT_POLL_S)
 
     def release(self, names: list[str]) -> None:
         for name in names:

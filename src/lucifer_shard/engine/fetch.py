@@ -47,7 +47,7 @@ from ..output.manifest import COMPLETE_NAME
 from ..output.manifest_types import Manifest
 from ..output.output_check import check_output
 from ..output.share import SHARE_NAME, share_doc, share_text
-from ..source.hub import download_resumed
+from ..source.hub import LinkFault, download_resumed, link_fault
 from ..units import byte_bar
 from .stage import (CHUNK, ManifestDigest, StageSummary, Want, copy_checked, only_writer, refuse_dest, refuse_dest_link,
                     share_files, size_problem, stamp_problem, verifies)
@@ -56,6 +56,7 @@ STAGING = ".lucifer-fetch"  # DEST's download area (the Hub route), removed once
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 REPUBLISH = ("the published output is not the one its manifest describes: republish it from an OUT that "
              "`lucifer-shard verify` passes, or fetch from another copy")
+AGAIN = "run the same fetch again (it resumes: files already checked are kept, a cut file continues)"
 DIR_FIX = "{root} is damaged; lucifer-shard verify {root} names every problem; fetch from a sound copy of the output"
 
 
@@ -96,18 +97,20 @@ def locate(source: str, revision: str | None) -> Published:
 
 
 def _resolve(repo: str, revision: str | None) -> Published:
+    import httpx2
     from huggingface_hub import HfApi  # only for a repo id
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
     at = revision or "main"
     try:
-        info = HfApi().model_info(repo, revision=revision, files_metadata=True)
+        with _link_faults(f"{repo} at {at}: the file list"):
+            info = HfApi().model_info(repo, revision=revision, files_metadata=True)
     except RevisionNotFoundError:
         raise OutputError(f"{repo}: no revision {at} on the Hub; pass a branch, tag or commit it has") from None
     except RepositoryNotFoundError:
         raise OutputError(f"{repo}: no such model repo on the Hub (or it is private: log in with `hf auth login`)") \
             from None
-    except (HfHubHTTPError, OSError, ValueError) as e:
+    except (HfHubHTTPError, OSError, ValueError, httpx2.TransportError) as e:
         raise OutputError(f"{repo}: cannot resolve {at} on the Hub ({type(e).__name__}: {e}); check the network "
                           f"and HF_ENDPOINT, then run again") from None
     sha256 = {s.rfilename: s.lfs.sha256 for s in info.siblings or () if s.lfs is not None}
@@ -134,12 +137,29 @@ def _download(pub: Published, rel: str) -> str:
 
 
 @contextmanager
+def _link_faults(where: str) -> Iterator[None]:
+    """A network failure inside as its one line (kind environment): nothing of DEST is lost, and the same
+    fetch continues (a rank file from the bytes kept: `download_resumed` names them)."""
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        yield
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError, httpx2.TransportError) as e:
+        link = link_fault(e, where, "nothing in DEST is lost", AGAIN)
+        if link is None:
+            raise
+        raise link from None
+
+
+@contextmanager
 def _hub_errors(pub: Published, rel: str) -> Iterator[None]:
     """huggingface_hub's failures for `rel` as one line with the fix."""
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 
     try:
-        yield
+        with _link_faults(pub.name(rel)):
+            yield
     except EntryNotFoundError:
         raise OutputError(f"{pub.name(rel)}: not in the repo; it does not hold a finished lucifer-shard output "
                           f"(publish the whole OUT, without .lucifer/: docs/output-format.md)") from None
@@ -271,7 +291,10 @@ def _staging(tree: Tree) -> Tree:
 def _download_rank_file(pub: Published, staging: Tree, want: Want, bar) -> None:
     """Download `want` into the download area, continuing the bytes an earlier run left there, and flush
     it to the disk (the link to come publishes bytes that are on the disk)."""
-    download_resumed(pub.repo, pub.commit, want.rel, staging, want.rel, want.bytes, bar.update, sync=True)
+    try:
+        download_resumed(pub.repo, pub.commit, want.rel, staging, want.rel, want.bytes, bar.update, sync=True)
+    except LinkFault as e:
+        raise e.then(AGAIN) from None
 
 
 def _check_staged(pub: Published, staging: Tree, want: Want) -> None:

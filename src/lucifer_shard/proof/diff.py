@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +53,7 @@ from ..model.plan import serving_arch
 from ..model.tensorspecs import TensorSpec
 from ..output.manifest_types import source_model, Manifest, TensorRecord
 from ..source.checkpoint import Checkpoint, open_source
+from ..source.hub import LinkFault
 from ..units import byte_bar, duration, rate, size
 from .diff_source import ChunkSources, ContentCheck, NarrowingError, ProofSourceReader, SourceStream, what_differs
 from .pads import (check_pads, check_scales, chunk_slices, element_index, file_offsets, first_positions, is_scale,
@@ -141,7 +143,7 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
     finally:
         bar.close()
         reader.close()
-        stream.close()
+        stream.close(keep=isinstance(sys.exc_info()[1], LinkFault))  # the link failed: its bytes for the same diff
         for rf in files.values():
             rf.close()
     stats["source_tensors"] = len(reader.keys_read)

@@ -293,9 +293,13 @@ class SourceStream:
             self.reader.forget(name)
             self.folder.remove(name)
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
+        """Remove the download (`keep`: leave its bytes for the next run, after the link failed)."""
         if self.opened:
-            self.folder.close([*self.ckpt.files, *self.ckpt.side])
+            if keep:
+                self.folder.release()
+            else:
+                self.folder.close([*self.ckpt.files, *self.ckpt.side])
 
 
 class _OnDisk:
@@ -316,5 +320,5 @@ class _OnDisk:
     def after(self, g: int) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
         pass

@@ -23,7 +23,8 @@ from ..model.config import ModelConfig, load_config
 from ..model.rules import ROLES
 from ..model.tensorspecs import check_source_keys
 from ..outnames import MANIFEST_NAME, SIDE_FILES, STATE_DIR
-from .hub import NOT_HERE, RETRY, HubRepo, cached_snapshot, guarded, remote_header, repo_at, small_file
+from .hub import (NOT_HERE, RETRY, HubRepo, cached_snapshot, guarded, link_fault, remote_header, repo_at,
+                  small_file)
 
 if TYPE_CHECKING:  # torch is loaded by safetensors' "pt" framework when data is read
     import torch
@@ -78,13 +79,21 @@ def _from_hub(repo: str, revision: str | None, what: str, fetch: str, patterns: 
               cached_only: bool = False) -> Path:
     """A snapshot of `repo` at `revision` holding `patterns`, through huggingface_hub's cache; a
     failure says which file is missing, where it was looked for and the command that fetches it."""
+    import httpx2
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     at = revision or "main"
     flag = f" --revision {revision}" if revision else ""
     try:
-        return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns, local_files_only=cached_only))
+        try:
+            return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns,
+                                          local_files_only=cached_only))
+        except (HfHubHTTPError, LocalEntryNotFoundError, httpx2.TransportError) as e:
+            link = link_fault(e, f"{what} of {repo} at {at}")  # the link failed: not a missing repo or file
+            if link is not None:
+                raise link from None
+            raise
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub is unreachable"
         raise SourceError(f"{repo}: {NOT_HERE}: {what} of {repo} at {at} is not in the local Hugging Face cache "
@@ -339,12 +348,13 @@ def download_whole(ckpt: Checkpoint, roles: tuple[str, ...] = ROLES) -> Checkpoi
     """A checkpoint on the Hub downloaded whole into the Hugging Face cache (huggingface_hub's location
     and settings) and opened there; its headers must be the ones read by ranged requests (the commit
     pins them), and its identity stays the Hub's (`stats`)."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
     hub = ckpt.hub
     names = [*ckpt.files, *ckpt.side, *([INDEX_NAME] if INDEX_NAME in hub.files else [])]
     root = Path(guarded(hub.repo, hub.commit, "the checkpoint", lambda: snapshot_download(
-        hub.repo, revision=hub.commit, allow_patterns=names)))
+        hub.repo, revision=hub.commit, allow_patterns=names),
+        lambda: f"the files it finished are kept in the Hugging Face cache ({constants.HF_HUB_CACHE})"))
     local = open_checkpoint(root, roles)
     _check_snapshot(hub, local)
     if local.fingerprint != ckpt.fingerprint:

@@ -24,16 +24,18 @@ Hugging Face cache (blobs there are shared between revisions and tools) or a loc
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import SourceError
-from ..formats.stheader import Header, HeaderError, parse_header
+from ..errors import EnvironmentRefused, SourceError, UsageRefused
+from ..formats.stheader import MAX_HEADER_BYTES, Header, HeaderError, parse_header
 from ..guarded_io import Tree, open_regular
 
 NOT_HERE = "no such directory here, and as a Hugging Face repo id"
@@ -43,6 +45,82 @@ MARKER = "lucifer-download.json"
 HEADER_GUESS = 1 << 18  # first ranged read of a shard; a larger header takes one more request
 HASH_BLOCK = 16 << 20
 RETRY = "run the same command again (it reads the file anew), and if it fails again, report it to the repo's owner"
+READ_BLOCK = 1 << 16  # a ranged read's body is taken this much at a time, never more than was asked for
+SAME = "then run the same command again"
+QUOTA = ("the Hub refused the download with HTTP 402: the account's download quota (its 30-day egress allowance) is "
+         "spent; wait for it to renew or raise it on the Hub, and spend less of it: a share copied between the boxes "
+         "(`lucifer-shard stage`, then any copy) or `lucifer-shard fetch` of a published share costs a third of the "
+         "download of three nodes each streaming the source")
+
+
+class LinkFault(EnvironmentRefused):
+    """The link to the Hub failed (refused, reset, timed out, a 5xx after huggingface_hub's retries, a
+    402 quota): a fault of the network, not of the tool. `what` names the file and the bytes kept; the
+    line ends with the command that continues, which each command knows (`then`)."""
+
+    def __init__(self, what: str, then: str = SAME):
+        self.what = what
+        super().__init__(f"{what}; {then}")
+
+    def then(self, then: str) -> LinkFault:
+        """The same fault, continued by `then`."""
+        return LinkFault(self.what, then)
+
+
+def _stop_behind(e: BaseException) -> KeyboardInterrupt | None:
+    """A Ctrl-C or SIGTERM that this error was raised while handling (a stop during huggingface_hub's
+    retry wait comes out with the network error as its context, or the other way round)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def link_reason(e: BaseException) -> str | None:
+    """Why the link failed, as one phrase, when `e` (or what it was raised from) is a network failure;
+    None for anything else. huggingface_hub raises httpx2's errors as they are after its retries, a 5xx
+    or 402 as HfHubHTTPError, and wraps a failed metadata request of `hf_hub_download` in
+    LocalEntryNotFoundError (its cause is the network error)."""
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = " ".join(str(e).split())[:200]
+        if isinstance(e, OfflineModeIsEnabled):
+            return None  # the user's choice, not a fault of the link
+        if isinstance(e, httpx2.ConnectError):
+            return f"cannot connect to the Hub ({text or 'connection refused'})"
+        if isinstance(e, httpx2.TimeoutException):
+            return (f"the Hub did not answer within HF_HUB_DOWNLOAD_TIMEOUT ({type(e).__name__}), after "
+                    f"huggingface_hub's retries")
+        if isinstance(e, httpx2.TransportError):  # RemoteProtocolError, ReadError, WriteError, ...
+            return f"the connection was closed mid-transfer ({type(e).__name__}: {text})"
+        if isinstance(e, HfHubHTTPError) and e.response is not None:
+            status = e.response.status_code
+            if status == 402 or type(e).__name__ == "EgressLimitError":
+                return QUOTA
+            if status >= 500 or status in (408, 429):
+                return f"the Hub answered HTTP {status} after huggingface_hub's retries"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def link_fault(e: BaseException, where: str, kept: str = "", then: str = SAME) -> LinkFault | None:
+    """The one line of a network failure `e` while reading `where` (a file of a repo), saying what is
+    kept; None when `e` is no network failure. A stop behind `e` (Ctrl-C or SIGTERM during huggingface_hub's
+    retries) is raised as the stop it is."""
+    stop = _stop_behind(e)
+    if stop is not None:
+        raise stop from None
+    reason = link_reason(e)
+    if reason is None:
+        return None
+    return LinkFault(f"{where}: {reason}" + (f"; {kept}" if kept else ""), then)
 
 
 @dataclass(frozen=True)
@@ -121,12 +199,21 @@ def _hub_error(repo: str, revision: str | None, what: str, e: Exception) -> Sour
                        f"{str(e).splitlines()[0] if str(e) else ''})")
 
 
-def guarded(repo: str, revision: str | None, what: str, call: Callable):
+def guarded(repo: str, revision: str | None, what: str, call: Callable, kept: Callable[[], str] = lambda: ""):
+    """`call()`, its failures as one line: a stop behind a failure stays the stop, a network failure is
+    a LinkFault (`kept()`: what of the file stays on disk), any other a SourceError."""
+    import httpx2
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
         return call()
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError, httpx2.TransportError) as e:
+        stop = _stop_behind(e)
+        if stop is not None:
+            raise stop from None
+        link = link_fault(e, f"{what} of {repo} at {(revision or 'main')[:12]}", kept())
+        if link is not None:
+            raise link from None
         raise _hub_error(repo, revision, what, e) from None
 
 
@@ -164,20 +251,33 @@ def repo_at(repo: str, commit: str) -> HubRepo | None:
 
 
 def _ranged(repo: HubRepo, name: str, start: int, end: int) -> bytes:
-    """Bytes [start, end) of a file of the repo, by one ranged GET through huggingface_hub's session."""
+    """Bytes [start, end) of a file of the repo, by one ranged GET through huggingface_hub's session, read
+    as they come and never past `end - start` bytes: a server that ignored the range (sending the whole
+    file) is refused at the first byte too many, not after its body was taken into memory."""
+    import httpx2
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
+    want = end - start
+
     def get() -> bytes:
         headers = {**build_hf_headers(), "Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
-        r = get_session().get(hf_hub_url(repo.repo, name, revision=repo.commit), headers=headers,
-                              follow_redirects=True)
-        hf_raise_for_status(r)
-        return r.content
+        with get_session().stream("GET", hf_hub_url(repo.repo, name, revision=repo.commit), headers=headers,
+                                  follow_redirects=True) as r:
+            if r.status_code >= 400:  # the error's body for huggingface_hub's message: its first blocks only
+                body = b"".join(itertools.islice(r.iter_raw(READ_BLOCK), 16))
+                hf_raise_for_status(httpx2.Response(r.status_code, headers=r.headers, content=body, request=r.request))
+            data = bytearray()
+            for block in r.iter_raw(READ_BLOCK):
+                data += block
+                if len(data) > want:
+                    break
+        return bytes(data)
     data = guarded(repo.repo, repo.commit, name, get)
-    if len(data) != end - start:  # a server that ignored the range sends the whole file: refuse, do not use it
-        raise SourceError(f"{repo.repo}: a ranged read of {name} [{start}, {end}) returned {len(data)} bytes; the "
-                          f"endpoint does not serve byte ranges (check HF_ENDPOINT)")
+    if len(data) != want:  # a server that ignored the range sends the whole file: refuse, do not use it
+        got = f"more than {want} bytes" if len(data) > want else f"{len(data)} bytes"
+        raise SourceError(f"{repo.repo}: a ranged read of {name} [{start}, {end}) returned {got}; the endpoint does "
+                          f"not serve byte ranges (check HF_ENDPOINT)")
     return data
 
 
@@ -186,7 +286,8 @@ def remote_header(repo: HubRepo, name: str) -> Header:
     size = repo.get(name).size
     first = _ranged(repo, name, 0, min(size, HEADER_GUESS)) if size >= 8 else b""
     n = int.from_bytes(first[:8], "little") if len(first) >= 8 else 0
-    if len(first) >= 8 and 8 + n > len(first) and 8 + n <= size:
+    # a header past the safetensors limit is refused by parse_header from its length alone: never read it
+    if len(first) >= 8 and 8 + n > len(first) and 8 + n <= size and n <= MAX_HEADER_BYTES:
         first += _ranged(repo, name, len(first), 8 + n)
     try:
         return parse_header(f"{repo.repo}/{name}", first[:8 + n] if len(first) >= 8 else first, size)
@@ -226,7 +327,7 @@ def download_resumed(repo: str, commit: str, name: str, tree: Tree, rel: str, si
             if have > size:  # not a start of this file: begin again
                 have = f.seek(0)
                 f.truncate()
-            out = _Hashing(f, have)
+            out = _Hashing(f, have, size, f"{name} of {repo} at {commit[:12]}")
             report(have)
             if have < size:
                 http_get(location, out, resume_size=have, headers=headers, expected_size=size, displayed_filename=name,
@@ -235,21 +336,30 @@ def download_resumed(repo: str, commit: str, name: str, tree: Tree, rel: str, si
                 f.flush()
                 os.fsync(f.fileno())
             return out.sha.hexdigest() if out.whole else None
-    return guarded(repo, commit, name, get)
+
+    def kept() -> str:
+        st = tree.lstat(rel)
+        have = st.st_size if st is not None else 0
+        return f"{have:,} of its {size:,} bytes are kept in {tree.path(rel)} (the next run continues from them)"
+    return guarded(repo, commit, name, get, kept)
 
 
 class _Hashing:
     """The file http_get writes into, hashing (SHA-256) the bytes already there and each write, so a
     download is checked without reading it again; a seek or truncate (http_get rewinds when a server
-    ignored the range) leaves the hash incomplete (`whole` False)."""
+    ignored the range) leaves the hash incomplete (`whole` False). A write past the file's published
+    `size` is refused as it comes: a server that sends more than the file never fills the disk."""
 
-    def __init__(self, f, have: int):
-        self.f, self.sha, self.whole = f, hashlib.sha256(), True
+    def __init__(self, f, have: int, size: int, shown: str):
+        self.f, self.sha, self.whole, self.size, self.shown = f, hashlib.sha256(), True, size, shown
         f.seek(0)
         while f.tell() < have and (chunk := f.read(min(HASH_BLOCK, have - f.tell()))):
             self.sha.update(chunk)
 
     def write(self, data: bytes) -> int:
+        if self.f.tell() + len(data) > self.size:
+            raise SourceError(f"{self.shown}: the endpoint sent more than the {self.size:,} bytes the Hub publishes "
+                              f"for it; refused before writing them (check HF_ENDPOINT)")
         self.sha.update(data)
         return self.f.write(data)
 
@@ -276,38 +386,76 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def refuse_download_dir(root: Path) -> None:
+    """--download-dir must be a folder or a new path: a file there is refused before anything is written."""
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise UsageRefused(f"--download-dir {root}: not a folder; name a new folder, an empty one or a lucifer-shard "
+                           f"download folder")
+
+
 class DownloadFolder:
     """The folder a streamed conversion downloads into (`OUT/.lucifer/download` or --download-dir): a
     marker names the repo and commit, so a folder of another download (or a user's) is refused, and
-    only files of that repo which this tool downloaded are ever removed from it."""
+    only files of that repo which this tool downloaded are ever removed from it; the folder itself only
+    when this tool made it (a mount point or a folder the user made stays). One conversion at a time
+    uses a folder: it is locked (flock on the directory, dropped when the process ends) from `lock()`
+    until `close()`, so a second conversion naming the same --download-dir is refused in one line, kind
+    `locked`, instead of removing the shards the first still reads (a lock, not a subfolder each: a
+    stopped run's bytes stay where its --resume looks for them)."""
 
     def __init__(self, repo: HubRepo, root: Path, report: Callable[[int], None] | None = None):
         self.repo, self.root, self.tree = repo, Path(root), Tree(root)
         self.report = report or (lambda n: None)  # bytes downloaded, for the one progress display
         self.downloaded = 0
         self.seconds = 0.0
+        self.made = False
+        self._lock: ExitStack | None = None
 
     def marker(self) -> dict:
         return {"format": "lucifer-shard-download", "hf": f"{self.repo.repo}@{self.repo.commit}"}
 
+    def lock(self) -> None:
+        """Make the folder if it is not there, and hold it for this process alone."""
+        import fcntl
+
+        from ..errors import Locked
+
+        if self._lock is not None:
+            return
+        refuse_download_dir(self.root)
+        if not self.root.exists():
+            self.root.mkdir(parents=True)
+            self.made = True
+        held = ExitStack()
+        fd = held.enter_context(self.tree.directory())
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.close()
+            raise Locked(f"{self.root}: the download folder of another lucifer-shard command that is running; give "
+                         f"each its own --download-dir, or wait for it to finish") from None
+        self._lock = held  # closing its descriptor drops the lock
+
     def claim(self) -> None:
         """Make the folder (or take over this download's), refusing one that holds anything else."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.lock()
         entries = self.tree.entries()
         if MARKER in entries:
             try:
                 theirs = json.loads(self.tree.read(MARKER))
             except (ValueError, UnicodeDecodeError):
                 theirs = None
-            if theirs != self.marker():
+            if not isinstance(theirs, dict) or {k: theirs.get(k) for k in self.marker()} != self.marker():
                 what = str(theirs.get("hf"))[:80] if isinstance(theirs, dict) else "an unreadable marker"
                 raise SourceError(f"{self.root}: a download folder of {what}, not of {self.repo.repo} at "
                                   f"{self.repo.commit[:12]}; choose another --download-dir (or empty this one)")
+            self.made = theirs.get("made") is True  # who made it: the run that wrote the marker
         elif entries:
             raise SourceError(f"{self.root}: not empty and not a lucifer-shard download folder; choose an empty or "
                               f"new --download-dir (lucifer-shard deletes only files it downloaded)")
         else:
-            self.tree.write_bytes(MARKER, (json.dumps(self.marker(), sort_keys=True) + "\n").encode())
+            self.tree.write_bytes(MARKER, (json.dumps({**self.marker(), "made": self.made}, sort_keys=True)
+                                           + "\n").encode())
 
     def fetch(self, name: str) -> Path:
         """`name` in the folder, downloaded (continued where a stopped run left it) unless already whole,
@@ -345,12 +493,21 @@ class DownloadFolder:
 
     def close(self, names: list[str]) -> None:
         """Remove what is left of the download (`names`: the repo files it may hold), the marker, then the
-        folder itself if it is empty."""
+        folder itself if this tool made it and it is empty; the lock is dropped."""
         for name in names:
             self.remove(name)
         self.tree.remove(MARKER)
-        if not self.tree.entries():
+        self.release()
+
+    def release(self) -> None:
+        """Drop the lock; the folder stays as it is (a stopped run's bytes for the next), unless this tool
+        made it and it is empty."""
+        if self._lock is None:
+            return
+        if self.made and not self.tree.entries():
             Tree(self.root.parent).remove_dir(self.root.name)
+        self._lock.close()
+        self._lock = None
 
 
 def _bar(report: Callable[[int], None]) -> type:
