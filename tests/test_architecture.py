@@ -166,26 +166,28 @@ def _with_packages(name: str, importer: str) -> set[str]:
         {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
 
 
+def route(graph: dict[str, list[str]], start: str, goal: str) -> list[str] | None:
+    """A shortest route from `start` to `goal` in an import graph (breadth first), or None."""
+    todo, came = [start], {start: None}
+    while todo:
+        node = todo.pop(0)
+        if node == goal:
+            found = [node]
+            while came[found[-1]] is not None:
+                found.append(came[found[-1]])
+            return found[::-1]
+        for nxt in graph[node]:
+            if nxt not in came:
+                came[nxt] = node
+                todo.append(nxt)
+    return None
+
+
 def lazy_circles(packages: dict[str, Path]) -> list[str]:
     """'a imports b lazily: b imports a at module level (b -> ... -> a)' for each lazy import that breaks a circle."""
     mods = modules(packages)
     graph = {n: sorted({m for t in _imports(n, p, "module") if (mod := _module_of(t, mods))
                         for m in _with_packages(mod, n) if m in mods and m != n}) for n, p in mods.items()}
-
-    def route(start: str, goal: str) -> list[str] | None:
-        todo, came = [start], {start: None}
-        while todo:
-            node = todo.pop(0)
-            if node == goal:
-                found = [node]
-                while came[found[-1]] is not None:
-                    found.append(came[found[-1]])
-                return found[::-1]
-            for nxt in graph[node]:
-                if nxt not in came:
-                    came[nxt] = node
-                    todo.append(nxt)
-        return None
 
     found = []
     for name, path in mods.items():
@@ -193,7 +195,7 @@ def lazy_circles(packages: dict[str, Path]) -> list[str]:
             continue
         targets = {mod for t in _imports(name, path, "lazy") if (mod := _module_of(t, mods)) and mod != name}
         for target in sorted(targets):
-            back = route(target, name)
+            back = route(graph, target, name)
             if back:
                 found.append(f"{name} imports {target} lazily: {' -> '.join(back)}")
     return found
@@ -314,22 +316,7 @@ def import_circles(mods: dict[str, Path]) -> list[str]:
     packages = {n for n, p in shim.items() if p.name == "__init__.py"}
     graph = {n: sorted(m for m in imported(n, p) if m in shim and m not in packages and m != n) for n, p in shim.items()}
 
-    def path(start: str, goal: str) -> list[str] | None:
-        todo, came = [start], {start: None}
-        while todo:
-            node = todo.pop(0)
-            if node == goal:
-                found = [node]
-                while came[found[-1]] is not None:
-                    found.append(came[found[-1]])
-                return found[::-1]
-            for nxt in graph[node]:
-                if nxt not in came:
-                    came[nxt] = node
-                    todo.append(nxt)
-        return None
-
-    return [" -> ".join([a, *back]) for a in sorted(graph) for b in graph[a] if (back := path(b, a)) and a < b]
+    return [" -> ".join([a, *back]) for a in sorted(graph) for b in graph[a] if (back := route(graph, b, a)) and a < b]
 
 
 def shim_problems(mods: dict[str, Path]) -> list[str]:

@@ -315,6 +315,9 @@ B_EDITS = {  # rank 0's first target file in a re-sealed manifest: (field, new v
     "bytes + 1": ("bytes", lambda n: n + 1, "(truncated)"),
     "bytes 2**62": ("bytes", lambda n: 2 ** 62, f"the manifest records {2 ** 62} (truncated)"),
     "content stamp": ("content", lambda c: "blake3:" + "1" * 64, "__metadata__ lucifer.content is"),
+    # an output written before the manifest recorded the stamps' digest (source.content.stamps): the file's own
+    # stamp is what refuses it
+    "content stamp, no stamps digest": ("content", lambda c: "blake3:" + "1" * 64, "__metadata__ lucifer.content is"),
 }
 
 
@@ -339,6 +342,8 @@ def test_61b_a_resealed_manifest_verify_refuses_is_refused_without_complete(publ
     def edit_first_file(doc: dict) -> None:
         f = doc["roles"]["target"]["ranks"][0]["files"][0]
         f[field] = change(f[field])
+        if edit.endswith("no stamps digest"):
+            del doc["source"]["content"]["stamps"]
 
     bad = edited(published, tmp_path / "bad", edit_first_file)
     assert run("verify", bad).exit_code == 1  # the standard: verify refuses each
@@ -346,6 +351,8 @@ def test_61b_a_resealed_manifest_verify_refuses_is_refused_without_complete(publ
     r = fetch_node0(bad, dest, route, tmp_path / "hf")
     if route == "hub" and field == "bytes":  # huggingface_hub asks for the manifest's size and refuses first
         one_error(r, 2, "target/rank-0/part-00000.safetensors")
+    elif edit == "content stamp":  # class C: the manifest's digest of the stamps no longer holds: refused first
+        one_error(r, 1 if route == "stage" else 2, "is not the digest of the rank files' content stamps")
     else:
         one_error(r, 1, "target/rank-0/part-00000.safetensors", needle)
     assert not (dest / "COMPLETE").exists()

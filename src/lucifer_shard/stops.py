@@ -25,6 +25,20 @@ class Terminated(KeyboardInterrupt):
 _received: list[int] = []
 
 
+def stop_behind(e: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM an exception was raised from or while handling, if any: a stop can come out
+    as the error of a cleanup it interrupted, wrapped by Python (the RuntimeError of a class being built),
+    or as the context of a network error (a stop during huggingface_hub's retry wait), and it is still the
+    user's stop, not a bug."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def pending() -> KeyboardInterrupt | None:
     """The first stop recorded so far, as the exception a command raises for it; None without one."""
     if not _received:

@@ -307,19 +307,6 @@ def _stops_interrupt():
             signal.signal(s, h)
 
 
-def _stop_behind(e: BaseException) -> KeyboardInterrupt | None:
-    """The Ctrl-C or SIGTERM an exception was raised from or while handling, if any: a stop can come out
-    as the error of a cleanup it interrupted, or wrapped by Python (the RuntimeError of a class being
-    built), and it is still the user's stop, not a bug."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, KeyboardInterrupt):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
-
-
 def _stopped(con: Console, stop: KeyboardInterrupt, message: str) -> NoReturn:
     kind = "terminated" if isinstance(stop, Terminated) else "interrupted"
     con.fail(message, ERROR_KINDS[kind][0], kind, line=message)
@@ -367,7 +354,7 @@ def conventions(interrupted: str) -> Callable:
             except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
                 raise  # click's own usage errors and exits
             except Exception as e:  # noqa: BLE001 - the one place an unexpected exception is reported
-                stop = _stop_behind(e)
+                stop = stops.stop_behind(e)
                 if stop is not None:
                     _stopped(con, stop, message)
                 known = fault(e, con.command) or _link(e, con.command)  # the machine's or the network's, or a bug

@@ -37,6 +37,7 @@ from pathlib import Path
 from ..errors import EnvironmentRefused, SourceError, UsageRefused
 from ..formats.stheader import MAX_HEADER_BYTES, Header, HeaderError, parse_header
 from ..guarded_io import Tree, open_regular
+from ..stops import stop_behind
 
 NOT_HERE = "no such directory here, and as a Hugging Face repo id"
 
@@ -65,18 +66,6 @@ class LinkFault(EnvironmentRefused):
     def then(self, then: str) -> LinkFault:
         """The same fault, continued by `then`."""
         return LinkFault(self.what, then)
-
-
-def _stop_behind(e: BaseException) -> KeyboardInterrupt | None:
-    """A Ctrl-C or SIGTERM that this error was raised while handling (a stop during huggingface_hub's
-    retry wait comes out with the network error as its context, or the other way round)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, KeyboardInterrupt):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def link_reason(e: BaseException) -> str | None:
@@ -114,7 +103,7 @@ def link_fault(e: BaseException, where: str, kept: str = "", then: str = SAME) -
     """The one line of a network failure `e` while reading `where` (a file of a repo), saying what is
     kept; None when `e` is no network failure. A stop behind `e` (Ctrl-C or SIGTERM during huggingface_hub's
     retries) is raised as the stop it is."""
-    stop = _stop_behind(e)
+    stop = stop_behind(e)
     if stop is not None:
         raise stop from None
     reason = link_reason(e)
@@ -208,7 +197,7 @@ def guarded(repo: str, revision: str | None, what: str, call: Callable, kept: Ca
     try:
         return call()
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError, httpx2.TransportError) as e:
-        stop = _stop_behind(e)
+        stop = stop_behind(e)
         if stop is not None:
             raise stop from None
         link = link_fault(e, f"{what} of {repo} at {(revision or 'main')[:12]}", kept())
