@@ -39,14 +39,20 @@ def stop_behind(e: BaseException) -> KeyboardInterrupt | None:
     return None
 
 
+def received() -> int | None:
+    """The first stop's signal recorded so far; None without one."""
+    return _received[0] if _received else None
+
+
 def pending() -> KeyboardInterrupt | None:
     """The first stop recorded so far, as the exception a command raises for it; None without one."""
-    if not _received:
+    signum = received()
+    if signum is None:
         return None
-    return Terminated() if _received[0] == signal.SIGTERM else KeyboardInterrupt()
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
-def end_now(signum: int, why: str) -> None:
+def end_now(signum: int, why: str) -> NoReturn:
     """One line on stderr and the signal's exit code, at once: nothing is left to finish or clean up."""
     _flush(sys.stderr)
     try:

@@ -2,7 +2,6 @@
 then the commands are imported and run. Nothing heavy is imported before that (cli/__init__.py is lazy)."""
 from __future__ import annotations
 
-import signal
 from typing import NoReturn
 
 from .. import stops
@@ -13,8 +12,7 @@ def main() -> NoReturn:
     try:
         from .group import cli  # click and every command: a stop meanwhile waits in the flag
 
-        if (stop := stops.pending()) is not None:
-            signum = signal.SIGTERM if isinstance(stop, stops.Terminated) else signal.SIGINT
+        if (signum := stops.received()) is not None:
             stops.end_now(signum, "interrupted before the command began: nothing was done")
         cli()  # the command's run raises a recorded stop (cli/console.py); click exits through SystemExit
     except SystemExit as e:
