@@ -8,11 +8,12 @@ sm90, with the DSpark drafter; the same work folder, so a prepare of either serv
 greedy, the serving run's prompts, top-5 logprobs; TP > 1 on one GPU with tp_run's replacements (gloo, device 0).
 
     prepare   synth and the TP3 conversion with the draft only (no TP1 files, flipped copy or node shares)
-    w1        vLLM's own loader on the checkpoint at TP1 with and without DSpark (k=5); TP3 rank files with and
-              without `serve --draft` (k=5)
-    w2        TP3 rank files with `serve --draft --draft-tokens 1`; vLLM's own loader at TP2 with and without
-              DSpark (k=5)
-    w3        vLLM's own loader at TP1 with DSpark k=1
+    w1        the two controls that decide whose it is: vLLM's own loader on the checkpoint at TP1 with DSpark
+              (k=5) and the TP3 rank files with `serve --draft --draft-tokens 1`; vLLM's TP1 without a draft
+    w2        the TP3 rank files without and with `serve --draft` (k=5)
+    w3        vLLM's own loader at TP2 without and with DSpark (k=5); at TP1 with DSpark k=1
+Waves sized for an 80 GB H100 by the memory each server took on 2026-12-08 (ref TP1 11.3 GiB, TP3 files 3 x 5.9,
+TP3 files k=5 3 x 8.9, ref TP1 k=5 over 21.8): four servers at once ran out of memory there.
 (on a GPU of more than 120 GiB w1 and w2 start as one wave.) Per pair: flash_run's comparison, and per prompt
 each step's largest |dlogprob|, the first parting step, the reference's top-2 margin there and both top-5 lists.
 The servers without a draft are also asked the three short prompts at once (CONCURRENT): the target then runs
@@ -66,8 +67,8 @@ SERVERS = {
     "ref_tp2_k5": lambda w, p: ref(w, p, 2, 5),
     "ref_tp1_k1": lambda w, p: ref(w, p, 1, 1),
 }
-WAVES = {"w1": ["ref_tp1", "ref_tp1_k5", "files_tp3", "files_tp3_k5"],
-         "w2": ["files_tp3_k1", "ref_tp2", "ref_tp2_k5"], "w3": ["ref_tp1_k1"]}
+WAVES = {"w1": ["ref_tp1_k5", "files_tp3_k1", "ref_tp1"], "w2": ["files_tp3", "files_tp3_k5"],
+         "w3": ["ref_tp2", "ref_tp2_k5", "ref_tp1_k1"]}
 WAVES_BIG = {"w1": WAVES["w1"] + WAVES["w2"], "w2": [], "w3": WAVES["w3"]}
 PAIRS = (("ref_tp1", "ref_tp1_k5"), ("files_tp3", "files_tp3_k5"), ("files_tp3", "files_tp3_k1"),
          ("ref_tp2", "ref_tp2_k5"), ("ref_tp1", "ref_tp1_k1"), ("ref_tp1", "files_tp3"), ("ref_tp1", "ref_tp2"),
