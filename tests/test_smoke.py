@@ -134,6 +134,44 @@ def test_a_healthy_drafting_server_passes_with_every_figure():
                                                      "draft acceptance, counting", "draft acceptance, prose", "drafter"]
 
 
+def test_a_server_without_a_tokenizer_is_checked_on_token_ids():
+    """vLLM started with --skip-tokenizer-init (every GPU-harness server) answers a text prompt HTTP 400: smoke
+    turns to token-id prompts, says so and why, and reads the drafter's acceptance on them (before: exit 2 at
+    the greedy request)."""
+    with StandIn(accept=(1.0, 0.5), tokenizer=False) as s:
+        r = run("smoke", s.url, "--max-tokens", "8", "--concurrency", "2", "--expect-draft", "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["ok"], r.output
+    result = doc["result"]
+    assert result["prompts"].startswith("token ids (the server refused a text prompt: ")
+    assert "HTTP 400: Tokenizer not available when `skip_tokenizer_init=True`" in result["prompts"]
+    assert [a["prompt"] for a in result["acceptance"]] == ["repeating ids", "random ids"]
+    assert result["acceptance"][0]["per_position"] == [1.0, 0.5]
+    assert [lat["tokens"] for lat in result["latency"]] == [8, 16]
+    drafter = {c["name"]: c for c in result["checks"]}["drafter"]
+    assert drafter["status"] == "ok" and "on the repeating ids prompt" in drafter["detail"]
+    with StandIn(tokenizer=False) as s:
+        r = run("smoke", s.url, "--max-tokens", "4", "--concurrency", "1")
+    assert r.exit_code == 0 and "prompts: token ids (the server refused a text prompt" in r.stdout, r.output
+
+
+def test_the_prompts_are_what_prompts_says():
+    from lucifer_shard.proof.smoke_client import ID_HI, ID_LO, TOKEN_GREEDY, TOKEN_PROMPTS
+
+    with StandIn(tokenizer=False) as s:
+        r = run("smoke", s.url, "--max-tokens", "4", "--concurrency", "1", "--prompts", "text", "--json")
+    _server_line(r, "/v1/completions: HTTP 400: Tokenizer not available")
+    with StandIn() as s:
+        r = run("smoke", s.url, "--max-tokens", "4", "--concurrency", "1", "--prompts", "tokens", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["result"]["prompts"] == "token ids (--prompts tokens)", r.output
+    with StandIn() as s:
+        r = run("smoke", s.url, "--max-tokens", "4", "--concurrency", "1", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["result"]["prompts"] == "text", r.output
+    cycle = TOKEN_PROMPTS["repeating ids"]
+    assert cycle == cycle[:16] * 6 and len(set(cycle[:16])) > 1
+    assert all(ID_LO <= i < ID_HI for p in (TOKEN_GREEDY, *TOKEN_PROMPTS.values()) for i in p)
+
+
 @pytest.mark.parametrize("standin,args,failed", [
     (dict(accept=(0.5, 0.25)), (), "drafter: first-position acceptance 0.50 on the counting prompt, below 0.90"),
     (dict(fault="random"), (), "greedy repeat: the same greedy request gave two outputs"),

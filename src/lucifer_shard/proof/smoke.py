@@ -254,7 +254,8 @@ def repeat_check(first: str, second: str, tokens: int) -> Check:
 def draft_checks(counting: Acceptance | None, prose: Acceptance | None, expect_draft: bool,
                  threshold: float = COUNTING_FIRST_POSITION) -> list[Check]:
     """The verdict on drafting: skipped where the server does not draft (a failure with
-    --expect-draft), else the counting prompt's first-position acceptance against `threshold`."""
+    --expect-draft), else the counting prompt's (or its token-id analogue's: `counting.prompt` names it)
+    first-position acceptance against `threshold`."""
     if counting is None or prose is None:
         if expect_draft:
             return [Check("draft", FAIL, "--expect-draft, but the server does not draft (no vllm:spec_decode_* "
@@ -263,15 +264,16 @@ def draft_checks(counting: Acceptance | None, prose: Acceptance | None, expect_d
     checks = [Check(f"draft acceptance, {a.prompt}", INFO, _acceptance_text(a)) for a in (counting, prose)]
     first = counting.per_position[0] if counting.per_position else math.nan
     if counting.drafts == 0 or math.isnan(first):
-        checks.append(Check("drafter", FAIL, "the server has spec-decode counters but drafted nothing on the counting "
-                                             "prompt (another request running?  run smoke on an idle server)"))
+        checks.append(Check("drafter", FAIL, f"the server has spec-decode counters but drafted nothing on the "
+                                             f"{counting.prompt} prompt (another request running?  run smoke on an "
+                                             f"idle server)"))
     elif first < threshold:
-        checks.append(Check("drafter", FAIL, f"first-position acceptance {first:.2f} on the counting prompt, below "
+        checks.append(Check("drafter", FAIL, f"first-position acceptance {first:.2f} on the {counting.prompt} prompt, below "
                                              f"{threshold:.2f}: the signature of a drafter that loaded incompletely "
                                              f"(a healthy DSpark accepts ~1.00 there); check the draft weights "
                                              f"(lucifer-shard verify OUT) and vLLM's load log"))
     else:
-        checks.append(Check("drafter", OK, f"first-position acceptance {first:.2f} on the counting prompt (>= "
+        checks.append(Check("drafter", OK, f"first-position acceptance {first:.2f} on the {counting.prompt} prompt (>= "
                                            f"{threshold:.2f})"))
     return checks
 
@@ -292,6 +294,7 @@ class Report:
     version: str
     model: str
     checks: list[Check] = field(default_factory=list)
+    prompts: str = "text"  # "text", or "token ids (why)": what the prompts were sent as
     latency: list[Latency] = field(default_factory=list)
     acceptance: list[Acceptance] = field(default_factory=list)
 
@@ -300,12 +303,14 @@ class Report:
         return [c for c in self.checks if c.status == FAIL]
 
     def to_dict(self) -> dict:
-        return {"url": self.url, "vllm_version": self.version, "model": self.model, "ok": not self.failed,
+        return {"url": self.url, "vllm_version": self.version, "model": self.model, "prompts": self.prompts,
+                "ok": not self.failed,
                 "checks": [c.to_dict() for c in self.checks], "latency": [lat.to_dict() for lat in self.latency],
                 "acceptance": [a.to_dict() for a in self.acceptance]}
 
     def lines(self) -> list[str]:
-        out = [f"smoke {self.url}: vLLM {self.version}, model {self.model}", *map(str, self.checks)]
+        out = [f"smoke {self.url}: vLLM {self.version}, model {self.model}", f"prompts: {self.prompts}",
+               *map(str, self.checks)]
         verdict = (f"smoke failed: {len(self.failed)} check(s)" if self.failed
                    else f"smoke passed ({sum(c.status == OK for c in self.checks)} checks)")
         return [*out, verdict]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import reprlib
 import secrets
 import socket
@@ -34,6 +35,24 @@ GREEDY_PROMPT = "The three laws of thermodynamics, each in one sentence:\n1."
 COUNTING_PROMPT = "Count from 1 to 500, separated by commas.\n1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
 PROSE_PROMPT = "Write a short story about a lighthouse keeper who finds a letter in a bottle.\n\nThe"
 PROMPTS = {"counting": COUNTING_PROMPT, "prose": PROSE_PROMPT}
+# Token-id prompts, for a server without a tokenizer (vLLM's --skip-tokenizer-init, as every server of the GPU
+# harness: its synthetic checkpoint has none), which answers a text prompt HTTP 400 and takes `prompt` as a
+# list of ids. The ids lie in [ID_LO, ID_HI): above DeepSeek-V4's BOS and EOS (0, 1), inside its vocabulary
+# (129,280) and the test models' (1,000). The counting prompt's analogue is a cycle of ids repeated: a target
+# continues a repeated sequence by copying it, which a drafter predicts as it predicts counting.
+ID_LO, ID_HI = 2, 1000
+CYCLE, REPEATS = 16, 6
+PROMPT_MODES = ("auto", "text", "tokens")
+
+
+def _ids(seed: str, n: int) -> list[int]:
+    """`n` ids in [ID_LO, ID_HI), the same for the same seed (each prompt's body is fixed, as a text's)."""
+    rng = random.Random(seed)
+    return [rng.randrange(ID_LO, ID_HI) for _ in range(n)]
+
+
+TOKEN_PROMPTS = {"repeating ids": _ids("cycle", CYCLE) * REPEATS, "random ids": _ids("random", CYCLE * REPEATS)}
+TOKEN_GREEDY = _ids("greedy", 48)
 
 
 @dataclass(frozen=True)
@@ -46,6 +65,15 @@ class SmokeOptions:
     draft_tokens: int
     expect_draft: bool
     timeout: float
+    prompts: str = "auto"  # PROMPT_MODES: auto tries text, then token ids where the server refuses text
+
+
+class Refused(ServerError):
+    """An HTTP status other than 200, kept for the caller that can try another way (a text prompt refused)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class Server:
@@ -84,7 +112,7 @@ class Server:
         with _Exchange(self, method, path, body) as ex:
             status, text = ex.status, ex.text()
         if status != 200:
-            raise ServerError(f"{self.url}{path}: HTTP {status}: {_error_text(text)}")
+            raise Refused(f"{self.url}{path}: HTTP {status}: {_error_text(text)}", status)
         doc = _decoded(text)
         if doc is None:
             raise ServerError(f"{self.url}{path}: the answer is not JSON ({text[:60]!r}); is this an OpenAI-"
@@ -274,13 +302,18 @@ def _error_text(text: str) -> str:
     return " ".join(str(message or text[:120] or "(empty)").split())
 
 
-def _nonced(prompt: str) -> str:
+def _nonced(prompt: str | list[int]) -> str | list[int]:
+    """`prompt` after a random nonce (a line of text, or four ids), so no earlier request's prefix cache serves it."""
+    if isinstance(prompt, list):
+        return [ID_LO + secrets.randbelow(ID_HI - ID_LO) for _ in range(4)] + prompt
     return f"[smoke {secrets.token_hex(6)}]\n{prompt}"
 
 
-def _request(model: str, prompt: str, max_tokens: int) -> dict:
-    # ignore_eos (vLLM's): every request decodes max_tokens, so the rates compare run to run
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+def _request(model: str, prompt: str | list[int], max_tokens: int) -> dict:
+    # ignore_eos (vLLM's): every request decodes max_tokens, so the rates compare run to run; return_token_ids
+    # (vLLM's): the ids too, the only output of a server without a tokenizer (its text is empty)
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
 
 
 def identify(server: Server, expected: str | None) -> tuple[str, str, Check]:
@@ -303,6 +336,24 @@ def identify(server: Server, expected: str | None) -> tuple[str, str, Check]:
     return version, expected or (served[0] if served else ""), check
 
 
+def _greedy_pair(server: Server, model: str, mode: str, max_tokens: int) -> tuple[dict, dict, str]:
+    """The greedy request sent twice, as text or token ids (`mode`; auto: text, then token ids where the server
+    refuses text with HTTP 400, as one without a tokenizer does); both answers and the prompts used, in words."""
+    if mode != "tokens":
+        body = _request(model, _nonced(GREEDY_PROMPT), max_tokens)
+        try:
+            first = server.json("POST", "/v1/completions", body)
+            return first, server.json("POST", "/v1/completions", body), "text"
+        except Refused as e:
+            if mode == "text" or e.status != 400:
+                raise
+            why = f"token ids (the server refused a text prompt: {e}; a server started with --skip-tokenizer-init has no tokenizer)"
+    else:
+        why = "token ids (--prompts tokens)"
+    body = _request(model, _nonced(TOKEN_GREEDY), max_tokens)
+    return server.json("POST", "/v1/completions", body), server.json("POST", "/v1/completions", body), why
+
+
 def run(url: str, options: SmokeOptions, log: Callable[[str], None]) -> Report:
     """Every step against the server at `url`, each announced to `log`; the report (smoke.py's checks)."""
     server = Server(url, options.timeout)
@@ -312,16 +363,16 @@ def run(url: str, options: SmokeOptions, log: Callable[[str], None]) -> Report:
         return report
     server.step = "greedy repeat"
     log(f"greedy repeat: {options.max_tokens} tokens, twice")
-    # return_token_ids (vLLM's): the ids too, so that a server without a tokenizer is compared on them
-    body = {**_request(model, _nonced(GREEDY_PROMPT), options.max_tokens), "return_token_ids": True}
-    first, second = (server.json("POST", "/v1/completions", body) for _ in range(2))
+    first, second, report.prompts = _greedy_pair(server, model, options.prompts, options.max_tokens)
+    tokens_mode = report.prompts != "text"
+    greedy, drafting = (TOKEN_GREEDY, TOKEN_PROMPTS) if tokens_mode else (GREEDY_PROMPT, PROMPTS)
     texts = [_completion(server, d) for d in (first, second)]
     tokens = _tokens(f"{server.url}/v1/completions", first.get("usage"), options.max_tokens, 0)
     report.checks.append(repeat_check(texts[0], texts[1], tokens))
     for c in sorted({1, options.concurrency}):
         server.step = f"latency at concurrency {c}"
         log(f"latency: {c} streamed request(s) of {options.max_tokens} tokens")
-        bodies = [_request(model, _nonced(GREEDY_PROMPT), options.max_tokens) for _ in range(c)]
+        bodies = [_request(model, _nonced(greedy), options.max_tokens) for _ in range(c)]
         t0 = time.monotonic()
         with ThreadPoolExecutor(c) as pool:
             streams = list(pool.map(server.stream, bodies))
@@ -332,7 +383,7 @@ def run(url: str, options: SmokeOptions, log: Callable[[str], None]) -> Report:
     if server.counters() is None:
         report.checks += draft_checks(None, None, options.expect_draft)
         return report
-    for name, prompt in PROMPTS.items():
+    for name, prompt in drafting.items():
         server.step = f"draft acceptance, {name} prompt"
         log(f"draft acceptance: the {name} prompt, {options.draft_tokens} tokens")
         before = server.counters()
