@@ -66,6 +66,7 @@ class SmokeOptions:
     expect_draft: bool
     timeout: float
     prompts: str = "auto"  # PROMPT_MODES: auto tries text, then token ids where the server refuses text
+    batch_invariant: bool = False  # the server runs with VLLM_BATCH_INVARIANT=1: a greedy repeat that differs fails
 
 
 class Refused(ServerError):
@@ -368,7 +369,7 @@ def run(url: str, options: SmokeOptions, log: Callable[[str], None]) -> Report:
     greedy, drafting = (TOKEN_GREEDY, TOKEN_PROMPTS) if tokens_mode else (GREEDY_PROMPT, PROMPTS)
     texts = [_completion(server, d) for d in (first, second)]
     tokens = _tokens(f"{server.url}/v1/completions", first.get("usage"), options.max_tokens, 0)
-    report.checks.append(repeat_check(texts[0], texts[1], tokens))
+    report.checks.append(repeat_check(texts[0], texts[1], tokens, options.batch_invariant))
     for c in sorted({1, options.concurrency}):
         server.step = f"latency at concurrency {c}"
         log(f"latency: {c} streamed request(s) of {options.max_tokens} tokens")
