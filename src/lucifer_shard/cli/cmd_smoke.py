@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import click
 
@@ -73,13 +74,14 @@ def smoke(url: str, model: str | None, concurrency: int, max_tokens: int, draft_
     backwards: a restart), or --timeout passes, cutting any request still open (kind server). e.g.
       lucifer-shard smoke http://127.0.0.1:8000 --model /data/out --expect-draft
     """
+    started = time.monotonic()  # --timeout counts from here: the HTTP client's import is part of the run
     from ..proof.smoke_client import SmokeOptions, run
 
     con = Console.of()
     log = logging.getLogger("lucifer_shard.smoke")
     report = run(url, SmokeOptions(model=model, max_tokens=max_tokens, concurrency=concurrency, draft_tokens=draft_tokens,
                                    expect_draft=expect_draft, timeout=timeout, prompts=prompts,
-                                   batch_invariant=batch_invariant), log=log.info)
+                                   batch_invariant=batch_invariant, started=started), log=log.info)
     con.emit(report.to_dict(), report.lines())
     if report.failed:
         raise CheckFailed(f"smoke: {len(report.failed)} check(s) failed; first: {report.failed[0]}")
