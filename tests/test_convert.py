@@ -207,3 +207,35 @@ def test_align_4096_for_direct_io(converted, tiny_pattern):
     for rank in range(3):
         got, want = rank_tensors(out, "target", rank), rank_tensors(plain, "target", rank)
         assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)
+
+
+# Every block-scaled tensor kind that TP3 pads (docs/output-format.md, "Pad values on vLLM 0.34.0's fast paths")
+PADDED_SCALE_KINDS = {"attn.wq_b.weight_scale_inv", "attn.wo_a.weight_scale_inv", "attn.wo_b.weight_scale_inv",
+                      "ffn.shared_experts.gate_up_proj.weight_scale_inv", "ffn.shared_experts.down_proj.weight_scale_inv",
+                      "ffn.experts.routed_experts.w13_weight_scale", "ffn.experts.routed_experts.w2_weight_scale"}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_pad_scale_byte_is_0x00_in_every_padded_block_scaled_tensor(converted, layout):
+    """The E8M0 scale the converter writes for every padded block is byte 0x00, recorded `pad: zero`: no path of
+    vLLM 0.34.0 or FlashInfer 0.7.4 reads it as anything but a zero block (the docs' table says where each one
+    takes it). A change of the pad scale (0x7F, say) must change this test and that table together."""
+    out = converted(**LAYOUTS[layout])
+    manifest = json.loads((out / "lucifer-manifest.json").read_text())
+    kinds, checked = set(), 0
+    for role, doc in manifest["roles"].items():
+        for entry in doc["ranks"]:
+            tensors = rank_tensors(out, role, entry["rank"])
+            for name, info in entry["tensors"].items():
+                if info["source_dtype"] != "F8_E8M0" or not info["zero_regions"]:
+                    continue
+                assert info["pad"] == "zero", name
+                kinds.add(next(k for k in PADDED_SCALE_KINDS if name.endswith(k)))
+                data = model_layout(info, tensors[name])
+                for e in range(info["experts"] or 1):
+                    block = data[e] if info["experts"] else data
+                    for dim, lo, hi in info["zero_regions"]:
+                        region = np.take(block, range(lo, hi), axis=dim)
+                        assert region.size and not region.any(), f"{role} rank {entry['rank']} {name} {dim, lo, hi}"
+                        checked += region.size
+    assert kinds == PADDED_SCALE_KINDS and checked > 0

@@ -49,6 +49,25 @@ def test_prometheus_text_is_parsed_with_labels_and_comments_skipped():
     assert "# HELP" not in str(samples)
 
 
+def test_what_prometheus_client_writes_is_read_back():
+    """Label values with braces, spaces, quotes, backslashes and newlines, as prometheus_client's own writer
+    (the library vLLM exports with) escapes them, come back as they were, with the values."""
+    import prometheus_client
+
+    registry = prometheus_client.CollectorRegistry()
+    counter = prometheus_client.Counter("vllm:spec_decode_num_drafts", "drafts", ["model_name", "engine"],
+                                        registry=registry)
+    odd = 'a} 1 "x" \\ y\nz {b="c"}'
+    counter.labels(odd, "0").inc(7)
+    counter.labels("m", "1").inc(2)
+    samples = sm.parse_metrics(prometheus_client.generate_latest(registry).decode())
+    assert sorted(samples[sm.DRAFTS], key=lambda s: s[0]["engine"]) == [({"engine": "0", "model_name": odd}, 7.0),
+                                                                         ({"engine": "1", "model_name": "m"}, 2.0)]
+    for bad in ('{a="b"} 1\n', '{not: prometheus} 1\n'):
+        with pytest.raises(sm.MetricsError, match="line 1 is not a Prometheus sample"):
+            sm.parse_metrics(bad)
+
+
 @pytest.mark.parametrize("text,where", [("vllm:x{engine=\"0\"} abc\n", "line 1: value 'abc'"),
                                         ("ok 1\n{not: prometheus}\n", "line 2 is not a Prometheus sample"),
                                         ('vllm:x{engine=0} 1\n', "line 1: bad labels")])
@@ -112,8 +131,28 @@ def test_the_models_check():
 
 def test_the_greedy_repeat_names_where_the_outputs_differ():
     assert sm.repeat_check("abc", "abc", 3).status == sm.OK
-    bad = sm.repeat_check("the cat", "the dog", 2)
+    bad = sm.repeat_check("the cat", "the dog", 2, batch_invariant=True)
     assert bad.status == sm.FAIL and "from character 4" in bad.detail and "'cat' vs 'dog'" in bad.detail
+
+
+def test_a_greedy_repeat_that_differs_is_a_warning_unless_the_server_is_batch_invariant():
+    """vLLM promises identical online outputs only with VLLM_BATCH_INVARIANT=1, which smoke cannot see: without
+    --batch-invariant two outputs that differ are a warning and smoke passes (before: a failure, exit 1)."""
+    warn = sm.repeat_check("the cat", "the dog", 2)
+    assert warn.status == sm.WARN and "'cat' vs 'dog'" in warn.detail
+    assert "VLLM_BATCH_INVARIANT=1" in warn.detail and "--batch-invariant" in warn.detail
+    with StandIn(fault="random") as s:
+        r = run("smoke", s.url, "--max-tokens", "4", "--concurrency", "1")
+    assert r.exit_code == 0, r.output
+    assert "[warn] greedy repeat: the same greedy request gave two outputs" in r.stdout
+    assert "smoke passed (1 checks, 1 warning(s))" in r.stdout
+
+
+def test_the_drafter_verdict_says_it_is_a_heuristic_with_its_threshold():
+    for first in (1.0, 0.5):
+        (verdict,) = sm.draft_checks(_acc("counting", first), _acc("prose", 0.2), expect_draft=False)[-1:]
+        assert "heuristic: first-position acceptance >= 0.90 on the counting prompt" in verdict.detail
+        assert "a partly working drafter may still clear" in verdict.detail
 
 
 # ---------------------------------------------------------------- against the stand-in
@@ -134,9 +173,47 @@ def test_a_healthy_drafting_server_passes_with_every_figure():
                                                      "draft acceptance, counting", "draft acceptance, prose", "drafter"]
 
 
+def test_a_server_without_a_tokenizer_is_checked_on_token_ids():
+    """vLLM started with --skip-tokenizer-init (every GPU-harness server) answers a text prompt HTTP 400: smoke
+    turns to token-id prompts, says so and why, and reads the drafter's acceptance on them (before: exit 2 at
+    the greedy request)."""
+    with StandIn(accept=(1.0, 0.5), tokenizer=False) as s:
+        r = run("smoke", s.url, "--max-tokens", "8", "--concurrency", "2", "--expect-draft", "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["ok"], r.output
+    result = doc["result"]
+    assert result["prompts"].startswith("token ids (the server refused a text prompt: ")
+    assert "HTTP 400: Tokenizer not available when `skip_tokenizer_init=True`" in result["prompts"]
+    assert [a["prompt"] for a in result["acceptance"]] == ["repeating ids", "random ids"]
+    assert result["acceptance"][0]["per_position"] == [1.0, 0.5]
+    assert [lat["tokens"] for lat in result["latency"]] == [8, 16]
+    drafter = {c["name"]: c for c in result["checks"]}["drafter"]
+    assert drafter["status"] == "ok" and "on the repeating ids prompt" in drafter["detail"]
+    with StandIn(tokenizer=False) as s:
+        r = run("smoke", s.url, "--max-tokens", "4", "--concurrency", "1")
+    assert r.exit_code == 0 and "prompts: token ids (the server refused a text prompt" in r.stdout, r.output
+
+
+def test_the_prompts_are_what_prompts_says():
+    from lucifer_shard.proof.smoke_client import ID_HI, ID_LO, TOKEN_GREEDY, TOKEN_PROMPTS
+
+    with StandIn(tokenizer=False) as s:
+        r = run("smoke", s.url, "--max-tokens", "4", "--concurrency", "1", "--prompts", "text", "--json")
+    _server_line(r, "/v1/completions: HTTP 400: Tokenizer not available")
+    with StandIn() as s:
+        r = run("smoke", s.url, "--max-tokens", "4", "--concurrency", "1", "--prompts", "tokens", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["result"]["prompts"] == "token ids (--prompts tokens)", r.output
+    with StandIn() as s:
+        r = run("smoke", s.url, "--max-tokens", "4", "--concurrency", "1", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["result"]["prompts"] == "text", r.output
+    cycle = TOKEN_PROMPTS["repeating ids"]
+    assert cycle == cycle[:16] * 6 and len(set(cycle[:16])) > 1
+    assert all(ID_LO <= i < ID_HI for p in (TOKEN_GREEDY, *TOKEN_PROMPTS.values()) for i in p)
+
+
 @pytest.mark.parametrize("standin,args,failed", [
     (dict(accept=(0.5, 0.25)), (), "drafter: first-position acceptance 0.50 on the counting prompt, below 0.90"),
-    (dict(fault="random"), (), "greedy repeat: the same greedy request gave two outputs"),
+    (dict(fault="random"), ("--batch-invariant",), "greedy repeat: the same greedy request gave two outputs"),
     (dict(), ("--model", "other/model"), "models: other/model is not served (the server has standin/flash-tp3)"),
     (dict(), ("--expect-draft",), "draft: --expect-draft, but the server does not draft"),
 ])

@@ -19,7 +19,9 @@ asked, then a keep-alive comment every 50 ms, never [DONE]), "token_flood" (a st
 stops), "huge" (the answer at `at` is a JSON document of `size` bytes, sent without a length), "huge_line"
 (a stream whose first line is `size` bytes), "deep" (the answer at `at` is 1,000,000 nested arrays),
 "restart" (the counters start again from zero at the third /metrics read, as a restarted server's).
-`spare` streams are served whole before a stream fault applies. `tokens` is written as the raw JSON of
+`tokenizer=False` answers as vLLM started with --skip-tokenizer-init: a text prompt HTTP 400 with vLLM's
+message, a prompt of token ids with ids only (empty text). `spare` streams are served whole before a stream
+fault applies. `tokens` is written as the raw JSON of
 every `usage.completion_tokens`; `counter` as the value text of the drafts counter; `position` as the label
 of one more per-position sample.
 """
@@ -37,8 +39,8 @@ MODEL = "standin/flash-tp3"
 class StandIn:
     def __init__(self, fault: str | None = None, accept: tuple[float, ...] | None = None, delay: float = 0.0,
                  at: str = "/v1/models", size: int = 0, spare: int = 0, tokens: str | None = None,
-                 counter: str | None = None, position: str | None = None):
-        self.fault, self.accept, self.delay = fault, accept, delay
+                 counter: str | None = None, position: str | None = None, tokenizer: bool = True):
+        self.fault, self.accept, self.delay, self.tokenizer = fault, accept, delay, tokenizer
         self.at, self.size, self.spare, self.raw_tokens, self.counter, self.position = (at, size, spare, tokens,
                                                                                         counter, position)
         self.streams = self.metrics_reads = 0
@@ -61,9 +63,16 @@ class StandIn:
         self.server.shutdown()
         self.server.server_close()
 
-    def tokens(self, prompt: str, n: int) -> list[str]:
+    def tokens(self, prompt: str | list[int], n: int) -> list[str]:
         salt = secrets.token_hex(2) if self.fault == "random" else ""
-        return [f" w{(sum(map(ord, prompt)) + i * 7) % 97}{salt}" for i in range(n)]
+        seed = sum(prompt) if isinstance(prompt, list) else sum(map(ord, prompt))
+        return [f" w{(seed + i * 7) % 97}{salt}" for i in range(n)]
+
+    def choice(self, words: list[str]) -> dict:
+        """A completion choice of `words`: their text, or without a tokenizer their ids alone (a word's number)."""
+        if self.tokenizer:
+            return {"index": 0, "text": "".join(words)}
+        return {"index": 0, "text": "", "token_ids": [int(w.split("w")[1]) for w in words]}
 
     def draft(self, n: int) -> None:
         """Advance the counters as a drafter of `self.accept` would over `n` target steps."""
@@ -209,12 +218,15 @@ class StandIn:
                 if standin._hostile(self.path):
                     self.hostile_get()
                     return
+                if isinstance(body["prompt"], str) and not standin.tokenizer:  # vLLM 0.34.0's renderers/base.py
+                    self.send(400, json.dumps({"error": {"message": "Tokenizer not available when "
+                                                                    "`skip_tokenizer_init=True`", "code": 400}}))
+                    return
                 words = standin.tokens(body["prompt"], int(body["max_tokens"]))
                 standin.draft(len(words))
                 usage = standin._usage(len(words))
                 if not body.get("stream"):
-                    self.send(200, f'{{"choices": [{{"index": 0, "text": {json.dumps("".join(words))}}}], '
-                                   f'"usage": {usage}}}')
+                    self.send(200, f'{{"choices": [{json.dumps(standin.choice(words))}], "usage": {usage}}}')
                     return
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
@@ -224,7 +236,7 @@ class StandIn:
                     return
                 for w in words:
                     time.sleep(0.001)
-                    self.event({"choices": [{"index": 0, "text": w}]})
+                    self.event({"choices": [standin.choice([w])]})
                 self.wfile.write(f'data: {{"choices": [], "usage": {usage}}}\n\ndata: [DONE]\n\n'.encode())
 
         return Handler

@@ -249,17 +249,24 @@ def wave(specs: dict, quiet: list[tuple[str, list[str], dict]], logs: Path, dead
 
 
 def smoke(name: str, server: S.Server) -> dict:
-    """`lucifer-shard smoke URL --expect-draft` against a server with the DSpark draft, where this checkout's CLI
-    has the command (issue 55, item 6); its exit code and last lines. The random-fill drafter's acceptance and
-    the missing tokenizer are expected to fail its checks: what runs here is the command against a GPU server."""
+    """`lucifer-shard smoke URL --expect-draft --prompts tokens --json` against a server with the DSpark draft,
+    where this checkout's CLI has the command (issue 55, item 6): token ids, since the synthetic checkpoint has
+    no tokenizer and the server runs with --skip-tokenizer-init (issue 65, item 2). Its exit code, its verdict
+    with every check and the per-position acceptance it read from vLLM's /metrics; the random-fill drafter is
+    expected to fail the drafter check: what runs here is the command against a GPU server."""
     if "dspark" not in name or S.sh([sys.executable, "-m", "lucifer_shard.cli", "smoke", "--help"]).returncode:
         return {}
     try:
-        r = S.sh([sys.executable, "-m", "lucifer_shard.cli", "smoke", server.url(""), "--expect-draft", "--timeout",
-                  "60"], timeout=75)
+        r = S.sh([sys.executable, "-m", "lucifer_shard.cli", "smoke", server.url(""), "--expect-draft", "--prompts",
+                  "tokens", "--json", "--timeout", "60"], timeout=75)
     except subprocess.TimeoutExpired:
         return {"smoke": {"exit": None, "tail": "smoke did not end within 75 s"}}
-    return {"smoke": {"exit": r.returncode, "tail": (r.stdout + r.stderr)[-3000:]}}
+    try:
+        doc = json.loads(r.stdout)
+    except ValueError:
+        doc = {}
+    return {"smoke": {"exit": r.returncode, "result": doc.get("result"), "error": doc.get("error"),
+                      "tail": (r.stdout + r.stderr)[-3000:] if not doc else r.stderr[-1000:]}}
 
 
 def wrong_share(work: Path, logs: Path, plan: T.Plan) -> dict:

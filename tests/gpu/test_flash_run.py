@@ -126,3 +126,21 @@ def test_report_renders_section_10_from_its_committed_text():
     section = f"## 10. {report.FLASH_TITLE}\n\n{text.strip()}\n"
     assert section in report.render([], MACHINE, flash=text)
     assert section in (S.ROOT / "docs" / "evidence" / "gpu-validation.md").read_text()
+
+
+def test_smoke_against_the_dspark_server_runs_on_token_ids_and_keeps_its_verdict():
+    """The harness's servers have no tokenizer (--skip-tokenizer-init): its smoke call sends token ids and keeps
+    the verdict and the per-position acceptance read from /metrics (before: a text prompt, HTTP 400, exit 2,
+    and only the output's tail kept). The stand-in drafter accepts as the random-fill one does: nothing."""
+    from types import SimpleNamespace
+
+    from vllmstandin import StandIn
+
+    with StandIn(accept=(0.0, 0.0, 0.0, 0.0, 0.0), tokenizer=False) as s:
+        got = F.smoke("tp3-dspark", SimpleNamespace(url=lambda path: s.url + path))["smoke"]
+    assert got["exit"] == 1 and got["result"]["prompts"] == "token ids (--prompts tokens)", got
+    assert [a["prompt"] for a in got["result"]["acceptance"]] == ["repeating ids", "random ids"]
+    assert got["result"]["acceptance"][0]["per_position"] == [0.0] * 5
+    assert {c["name"]: c["status"] for c in got["result"]["checks"]}["drafter"] == "FAIL"
+    assert got["error"]["kind"] == "check_failed"
+    assert F.smoke("tp3", SimpleNamespace(url=lambda path: s.url + path)) == {}
