@@ -636,3 +636,11 @@ def test_a_stop_during_a_read_timeout_ends_convert_as_the_stop(ckpts, hub, tmp_p
     # huggingface_hub's own retry warnings come first; the command's last word is its stop message
     assert "Traceback" not in err and "internal error" not in err, err
     assert err.strip().splitlines()[-1].startswith("interrupted"), err
+
+
+@pytest.mark.parametrize("flag", ["-q", "--json"])
+def test_plan_quiet_or_json_on_a_repo_id_shows_no_hub_bar(ckpts, hub, tmp_path, flag):
+    """Issue 64: plan -q / --json on a repo id printed huggingface_hub's "Fetching 1 files" bar; a plain plan
+    still may (stderr here is no terminal: the bar is huggingface_hub's to show)."""
+    r = cli("plan", "--tp", "3", REPO_ID, tmp_path / "out", *SMALL_PARTS, flag, hub=hub)
+    assert "Fetching" not in r.stderr and "it/s" not in r.stderr, r.stderr

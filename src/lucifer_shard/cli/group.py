@@ -227,13 +227,13 @@ def cli() -> None:
 
     \b
     From a checkpoint to a running server:
-      lucifer-shard plan --tp 3 deepseek-ai/DeepSeek-V4-Flash out/   # bytes, files, room, time
-      lucifer-shard convert --tp 3 --arch sm120 MODEL out/           # per-rank rank files
-      lucifer-shard diff out/                                        # byte-exact proof (MODEL from the manifest)
-      lucifer-shard doctor out/                                      # in the serving image
-      lucifer-shard serve out/ --draft --dry-run                     # the exact vllm serve command
-      lucifer-shard serve out/ --draft -- --max-model-len 65536      # start vLLM with the draft (MTP or DSpark)
-      lucifer-shard smoke http://127.0.0.1:8000                      # check the running server
+      lucifer-shard plan --tp 3 deepseek-ai/DeepSeek-V4-Flash-0731 out/     # bytes, files, room, time
+      lucifer-shard convert --tp 3 deepseek-ai/DeepSeek-V4-Flash-0731 out/  # per-rank files, every GPU family
+      lucifer-shard diff out/                                               # byte-exact proof (MODEL from the manifest)
+      lucifer-shard doctor out/                                             # in the serving image
+      lucifer-shard serve out/ --draft --dry-run                            # the exact vllm serve command
+      lucifer-shard serve out/ --draft -- --max-model-len 65536             # start vLLM with the draft (MTP or DSpark)
+      lucifer-shard smoke http://127.0.0.1:8000                             # check the running server
 
     MODEL is a local directory or a Hugging Face repo id owner/name (--revision picks a branch,
     tag or commit; huggingface_hub's cache and HF_HUB_OFFLINE are honoured); a path that

@@ -147,7 +147,7 @@ MTP_HELP = "As --draft, refused unless OUT's draft is an MTP layer (the original
 
 @click.command("doctor")
 @click.argument("out", required=False, type=click.Path(path_type=Path))
-@click.option("--draft", is_flag=True, help="Also check that OUT can be served with its draft (serve --draft). "
+@click.option("--draft", is_flag=True, help="Also check that OUT can be served with its draft (serve --draft): "
               + DRAFT_HELP.split(", ", 1)[1])
 @click.option("--mtp", is_flag=True, help=MTP_HELP)
 @conventions(interrupted="interrupted: doctor changes nothing")
