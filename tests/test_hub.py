@@ -95,6 +95,8 @@ def test_v41_repo_is_refused_from_config_json_alone(ckpts, tmp_path):
         line = one_error(cli("convert", "--tp", "3", "deepseek-ai/DeepSeek-V4.1-Flash", tmp_path / "out", hub=h,
                                   check=False), alone=True)
         assert "V4.1" in line or "deepseek_v41" in line
+        # issue 64: the refusal names the repo, not config.json's path in the Hugging Face cache
+        assert line.startswith("error: deepseek-ai/DeepSeek-V4.1-Flash: config.json: ") and "hf-home" not in line, line
         assert [r.path for r in h.requests if r.method == "GET"] == ["config.json"]
         assert not (tmp_path / "out").exists()
 
