@@ -130,3 +130,12 @@ def test_serve_asks_vllm_for_b12x_and_refuses_another_moe_backend(converted):
     assert r.output.strip().count("\n") == 0, r.output
     default = converted(arch=None, expert_layout="model")
     assert run("serve", default, "--dry-run", "--", "--moe-backend", "marlin").exit_code in (0, 1)
+
+
+def test_inspect_names_b12x_as_the_moe_variant_of_a_b12x_output(converted):
+    """Issue 64: inspect printed "MoE variant any" beside "MoE b12x" for a b12x output, whose width only that
+    backend takes."""
+    r = run("inspect", converted(arch=None, expert_layout="model", moe_backend="b12x"))
+    assert r.exit_code == 0 and "MoE variant b12x only (its routed width)" in r.stdout, r.output
+    r = run("inspect", converted(arch=None, expert_layout="model"))
+    assert "MoE variant any (vLLM picks it for the GPU)" in r.stdout, r.output

@@ -251,7 +251,9 @@ def test_convert_writes_the_model_card_the_manifest_records(tiny_pattern, tmp_pa
         node_bytes = sum(f.bytes for _, _, f in m.files([node]))
         assert f"| 3 | {node} | {node} | {size(node_bytes)} |" in text
         assert f"lucifer-shard fetch REPO DEST --nnodes 3 --node-rank {node}\n" in text
-        assert f"lucifer-shard serve DEST --nnodes 3 --node-rank {node} --master-addr HOST\n" in text
+        draft = " --draft" if "draft" in m.roles else ""  # issue 64: the card's serve line omitted the draft
+        assert f"lucifer-shard serve DEST{draft} --nnodes 3 --node-rank {node} --master-addr HOST\n" in text
+    assert "draft" in m.roles and "is on no package index: build its wheel" in text  # where the tool comes from
     assert m.copies["README.md"].bytes == (out / "README.md").stat().st_size
     assert run("verify", out).exit_code == 0
     r = run("stage", out, tmp_path / "node2", "--ranks", 2)

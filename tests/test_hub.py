@@ -95,6 +95,8 @@ def test_v41_repo_is_refused_from_config_json_alone(ckpts, tmp_path):
         line = one_error(cli("convert", "--tp", "3", "deepseek-ai/DeepSeek-V4.1-Flash", tmp_path / "out", hub=h,
                                   check=False), alone=True)
         assert "V4.1" in line or "deepseek_v41" in line
+        # issue 64: the refusal names the repo, not config.json's path in the Hugging Face cache
+        assert line.startswith("error: deepseek-ai/DeepSeek-V4.1-Flash: config.json: ") and "hf-home" not in line, line
         assert [r.path for r in h.requests if r.method == "GET"] == ["config.json"]
         assert not (tmp_path / "out").exists()
 
@@ -636,3 +638,11 @@ def test_a_stop_during_a_read_timeout_ends_convert_as_the_stop(ckpts, hub, tmp_p
     # huggingface_hub's own retry warnings come first; the command's last word is its stop message
     assert "Traceback" not in err and "internal error" not in err, err
     assert err.strip().splitlines()[-1].startswith("interrupted"), err
+
+
+@pytest.mark.parametrize("flag", ["-q", "--json"])
+def test_plan_quiet_or_json_on_a_repo_id_shows_no_hub_bar(ckpts, hub, tmp_path, flag):
+    """Issue 64: plan -q / --json on a repo id printed huggingface_hub's "Fetching 1 files" bar; a plain plan
+    still may (stderr here is no terminal: the bar is huggingface_hub's to show)."""
+    r = cli("plan", "--tp", "3", REPO_ID, tmp_path / "out", *SMALL_PARTS, flag, hub=hub)
+    assert "Fetching" not in r.stderr and "it/s" not in r.stderr, r.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run
+from helpers import one_error, run
 from lucifer_shard.output.manifest_types import Manifest
 from lucifer_shard.runtime_shim.serving import doctor, launch, serve
 from lucifer_shard.runtime_shim.serving.doctor import OK, Check
@@ -19,6 +19,12 @@ ADDR = "10.0.0.1"
 def identity(out: Path) -> str:
     m = Manifest.load(out)
     return f"conversion {m.conversion_id[:12]}, content {m.content_identity.removeprefix('blake3:')[:12]}"
+
+
+def expect(out: Path) -> str:
+    """The --expect-identity each script passes: OUT's full conversion id and content identity."""
+    m = Manifest.load(out)
+    return f"{m.conversion_id},{m.content_identity}"
 
 
 def test_write_launch_writes_a_script_per_node_that_serves_its_share(converted, tmp_path):
@@ -47,7 +53,8 @@ def test_write_launch_writes_a_script_per_node_that_serves_its_share(converted, 
         subprocess.run(["bash", str(script)], env=env, check=True)
         args = record.read_text().splitlines()
         assert args == ["serve", str(share), "--nnodes", "3", "--node-rank", str(rank), "--master-addr", ADDR,
-                        "--ifname", "eth9", "--ib-hca", "mlx5_0", "--", "--max-model-len", "4096"]
+                        "--ifname", "eth9", "--ib-hca", "mlx5_0", "--expect-identity", expect(out), "--",
+                        "--max-model-len", "4096"]
         own = args[:args.index("--")]
         r = run(*own, "--dry-run", "--", *args[args.index("--") + 1:])
         assert r.exit_code == 0 and f"rank(s) {rank}: present" in r.stdout, r.output
@@ -144,10 +151,12 @@ def test_hostile_strings_table_is_thirty_and_more():
 
 @pytest.mark.parametrize("text", HOSTILE, ids=ascii)
 def test_every_value_in_a_launch_script_reaches_serve_as_its_argv(tmp_path, text):
-    """The share's path, node 0's address, the interface, the RDMA devices and vLLM's arguments, each the
-    hostile text: the script passes exactly them, and runs none of it."""
+    """The share's path, node 0's address, the interface, the RDMA devices, the host IP, the expected identity
+    and vLLM's arguments, each the hostile text: the script passes exactly them, and runs none of it."""
     share = tmp_path / f"share {text}"
-    args = launch.node_serve_args(3, 2, text, 29500, True, 5, text, text, ["--served-model-name", text, text])
+    args = launch.node_serve_args(3, 2, text, 29500, True, 5, text, text, ["--served-model-name", text, text],
+                                  host_ip=text, expect=text)
+    assert args.count(text) == 7  # the address, interface, RDMA devices, host IP, identity and vLLM's two
     launch.write_launch(tmp_path / "launch", {2: launch.launch_script(share, 2, 3, f"conversion {text}", args)})
     script = tmp_path / "launch" / "node-2.sh"
     stub = _recording_stub(tmp_path)
@@ -184,14 +193,16 @@ def test_serve_write_launch_from_an_output_at_a_hostile_path(converted, tmp_path
             (out / p.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
             os.link(p, out / p.relative_to(src))
     folder = tmp_path / "launch"
-    r = run("serve", out, "--nnodes", 3, "--master-addr", ADDR, "--ifname", name, "--ib-hca", name,
-            "--write-launch", folder, "--", "--served-model-name", name)
+    r = run("serve", out, "--nnodes", 3, "--master-addr", ADDR, "--ifname", name, "--ifname", f"2={name}2",
+            "--ib-hca", name, "--host-ip", "1=10.0.0.2", "--write-launch", folder, "--", "--served-model-name", name)
     assert r.exit_code == 0, r.output
     stub = _recording_stub(tmp_path)
     for rank in range(3):
+        own = [["--ifname", name, "--ib-hca", name], ["--ifname", name, "--ib-hca", name, "--host-ip", "10.0.0.2"],
+               ["--ifname", f"{name}2", "--ib-hca", name]][rank]
         assert _argv_of(folder / f"node-{rank}.sh", stub, tmp_path) == [
-            "serve", str(out), "--nnodes", "3", "--node-rank", str(rank), "--master-addr", ADDR, "--ifname", name,
-            "--ib-hca", name, "--", "--served-model-name", name]
+            "serve", str(out), "--nnodes", "3", "--node-rank", str(rank), "--master-addr", ADDR, *own,
+            "--expect-identity", expect(src), "--", "--served-model-name", name]
 
 
 def test_inspect_and_doctor_print_the_identity_every_node_compares(converted):
@@ -266,3 +277,118 @@ def test_write_launch_on_another_nodes_share_without_node_rank_is_refused(conver
     assert r.exit_code == 0 and (tmp_path / "L" / "node-2.sh").exists(), r.output
     r = run("serve", converted(), "--nnodes", 3, "--master-addr", ADDR, "--write-launch", tmp_path / "whole")
     assert r.exit_code == 0 and (tmp_path / "whole" / "node-2.sh").exists(), r.output
+
+
+def test_each_nodes_script_carries_its_own_interface_and_host_ip(converted, tmp_path):
+    """Issue 64: every node-R.sh had the same --ifname and no VLLM_HOST_IP; on a triangle each box has its own
+    ports and addresses. R=VALUE gives node R its own; a bare --ifname stays every node's default."""
+    out = converted(expert_layout="model")
+    folder = tmp_path / "launch"
+    r = run("serve", out, "--nnodes", 3, "--master-addr", ADDR, "--ifname", "enp1s0f0np0,enp1s0f1np1",
+            "--ifname", "1=enP2p1s0f0np0,enP2p1s0f1np1", "--host-ip", "0=10.0.0.1", "--host-ip", "1=10.0.1.2",
+            "--host-ip", "2=10.0.2.3", "--write-launch", folder)
+    assert r.exit_code == 0, r.output
+    stub = _recording_stub(tmp_path)
+    links = {0: ("enp1s0f0np0,enp1s0f1np1", "10.0.0.1"), 1: ("enP2p1s0f0np0,enP2p1s0f1np1", "10.0.1.2"),
+             2: ("enp1s0f0np0,enp1s0f1np1", "10.0.2.3")}
+    for rank, (ifname, ip) in links.items():
+        assert _argv_of(folder / f"node-{rank}.sh", stub, tmp_path) == [
+            "serve", str(out), "--nnodes", "3", "--node-rank", str(rank), "--master-addr", ADDR, "--ifname", ifname,
+            "--host-ip", ip, "--expect-identity", expect(out)]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--host-ip", "10.0.0.1", "--write-launch", "L"], "--host-ip 10.0.0.1: every node's launch would give each "
+                                                       "node this one address; pass R=ADDR per node"),
+    (["--host-ip", "3=10.0.0.4", "--write-launch", "L"], "--host-ip 3=10.0.0.4: nodes are numbered 0..2"),
+    (["--ifname", "1=eth0", "--ifname", "1=eth1", "--write-launch", "L"], "--ifname: node 1 given twice"),
+    (["--ifname", "1=", "--write-launch", "L"], "--ifname: an empty value"),
+    (["--host-ip", "0=$(touch PWN)", "--write-launch", "L"], "--host-ip '$(touch PWN)': not an IP address"),
+    (["--host-ip", "0=10.0.0.1\nx", "--write-launch", "L"], "not an IP address"),
+    (["--host-ip", "spark-1", "--node-rank", 1], "--host-ip 'spark-1': not an IP address"),
+])
+def test_per_node_link_values_are_refused_when_they_cannot_work(converted, tmp_path, args, needle):
+    r = run("serve", converted(), "--nnodes", 3, "--master-addr", ADDR,
+            *[tmp_path / a if a == "L" else a for a in args])
+    assert r.exit_code == 2 and needle in r.stderr, r.output
+    assert not (tmp_path / "L").exists() and not (Path.cwd() / "PWN").exists()
+
+
+def test_the_host_ip_reaches_vllm_and_one_not_of_this_host_is_refused(converted, monkeypatch):
+    ran = []
+    monkeypatch.setattr(doctor, "quick_checks", lambda out, mtp=False, node_ranks=None, manifest=None:
+                        [Check("vllm", OK, "vetted build")])
+    monkeypatch.setattr(serve, "exec_vllm", lambda argv, env: ran.append(env))
+    base = ["serve", converted(), "--nnodes", 1, "--node-rank", 0, "--master-addr", ADDR]
+    r = run(*base, "--host-ip", "0=127.0.0.1")  # node 0's own value, from a line every node can share
+    assert r.exit_code == 0 and ran[0]["VLLM_HOST_IP"] == "127.0.0.1", r.output
+    r = run(*base, "--host-ip", "192.0.2.1")  # TEST-NET-1: no host's address
+    assert r.exit_code == 2 and "--host-ip 192.0.2.1: not an address of this host" in r.stderr and len(ran) == 1
+    r = run(*base, "--host-ip", "192.0.2.1", "--dry-run")  # the dry run names it (skipped without vLLM here)
+    assert "--host-ip: --host-ip 192.0.2.1: not an address of this host" in r.stdout, r.output
+
+
+def test_a_script_says_how_to_activate_the_tools_environment(tmp_path):
+    """Issue 64: node-R.sh ran lucifer-shard without saying the venv must be active (bash: command not found)."""
+    args = launch.node_serve_args(3, 1, ADDR, None, False, None, None, None, [])
+    launch.write_launch(tmp_path / "launch", {1: launch.launch_script(Path("/x"), 1, 3, "conversion x", args)})
+    script = tmp_path / "launch" / "node-1.sh"
+    assert "LUCIFER_VENV=VENV bash node-1.sh" in script.read_text()
+    bare = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    r = subprocess.run(["/bin/bash", str(script)], env=bare, capture_output=True, text=True)
+    assert r.returncode == 127 and r.stderr == ("node-1.sh: lucifer-shard is not on PATH: activate the environment it "
+                                                "is installed in (source VENV/bin/activate) or run LUCIFER_VENV=VENV "
+                                                "bash node-1.sh\n"), r.stderr
+    # following it: a venv whose activate puts its bin/ (holding lucifer-shard) first on PATH
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    stub = _recording_stub(venv)
+    (stub.parent / "activate").write_text(f'PATH="{stub.parent}:$PATH"; export PATH\n')
+    record = tmp_path / "argv"
+    subprocess.run(["/bin/bash", str(script)], env={**bare, "LUCIFER_VENV": str(venv), "RECORD": str(record)},
+                   check=True)
+    assert record.read_bytes().split(b"\0")[:-1] == [a.encode() for a in ["serve", "/x", *args]]
+
+
+def _preflight_stub(tmp_path: Path) -> Path:
+    """A `lucifer-shard` that runs the real serve, as a dry run (this box has no vLLM to become): the node's own
+    preflight on the share the script names, with the arguments the script gives it."""
+    import sys
+
+    stub = tmp_path / "bin" / "lucifer-shard"
+    stub.parent.mkdir(exist_ok=True)
+    stub.write_text(f'#!/usr/bin/env bash\nexec {sys.executable} -m lucifer_shard.cli "$1" "$2" --dry-run "${{@:3}}"\n')
+    stub.chmod(0o755)
+    return stub
+
+
+def test_a_share_of_another_output_stops_at_its_nodes_preflight(converted, tiny_random, tmp_path):
+    """Issue 64: node-2.sh named the expected identity only in a comment; a share of another conversion passed
+    that node's preflight and was caught only at load, after vLLM's set-up on all three boxes. Now the script's
+    serve refuses it in one line (exit 1) before vLLM starts; the share of its own output passes."""
+    out = converted(expert_layout="model")
+    folder = tmp_path / "launch"
+    assert run("serve", out, "--nnodes", 3, "--master-addr", ADDR, "--write-launch", folder).exit_code == 0
+    stub = _preflight_stub(tmp_path)
+    shares = {"own": out, "conversion": converted(), "weights": converted(tiny_random, expert_layout="model")}
+    assert Manifest.load(shares["weights"]).conversion_id == Manifest.load(out).conversion_id  # weights alone differ
+    for name, source in shares.items():
+        share = tmp_path / f"share-{name}"
+        assert run("stage", source, share, "--nnodes", 3, "--node-rank", 2, "-q").exit_code == 0
+        env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}", "LUCIFER_SHARE": str(share)}
+        r = subprocess.run(["bash", str(folder / "node-2.sh")], env=env, capture_output=True, text=True)
+        if name == "own":
+            assert r.returncode == 0 and "rank(s) 2: present" in r.stdout, r.stdout + r.stderr
+            continue
+        what = "other weights" if name == "weights" else "another conversion"
+        one_error(r, 1, f"{share}: a share of {identity(source)}, not of {identity(out)} that this launch was "
+                        f"written for ({what})", alone=True)
+
+
+def test_the_real_start_refuses_another_share_before_vllm(converted, monkeypatch):
+    ran = []
+    monkeypatch.setattr(serve, "exec_vllm", lambda argv, env: ran.append(env))
+    out, other = converted(expert_layout="model"), converted()
+    r = run("serve", other, "--expect-identity", expect(out))
+    one_error(r, 1, "another conversion", "put this node's share of that output there")
+    assert ran == []

@@ -240,3 +240,12 @@ def test_structurally_broken_manifest_is_one_error_line(converted, tiny_pattern,
     for args in (("verify", str(out)), ("diff", str(out), str(tiny_pattern))):
         r = run(args[0], "--quiet", *args[1:])
         assert r.exit_code in (1, 2) and "error:" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_a_deleted_file_is_not_counted_among_the_files_checked(converted, tmp_path):
+    """Issue 64: verify counted a deleted rank file among "files checked" (the manifest's count, not its own)."""
+    out = copy_out(converted(), tmp_path)
+    whole = verify(out).stats["files"]
+    next(out.glob("target/rank-1/*.safetensors")).unlink()
+    report = verify(out)
+    assert not report.ok and report.stats["files"] == whole - 1

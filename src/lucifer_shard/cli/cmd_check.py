@@ -251,7 +251,7 @@ def summary_lines(d: dict) -> list[str]:
            f"step by default (serve --draft)"] if (dr := d.get("drafter")) else []),
         f"tp             {d['tp_size']}",
         f"arch           {serving_arch(d['arch'], (d.get('options') or {}).get('moe_backend')).removeprefix('arch ')}  "
-        f"MoE variant {d['moe_variant'] or 'any (vLLM picks it for the GPU)'}",
+        f"MoE variant {d['moe_variant'] or _variant_any((d.get('options') or {}).get('moe_backend'))}",
         f"experts        {d['expert_layout']} layout"
         + (f", FlashInfer {d['flashinfer_layout']} generation" if d.get("flashinfer_layout") else "")
         + (f", routed width for vLLM's {moe} MoE" if (moe := (d.get("options") or {}).get("moe_backend")) else "")
@@ -277,3 +277,8 @@ def summary_lines(d: dict) -> list[str]:
     if d["dropped"]:
         lines.append(f"dropped        {d['dropped']} source tensor(s) (see the manifest's \"dropped\" for reasons)")
     return lines
+
+
+def _variant_any(moe_backend: str | None) -> str:
+    """inspect's MoE variant of an output that records none: any, unless its route's width binds one backend."""
+    return f"{moe_backend} only (its routed width)" if moe_backend else "any (vLLM picks it for the GPU)"

@@ -324,6 +324,33 @@ def _log_parameters(ctx: click.Context) -> None:
     log.debug("%s defaults: %s", ctx.info_name, " ".join(defaults))
 
 
+
+HUB_BARS_OFF = "HF_HUB_DISABLE_PROGRESS_BARS"  # read by huggingface_hub at import; its switch once imported
+
+
+@contextlib.contextmanager
+def _hub_bars(shown: bool):
+    """huggingface_hub's own bars (snapshot_download's "Fetching N files") off under -q and --json, as ours are."""
+    if shown:
+        yield
+        return
+    before = os.environ.get(HUB_BARS_OFF)
+    os.environ[HUB_BARS_OFF] = "1"
+    hub = sys.modules.get("huggingface_hub.utils")
+    was = hub.are_progress_bars_disabled() if hub else True
+    if hub:
+        hub.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(HUB_BARS_OFF, None)
+        else:
+            os.environ[HUB_BARS_OFF] = before
+        if hub and not was:
+            hub.enable_progress_bars()
+
+
 def conventions(interrupted: str) -> Callable:
     """Give a click command -q/-v/--json and route its outcome through its Console (module docstring)."""
 
@@ -343,7 +370,7 @@ def conventions(interrupted: str) -> Callable:
                 con.verbosity = -1 if quiet else verbose
                 _configure_logging(con.verbosity)
                 _log_parameters(ctx)
-                with _stops_interrupt():
+                with _stops_interrupt(), _hub_bars(con.verbosity >= 0 and not as_json):
                     f(*args, **kwargs)
             except LuciferError as e:
                 con.fail(str(e), e.exit_code, e.kind)

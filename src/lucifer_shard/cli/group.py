@@ -227,13 +227,13 @@ def cli() -> None:
 
     \b
     From a checkpoint to a running server:
-      lucifer-shard plan --tp 3 deepseek-ai/DeepSeek-V4-Flash out/   # bytes, files, room, time
-      lucifer-shard convert --tp 3 --arch sm120 MODEL out/           # per-rank rank files
-      lucifer-shard diff out/                                        # byte-exact proof (MODEL from the manifest)
-      lucifer-shard doctor out/                                      # in the serving image
-      lucifer-shard serve out/ --draft --dry-run                     # the exact vllm serve command
-      lucifer-shard serve out/ --draft -- --max-model-len 65536      # start vLLM with the draft (MTP or DSpark)
-      lucifer-shard smoke http://127.0.0.1:8000                      # check the running server
+      lucifer-shard plan --tp 3 deepseek-ai/DeepSeek-V4-Flash-0731 out/     # bytes, files, room, time
+      lucifer-shard convert --tp 3 deepseek-ai/DeepSeek-V4-Flash-0731 out/  # per-rank files, every GPU family
+      lucifer-shard diff out/                                               # byte-exact proof (MODEL from the manifest)
+      lucifer-shard doctor out/                                             # in the serving image
+      lucifer-shard serve out/ --draft --dry-run                            # the exact vllm serve command
+      lucifer-shard serve out/ --draft -- --max-model-len 65536             # start vLLM with the draft (MTP or DSpark)
+      lucifer-shard smoke http://127.0.0.1:8000                             # check the running server
 
     MODEL is a local directory or a Hugging Face repo id owner/name (--revision picks a branch,
     tag or commit; huggingface_hub's cache and HF_HUB_OFFLINE are honoured); a path that
@@ -293,11 +293,10 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     from dataclasses import replace
 
     from ..output.share import chosen_share
-    from ..source.checkpoint import is_repo_id
     from .planview import (box_fits, box_lines, boxes_json, footprint_json, footprint_lines, node_footprint, node_lines,
                            per_node, plan_footprint_of, plan_json, plan_lines, plan_specs, planned_paths, room_of,
-                           route_lines, route_saving, routes_lines, routes_of, source_layout, download_room,
-                           download_lines)
+                           route_lines, route_saving, routes_lines, routes_of, source_layout, judged_rooms,
+                           download_lines, streamed_lines)
 
     # --workers changes no number plan shows: it is taken so that plan's command line is convert's.
     refuse_swapped("plan", model, out, model_first=True)
@@ -332,21 +331,21 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     saving = route_saving(cfg, p, options, fp)
     layout = source_layout(model, config, cfg)
     routes = routes_of(specs, options, fp, layout) if p.tp > 1 else None
-    download = (download_room(layout, specs, options, out, download_dir, keep_source, room)
-                if room is not None and is_repo_id(model) else None)
-    if download is not None and download.out == room.out:  # on OUT's filesystem: OUT's room counts it
-        room, download = download, None
+    room, download, streamed, route = judged_rooms(model, layout, specs, options, out, download_dir, keep_source,
+                                                   room, node)
     fits, pool = box_fits(cfg, specs, fp, gpu_memory_utilization)
     Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(mine, room), "per_node": nodes,
                        "draft": draft_record(cfg) if "draft" in specs else None, "route_saving": saving,
                        "routes": routes, "download_room": download.to_dict() if download else None,
+                       "room_route": route or None, "streamed_room": streamed.to_dict() if streamed else None,
                        "fit": boxes_json(fits, pool)},
                       plan_lines(specs, p, options, fp, cfg) + node_lines(nodes, sum(n["bytes"] for n in nodes))
                       + box_lines(fits, pool, p.tp, "the largest rank's files, target"
                                   + (" and draft" if "draft" in specs else ""))
                       + (routes_lines(routes) if routes else []) + route_lines(saving)
-                      + footprint_lines(mine, room, node) + download_lines(download))
-    for r, what in ((room, "OUT"), (download, "--download-dir" if not keep_source else "HF_HUB_CACHE")):
+                      + footprint_lines(mine, room, node, route) + download_lines(download) + streamed_lines(streamed))
+    for r, what in ((room, "OUT"), (download, "--download-dir" if not keep_source else "HF_HUB_CACHE"),
+                    (streamed, "OUT or --download-dir for the streamed route")):
         if r is not None and r.short:
             raise NoRoom(f"{r.out}: not enough room: {size(r.needed)} to write, {size(r.free)} free on "
                          f"{r.filesystem}; free {size(r.short)} more or choose another {what}", exit_code=1)

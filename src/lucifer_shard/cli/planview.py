@@ -101,7 +101,42 @@ def download_lines(room: Room | None) -> list[str]:
             f"{room.filesystem}: {verdict}"]
 
 
-def footprint_lines(fp: fpm.Footprint, room: Room | None, node: NodeShare | None = None) -> list[str]:
+def judged_rooms(model: str, layout: SourceLayout, specs: dict, options: Options, out: Path | None,
+                 download_dir: Path | None, keep_source: bool, room: Room | None, node: NodeShare | None
+                 ) -> tuple[Room | None, Room | None, Room | None, str]:
+    """(OUT's room, the download's room on a filesystem of its own, the streamed route's room, the route OUT's
+    room is judged for, in words). A repo id is judged as convert runs it (its download counted); a config
+    alone as a checkpoint on disk, and with a node's share also for that node streaming its own from the repo
+    (`convert REPO DEST --nnodes N --node-rank R`: its share plus the shards held at once)."""
+    from ..source.checkpoint import is_repo_id
+
+    if room is None:
+        return None, None, None, ""
+    if is_repo_id(model):
+        download = download_room(layout, specs, options, out, download_dir, keep_source, room)
+        how = "downloaded whole (--keep-source)" if keep_source else "streamed"
+        route = f"convert from the repo, its shards {how}"
+        if download is not None and download.out == room.out:  # on OUT's filesystem: OUT's room counts it
+            return download, None, None, route
+        return room, download, None, route
+    if Path(model).is_dir():
+        return room, None, None, "convert from the checkpoint on disk"
+    streamed = download_room(layout, specs, options, out, download_dir, False, room) if node is not None else None
+    return room, None, streamed, "a checkpoint already on disk, MODEL being a config: nothing downloaded"
+
+
+def streamed_lines(room: Room | None) -> list[str]:
+    """The streamed route's room, judged beside OUT's when MODEL is a config and a node's share is planned."""
+    if room is None:
+        return []
+    verdict = ("enough" if not room.short else f"NOT enough: free {size(room.short)} more, pass --download-dir on "
+               f"another filesystem, or convert once on a larger box and stage each node's share")
+    return [f"  streamed {size(room.needed):>9}   needed in {room.out} for the route where this node streams its own "
+            f"share from the repo (convert REPO DEST --nnodes N --node-rank R, holding up to {size(room.download)} of "
+            f"shards at once): {size(room.free)} free on {room.filesystem}: {verdict}"]
+
+
+def footprint_lines(fp: fpm.Footprint, room: Room | None, node: NodeShare | None = None, route: str = "") -> list[str]:
     ranks = (f" of rank(s) {', '.join(map(str, node.ranks))} (this node's share; the other ranks are hashed for the "
              f"manifest, not written)") if node is not None else ""
     lines = ["", "disk footprint",
@@ -114,8 +149,9 @@ def footprint_lines(fp: fpm.Footprint, room: Room | None, node: NodeShare | None
         verdict = "enough" if not room.short else f"NOT enough: free {size(room.short)} more or choose another OUT"
         back = f" (+{size(room.given_back)} --force removes)" if room.given_back else ""
         shards = f", with {size(room.download)} of the repo's shards downloaded there" if room.download else ""
+        judged = f" (for {route})" if route else ""
         lines.append(f"  room   {size(room.free):>11}   free{back} on {room.filesystem}, the filesystem of {room.out}"
-                     f"{shards}: {verdict}")
+                     f"{shards}{judged}: {verdict}")
     lines += [f"  time   {duration(fpm.seconds(fp)):>11}   at {rate(fpm.MEASURED_BYTES_PER_S)} read + written,",
               f"                       {fpm.MEASURED_WHERE}; it scales with your disk"]
     return lines

@@ -147,7 +147,7 @@ MTP_HELP = "As --draft, refused unless OUT's draft is an MTP layer (the original
 
 @click.command("doctor")
 @click.argument("out", required=False, type=click.Path(path_type=Path))
-@click.option("--draft", is_flag=True, help="Also check that OUT can be served with its draft (serve --draft). "
+@click.option("--draft", is_flag=True, help="Also check that OUT can be served with its draft (serve --draft): "
               + DRAFT_HELP.split(", ", 1)[1])
 @click.option("--mtp", is_flag=True, help=MTP_HELP)
 @conventions(interrupted="interrupted: doctor changes nothing")
@@ -207,22 +207,34 @@ def _with_backends(f):
 @click.option("--master-addr", default=None, help="With --nnodes: node 0's address, as vLLM takes it.")
 @click.option("--master-port", type=click.IntRange(1, 65535), default=None,
               help="With --nnodes: node 0's port (vLLM's default when left out).")
-@click.option("--ifname", default=None, metavar="IFACE",
-              help="With --nnodes: the network interface of the link between the boxes (e.g. a ConnectX port; "
-                   "`ip -br addr` lists them). vLLM gets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME=IFACE; refused "
-                   "before vLLM starts where this host has no such interface or it is down (the dry run says so).")
+@click.option("--ifname", multiple=True, metavar="[R=]IFACE",
+              help="With --nnodes: the network interface of the link between the boxes (e.g. a ConnectX port; a "
+                   "triangle's two: IFACE,IFACE; `ip -br addr` lists them). vLLM gets NCCL_SOCKET_IFNAME and "
+                   "GLOO_SOCKET_IFNAME=IFACE; refused before vLLM starts where this host has no such interface or it "
+                   "is down (the dry run says so). R=IFACE, repeated, names node R's (--write-launch writes each "
+                   "into its node's script; IFACE alone: every node's).")
 @click.option("--ib-hca", default=None, metavar="HCAS",
               help="With --nnodes: the RDMA devices NCCL may use (NCCL_IB_HCA, e.g. mlx5_0,mlx5_1; `ibdev2netdev` "
                    "pairs them with interfaces); refused before vLLM starts where /sys/class/infiniband has none of "
                    "them (the dry run says so).")
+@click.option("--host-ip", multiple=True, metavar="[R=]ADDR",
+              help="With --nnodes: this node's address on that link, as vLLM gives it to the other nodes "
+                   "(VLLM_HOST_IP); refused before vLLM starts where it is no address of this host. With "
+                   "--write-launch: R=ADDR, repeated, node R's (docs/three-boxes.md, §3).")
+@click.option("--expect-identity", default=None, metavar="CONVERSION,CONTENT",
+              help="Refuse OUT, before vLLM starts, unless it is of this conversion id and content identity (each "
+                   "--write-launch script passes its output's, so that a wrong share stops at its own node).")
 @click.option("--write-launch", type=click.Path(path_type=Path, file_okay=False), default=None, metavar="DIR",
               help="With --nnodes and --master-addr (--node-rank defaults to 0): run the dry run, then write "
                    "DIR/node-R.sh for every node: each runs lucifer-shard serve on that node's share with these "
-                   "options (copy each to its box; LUCIFER_SHARE=PATH names a share at another path). Starts nothing.")
+                   "options and that node's --ifname/--host-ip, refusing a share of another output (copy each to "
+                   "its box; LUCIFER_SHARE=PATH names a share at another path, LUCIFER_VENV=VENV the environment "
+                   "to activate). Starts nothing.")
 @conventions(interrupted="interrupted: serve started nothing")
 def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | None, nnodes: int | None,
-          node_rank: int | None, master_addr: str | None, master_port: int | None, ifname: str | None,
-          ib_hca: str | None, write_launch: Path | None, vllm_args: tuple[str, ...]) -> None:
+          node_rank: int | None, master_addr: str | None, master_port: int | None, ifname: tuple[str, ...],
+          ib_hca: str | None, host_ip: tuple[str, ...], expect_identity: str | None, write_launch: Path | None,
+          vllm_args: tuple[str, ...]) -> None:
     """Preflight OUT against the installed vLLM, then exec `vllm serve OUT` with the flags it needs.
 
     \b
@@ -242,7 +254,8 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     a --model-loader-extra-config that is not an object of the loader's keys (verify, role).
     e.g. lucifer-shard serve out/ --draft -- --max-model-len 65536 --port 8000
     Three boxes: lucifer-shard serve OUT --nnodes 3 --master-addr H --ifname IFACE --write-launch DIR
-    writes DIR/node-R.sh, each node's serve on its share (docs/three-boxes.md).
+    writes DIR/node-R.sh, each node's serve on its share (docs/three-boxes.md); on a triangle
+    (no switch), each node's own: --ifname 0=IF0 --host-ip 0=ADDR0 --ifname 1=IF1 --host-ip 1=ADDR1 ...
     Before exec, the preflight checks OUT and what needs no vLLM import (package versions, the
     vllm command, the plugin's entry point, an NVIDIA GPU in sight of nvidia-smi unless vLLM is the
     CPU build): it adds well under 2 s to the start. The checks that
@@ -252,7 +265,7 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     """
     from ..runtime_shim.errors import ShimError
     from ..runtime_shim.manifest import draft_kind, draft_tokens, load_manifest
-    from ..runtime_shim.serving import doctor as dr, serve as sv
+    from ..runtime_shim.serving import doctor as dr, launch, serve as sv
 
     con = Console.of()
     if mtp_tokens is not None and not (draft or mtp):
@@ -265,14 +278,18 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
             raise UsageRefused("--write-launch writes every node's launch: pass --nnodes N and --master-addr H")
         node_rank, dry_run = 0 if node_rank is None else node_rank, True
     nodes = _nodes(nnodes, node_rank, master_addr, master_port)
-    if (ifname or ib_hca) and nodes is None:
-        raise UsageRefused(f"--{'ifname' if ifname else 'ib-hca'} sets the link between nodes: it applies with --nnodes")
+    if (ifname or ib_hca or host_ip) and nodes is None:
+        raise UsageRefused(f"--{'ifname' if ifname else 'ib-hca' if ib_hca else 'host-ip'} sets the link between "
+                           f"nodes: it applies with --nnodes")
+    links = launch.parse_links(ifname, ib_hca, host_ip, nnodes, write_launch is not None)
     out = _output_dir(out)
     try:
         manifest = load_manifest(out)
         tp, arch = manifest.tp_size, manifest.arch
     except ShimError:
         manifest = tp = arch = None  # the output check says why; no command is printed for it
+    if expect_identity and manifest is not None:
+        launch.refuse_other_share(out, manifest.conversion_id, manifest.content_identity, expect_identity)
     mtp = draft_asked(draft, mtp, out, manifest)  # from here on: serve with OUT's draft
     kind = draft_kind(manifest) if manifest is not None else MTP
     tokens = (mtp_tokens or (draft_tokens(manifest) if manifest is not None else 1)) if mtp else None
@@ -302,7 +319,7 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
         _importing_note(con)
         checks = dr.doctor_report(out, mtp, node_ranks)
         if write_launch is None:  # this box's link (a launch written for every box checks it on each, at start)
-            checks += _link_checks(ifname, ib_hca)
+            checks += _link_checks(*links.of(node_rank))
     else:  # before exec only what needs no vLLM import; the rest runs inside vLLM as it starts
         checks = dr.quick_checks(out, mtp, node_ranks, manifest)
     verdict = sv.preflight(checks, dry_run)
@@ -316,7 +333,7 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
         else:
             tail = [line] if line else ["no command: OUT's manifest is refused (the output check above says why)"]
         if line and write_launch is not None and verdict.output_ok:
-            tail = _write_launch(write_launch, out, manifest, nodes, mtp, mtp_tokens, ifname, ib_hca, vllm_args)
+            tail = _write_launch(write_launch, out, manifest, nodes, mtp, mtp_tokens, links, vllm_args)
         elif line and nodes is not None:  # every node's command, this one's marked
             tail = ["every node's command (each on its own share: lucifer-shard stage OUT DEST --nnodes "
                     f"{nnodes} --node-rank R, or convert ... --nnodes {nnodes} --node-rank R on that node; node 0 "
@@ -340,16 +357,14 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
         raise _refusal(list(verdict.failed), f"serve: preflight failed ({len(verdict.failed)} check(s)); first: "
                        f"{verdict.failed[0]}; lucifer-shard doctor OUT shows every check", PreflightFailed)
     if not dry_run:
-        from ..runtime_shim.serving import launch
-
-        problems = launch.link_problems(ifname, ib_hca)
+        problems = launch.link_problems(*links.of(node_rank))
         if problems:
             raise UsageRefused("; ".join(problems))
-        sv.exec_vllm(argv, {**sv.serve_environment(out, mtp), **launch.link_environment(ifname, ib_hca)})
+        sv.exec_vllm(argv, {**sv.serve_environment(out, mtp), **launch.link_environment(*links.of(node_rank))})
 
 
-def _link_checks(ifname: str | None, ib_hca: str | None) -> list:
-    """The dry run's lines for --ifname and --ib-hca on this host: what the real start refuses (exit 2)."""
+def _link_checks(ifname: str | None, ib_hca: str | None, host_ip: str | None) -> list:
+    """The dry run's lines for --ifname, --ib-hca and --host-ip on this host: what the real start refuses (exit 2)."""
     from ..runtime_shim.checks import FAIL, OK, Check
     from ..runtime_shim.serving import launch
 
@@ -360,6 +375,9 @@ def _link_checks(ifname: str | None, ib_hca: str | None) -> list:
     if ib_hca:
         why = launch.ib_hca_problem(ib_hca)
         checks.append(Check("--ib-hca", FAIL if why else OK, why or f"{ib_hca}: present here"))
+    if host_ip:
+        why = launch.host_ip_problem(host_ip)
+        checks.append(Check("--host-ip", FAIL if why else OK, why or f"{host_ip}: an address of this host"))
     return checks
 
 
@@ -383,15 +401,20 @@ def _refuse_another_nodes_share(out: Path, conversion_id: str, tp: int, nnodes: 
                        f"checks; {fix}, or write the launch from node 0's share or the whole output")
 
 
-def _write_launch(folder: Path, out: Path, manifest, nodes: dict, draft: bool, tokens: int | None, ifname: str | None,
-                  ib_hca: str | None, vllm_args: tuple[str, ...]) -> list[str]:
-    """serve --write-launch: every node's script (src/lucifer_shard/runtime_shim/serving/launch.py); the lines the dry run ends with."""
+def _write_launch(folder: Path, out: Path, manifest, nodes: dict, draft: bool, tokens: int | None, links,
+                  vllm_args: tuple[str, ...]) -> list[str]:
+    """serve --write-launch: every node's script (src/lucifer_shard/runtime_shim/serving/launch.py), each with its
+    node's link (`links`: launch.Links) and the identity its share must have; the lines the dry run ends with."""
     from ..runtime_shim.serving import launch
 
     identity = identity_line(manifest.conversion_id, manifest.content_identity)
-    scripts = {r: launch.launch_script(out, r, nodes["nnodes"], identity, launch.node_serve_args(
-        nodes["nnodes"], r, nodes["master_addr"], nodes["master_port"], draft, tokens, ifname, ib_hca, vllm_args))
-        for r in range(nodes["nnodes"])}
+    expect = launch.expected_identity(manifest.conversion_id, manifest.content_identity)
+    scripts = {}
+    for r in range(nodes["nnodes"]):
+        ifname, ib_hca, host_ip = links.of(r)
+        scripts[r] = launch.launch_script(out, r, nodes["nnodes"], identity, launch.node_serve_args(
+            nodes["nnodes"], r, nodes["master_addr"], nodes["master_port"], draft, tokens, ifname, ib_hca, vllm_args,
+            host_ip=host_ip, expect=expect))
     written = launch.write_launch(folder, scripts)
     return [f"every node's launch, written (copy node-R.sh to node R's box, which holds its share at {out} or at "
             f"LUCIFER_SHARE; start node 0 first):", *(f"  {p}" for p in written)]

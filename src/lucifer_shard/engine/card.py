@@ -107,12 +107,16 @@ def _body(m: Manifest) -> str:
             ranks = node_ranks(tp, nnodes, node)
             lines.append(f"| {nnodes} | {node} | {', '.join(map(str, ranks))} | "
                          f"{size(sum(f.bytes for _, _, f in m.files(ranks)))} |")
+    draft = " --draft" if "draft" in m.roles else ""  # serve with the draft this output holds
     lines += ["", "## Fetch and serve", "",
+              "`lucifer-shard` is on no package index: build its wheel from its source repository (`make wheel`) "
+              "and install it into the serving environment after vLLM (`pip install --no-deps`: vLLM brings its "
+              "dependencies).", "",
               f"On node R of {tp} (`{REPO}` is this repository's id), fetch only that node's files, each checked "
               "against the manifest, then serve them:", "", "```"]
     for node in range(tp):
         lines += [f"lucifer-shard fetch {REPO} DEST --nnodes {tp} --node-rank {node}",
-                  f"lucifer-shard serve DEST --nnodes {tp} --node-rank {node} --master-addr HOST"]
+                  f"lucifer-shard serve DEST{draft} --nnodes {tp} --node-rank {node} --master-addr HOST"]
     lines += ["```", "", "`lucifer-shard fetch ... --dry-run` lists a node's files and bytes and prints the "
               "equivalent `hf download --include` line; `lucifer-shard verify DEST` checks a fetched share.", ""]
     return "\n".join(lines)

@@ -38,6 +38,7 @@ from ..output.outlock import reading
 from ..output.output_check import check_output
 from ..output.share import SHARE_NAME, ShareRecord, describe, read_share, share_doc, share_text
 from ..units import duration, size
+from .diskspace import check_room
 
 logger = logging.getLogger("lucifer_shard.stage")
 CHUNK = 16 << 20
@@ -107,7 +108,26 @@ def stage(out: Path, dest: Path, ranks: list[int], nnodes: int | None = None, no
         dest.mkdir(parents=True, exist_ok=True)  # DEST itself, as convert makes OUT; below it only through Tree
         with only_writer(dest):
             refuse_dest(dest, manifest, ranks, wants)
+            check_share_room(src, Tree(dest), wants)
             return _stage_locked(src, Tree(dest), manifest, ranks, wants, nnodes, node_rank, t0)
+
+
+def check_share_room(src: Tree, tree: Tree, wants: list[Want], command: str = "stage") -> None:
+    """NoRoom before DEST changes, in convert's words (`diskspace.check_room`), when what this run still writes
+    does not fit: every file not already there at its size, as a copy where DEST is on another filesystem than
+    OUT (on the same one a hard link costs a file, no bytes). A file there at another size is given back."""
+    linked = os.stat(src.root).st_dev == os.stat(tree.root).st_dev
+    sizes, given_back = [], 0
+    for want in wants:
+        there = tree.lstat(want.rel)
+        if there is not None and there.st_size == want.bytes:
+            continue  # kept when it verifies (else replaced: a rare run that needs its bytes again)
+        if there is not None and stat.S_ISREG(there.st_mode) and there.st_nlink == 1:
+            given_back += there.st_size
+        sizes.append(0 if linked else want.bytes)
+    check_room(tree.root, sizes, given_back, f"run the same {command} again",
+               what=f"the share's files {command} {'links' if linked else 'copies'}",
+               instead=f"{command} into a DEST on another filesystem")
 
 
 def _stage_locked(src: Tree, tree: Tree, manifest: Manifest, ranks: list[int], wants: list[Want], nnodes: int | None,

@@ -245,9 +245,10 @@ def _check_dspark(cfg: ModelConfig, where: str) -> None:
         raise SourceError(f"{where}: dspark_noise_token_id {noise} is outside the vocabulary ({cfg.vocab_size})")
 
 
-def load_config(path: Path, follow: bool = True) -> ModelConfig:
-    """Read and validate a config.json (`follow=False`: an output's copy, which must not be a link)."""
-    return parse_config(read_config(path, follow), str(path))
+def load_config(path: Path, follow: bool = True, where: str | None = None) -> ModelConfig:
+    """Read and validate a config.json (`follow=False`: an output's copy, which must not be a link); `where`:
+    how its refusals name it (a repo's, rather than its path in the Hugging Face cache), else `path`."""
+    return parse_config(read_config(path, follow), where or str(path))
 
 
 def read_config(path: Path, follow: bool = True) -> dict[str, Any]:

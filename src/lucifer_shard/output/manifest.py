@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -124,6 +125,10 @@ def complete_problem(out: Path, cid: str) -> str | None:
     try:
         text = read_regular(path, 4096).decode("utf-8", "replace").strip()
     except FileNotFoundError:
+        if not os.path.lexists(Path(out) / RECORD_REL):  # no conversion record: a stage, fetch or copy stopped
+            return (f"no {COMPLETE_NAME} marker ({COMPLETE_NAME} missing): the copy did not finish; run the same "
+                    f"fetch or stage again (it continues: the files already checked are kept), or copy the output "
+                    f"again (everything but .lucifer/, {COMPLETE_NAME} last)")
         return (f"no {COMPLETE_NAME} marker ({COMPLETE_NAME} missing): the conversion did not finish (run convert "
                 f"again with --resume)")
     except Refused as e:

@@ -166,9 +166,9 @@ def _recorded(out: Path) -> bool:
 
 
 # A whole output without its conversion record (.lucifer/, left behind as the README says): a copy on a
-# serving host, where the source convert --resume reads is rarely at hand.
-COPY_REPAIR = ("copy the damaged files again from the output they were copied from (lucifer-shard fetch, for a "
-               "published one); with the source at hand, the same convert command with --resume rewrites just them")
+# serving host, repaired by copying again from where it came (the output, or its published repo).
+COPY_REPAIR = ("copy the damaged files again from the output they were copied from (for a published one, fetch it "
+               "again into a new folder: lucifer-shard fetch REPO DEST)")
 
 
 def copy_repair(out: Path, m: Manifest) -> str:

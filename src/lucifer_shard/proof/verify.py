@@ -87,7 +87,7 @@ def verify(out: Path, max_problems: int = 10, progress: bool = True, chunk_bytes
     _check_replicas(report, manifest, digests)
     seconds = time.perf_counter() - t0
     report.stats.update({
-        "files": len(manifest.files(held)), "tensors": n_tensors, "bytes_hashed": total,
+        "files": len(jobs), "tensors": n_tensors, "bytes_hashed": total,
         "pad_bytes_checked": checked_pad, "seconds": round(seconds, 3),
         "bytes_per_s": round(total / seconds) if seconds else 0,
     })

@@ -303,7 +303,7 @@ def open_remote(repo: str, revision: str | None, download_to: Path | None = None
     returned, read in place (`hub` None)."""
 
     config_path = small_file(repo, "config.json", revision)
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, where=f"{repo}{f' at {revision}' if revision else ''}: config.json")
     if before_headers is not None:
         before_headers(cfg)
     hub = repo_at(repo, config_path.parent.name)  # the commit `revision` resolved to: every later file is its

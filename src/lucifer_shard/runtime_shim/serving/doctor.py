@@ -138,9 +138,9 @@ def _static_environment_checks() -> tuple[list[Check], runtimes.Build | None]:
     if version is None:
         checks.append(Check("vllm", FAIL, f"not installed in this environment; lucifer_tp3 serves on stock "
                             f"vllm=={STOCK.commit} (the plugin supplies virtual TP) or a vetted mlow/vllm build "
-                            f"(listed below)",
+                            f"(`lucifer-shard doctor` lists them)",
                             "run doctor inside the serving environment, or install a vetted build here, then "
-                            "lucifer-shard into it (below)"))
+                            "lucifer-shard into it (`lucifer-shard doctor` says how)"))
         return checks, None
     build = identify_build(version, commit)
     checks.append(Check("vllm", OK if build else INFO, f"{version} (commit {commit or 'unknown'})"
