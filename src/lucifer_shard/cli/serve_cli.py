@@ -219,10 +219,14 @@ def _with_backends(f):
               help="With --nnodes and --master-addr (--node-rank defaults to 0): run the dry run, then write "
                    "DIR/node-R.sh for every node: each runs lucifer-shard serve on that node's share with these "
                    "options (copy each to its box; LUCIFER_SHARE=PATH names a share at another path). Starts nothing.")
+@click.option("--no-kernel-cache", is_flag=True,
+              help="Leave the compilers' caches where vLLM's defaults put them. Without it every cache vLLM's start "
+                   "fills is OUT/kernel-cache/run/, started from the recorded cache (lucifer-shard cache record) only "
+                   "when its key is this start's and every file verifies, else cold (docs/serving.md#kernel-caches).")
 @conventions(interrupted="interrupted: serve started nothing")
 def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | None, nnodes: int | None,
           node_rank: int | None, master_addr: str | None, master_port: int | None, ifname: str | None,
-          ib_hca: str | None, write_launch: Path | None, vllm_args: tuple[str, ...]) -> None:
+          ib_hca: str | None, write_launch: Path | None, no_kernel_cache: bool, vllm_args: tuple[str, ...]) -> None:
     """Preflight OUT against the installed vLLM, then exec `vllm serve OUT` with the flags it needs.
 
     \b
@@ -252,7 +256,7 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     """
     from ..runtime_shim.errors import ShimError
     from ..runtime_shim.manifest import draft_kind, draft_tokens, load_manifest
-    from ..runtime_shim.serving import doctor as dr, serve as sv
+    from ..runtime_shim.serving import doctor as dr, kernel_cache as kc, serve as sv
 
     con = Console.of()
     if mtp_tokens is not None and not (draft or mtp):
@@ -326,10 +330,12 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
                 other = sv.serve_argv(out, tp, vllm_args, tokens, backends=backends, node={**nodes, "node_rank": r},
                                       expert_layout=layout, draft_kind=kind)
                 tail.append(f"  node {r}{' (this one)' if r == node_rank else ''}: {shlex.join([argv[0], *other[1:]])}")
+        caches = kc.serve_start(out, manifest, kind if mtp else None, tokens, vllm_args, not no_kernel_cache, True)
         con.emit({"preflight_ok": verdict.ok, "output_ok": verdict.output_ok,
                   "environment_checked": verdict.environment_checked, "notes": notes,
-                  "checks": [c.to_dict() for c in verdict.shown], "argv": argv if line else None, "command": line},
-                 [dr.format_report(list(verdict.shown), verbose=con.verbosity > 0), "", *notes, *tail])
+                  "checks": [c.to_dict() for c in verdict.shown], "argv": argv if line else None, "command": line,
+                  "kernel_caches": caches.to_dict()},
+                 [dr.format_report(list(verdict.shown), verbose=con.verbosity > 0), "", *caches.lines(), *notes, *tail])
     elif verdict.failed:
         click.echo("\n".join(str(c) for c in verdict.failed), err=True)
     else:
@@ -345,7 +351,9 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
         problems = launch.link_problems(ifname, ib_hca)
         if problems:
             raise UsageRefused("; ".join(problems))
-        sv.exec_vllm(argv, {**sv.serve_environment(out, mtp), **launch.link_environment(ifname, ib_hca)})
+        caches = kc.serve_start(out, manifest, kind if mtp else None, tokens, vllm_args, not no_kernel_cache)
+        con.note(caches.line)
+        sv.exec_vllm(argv, {**sv.serve_environment(out, mtp), **launch.link_environment(ifname, ib_hca), **caches.env})
 
 
 def _link_checks(ifname: str | None, ib_hca: str | None) -> list:
