@@ -325,3 +325,16 @@ def test_cache_show(share, here):
     r = run("cache", "show", share)
     assert r.exit_code == 0 and r.stdout.startswith("no recorded kernel cache in ")
     assert "no record" in one_error(run("cache", "verify", share), 2)
+
+
+def test_a_link_in_the_run_root_at_a_start_is_moved_aside_with_the_rest(share, tmp_path):
+    (tmp_path / "elsewhere").write_bytes(b"outside")
+    start(share)
+    (share / "kernel-cache" / "run" / "link.so").symlink_to(tmp_path / "elsewhere")
+    s = start(share)  # no record: cold, the link moved aside with its folder (not "cannot be written")
+    assert not s.warm and "no record in" in s.line and "the previous run/ kept as run." in s.line, s.line
+    recorded(share)
+    (share / "kernel-cache" / "run" / "triton" / "link.so").symlink_to(tmp_path / "elsewhere")
+    s = start(share)
+    assert s.warm and "the previous run/ kept as run." in s.line, s.line
+    assert tree_of(share / "kernel-cache" / "run") == COMPILED and (tmp_path / "elsewhere").read_bytes() == b"outside"

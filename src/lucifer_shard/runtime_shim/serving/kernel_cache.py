@@ -68,8 +68,9 @@ def host_facts() -> dict:
             gpu, cap, driver = (x.strip() for x in line.rsplit(",", 2))
         except (OSError, subprocess.SubprocessError, IndexError, ValueError):
             pass
-    return {"gpu": gpu, "capability": cap, "driver": driver, "cuda": torch_cuda(), "vllm": vllm_identity()[0],
-            "vllm_commit": vllm_identity()[1], "torch": dist_version("torch"),
+    vllm, commit = vllm_identity()
+    return {"gpu": gpu, "capability": cap, "driver": driver, "cuda": torch_cuda(), "vllm": vllm,
+            "vllm_commit": commit, "torch": dist_version("torch"),
             "flashinfer": dist_version("flashinfer-python"), "triton": dist_version("triton")}
 
 
@@ -250,7 +251,7 @@ def _clear_run(tree: Tree, record: Record | None) -> str | None:
         same = False
     if same:
         return None
-    if record is None and not any(True for _ in walk(tree, RUN_DIR)):
+    if record is None and not tree.entries(RUN_DIR):
         return None  # empty: this start compiles into it
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     name = next(n for n in (f"{RUN_DIR}.{stamp}", *(f"{RUN_DIR}.{stamp}-{i}" for i in range(1, 1000)))
