@@ -222,7 +222,8 @@ def _with_backends(f):
 @click.option("--no-kernel-cache", is_flag=True,
               help="Leave the compilers' caches where vLLM's defaults put them. Without it every cache vLLM's start "
                    "fills is OUT/kernel-cache/run/, started from the recorded cache (lucifer-shard cache record) only "
-                   "when its key is this start's and every file verifies, else cold (docs/serving.md#kernel-caches-a-warm-start).")
+                   "when its key is this start's and every file verifies, else cold "
+                   "(docs/serving.md#kernel-caches-a-warm-start).")
 @conventions(interrupted="interrupted: serve started nothing")
 def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | None, nnodes: int | None,
           node_rank: int | None, master_addr: str | None, master_port: int | None, ifname: str | None,

@@ -39,12 +39,13 @@ from pathlib import Path, PurePosixPath
 
 from blake3 import blake3
 
+from .. import __version__
 from ..errors import MismatchError, OutputError, UsageRefused
 from ..formats.stheader import HeaderError, read_header
-from .. import __version__
 from ..guarded_io import JSON_LIMIT, Tree, open_regular, read_regular
 from ..outnames import MANIFEST_NAME
-from ..output.kernel_cache import CACHE_DIR, FILES_DIR, RECORD_NAME, Record, cache_tree, carry, parse_record, read_record
+from ..output.kernel_cache import (CACHE_DIR, FILES_DIR, RECORD_NAME, Record, cache_tree, carry, parse_record,
+                                   read_record)
 from ..output.manifest import COMPLETE_NAME
 from ..output.manifest_types import Manifest
 from ..output.output_check import check_output
@@ -226,8 +227,8 @@ def fetch(pub: Published, dest: Path, manifest: Manifest, manifest_bytes: bytes,
                                                                   nnodes, node_rank))
         _fetch_locked(pub, Tree(dest), manifest, wants, complete, summary, progress, check_config)
         if record is not None:
-            summary.carried(carry(record, lambda rel: _open_cached(pub, rel), cache_tree(dest, create=True), pub.name(CACHE_DIR),
-                                  __version__))
+            summary.carried(carry(record, lambda rel: _open_cached(pub, rel), cache_tree(dest, create=True),
+                                  pub.name(CACHE_DIR), __version__))
     summary.seconds = time.perf_counter() - t0
     return summary
 

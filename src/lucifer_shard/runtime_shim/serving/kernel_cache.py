@@ -32,7 +32,8 @@ from .doctor import vllm_identity
 # triton 3.8.0, flashinfer-python 0.7.4, tilelang 0.1.12, nvidia-cutlass-dsl 4.8.0, DeepGEMM vendored in vLLM).
 CACHES = (
     # vllm/envs.py:757; torch.compile's artefacts under it (vllm/compilation/backends.py:1091), as is
-    # FlashInfer's autotune cache unless VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR is set (warmup/flashinfer_autotune_cache.py:42)
+    # FlashInfer's autotune cache unless VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR is set
+    # (vllm/model_executor/warmup/flashinfer_autotune_cache.py:42)
     ("vLLM", "VLLM_CACHE_ROOT", "vllm"),
     ("Triton", "TRITON_CACHE_DIR", "triton"),  # triton/knobs.py:348
     # vllm/utils/deep_gemm.py:340 sets it for the DeepGEMM vendored at vllm/third_party/deep_gemm (no separate
@@ -63,8 +64,8 @@ def host_facts() -> dict:
     gpu = cap = driver = None
     if shutil.which("nvidia-smi"):
         try:
-            line = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"],
-                                  capture_output=True, text=True, timeout=10).stdout.splitlines()[0]
+            query = ["nvidia-smi", "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"]
+            line = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout.splitlines()[0]
             gpu, cap, driver = (x.strip() for x in line.rsplit(",", 2))
         except (OSError, subprocess.SubprocessError, IndexError, ValueError):
             pass
@@ -303,7 +304,8 @@ def describe(out: Path | str) -> tuple[dict, list[str]]:
     doc = {"recorded": True, "key": record.key, "key_digest": key_digest(record.key), "files": len(record.files),
            "bytes": record.bytes, "caches": caches}
     return doc, [f"kernel cache {tree.root}: {_files(record)} ({', '.join(caches)}), key {doc['key_digest'][7:19]}",
-                 *(f"  {part}: {json.dumps(record.key.get(part), sort_keys=True)}" for part in ("host", "model", "serve"))]
+                 *(f"  {part}: {json.dumps(record.key.get(part), sort_keys=True)}"
+                   for part in ("host", "model", "serve"))]
 
 
 ACTIONS = ("record", "verify", "show")
