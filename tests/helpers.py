@@ -4,6 +4,7 @@ by path."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -105,6 +106,14 @@ def rank_tensors(out: Path, role: str, rank: int) -> dict[str, np.ndarray]:
             for k in f.keys():
                 tensors[k] = raw(f.get_tensor(k))
     return tensors
+
+
+def own_copy(out: Path, dst: Path) -> Path:
+    """A session output hard-linked into `dst`, for a test that starts `serve` on it: a start writes
+    OUT/kernel-cache/, which the session's output, shared by every test, must not gain. Absolute, as serve
+    names OUT."""
+    shutil.copytree(out, dst, copy_function=os.link)
+    return dst.resolve()
 
 
 @contextmanager

@@ -101,6 +101,9 @@ ROWS: dict[str, Row] = {
     "smoke": Row(("smoke", "{url}", "--max-tokens", "2", "--concurrency", "1"), None,
                  ("smoke", "{url}", "--concurrency", "99"), ("smoke", "{url}", "--bogus"), ("smoke",),
                  ((("smoke", "{nothing}"), "server"), (("smoke", "{file}"), "usage"))),
+    "cache": Row(("cache", "show", "{out}"), None,
+                 ("cache", "bogus", "{out}"), ("cache", "show", "--bogus", "{out}"), ("cache", "show"),
+                 ((("cache", "show", MISSING_OUT), "output"), (("cache", "show", OUT_A_FILE), "output"))),
 }
 USAGE_CASES = ("bad_value", "unknown_option", "missing_argument")
 

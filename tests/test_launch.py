@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import one_error, run
+from helpers import one_error, own_copy, run
 from lucifer_shard.output.manifest_types import Manifest
 from lucifer_shard.runtime_shim.serving import doctor, launch, serve
 from lucifer_shard.runtime_shim.serving.doctor import OK, Check
@@ -95,12 +95,13 @@ def test_the_interface_reaches_vllm_and_a_missing_one_is_refused_before_it_start
     monkeypatch.setattr(doctor, "quick_checks", lambda out, mtp=False, node_ranks=None, manifest=None: passed)
     monkeypatch.setattr(serve, "exec_vllm", lambda argv, env: ran.append(env))
     here = [name for _, name in __import__("socket").if_nameindex()][0]
-    r = run("serve", converted(), "--nnodes", 1, "--node-rank", 0, "--master-addr", ADDR, "--ifname", here,
+    out = own_copy(converted(), tmp_path / "out")
+    r = run("serve", out, "--nnodes", 1, "--node-rank", 0, "--master-addr", ADDR, "--ifname", here,
             "--ib-hca", "mlx5_0,mlx5_1")
     assert r.exit_code == 0, r.output
     assert {k: ran[0][k] for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA")} == {
         "NCCL_SOCKET_IFNAME": here, "GLOO_SOCKET_IFNAME": here, "NCCL_IB_HCA": "mlx5_0,mlx5_1"}
-    r = run("serve", converted(), "--nnodes", 1, "--node-rank", 0, "--master-addr", ADDR, "--ifname", "nosuch0")
+    r = run("serve", out, "--nnodes", 1, "--node-rank", 0, "--master-addr", ADDR, "--ifname", "nosuch0")
     assert r.exit_code == 2 and "--ifname nosuch0: no such network interface on this host (it has " in r.stderr
     assert len(ran) == 1
 

@@ -23,7 +23,7 @@ from lucifer_shard.output.manifest import manifest_text
 from lucifer_shard.runtime_shim.serving import doctor, serve
 from lucifer_shard.runtime_shim.serving.doctor import FAIL, OK, Check
 
-from helpers import run, script_module
+from helpers import own_copy, run, script_module
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = '{"method":"mtp","num_speculative_tokens":%d}'
@@ -252,10 +252,10 @@ def test_dry_run_passes_only_with_the_preflight(converted, preflight_passes):
     assert json.loads(doc["result"]["argv"][-1]) == {"method": "mtp", "num_speculative_tokens": 2}
 
 
-def test_serve_execs_vllm_after_the_preflight(converted, preflight_passes, monkeypatch):
+def test_serve_execs_vllm_after_the_preflight(converted, preflight_passes, monkeypatch, tmp_path):
     ran = []
     monkeypatch.setattr(serve, "exec_vllm", lambda argv, env: ran.append((argv, env)))
-    out = converted()
+    out = own_copy(converted(), tmp_path / "out")
     r = run("serve", out, "--mtp", "--", "--max-model-len", "65536")
     assert r.exit_code == 0 and [argv for argv, _ in ran] == [
         command_of(out, f"--speculative-config {SPEC % 1}", "--max-model-len", "65536").split(" ")]

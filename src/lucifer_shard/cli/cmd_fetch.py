@@ -24,10 +24,13 @@ if TYPE_CHECKING:  # the engine and spec load inside the command, as every comma
                    "commit.")
 @click.option("--dry-run", is_flag=True,
               help="Print the node's files and bytes and the equivalent `hf download` line; read only the manifest.")
+@click.option("--kernel-cache", is_flag=True,
+              help="Also bring the output's recorded kernel cache (kernel-cache/, lucifer-shard cache record) into "
+                   "DEST, each file checked against its record.")
 @conventions(interrupted="interrupted: files already checked are kept; run the same fetch again to finish the share "
                          "(a download resumes)")
 def fetch(source: str, dest: Path, ranks: str | None, nnodes: int | None, node_rank: int | None,
-          revision: str | None, dry_run: bool) -> None:
+          revision: str | None, dry_run: bool, kernel_cache: bool) -> None:
     """Bring one node's share of a published output into DEST: the manifest, config.json, the
     tokenizer files, the model card and the rank files of the ranks it runs (target and draft), then
     lucifer-share.json and COMPLETE, as `stage` writes them from the whole output.
@@ -67,7 +70,7 @@ def fetch(source: str, dest: Path, ranks: str | None, nnodes: int | None, node_r
         cfg = load_config(at / "config.json", follow=False)
         _refuse_findings(pub.name(MANIFEST_NAME), manifest, cfg)
 
-    summary = run(pub, dest, manifest, data, chosen, nnodes, node_rank, con.progress, check_config)
+    summary = run(pub, dest, manifest, data, chosen, nnodes, node_rank, con.progress, check_config, kernel_cache)
     con.emit(summary.to_dict(), [*summary.lines(), f"next: lucifer-shard verify {dest}; "
                                                    f"{serve_command(dest, share)}"])
 

@@ -70,6 +70,7 @@ QUIET: dict[str, tuple[str, tuple[str, ...]]] = {
     "doctor": ("nothing (the exit code is the answer)", ()),
     "serve": ("only the vllm command line (with --dry-run, when the preflight passes)", ("command",)),
     "smoke": ("nothing (the exit code is the answer)", ()),
+    "cache": ("nothing (the exit code is the answer)", ()),
 }
 
 

@@ -496,8 +496,12 @@ def synth(preset: str, out: Path, layers: int | None, fill: str, seed: int, no_m
 @click.argument("out", type=click.Path(path_type=Path))
 @click.argument("dest", type=click.Path(path_type=Path))
 @node_options
+@click.option("--kernel-cache", is_flag=True,
+              help="Also carry OUT's recorded kernel cache (lucifer-shard cache record) into DEST/kernel-cache/, each "
+                   "file checked against its record.")
 @conventions(interrupted="interrupted: {out} is untouched; run the same stage again to finish the share")
-def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_rank: int | None) -> None:
+def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_rank: int | None,
+          kernel_cache: bool) -> None:
     """Write one node's share of OUT into DEST: the rank files of the ranks it runs (target and draft),
     the manifest, config.json, the tokenizer files and COMPLETE.
 
@@ -520,19 +524,21 @@ def stage(out: Path, dest: Path, ranks: str | None, nnodes: int | None, node_ran
 
         raise OutputError(f"{out}: no such output directory")
     share = NodeShare.of(Manifest.load(out).tp_size, ranks, nnodes, node_rank)
-    summary = run(out, dest, list(share.ranks), nnodes, node_rank)
+    summary = run(out, dest, list(share.ranks), nnodes, node_rank, kernel_cache)
     Console.of().emit(summary.to_dict(), [*summary.lines(), f"next: lucifer-shard verify {dest}; copy {dest} to the "
                                           f"node; {serve_command(dest, share)}"])
 
 
 # Commands defined beside their logic (each module imports only click at import time).
 from . import cmd_check  # noqa: E402
+from .cmd_cache import cache  # noqa: E402
 from .cmd_fetch import fetch  # noqa: E402
 from .cmd_numerics import check_numerics  # noqa: E402
 from .cmd_smoke import smoke  # noqa: E402
 from .serve_cli import doctor, serve  # noqa: E402  (vLLM is imported inside the commands)
 
-for _command in (cmd_check.diff, cmd_check.verify, cmd_check.inspect, check_numerics, fetch, doctor, serve, smoke):
+for _command in (cmd_check.diff, cmd_check.verify, cmd_check.inspect, check_numerics, fetch, doctor, serve, smoke,
+                 cache):
     cli.add_command(_command)
 
 

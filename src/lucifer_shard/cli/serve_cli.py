@@ -230,11 +230,16 @@ def _with_backends(f):
                    "options and that node's --ifname/--host-ip, refusing a share of another output (copy each to "
                    "its box; LUCIFER_SHARE=PATH names a share at another path, LUCIFER_VENV=VENV the environment "
                    "to activate). Starts nothing.")
+@click.option("--no-kernel-cache", is_flag=True,
+              help="Leave the compilers' caches where vLLM's defaults put them. Without it every cache vLLM's start "
+                   "fills is OUT/kernel-cache/run/, started from the recorded cache (lucifer-shard cache record) only "
+                   "when its key is this start's and every file verifies, else cold "
+                   "(docs/serving.md#kernel-caches-a-warm-start).")
 @conventions(interrupted="interrupted: serve started nothing")
 def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | None, nnodes: int | None,
           node_rank: int | None, master_addr: str | None, master_port: int | None, ifname: tuple[str, ...],
           ib_hca: str | None, host_ip: tuple[str, ...], expect_identity: str | None, write_launch: Path | None,
-          vllm_args: tuple[str, ...]) -> None:
+          no_kernel_cache: bool, vllm_args: tuple[str, ...]) -> None:
     """Preflight OUT against the installed vLLM, then exec `vllm serve OUT` with the flags it needs.
 
     \b
@@ -265,7 +270,7 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     """
     from ..runtime_shim.errors import ShimError
     from ..runtime_shim.manifest import draft_kind, draft_tokens, load_manifest
-    from ..runtime_shim.serving import doctor as dr, launch, serve as sv
+    from ..runtime_shim.serving import doctor as dr, kernel_cache as kc, launch, serve as sv
 
     con = Console.of()
     if mtp_tokens is not None and not (draft or mtp):
@@ -343,10 +348,12 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
                 other = sv.serve_argv(out, tp, vllm_args, tokens, backends=backends, node={**nodes, "node_rank": r},
                                       expert_layout=layout, draft_kind=kind)
                 tail.append(f"  node {r}{' (this one)' if r == node_rank else ''}: {shlex.join([argv[0], *other[1:]])}")
+        caches = kc.serve_start(out, manifest, kind if mtp else None, tokens, vllm_args, not no_kernel_cache, True)
         con.emit({"preflight_ok": verdict.ok, "output_ok": verdict.output_ok,
                   "environment_checked": verdict.environment_checked, "notes": notes,
-                  "checks": [c.to_dict() for c in verdict.shown], "argv": argv if line else None, "command": line},
-                 [dr.format_report(list(verdict.shown), verbose=con.verbosity > 0), "", *notes, *tail])
+                  "checks": [c.to_dict() for c in verdict.shown], "argv": argv if line else None, "command": line,
+                  "kernel_caches": caches.to_dict()},
+                 [dr.format_report(list(verdict.shown), verbose=con.verbosity > 0), "", *caches.lines(), *notes, *tail])
     elif verdict.failed:
         click.echo("\n".join(str(c) for c in verdict.failed), err=True)
     else:
@@ -360,7 +367,10 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
         problems = launch.link_problems(*links.of(node_rank))
         if problems:
             raise UsageRefused("; ".join(problems))
-        sv.exec_vllm(argv, {**sv.serve_environment(out, mtp), **launch.link_environment(*links.of(node_rank))})
+        caches = kc.serve_start(out, manifest, kind if mtp else None, tokens, vllm_args, not no_kernel_cache)
+        con.note(caches.line)
+        sv.exec_vllm(argv, {**sv.serve_environment(out, mtp), **launch.link_environment(*links.of(node_rank)),
+                            **caches.env})
 
 
 def _link_checks(ifname: str | None, ib_hca: str | None, host_ip: str | None) -> list:

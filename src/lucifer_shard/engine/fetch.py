@@ -39,10 +39,13 @@ from pathlib import Path, PurePosixPath
 
 from blake3 import blake3
 
+from .. import __version__
 from ..errors import MismatchError, OutputError, UsageRefused
 from ..formats.stheader import HeaderError, read_header
-from ..guarded_io import JSON_LIMIT, Tree, read_regular
+from ..guarded_io import JSON_LIMIT, Tree, open_regular, read_regular
 from ..outnames import MANIFEST_NAME
+from ..output.kernel_cache import (CACHE_DIR, FILES_DIR, RECORD_NAME, Record, cache_tree, carry, parse_record,
+                                   read_record)
 from ..output.manifest import COMPLETE_NAME
 from ..output.manifest_types import Manifest
 from ..output.output_check import check_output
@@ -200,10 +203,11 @@ class FetchSummary(StageSummary):
 
 def fetch(pub: Published, dest: Path, manifest: Manifest, manifest_bytes: bytes, ranks: list[int],
           nnodes: int | None = None, node_rank: int | None = None, progress: bool = False,
-          check_config: Callable[[Path], None] | None = None) -> FetchSummary:
+          check_config: Callable[[Path], None] | None = None, kernel_cache: bool = False) -> FetchSummary:
     """Bring the share of `ranks` from `pub` into DEST (see the module docstring). `check_config(dest)`
     runs once the manifest and the copies are in DEST, before any rank file (the rule-table check,
-    which needs config.json)."""
+    which needs config.json). `kernel_cache`: the published output's recorded kernel cache too, after the
+    share, each file checked against its record (output/kernel_cache.py)."""
     t0 = time.perf_counter()
     dest = Path(dest)
     refuse_dest_link(dest, "fetch")
@@ -215,14 +219,48 @@ def fetch(pub: Published, dest: Path, manifest: Manifest, manifest_bytes: bytes,
     if pub.root is not None:  # what verify refuses without hashing, fetch refuses before DEST changes (as stage)
         check_output(pub.root, manifest).refuse()
     wants = share_files(manifest, ranks, manifest_bytes)
+    record = published_record(pub) if kernel_cache else None  # refused before DEST changes
     dest.mkdir(parents=True, exist_ok=True)  # DEST itself; below it only through Tree
     with only_writer(dest, "fetch"):
         refuse_dest(dest, manifest, ranks, wants, "fetch")
         summary = FetchSummary(pub.shown, str(dest), share_doc(manifest.conversion_id, manifest.tp_size, ranks,
                                                                   nnodes, node_rank))
         _fetch_locked(pub, Tree(dest), manifest, wants, complete, summary, progress, check_config)
+        if record is not None:
+            summary.carried(carry(record, lambda rel: _open_cached(pub, rel), cache_tree(dest, create=True),
+                                  pub.name(CACHE_DIR), __version__))
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def published_record(pub: Published) -> Record:
+    """The published output's kernel-cache record (OutputError: none, or not one this tool wrote)."""
+    rel = f"{CACHE_DIR}/{RECORD_NAME}"
+    if pub.root is not None:
+        record = read_record(cache_tree(pub.root))
+    else:
+        try:
+            data = read_small(pub, rel)
+        except OutputError:
+            data = None
+        try:
+            record = None if data is None else parse_record(data)
+        except ValueError as e:
+            raise OutputError(f"{pub.name(rel)}: {e}; {REPUBLISH}") from None
+    if record is None:
+        raise OutputError(f"{pub.name(rel)}: missing: --kernel-cache, but the output holds no recorded kernel cache "
+                          f"(lucifer-shard cache record, then publish {CACHE_DIR}/{RECORD_NAME} and {CACHE_DIR}/"
+                          f"{FILES_DIR}/); fetch without --kernel-cache")
+    return record
+
+
+def _open_cached(pub: Published, rel: str) -> int:
+    """A read-only descriptor of the recorded kernel-cache file `rel`: in the directory, or as downloaded (a link
+    into the Hugging Face cache's blobs)."""
+    path = f"{CACHE_DIR}/{FILES_DIR}/{rel}"
+    if pub.root is not None:
+        return Tree(pub.root).open_read(path)
+    return open_regular(_download(pub, path), follow=True)
 
 
 def _fetch_locked(pub: Published, tree: Tree, manifest: Manifest, wants: list[Want], complete: bytes,

@@ -32,6 +32,8 @@ from ..errors import Locked, MismatchError, OutputError, UsageRefused
 from ..formats.stheader import Header, HeaderError, read_header
 from ..guarded_io import Refused, Tree, naming, write_all
 from ..outnames import strays, MANIFEST_NAME, STATE_DIR
+from .. import __version__
+from ..output.kernel_cache import Record, cache_tree, carry_tree, read_record
 from ..output.manifest import COMPLETE_NAME, file_digest, file_metadata, read_manifest_bytes
 from ..output.manifest_types import Manifest
 from ..output.outlock import reading
@@ -55,15 +57,22 @@ class StageSummary:
     bytes: int = 0  # the share's bytes (rank files, manifest, copies)
     seconds: float = 0.0
     files: list[str] = field(default_factory=list)
+    kernel_cache: dict | None = None  # with --kernel-cache: the carried record's files and bytes
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "files"}
 
     def lines(self) -> list[str]:
+        cache = self.kernel_cache
         return [f"share      {self.dest}: {describe(self.share)} of {self.out}",
                 f"files      {self.linked} hard-linked, {self.copied} copied and read back, {self.kept} already there",
                 f"size       {size(self.bytes)}",
+                *([f"kernels    {cache['files']} files, {size(cache['bytes'])}: the recorded kernel cache, each file "
+                   f"checked against its record"] if cache is not None else []),
                 f"time       {duration(self.seconds)}"]
+
+    def carried(self, record: Record) -> None:
+        self.kernel_cache = {"files": len(record.files), "bytes": record.bytes}
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,9 @@ def share_files(manifest: Manifest, ranks: list[int], manifest_bytes: bytes) -> 
     return files
 
 
-def stage(out: Path, dest: Path, ranks: list[int], nnodes: int | None = None, node_rank: int | None = None) -> StageSummary:
+def stage(out: Path, dest: Path, ranks: list[int], nnodes: int | None = None, node_rank: int | None = None,
+          kernel_cache: bool = False) -> StageSummary:
+    """`kernel_cache`: carry OUT's recorded kernel cache too (output/kernel_cache.py), after the share."""
     t0 = time.perf_counter()
     out, dest = Path(out), Path(dest)
     if not out.is_dir():
@@ -102,6 +113,9 @@ def stage(out: Path, dest: Path, ranks: list[int], nnodes: int | None = None, no
     with reading(out, "stage"):  # no convert rewrites OUT while its files are placed
         manifest = check_output(out).refuse()  # what verify refuses without hashing, stage refuses
         wants = share_files(manifest, ranks, read_manifest_bytes(out))
+        if kernel_cache and read_record(cache_tree(out)) is None:  # before DEST changes
+            raise OutputError(f"{out}: --kernel-cache, but it holds no recorded kernel cache (lucifer-shard cache "
+                              f"record {out} after a start there); stage without --kernel-cache")
         src = Tree(out)
         for want in wants:  # before DEST changes: a damaged OUT is named, not staged
             _check_source(src, want)
@@ -109,7 +123,11 @@ def stage(out: Path, dest: Path, ranks: list[int], nnodes: int | None = None, no
         with only_writer(dest):
             refuse_dest(dest, manifest, ranks, wants)
             check_share_room(src, Tree(dest), wants)
-            return _stage_locked(src, Tree(dest), manifest, ranks, wants, nnodes, node_rank, t0)
+            summary = _stage_locked(src, Tree(dest), manifest, ranks, wants, nnodes, node_rank, t0)
+            if kernel_cache:
+                summary.carried(carry_tree(cache_tree(out), cache_tree(dest, create=True), __version__))
+                summary.seconds = time.perf_counter() - t0
+            return summary
 
 
 def check_share_room(src: Tree, tree: Tree, wants: list[Want], command: str = "stage") -> None:
