@@ -36,7 +36,7 @@ from ..units import size
 from .card import write_card
 from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, write_failed
 from .feed import DOWNLOAD_REL, SourceFeed
-from .job import Job, part_keys, planned_paths, prepare
+from .job import Job, layout_of, part_keys, planned_paths, prepare
 from .journal import JournalEntry, journal_line, truncate_journal
 from .manifest_writer import build_manifest, write_manifest
 from .nodeshare import SHARE_NAME, share_problem, write_share
@@ -68,7 +68,7 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     refuse_download_dir(out, download_dir)  # before the source is asked for anything
 
     def refuse_out(cfg: ModelConfig) -> None:
-        refuse_target(out, None, resume, force, None, options, planned_paths(cfg, options), node=node)
+        refuse_target(out, None, resume, force, None, options, planned_paths(*layout_of(cfg, options)[::2]), node=node)
     job = replace(prepare(model, options, revision, download_dir or out / DOWNLOAD_REL, refuse_out), node=node)
     repair = resume and out.is_dir() and reference(Tree(out), job) is not None  # a finished output of this job
     refuse_target(out, job.ckpt.root if job.on_disk else None, resume, force, job, repair=repair)

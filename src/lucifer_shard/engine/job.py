@@ -180,9 +180,8 @@ def layout_of(cfg: ModelConfig, options: Options) -> tuple[Plan, dict[str, list[
     return plan, specs, parts
 
 
-def planned_paths(cfg: ModelConfig, options: Options) -> list[str]:
+def planned_paths(plan: Plan, parts: list[Part]) -> list[str]:
     """Every rank file convert writes, by path (what its refusals of OUT look at)."""
-    plan, specs, parts = layout_of(cfg, options)
     return [part_path(p.role, r, p.index) for p in parts for r in range(plan.tp)]
 
 
