@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -636,3 +637,37 @@ def test_a_stop_during_a_read_timeout_ends_convert_as_the_stop(ckpts, hub, tmp_p
     # huggingface_hub's own retry warnings come first; the command's last word is its stop message
     assert "Traceback" not in err and "internal error" not in err, err
     assert err.strip().splitlines()[-1].startswith("interrupted"), err
+
+
+# The harness wraps (never replaces) two engine functions to count their calls in a real convert from the
+# stand-in Hub: the count is what issue 60 item 2 asks of the repo-id route.
+COUNTED_CONVERT = """
+import collections, json, sys
+from lucifer_shard.engine import convert, job
+calls = collections.Counter()
+def counted(module, name):
+    real = getattr(module, name)
+    def wrapper(*args, **kw):
+        calls[name] += 1
+        return real(*args, **kw)
+    setattr(module, name, wrapper)
+counted(job, "layout_of")
+counted(convert, "refuse_target")
+from lucifer_shard.cli.group import cli
+try:
+    cli(sys.argv[1:], standalone_mode=False)
+finally:
+    print("CALLS " + json.dumps(calls))
+"""
+
+
+def test_the_repo_id_route_plans_and_refuses_out_once(ckpts, hub, tmp_path):
+    """config.json is planned once and OUT's refusals made once, before a header; the job keeps that plan."""
+    env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_ENDPOINT": hub.url, "HF_HOME": str(hub.home)}
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-c", COUNTED_CONVERT, "convert", "--tp", "3", REPO_ID, str(out),
+                        *SMALL_PARTS, "-q"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    calls = json.loads(r.stdout.rsplit("CALLS ", 1)[1])
+    assert calls == {"layout_of": 1, "refuse_target": 1}
+    same_conversion(out, ckpts / "disk")

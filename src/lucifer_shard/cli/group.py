@@ -295,7 +295,7 @@ def plan_report(tp: int, model: str, out: Path | None, arch: str | None, expert_
                 utilization: float | None) -> PlanReport:
     """plan up to its rendering, in convert's order: the refusals of its options, MODEL and OUT (convert's
     own words), then the plan, the footprint, what fits per box and the room (`planview`)."""
-    from ..engine.job import layout_of, planned_paths, prepare
+    from ..engine.job import layout_of, prepare
     from ..engine.outstate import refuse_download_dir, refuse_target
     from ..engine.repair import reference
     from ..guarded_io import Tree
@@ -322,7 +322,8 @@ def plan_report(tp: int, model: str, out: Path | None, arch: str | None, expert_
         return PlanReport(doc, lines)
     cfg = parse_config(raw, str(config))
     options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, moe_backend)
-    p, specs, parts = layout_of(cfg, options)
+    planned = layout_of(cfg, options)
+    p, specs = planned.plan, planned.specs
     if out is not None:
         root = config_root(model, config)
         # --resume trusts an earlier run only for the same source: with a local checkpoint, its
@@ -331,7 +332,7 @@ def plan_report(tp: int, model: str, out: Path | None, arch: str | None, expert_
         # convert's rule: a finished output of this job is repaired against its manifest (engine/convert.py)
         repair = job is not None and out.is_dir() and reference(Tree(out), job) is not None
         refuse_target(out, root, resume, force, job and replace(job, node=node), options,
-                      planned_paths(p, parts), repair, node)
+                      planned.paths, repair, node)
     fp = plan_footprint_of(cfg, specs, p, options)
     mine = node_footprint(fp, node)  # what this node's convert writes (the whole conversion's without flags)
     room = room_of(mine, out, force)
