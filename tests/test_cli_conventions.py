@@ -414,3 +414,51 @@ def test_the_help_epilog_is_the_exit_code_table():
     for line in exit_code_lines():
         assert line.strip() in text, line
     assert len(exit_code_lines()) == len(exit_codes())
+
+
+COMMAND_LINES = 50  # issue 60: a command parses, calls one function below it and renders
+
+
+def command_lines(callback) -> int:
+    """A command function's lines from its `def` to its end, its help (the docstring) left out:
+    click's decorators and the help are the command's declaration, the rest is its code."""
+    import ast
+    import inspect
+    import textwrap
+
+    while hasattr(callback, "__wrapped__"):
+        callback = callback.__wrapped__
+    node = ast.parse(textwrap.dedent(inspect.getsource(callback))).body[0]
+    doc = node.body[0] if ast.get_docstring(node) is not None else None
+    return node.end_lineno - node.lineno + 1 - (doc.end_lineno - doc.lineno + 1 if doc else 0)
+
+
+def every_command(group, prefix: str = "") -> Iterator[tuple[str, object]]:
+    import click
+
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from every_command(command, f"{prefix}{name} ")
+        else:
+            yield prefix + name, command.callback
+
+
+def test_no_command_function_is_over_50_lines():
+    lines = {name: command_lines(f) for name, f in every_command(cli)}
+    assert set(ROWS) <= set(lines)
+    assert {name: n for name, n in lines.items() if n > COMMAND_LINES} == {}
+
+
+def test_the_line_count_reads_a_decorated_command():
+    import click
+
+    @click.command()
+    @click.option("--x")
+    def long(x):
+        """Help.
+
+        More help."""
+        a = 1
+        return a
+
+    assert command_lines(long.callback) == 3

@@ -16,6 +16,7 @@ from helpers import run
 from lucifer_shard.output.manifest import seal
 from lucifer_shard.output.manifest_types import Manifest
 from lucifer_shard.runtime_shim.load.crossnode import ShareIdentity, identity_problem
+from lucifer_shard.runtime_shim.manifest import Output
 
 MANIFEST = "lucifer-manifest.json"
 
@@ -45,7 +46,8 @@ def shares(converted, tiny_random, tmp_path) -> tuple[Path, Path, dict]:
 def identities(node0: Path, node1: Path) -> list[ShareIdentity]:
     """Every TP rank's identity as the loader gathers it (rank 2 on node 0's share: any rank beside 1 will do)."""
     m0, m1 = Manifest.load(node0), Manifest.load(node1)
-    return [ShareIdentity.of(node0, m0, 0), ShareIdentity.of(node1, m1, 1), ShareIdentity.of(node0, m0, 2)]
+    return [ShareIdentity.of(Output(node0, m0), 0), ShareIdentity.of(Output(node1, m1), 1),
+            ShareIdentity.of(Output(node0, m0), 2)]
 
 
 def test_a_share_resealed_with_another_outputs_content_is_refused_by_verify_and_at_load(shares):
@@ -89,5 +91,5 @@ def test_shares_of_one_output_agree(converted, tmp_path):
     nodes = [tmp_path / f"node{r}" for r in range(3)]
     for r, node in enumerate(nodes):
         assert run("stage", converted(), node, "--nnodes", 3, "--node-rank", r).exit_code == 0
-    ranks = [ShareIdentity.of(node, Manifest.load(node), r) for r, node in enumerate(nodes)]
+    ranks = [ShareIdentity.of(Output(node, Manifest.load(node)), r) for r, node in enumerate(nodes)]
     assert identity_problem(ranks) is None

@@ -295,7 +295,7 @@ def test_manifest_field_mutations_are_findings_or_refusals(mutable_out, data, va
     manifest reader raises its one-line ShimError or reads the rank entries it would load."""
     from lucifer_shard.runtime_shim.errors import ShimError
     from lucifer_shard.runtime_shim.load.loadplan import expert_groups
-    from lucifer_shard.runtime_shim.manifest import load_manifest as shim_load, rank_entry, roles
+    from lucifer_shard.runtime_shim.manifest import open_output, rank_entry, roles
 
     out, text, nodes, shallow = mutable_out
     path = data.draw(st.one_of(st.sampled_from(shallow), st.sampled_from(nodes)))
@@ -307,10 +307,10 @@ def test_manifest_field_mutations_are_findings_or_refusals(mutable_out, data, va
             if r.exit_code != 0:
                 one_error(r, (1, 2))
         try:
-            m = shim_load(out)
-            for role in roles(m):
-                for rank in range(m.tp_size):
-                    expert_groups(out, m, rank_entry(out, m, role, rank))
+            output = open_output(out)
+            for role in roles(output.manifest):
+                for rank in range(output.manifest.tp_size):
+                    expert_groups(output, rank_entry(output, role, rank))
         except ShimError as e:
             assert "\n" not in str(e)
     finally:

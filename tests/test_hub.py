@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -646,3 +647,37 @@ def test_plan_quiet_or_json_on_a_repo_id_shows_no_hub_bar(ckpts, hub, tmp_path, 
     still may (stderr here is no terminal: the bar is huggingface_hub's to show)."""
     r = cli("plan", "--tp", "3", REPO_ID, tmp_path / "out", *SMALL_PARTS, flag, hub=hub)
     assert "Fetching" not in r.stderr and "it/s" not in r.stderr, r.stderr
+
+
+# The harness wraps (never replaces) two engine functions to count their calls in a real convert from the
+# stand-in Hub: the count is what issue 60 item 2 asks of the repo-id route.
+COUNTED_CONVERT = """
+import collections, json, sys
+from lucifer_shard.engine import convert, job
+calls = collections.Counter()
+def counted(module, name):
+    real = getattr(module, name)
+    def wrapper(*args, **kw):
+        calls[name] += 1
+        return real(*args, **kw)
+    setattr(module, name, wrapper)
+counted(job, "layout_of")
+counted(convert, "refuse_target")
+from lucifer_shard.cli.group import cli
+try:
+    cli(sys.argv[1:], standalone_mode=False)
+finally:
+    print("CALLS " + json.dumps(calls))
+"""
+
+
+def test_the_repo_id_route_plans_and_refuses_out_once(ckpts, hub, tmp_path):
+    """config.json is planned once and OUT's refusals made once, before a header; the job keeps that plan."""
+    env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_ENDPOINT": hub.url, "HF_HOME": str(hub.home)}
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-c", COUNTED_CONVERT, "convert", "--tp", "3", REPO_ID, str(out),
+                        *SMALL_PARTS, "-q"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    calls = json.loads(r.stdout.rsplit("CALLS ", 1)[1])
+    assert calls == {"layout_of": 1, "refuse_target": 1}
+    same_conversion(out, ckpts / "disk")

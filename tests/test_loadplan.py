@@ -65,7 +65,7 @@ from lucifer_shard.model.drafts import DRAFT_KINDS
 from lucifer_shard.runtime_shim.errors import ShimError
 from lucifer_shard.runtime_shim.load import loadcopy, loadfiles, loadplan
 from lucifer_shard.runtime_shim.load.loadplan import Engine, ModelView, MoeModule, Param
-from lucifer_shard.runtime_shim.manifest import load_manifest, rank_entry
+from lucifer_shard.runtime_shim.manifest import Output, load_manifest, rank_entry
 
 from helpers import rank_tensors
 
@@ -142,7 +142,7 @@ def test_the_plan_imports_neither_vllm_nor_torch():
 def test_each_rank_plans_every_tensor_of_its_files(out_kernel, role):
     doc = load_manifest(out_kernel)
     for rank in range(3):
-        plan = loadplan.plan_load(out_kernel, doc, engine(rank=rank), view(doc, role, rank))
+        plan = loadplan.plan_load(Output(out_kernel, doc), engine(rank=rank), view(doc, role, rank))
         entry = doc.rank(role, rank)
         assert plan.role == role and plan.entry == entry
         assert [f.file.declared for f in plan.files] == list(entry.files)
@@ -164,7 +164,7 @@ def test_each_rank_plans_every_tensor_of_its_files(out_kernel, role):
 
 def test_a_model_layout_output_tags_nothing(out_model):
     doc = load_manifest(out_model)
-    assert loadplan.plan_load(out_model, doc, engine(), view(doc)).expert_groups == {}
+    assert loadplan.plan_load(Output(out_model, doc), engine(), view(doc)).expert_groups == {}
 
 
 def test_sm90_folded_scales_fill_the_parameter_viewed_in_the_files_shape(converted):
@@ -175,12 +175,12 @@ def test_sm90_folded_scales_fill_the_parameter_viewed_in_the_files_shape(convert
     folded = {n: t for n, t in entry.tensors.items() if len(t.shape) == 5}
     assert folded, "no folded scale in the sm90 output"
     params = {n: Param(t.model_shape, t.dtype) for n, t in folded.items()}
-    plan = loadplan.plan_load(out, doc, engine(arch="sm90", capability="9.0"), view(doc, params=params))
+    plan = loadplan.plan_load(Output(out, doc), engine(arch="sm90", capability="9.0"), view(doc, params=params))
     reads = {r.name: r for f in plan.files for r in f.reads}
     assert all(reads[n].view == t.shape for n, t in folded.items())
     name, t = next(iter(folded.items()))
     bad = Param((t.model_shape[0], t.model_shape[1] + 1, t.model_shape[2]), t.dtype)
-    refused(loadplan.plan_load, out, doc, engine(arch="sm90", capability="9.0"), view(doc, params={name: bad}),
+    refused(loadplan.plan_load, Output(out, doc), engine(arch="sm90", capability="9.0"), view(doc, params={name: bad}),
             needles=("shape mismatch", name, "no narrowing"))
 
 
@@ -188,7 +188,7 @@ def test_a_persistent_buffer_may_hold_a_file_tensor_and_need_not(out_kernel):
     doc = load_manifest(out_kernel)
     name, t = next((n, t) for n, t in doc.rank("target", 0).tensors.items() if not t.kernel and len(t.shape) == 2)
     extra = {name: Param(t.shape, t.dtype, buffer=True), "model.some_state": Param((4,), "F32", buffer=True)}
-    plan = loadplan.plan_load(out_kernel, doc, engine(), view(doc, params=extra))
+    plan = loadplan.plan_load(Output(out_kernel, doc), engine(), view(doc, params=extra))
     assert name in {r.name for f in plan.files for r in f.reads}
 
 
@@ -197,27 +197,27 @@ def test_a_persistent_buffer_may_hold_a_file_tensor_and_need_not(out_kernel):
 
 def test_engine_refuses_vllm_settings(out_kernel):
     doc = load_manifest(out_kernel)
-    refused(loadplan.check_engine, out_kernel, doc, ["expert parallel on"], 3, None, None,
+    refused(loadplan.check_engine, Output(out_kernel, doc), ["expert parallel on"], 3, None, None,
             needles=("cannot load per-TP-rank files with expert parallel on",))
 
 
 def test_engine_refuses_another_tp_size(out_kernel):
-    refused(loadplan.check_engine, out_kernel, load_manifest(out_kernel), [], 4, None, None,
+    refused(loadplan.check_engine, Output(out_kernel, load_manifest(out_kernel)), [], 4, None, None,
             needles=("tensor_parallel_size 4, but the files were built for 3", "-tp 3", "--tp 4"))
 
 
 def test_engine_refuses_kernel_layout_without_relayout(out_kernel, out_model):
-    refused(loadplan.check_engine, out_kernel, load_manifest(out_kernel), [], 3, "matches no build vetted for it",
+    refused(loadplan.check_engine, Output(out_kernel, load_manifest(out_kernel)), [], 3, "matches no build vetted for it",
             None, needles=("has routed experts in kernel layout", "re-layout wrapper is not installed: matches no "
                            "build vetted for it", "--expert-layout model"))
-    loadplan.check_engine(out_model, load_manifest(out_model), [], 3, "matches no build vetted for it", None)
+    loadplan.check_engine(Output(out_model, load_manifest(out_model)), [], 3, "matches no build vetted for it", None)
 
 
 def test_engine_refuses_sm90_files_without_their_flashinfer(converted):
     out = converted(arch="sm90", expert_layout="kernel")
     doc = load_manifest(out)
     assert doc.flashinfer_layout == "folded"
-    msg = refused(loadplan.check_engine, out, doc, [], 3, None, None, needles=(f"{out}/lucifer-manifest.json: ",))
+    msg = refused(loadplan.check_engine, Output(out, doc), [], 3, None, None, needles=(f"{out}/lucifer-manifest.json: ",))
     assert "folded sm90 layout" in msg, msg
 
 
@@ -226,20 +226,20 @@ def test_engine_refuses_sm90_files_without_their_flashinfer(converted):
 
 def test_refuses_pipeline_parallel(out_kernel):
     doc = load_manifest(out_kernel)
-    refused(loadplan.plan_load, out_kernel, doc, engine(sizes={"pp": 2}), view(doc),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(sizes={"pp": 2}), view(doc),
             needles=("pipeline parallel size 2", "--pipeline-parallel-size 1"))
 
 
 @pytest.mark.parametrize("dim,flag", [("dp", "--data-parallel-size 1"), ("pcp", "--prefill-context-parallel-size 1")])
 def test_refuses_dp_and_pcp(out_kernel, dim, flag):
     doc = load_manifest(out_kernel)
-    refused(loadplan.plan_load, out_kernel, doc, engine(sizes={dim: 2}), view(doc),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(sizes={dim: 2}), view(doc),
             needles=(f"{dim} size 2; the MoE shard index flattens dp/pcp into TP", flag))
 
 
 def test_refuses_another_tp_size_at_load(out_kernel):
     doc = load_manifest(out_kernel)
-    refused(loadplan.plan_load, out_kernel, doc, engine(tp=2), view(doc),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(tp=2), view(doc),
             needles=("tensor_parallel_size 2, but the files were built for 3",))
 
 
@@ -247,26 +247,26 @@ def test_refuses_a_share_without_this_rank(out_model, tmp_path):
     share = tmp_path / "node1"
     stage(out_model, share, [1], nnodes=3, node_rank=1)
     doc = load_manifest(share)
-    loadplan.plan_load(share, doc, engine(rank=1), view(doc, rank=1))
-    refused(loadplan.plan_load, share, doc, engine(rank=2), view(doc, rank=2),
+    loadplan.plan_load(Output(share, doc), engine(rank=1), view(doc, rank=1))
+    refused(loadplan.plan_load, Output(share, doc), engine(rank=2), view(doc, rank=2),
             needles=("node 1's share", "TP rank 2"))
 
 
 def test_refuses_a_role_key_that_is_not_the_model(out_kernel):
     doc = load_manifest(out_kernel)
-    refused(loadplan.plan_load, out_kernel, doc, engine(forced_role="draft"), view(doc),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(forced_role="draft"), view(doc),
             needles=("role='draft' but the model being loaded is the target model", "drop the role key"))
 
 
 def test_refuses_a_model_that_is_not_what_vllm_loads(out_kernel):
     doc = load_manifest(out_kernel)
-    refused(loadplan.plan_load, out_kernel, doc, engine(role_hint="draft"), view(doc),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(role_hint="draft"), view(doc),
             needles=("vLLM is loading the draft model but its parameters look like the target model",))
 
 
 def test_refuses_another_target_class(out_kernel):
     doc = load_manifest(out_kernel)
-    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, cls="LlamaForCausalLM"),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(), view(doc, cls="LlamaForCausalLM"),
             needles=("model class LlamaForCausalLM is not DeepseekV4ForCausalLM", "config.json"))
 
 
@@ -274,7 +274,7 @@ def test_refuses_a_draft_class_of_another_kind(out_kernel):
     """An MTP output whose draft vLLM built as the DSpark class (and the reverse is the same check)."""
     doc = load_manifest(out_kernel)
     dspark = DRAFT_KINDS[DSPARK].vllm_class
-    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, "draft", cls=dspark),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(), view(doc, "draft", cls=dspark),
             needles=(f"vLLM built the draft as {dspark} but {out_kernel}/draft holds a", "--speculative-config",
                      '"method":"mtp"'))
 
@@ -282,14 +282,14 @@ def test_refuses_a_draft_class_of_another_kind(out_kernel):
 def test_refuses_a_role_the_output_lacks(out_kernel):
     doc = load_manifest(out_kernel)
     target_only = dataclasses.replace(doc, roles={"target": doc.roles["target"]})
-    refused(rank_entry, out_kernel, target_only, "draft", 0,
+    refused(rank_entry, Output(out_kernel, target_only), "draft", 0,
             needles=("has no 'draft' role (roles: target)", "--no-mtp"))
 
 
 def test_refuses_a_rank_the_manifest_lacks(out_kernel):
     doc = load_manifest(out_kernel)
     short = dataclasses.replace(doc, roles={**doc.roles, "target": doc.roles["target"][:2]})
-    refused(rank_entry, out_kernel, short, "target", 2,
+    refused(rank_entry, Output(out_kernel, short), "target", 2,
             needles=("rank files missing", "lists no target files for rank 2 of tp_size 3"))
 
 
@@ -298,14 +298,14 @@ def test_refuses_a_rank_the_manifest_lacks(out_kernel):
 
 def test_refuses_a_rank_without_files(out_kernel):
     doc = with_entry(load_manifest(out_kernel), "target", 0, files=())
-    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(), view(doc),
             needles=("rank files missing", "lists no files for target rank 0"))
 
 
 def test_refuses_a_missing_rank_file(out_copy):
     doc = load_manifest(out_copy)
     (out_copy / PART).unlink()
-    refused(loadplan.plan_load, out_copy, doc, engine(), view(doc), needles=("rank files missing", PART, "--resume"))
+    refused(loadplan.plan_load, Output(out_copy, doc), engine(), view(doc), needles=("rank files missing", PART, "--resume"))
 
 
 @pytest.mark.parametrize("verify", ["headers", "none"])
@@ -314,9 +314,9 @@ def test_refuses_a_truncated_rank_file(out_copy, verify):
     data = (out_copy / PART).read_bytes()
     (out_copy / PART).write_bytes(data[:-100])
     if verify == "none":  # the size is not checked, the tensors' spans still are
-        refused(loadplan.plan_load, out_copy, doc, engine(verify=verify), view(doc), needles=(str(out_copy / PART),))
+        refused(loadplan.plan_load, Output(out_copy, doc), engine(verify=verify), view(doc), needles=(str(out_copy / PART),))
         return
-    refused(loadplan.plan_load, out_copy, doc, engine(), view(doc),
+    refused(loadplan.plan_load, Output(out_copy, doc), engine(), view(doc),
             needles=(f"{out_copy / PART} is {len(data) - 100} bytes, the manifest says {len(data)}", "re-copy it"))
 
 
@@ -325,21 +325,21 @@ def test_refuses_a_corrupt_header(out_copy):
     data = bytearray((out_copy / PART).read_bytes())
     data[8] = ord("[")  # the JSON header no longer an object; the size unchanged
     (out_copy / PART).write_bytes(bytes(data))
-    refused(loadplan.plan_load, out_copy, doc, engine(), view(doc),
+    refused(loadplan.plan_load, Output(out_copy, doc), engine(), view(doc),
             needles=(str(out_copy / PART), "the file is corrupt, re-run lucifer-shard convert"))
 
 
 def test_refuses_a_file_of_another_conversion_weights_or_place(out_kernel):
     doc = load_manifest(out_kernel)
-    refused(loadplan.plan_load, out_kernel, dataclasses.replace(doc, conversion_id="0" * 16), engine(), view(doc),
+    refused(loadplan.plan_load, Output(out_kernel, dataclasses.replace(doc, conversion_id="0" * 16)), engine(), view(doc),
             needles=("metadata lucifer.conversion_id", "from another conversion", "into a fresh directory"))
     entry = doc.rank("target", 0)
     other = tuple(dataclasses.replace(f, content="blake3:" + "0" * 64) for f in entry.files)
-    refused(loadplan.plan_load, out_kernel, with_entry(doc, "target", 0, files=other), engine(), view(doc),
+    refused(loadplan.plan_load, Output(out_kernel, with_entry(doc, "target", 0, files=other)), engine(), view(doc),
             needles=("metadata lucifer.content", "other source weights"))
-    refused(loadfiles.check_files, out_kernel, doc, "target", 1, entry, identity=True,
+    refused(loadfiles.check_files, Output(out_kernel, doc), "target", 1, entry, identity=True,
             needles=("metadata lucifer.rank='0', manifest expects '1'", "misplaced"))
-    assert loadfiles.check_files(out_kernel, doc, "target", 1, entry, identity=False)  # verify=none: not stamped
+    assert loadfiles.check_files(Output(out_kernel, doc), "target", 1, entry, identity=False)  # verify=none: not stamped
 
 
 def test_refuses_a_header_with_other_tensors(out_kernel):
@@ -347,7 +347,7 @@ def test_refuses_a_header_with_other_tensors(out_kernel):
     entry = doc.rank("target", 0)
     gone = sorted(n for n, t in entry.tensors.items() if t.file == PART)[0]
     fewer = {n: t for n, t in entry.tensors.items() if n != gone}
-    refused(loadfiles.check_files, out_kernel, doc, "target", 0, dataclasses.replace(entry, tensors=fewer),
+    refused(loadfiles.check_files, Output(out_kernel, doc), "target", 0, dataclasses.replace(entry, tensors=fewer),
             identity=True, needles=("holds tensors the manifest does not list", gone, "lacks listed ones (none)"))
 
 
@@ -357,7 +357,7 @@ def test_refuses_a_header_tensor_of_another_shape(out_kernel):
     name, t = next((n, t) for n, t in entry.tensors.items() if t.file == PART and len(t.shape) == 2)
     wider = dataclasses.replace(t, shape=(t.shape[0], t.shape[1] + 1))
     want = f"{t.dtype}({t.shape[0]},{t.shape[1] + 1})"
-    refused(loadfiles.check_files, out_kernel, doc, "target", 0,
+    refused(loadfiles.check_files, Output(out_kernel, doc), "target", 0,
             dataclasses.replace(entry, tensors={**entry.tensors, name: wider}), identity=False,
             needles=(f"tensor {name} is {t.dtype}({t.shape[0]},{t.shape[1]}) but the manifest says {want}",))
 
@@ -368,11 +368,11 @@ def test_refuses_a_header_tensor_of_another_shape(out_kernel):
 def test_refuses_missing_and_unexpected_keys(out_kernel):
     doc = load_manifest(out_kernel)
     new = {"model.layers.0.attn.new_thing": Param((2,), "F32")}
-    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, params=new),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(), view(doc, params=new),
             needles=("key missing: 1 parameter(s) of the target model are not in rank 0", *new))
-    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, drop=("model.layers.1.attn.wq_b.weight",)),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(), view(doc, drop=("model.layers.1.attn.wq_b.weight",)),
             needles=("key unexpected: 1 tensor(s) of target rank 0 files", "model.layers.1.attn.wq_b.weight"))
-    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, "draft", drop=("model.embed_tokens.weight",),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(), view(doc, "draft", drop=("model.embed_tokens.weight",),
                                                                params={"model.x": Param((1,), "F32")}),
             needles=("key missing", "model.x"))
 
@@ -381,25 +381,25 @@ def test_refuses_another_dtype_unless_declared_view(out_kernel):
     doc = load_manifest(out_kernel)
     entry = doc.rank("target", 0)
     name, t = next((n, t) for n, t in entry.tensors.items() if t.dtype == "BF16")
-    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, params={name: Param(t.shape, "F32")}),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(), view(doc, params={name: Param(t.shape, "F32")}),
             needles=(f"dtype mismatch: tensor {name} is BF16 in the files, param is F32", "no casting"))
     name, t = next((n, t) for n, t in entry.tensors.items() if t.dtype == "U8" and t.view_as is None)
     e8m0 = {name: Param(t.shape, "F8_E8M0")}
-    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, params=e8m0),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(), view(doc, params=e8m0),
             needles=("dtype mismatch", name, "U8 in the files, param is F8_E8M0"))
 
     def declared(as_: str):
         return with_entry(doc, "target", 0, tensors={**entry.tensors, name: dataclasses.replace(t, view_as=as_)})
 
-    loadplan.plan_load(out_kernel, declared("F8_E8M0"), engine(), view(doc, params=e8m0))  # the one reinterpretation
-    refused(loadplan.plan_load, out_kernel, declared("BF16"), engine(), view(doc, params={name: Param(t.shape, "BF16")}),
+    loadplan.plan_load(Output(out_kernel, declared("F8_E8M0")), engine(), view(doc, params=e8m0))  # the one reinterpretation
+    refused(loadplan.plan_load, Output(out_kernel, declared("BF16")), engine(), view(doc, params={name: Param(t.shape, "BF16")}),
             needles=("dtype mismatch", name, "U8 in the files, param is BF16"))
 
 
 def test_refuses_a_sink_param_shorter_than_the_heads(out_kernel):
     doc = load_manifest(out_kernel)
     name, t = next((n, t) for n, t in doc.rank("target", 0).tensors.items() if loadplan.is_sink(n, t))
-    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, params={name: Param((t.shape[0] - 1,), t.dtype)}),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(), view(doc, params={name: Param((t.shape[0] - 1,), t.dtype)}),
             needles=("shape mismatch", name, "attn_sink is copied into a prefix only"))
 
 
@@ -407,14 +407,14 @@ def test_refuses_another_shape_no_narrowing(out_kernel):
     doc = load_manifest(out_kernel)
     name, t = next((n, t) for n, t in doc.rank("target", 0).tensors.items() if not t.kernel and len(t.shape) == 2)
     bigger = (t.shape[0] + 8, t.shape[1])
-    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, params={name: Param(bigger, t.dtype)}),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(), view(doc, params={name: Param(bigger, t.dtype)}),
             needles=("shape mismatch", name, f"({t.shape[0]},{t.shape[1]}) != param ({bigger[0]},{bigger[1]})"))
 
 
 def test_refuses_a_virtual_tp_plan_difference(out_kernel):
     doc = load_manifest(out_kernel)
     diff = "virtual-TP plan mismatch on axis moe_intermediate_size (runtime padded_size 2160, manifest 2112)"
-    refused(loadplan.plan_load, out_kernel, doc, engine(plan_difference=diff), view(doc),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(plan_difference=diff), view(doc),
             needles=(diff, "start vLLM through lucifer-shard serve"))
 
 
@@ -427,13 +427,13 @@ def test_refuses_kernel_layout_outside_routed_experts(out_kernel):
     kernel = next(t for t in entry.tensors.values() if t.kernel)
     name, t = next((n, t) for n, t in entry.tensors.items() if ".experts." not in f".{n}")
     odd = dataclasses.replace(entry, tensors={**entry.tensors, name: dataclasses.replace(t, layout=kernel.layout)})
-    refused(loadplan.expert_groups, out_kernel, doc, odd,
+    refused(loadplan.expert_groups, Output(out_kernel, doc), odd,
             needles=(f"tensor {name} has layout {kernel.layout!r}", "only the four routed-expert tensors"))
 
 
 def test_refuses_kernel_tensors_in_a_model_layout_output(out_kernel):
     doc = load_manifest(out_kernel)
-    refused(loadplan.expert_groups, out_kernel, dataclasses.replace(doc, expert_layout="model"), doc.rank("target", 0),
+    refused(loadplan.expert_groups, Output(out_kernel, dataclasses.replace(doc, expert_layout="model")), doc.rank("target", 0),
             needles=("expert_layout is 'model' but", "has layout"))
 
 
@@ -442,7 +442,7 @@ def test_refuses_an_incomplete_expert_group(out_kernel):
     entry = doc.rank("target", 0)
     gone = f"{EXPERTS}.{loadplan.EXPERT_TENSORS[0]}"
     fewer = dataclasses.replace(entry, tensors={n: t for n, t in entry.tensors.items() if n != gone})
-    refused(loadplan.expert_groups, out_kernel, doc, fewer, needles=(f"{EXPERTS} has only", "re-run lucifer-shard"))
+    refused(loadplan.expert_groups, Output(out_kernel, doc), fewer, needles=(f"{EXPERTS} has only", "re-run lucifer-shard"))
 
 
 def moe(doc, **kw) -> dict[str, MoeModule]:
@@ -451,29 +451,29 @@ def moe(doc, **kw) -> dict[str, MoeModule]:
 
 def test_refuses_kernel_layout_for_another_gpu_family(out_kernel):
     doc = load_manifest(out_kernel)
-    loadplan.plan_load(out_kernel, doc, engine(arch="sm120", capability="12.0"), view(doc, moe=moe(doc)))
-    refused(loadplan.plan_load, out_kernel, doc, engine(arch="sm90", capability="9.0"), view(doc),
+    loadplan.plan_load(Output(out_kernel, doc), engine(arch="sm120", capability="12.0"), view(doc, moe=moe(doc)))
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(arch="sm90", capability="9.0"), view(doc),
             needles=("GPU capability 9.0 but files were laid out for sm120", "--arch sm90"))
 
 
 def test_refuses_a_moe_module_without_relayout(out_kernel):
     doc = load_manifest(out_kernel)
-    loadplan.plan_load(out_kernel, doc, engine(relayout_missing="no"), view(doc))  # no MoE module: nothing re-lays
-    refused(loadplan.plan_load, out_kernel, doc, engine(relayout_missing="matches no build vetted for it"),
+    loadplan.plan_load(Output(out_kernel, doc), engine(relayout_missing="no"), view(doc))  # no MoE module: nothing re-lays
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(relayout_missing="matches no build vetted for it"),
             view(doc, moe=moe(doc)), needles=(f"{EXPERTS}: experts arrive in kernel layout", "--expert-layout model",
                                               "re-layout wrapper is not installed (matches no build vetted for it)"))
 
 
 def test_refuses_a_moe_module_of_another_backend(out_kernel):
     doc = load_manifest(out_kernel)
-    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, moe=moe(doc, backend="MARLIN")),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(), view(doc, moe=moe(doc, backend="MARLIN")),
             needles=(f"MoE backend resolved to MARLIN on layer {EXPERTS}", f"files require {doc.moe_variant}",
                      "--moe-backend flashinfer_cutlass"))
 
 
 def test_refuses_a_moe_module_of_another_parallel_place(out_kernel):
     doc = load_manifest(out_kernel)
-    refused(loadplan.plan_load, out_kernel, doc, engine(), view(doc, moe=moe(doc, parallel=(0, 1, 3))),
+    refused(loadplan.plan_load, Output(out_kernel, doc), engine(), view(doc, moe=moe(doc, parallel=(0, 1, 3))),
             needles=(f"{EXPERTS}: MoE parallel (tp_rank, tp_size, ep_size)=(0, 1, 3), files need (0, 3, 1)",))
 
 
@@ -493,7 +493,7 @@ def targets_for(doc, role: str = "target", rank: int = 0) -> dict[str, torch.Ten
 def carry_out(out: Path, targets: dict, verify: str = "full", tamper=None) -> None:
     doc = load_manifest(out)
     model = ModelView(TARGET, {n: loadcopy.describe(p) for n, p in targets.items()}, {})
-    plan = loadplan.plan_load(out, doc, engine(verify=verify), model)
+    plan = loadplan.plan_load(Output(out, doc), engine(verify=verify), model)
     for f in plan.files:
         if tamper:
             tamper(f)
@@ -533,7 +533,7 @@ def test_copy_refuses_a_file_replaced_after_its_check(out_copy):
 def test_verify_full_refuses_tampered_bytes(out_copy):
     doc = load_manifest(out_copy)
     name, t = next((n, t) for n, t in doc.rank("target", 0).tensors.items() if t.file == PART and not t.kernel)
-    f = next(f for f in loadfiles.check_files(out_copy, doc, "target", 0, doc.rank("target", 0), True)
+    f = next(f for f in loadfiles.check_files(Output(out_copy, doc), "target", 0, doc.rank("target", 0), True)
              if f.declared.path == PART)
     at = f.header.data_start + f.header.tensors[name].start
     data = bytearray((out_copy / PART).read_bytes())

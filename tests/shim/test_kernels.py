@@ -9,6 +9,7 @@ import pytest
 
 from lucifer_shard.output.manifest_types import Manifest
 from lucifer_shard.runtime_shim.checks import FAIL, OK
+from lucifer_shard.runtime_shim.manifest import Output
 from lucifer_shard.runtime_shim.serving import kernels
 from shim_fixtures import cli
 
@@ -33,11 +34,11 @@ def _vllm_probe_caches_cleared():
 
 def test_flashinfer_074s_table_admits_the_target_and_the_dspark_draft(out_dspark):
     m = Manifest.load(out_dspark)
-    checks = kernels.sparse_mla_checks(out_dspark, m, None, draft=True)  # no GPU here: OUT's --arch, sm121
+    checks = kernels.sparse_mla_checks(Output(out_dspark, m), None, draft=True)  # no GPU here: OUT's --arch, sm121
     assert [c.status for c in checks] == [OK, OK], checks
     assert "24 heads per rank padded to 32, top_k 128 (the target, sm121)" in checks[0].detail
     assert "top_k 192 (the DSpark draft, k=5, sm121)" in checks[1].detail  # 128 + 5, rounded up to 64
-    assert "k=1" in kernels.sparse_mla_checks(out_dspark, m, None, draft=True, tokens=1)[1].detail
+    assert "k=1" in kernels.sparse_mla_checks(Output(out_dspark, m), None, draft=True, tokens=1)[1].detail
 
 
 def test_a_flashinfer_without_the_dispatch_fails_with_the_fix(out_dspark, monkeypatch):
@@ -45,7 +46,7 @@ def test_a_flashinfer_without_the_dispatch_fails_with_the_fix(out_dspark, monkey
     monkeypatch.setitem(sys.modules, DISPATCH, None)  # an import of it now fails, as on a FlashInfer without it
     _vllm_probe_caches_cleared()
     try:
-        checks = kernels.sparse_mla_checks(out_dspark, m, "sm120", draft=False)
+        checks = kernels.sparse_mla_checks(Output(out_dspark, m), "sm120", draft=False)
     finally:
         monkeypatch.undo()
         _vllm_probe_caches_cleared()
@@ -56,8 +57,8 @@ def test_a_flashinfer_without_the_dispatch_fails_with_the_fix(out_dspark, monkey
 
 def test_no_line_where_the_family_needs_no_such_kernel(out_kernel):
     m = Manifest.load(out_kernel)
-    assert kernels.sparse_mla_checks(out_kernel, m, "sm90", draft=False) == []
-    assert [c.status for c in kernels.sparse_mla_checks(out_kernel, m, None, draft=False)] == [OK]  # sm120's files
+    assert kernels.sparse_mla_checks(Output(out_kernel, m), "sm90", draft=False) == []
+    assert [c.status for c in kernels.sparse_mla_checks(Output(out_kernel, m), None, draft=False)] == [OK]  # sm120's files
 
 
 def test_doctor_shows_the_line(out_dspark):

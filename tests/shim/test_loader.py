@@ -158,6 +158,35 @@ def test_model_layout_output_loads_without_tags(out_model, tp_world):
     sf.assert_byte_exact(model, sf.file_tensors(out_model, man, "target", 0))
 
 
+def test_a_worker_reads_and_checks_the_manifest_once(out_model, tp_world, monkeypatch):
+    """vLLM's worker calls the loader's load_model, which checks the engine and loads the weights: OUT's
+    manifest is read and fully checked once in it (issue 60 item 5), and the load is byte-exact."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from lucifer_shard.runtime_shim import manifest as shim_manifest
+
+    reads = []
+    real = shim_manifest.check_output
+    monkeypatch.setattr(shim_manifest, "check_output", lambda out, **kw: reads.append(Path(out)) or real(out, **kw))
+    man = sf.manifest(out_model)
+    model = sf.build_model(man, "target", 0)
+
+    # Harness replacement: vLLM's BaseModelLoader.load_model builds the real DeepSeek-V4 class (create_model)
+    # from a full VllmConfig; here it hands the stand-in model to the loader's load_weights, as vLLM's does
+    # once it has built it (model_loader/base_loader.py). The loader's own load_model runs unchanged.
+    def built(self, vllm_config, model_config, prefix=""):
+        self.load_weights(model, model_config)
+        return model
+
+    monkeypatch.setattr(BaseModelLoader, "load_model", built)
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=3), speculative_config=None)
+    assert _loader({"verify": "full"}).load_model(vllm_config, sf.model_config(out_model)) is model
+    assert reads == [out_model]
+    sf.assert_byte_exact(model, sf.file_tensors(out_model, man, "target", 0))
+
+
 # ------------------------------------------------------------------------------- refusals
 
 

@@ -319,9 +319,9 @@ def test_load_model_refuses_sm90_kernel_layout_on_a_flashinfer_of_the_other_gene
 
 def test_stock_padding_comes_from_the_manifest_and_refuses_another_config(out_model, shim):
     from lucifer_shard.runtime_shim.adapt import stock_vtp
-    from lucifer_shard.runtime_shim.manifest import load_manifest
+    from lucifer_shard.runtime_shim.manifest import open_output
 
-    pad = stock_vtp.padding(out_model, load_manifest(out_model))
+    pad = stock_vtp.padding(open_output(out_model))
     assert pad == {"sizes": {"num_attention_heads": (64, 72), "o_groups": (8, 9), "moe_intermediate_size": (2048, 2304)},
                    "vocab": (1000, 1152), "tp": 3}
     cfg = SimpleNamespace(num_attention_heads=64, o_groups=8, moe_intermediate_size=2048)

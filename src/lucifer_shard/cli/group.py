@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -279,26 +280,36 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     --nnodes/--node-rank, what that node's convert writes (its rank files only) and its room.
     --json: every output tensor with its source slices, and the footprint in bytes.
     """
-    from ..engine.job import prepare
+    # --workers changes no number plan shows: it is taken so that plan's command line is convert's.
+    report = plan_report(tp, model, out, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp,
+                         revision, resume, force, moe_backend, ranks, nnodes, node_rank, download_dir, keep_source,
+                         gpu_memory_utilization)
+    Console.of().emit(report.doc, report.lines)
+    report.refuse_short()
+
+
+def plan_report(tp: int, model: str, out: Path | None, arch: str | None, expert_layout: str | None,
+                flashinfer_layout: str | None, max_file_size: str, align: int, no_mtp: bool, revision: str | None,
+                resume: bool, force: bool, moe_backend: str | None, ranks: str | None, nnodes: int | None,
+                node_rank: int | None, download_dir: Path | None, keep_source: bool,
+                utilization: float | None) -> PlanReport:
+    """plan up to its rendering, in convert's order: the refusals of its options, MODEL and OUT (convert's
+    own words), then the plan, the footprint, what fits per box and the room (`planview`)."""
+    from ..engine.job import layout_of, prepare
     from ..engine.outstate import refuse_download_dir, refuse_target
     from ..engine.repair import reference
     from ..guarded_io import Tree
     from ..model.config import parse_config, read_config
     from ..model.drafts import draft_record
-    from ..model.plan import make_plan
     from ..model.v41 import is_v41
+    from ..output.share import chosen_share
     from ..source.checkpoint import config_root, resolve_config
-    from ..units import size
-    from .planview import v41_report
+    from .planview import (box_fits, box_lines, boxes_json, download_lines, footprint_json, footprint_lines,
+                           judged_rooms, node_footprint, node_lines, per_node, plan_footprint_of, plan_json, plan_lines,
+                           room_of, route_lines, route_saving, routes_lines, routes_of, source_layout, streamed_lines,
+                           v41_report)
     from dataclasses import replace
 
-    from ..output.share import chosen_share
-    from .planview import (box_fits, box_lines, boxes_json, footprint_json, footprint_lines, node_footprint, node_lines,
-                           per_node, plan_footprint_of, plan_json, plan_lines, plan_specs, planned_paths, room_of,
-                           route_lines, route_saving, routes_lines, routes_of, source_layout, judged_rooms,
-                           download_lines, streamed_lines)
-
-    # --workers changes no number plan shows: it is taken so that plan's command line is convert's.
     refuse_swapped("plan", model, out, model_first=True)
     _refuse_resume_force(resume, force)
     refuse_download_options(model, download_dir, keep_source)
@@ -308,13 +319,12 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     config = resolve_config(model, revision)
     raw = read_config(config)
     if is_v41(raw):  # another model: its bytes per rank, then convert's one-line refusal names what is missing
-        lines, doc = v41_report(raw, tp, str(config), gpu_memory_utilization)
-        Console.of().emit(doc, lines)
-        return
+        lines, doc = v41_report(raw, tp, str(config), utilization)
+        return PlanReport(doc, lines)
     cfg = parse_config(raw, str(config))
     options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, moe_backend)
-    p = make_plan(cfg, tp, options.moe_backend)
-    specs = plan_specs(cfg, p, options.mtp)
+    planned = layout_of(cfg, options)
+    p, specs = planned.plan, planned.specs
     if out is not None:
         root = config_root(model, config)
         # --resume trusts an earlier run only for the same source: with a local checkpoint, its
@@ -323,7 +333,7 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
         # convert's rule: a finished output of this job is repaired against its manifest (engine/convert.py)
         repair = job is not None and out.is_dir() and reference(Tree(out), job) is not None
         refuse_target(out, root, resume, force, job and replace(job, node=node), options,
-                      planned_paths(specs, options), repair, node)
+                      planned.paths, repair, node)
     fp = plan_footprint_of(cfg, specs, p, options)
     mine = node_footprint(fp, node)  # what this node's convert writes (the whole conversion's without flags)
     room = room_of(mine, out, force)
@@ -333,22 +343,33 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     routes = routes_of(specs, options, fp, layout) if p.tp > 1 else None
     room, download, streamed, route = judged_rooms(model, layout, specs, options, out, download_dir, keep_source,
                                                    room, node)
-    fits, pool = box_fits(cfg, specs, fp, gpu_memory_utilization)
-    Console.of().emit({**plan_json(specs, p, options), "footprint": footprint_json(mine, room), "per_node": nodes,
-                       "draft": draft_record(cfg) if "draft" in specs else None, "route_saving": saving,
-                       "routes": routes, "download_room": download.to_dict() if download else None,
-                       "room_route": route or None, "streamed_room": streamed.to_dict() if streamed else None,
-                       "fit": boxes_json(fits, pool)},
-                      plan_lines(specs, p, options, fp, cfg) + node_lines(nodes, sum(n["bytes"] for n in nodes))
-                      + box_lines(fits, pool, p.tp, "the largest rank's files, target"
-                                  + (" and draft" if "draft" in specs else ""))
-                      + (routes_lines(routes) if routes else []) + route_lines(saving)
-                      + footprint_lines(mine, room, node, route) + download_lines(download) + streamed_lines(streamed))
-    for r, what in ((room, "OUT"), (download, "--download-dir" if not keep_source else "HF_HUB_CACHE"),
-                    (streamed, "OUT or --download-dir for the streamed route")):
-        if r is not None and r.short:
-            raise NoRoom(f"{r.out}: not enough room: {size(r.needed)} to write, {size(r.free)} free on "
-                         f"{r.filesystem}; free {size(r.short)} more or choose another {what}", exit_code=1)
+    fits, pool = box_fits(cfg, specs, fp, utilization)
+    doc = {**plan_json(specs, p, options), "footprint": footprint_json(mine, room), "per_node": nodes,
+           "draft": draft_record(cfg) if "draft" in specs else None, "route_saving": saving, "routes": routes,
+           "download_room": download.to_dict() if download else None, "room_route": route or None,
+           "streamed_room": streamed.to_dict() if streamed else None, "fit": boxes_json(fits, pool)}
+    lines = (plan_lines(specs, p, options, fp, cfg) + node_lines(nodes, sum(n["bytes"] for n in nodes))
+             + box_lines(fits, pool, p.tp, "the largest rank's files, target" + (" and draft" if "draft" in specs else ""))
+             + (routes_lines(routes) if routes else []) + route_lines(saving)
+             + footprint_lines(mine, room, node, route) + download_lines(download) + streamed_lines(streamed))
+    return PlanReport(doc, lines, ((room, "OUT"), (download, "--download-dir" if not keep_source else "HF_HUB_CACHE"),
+                                   (streamed, "OUT or --download-dir for the streamed route")))
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What plan shows, and the rooms it checks (OUT's, the download folder's): exit 1 where one is short."""
+
+    doc: dict
+    lines: list[str]
+    rooms: tuple = ()  # (Room or None, what to choose instead)
+
+    def refuse_short(self) -> None:
+        from ..units import size
+
+        for r, what in self.rooms:
+            if r is not None and r.short:
+                raise NoRoom(f"{r.out}: not enough room: {size(r.needed)} to write, {size(r.free)} free on "
+                             f"{r.filesystem}; free {size(r.short)} more or choose another {what}", exit_code=1)
 
 
 def _refuse_resume_force(resume: bool, force: bool) -> None:

@@ -20,7 +20,6 @@ from ..model.drafts import DRAFT_KINDS
 from ..model.options import Options
 from ..model.plan import MOE_ROUTES, Plan, make_plan, padding_only
 from ..model.tensorspecs import TensorSpec, build_specs, expected_sources
-from ..output.manifest import part_path
 from ..output.share import NodeShare
 from ..units import duration, rate, size
 
@@ -63,12 +62,6 @@ def plan_footprint_of(cfg: ModelConfig, specs: dict[str, list[list[TensorSpec]]]
     parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align)]
     sizes = {k: DTYPE_SIZE[s.dtype] * math.prod(s.shape) for k, s in expected_sources(cfg).items()}
     return plan_footprint(specs, parts, tensor_layouts(options), plan.tp, options.align, sizes)
-
-
-def planned_paths(specs: dict[str, list[list[TensorSpec]]], options: Options) -> list[str]:
-    """Every rank file convert writes, by path (what its refusals of OUT look at)."""
-    parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align)]
-    return [part_path(p.role, r, p.index) for p in parts for r in range(len(specs[p.role]))]
 
 
 def node_footprint(fp: fpm.Footprint, node: NodeShare | None) -> fpm.Footprint:

@@ -9,6 +9,9 @@ import ipaddress
 import re
 import shlex
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import click
@@ -268,11 +271,48 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     starts, where the plugin is loaded anyway; a failed check stops serve, or vLLM, with exit 1.
     --dry-run runs every check (`lucifer-shard doctor OUT`).
     """
+    con = Console.of()
+    served = preflight_serve(con, out, dry_run, draft, mtp, mtp_tokens, nnodes, node_rank, master_addr, master_port,
+                             ifname, ib_hca, host_ip, expect_identity, write_launch, not no_kernel_cache, vllm_args)
+    show_served(con, served)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What serve found: the preflight's verdict on OUT and this host, the vllm command (None where OUT's
+    manifest is refused) and, for a dry run, the lines it ends with."""
+
+    out: Path
+    manifest: object | None
+    dry_run: bool
+    draft: bool  # served with OUT's draft
+    argv: list[str] | None
+    checks: list
+    verdict: object
+    notes: list[str]
+    tail: list[str]
+    link: tuple  # this node's (ifname, ib_hca, host_ip): launch.Links.of
+    caches: Callable  # kernel_cache.serve_start for this start, but for its dry_run argument
+
+    @property
+    def line(self) -> str | None:
+        """The command as one shell line; None where none is printed."""
+        if self.argv is None or (self.dry_run and not self.verdict.ok):  # -q's capture gets no command to run
+            return None
+        return shlex.join(self.argv)
+
+
+def preflight_serve(con: Console, out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | None,
+                    nnodes: int | None, node_rank: int | None, master_addr: str | None, master_port: int | None,
+                    ifname: tuple[str, ...], ib_hca: str | None, host_ip: tuple[str, ...],
+                    expect_identity: str | None, write_launch: Path | None, kernel_cache: bool,
+                    vllm_args: tuple[str, ...]) -> Served:
+    """serve up to the exec: the refusals of its options, OUT's manifest, the vllm command (built by one
+    call, for this node and every other), the preflight and, with --write-launch, every node's script."""
     from ..runtime_shim.errors import ShimError
     from ..runtime_shim.manifest import draft_kind, draft_tokens, load_manifest
     from ..runtime_shim.serving import doctor as dr, kernel_cache as kc, launch, serve as sv
 
-    con = Console.of()
     if mtp_tokens is not None and not (draft or mtp):
         raise UsageRefused("--draft-tokens applies only with --draft")
     if con.json and not dry_run:
@@ -296,7 +336,6 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     if expect_identity and manifest is not None:
         launch.refuse_other_share(out, manifest.conversion_id, manifest.content_identity, expect_identity)
     mtp = draft_asked(draft, mtp, out, manifest)  # from here on: serve with OUT's draft
-    kind = draft_kind(manifest) if manifest is not None else MTP
     tokens = (mtp_tokens or (draft_tokens(manifest) if manifest is not None else 1)) if mtp else None
     layout = manifest.expert_layout if manifest is not None else "kernel"
     backends = dr.serve_backends(arch, layout, manifest.options.moe_backend) if manifest is not None else None
@@ -310,10 +349,12 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
         # --write-launch on a whole output (the conversion box) checks every node's ranks; on a share, its own
         every_node = write_launch is not None and not (out / SHARE_NAME).exists()
         node_ranks = ranks_of(tp, nnodes, node_rank) if nodes is not None and not every_node else list(range(tp))
-    argv = None
+    # the one vllm command, for this node and (the dry run's list) every other
+    kind = draft_kind(manifest) if manifest is not None else MTP
+    argv_of = partial(sv.serve_argv, out, tp or 1, vllm_args, tokens, backends=backends, expert_layout=layout,
+                      draft_kind=kind, moe_route=manifest.options.moe_backend if manifest is not None else None)
     try:  # the refused vLLM arguments are refused whatever OUT is
-        argv = sv.serve_argv(out, tp or 1, vllm_args, tokens, backends=backends, node=nodes, expert_layout=layout,
-                             draft_kind=kind, moe_route=manifest.options.moe_backend if manifest is not None else None)
+        argv = argv_of(node=nodes)
     except ShimError as e:
         raise UsageRefused(str(e)) from None
     if manifest is None:
@@ -330,47 +371,70 @@ def serve(out: Path, dry_run: bool, draft: bool, mtp: bool, mtp_tokens: int | No
     verdict = sv.preflight(checks, dry_run)
     notes = [n for n in (verdict.note(), sv.backends_remark() if backends is None and manifest is not None else None)
              if n]
-    line = shlex.join(argv) if argv else None
-    if dry_run:
-        if line and not verdict.ok:  # a script capturing -q's line gets no command to run
-            line = None
-            tail = ["no command: the preflight failed (the FAIL lines above say what to fix)"]
-        else:
-            tail = [line] if line else ["no command: OUT's manifest is refused (the output check above says why)"]
-        if line and write_launch is not None and verdict.output_ok:
-            tail = _write_launch(write_launch, out, manifest, nodes, mtp, mtp_tokens, links, vllm_args)
-        elif line and nodes is not None:  # every node's command, this one's marked
-            tail = ["every node's command (each on its own share: lucifer-shard stage OUT DEST --nnodes "
-                    f"{nnodes} --node-rank R, or convert ... --nnodes {nnodes} --node-rank R on that node; node 0 "
-                    f"serves the API, start it first). Each names this box's "
-                    f"path, {out}: on another box put the path of that node's share there:"]
-            for r in range(nnodes):
-                other = sv.serve_argv(out, tp, vllm_args, tokens, backends=backends, node={**nodes, "node_rank": r},
-                                      expert_layout=layout, draft_kind=kind)
-                tail.append(f"  node {r}{' (this one)' if r == node_rank else ''}: {shlex.join([argv[0], *other[1:]])}")
-        caches = kc.serve_start(out, manifest, kind if mtp else None, tokens, vllm_args, not no_kernel_cache, True)
+    caches = partial(kc.serve_start, out, manifest, kind if mtp else None, tokens, vllm_args, kernel_cache)
+    served = Served(out, manifest, dry_run, mtp, argv, checks, verdict, notes, [], links.of(node_rank), caches)
+    if not dry_run:
+        return served
+    return replace(served, tail=_dry_run_tail(served, nodes, argv_of, write_launch, mtp_tokens, links, vllm_args))
+
+
+def _dry_run_tail(served: Served, nodes: dict | None, argv_of, write_launch: Path | None, mtp_tokens: int | None,
+                  links, vllm_args: tuple[str, ...]) -> list[str]:
+    """The lines a dry run ends with: the command, every node's, or the launch scripts it wrote."""
+    line = served.line
+    if served.argv and not served.verdict.ok:
+        return ["no command: the preflight failed (the FAIL lines above say what to fix)"]
+    if not line:
+        return ["no command: OUT's manifest is refused (the output check above says why)"]
+    if write_launch is not None and served.verdict.output_ok:
+        return _write_launch(write_launch, served.out, served.manifest, nodes, served.draft, mtp_tokens, links,
+                             vllm_args)
+    if nodes is None:
+        return [line]
+    nnodes = nodes["nnodes"]
+    tail = ["every node's command (each on its own share: lucifer-shard stage OUT DEST --nnodes "
+            f"{nnodes} --node-rank R, or convert ... --nnodes {nnodes} --node-rank R on that node; node 0 "
+            f"serves the API, start it first). Each names this box's "
+            f"path, {served.out}: on another box put the path of that node's share there:"]
+    for r in range(nnodes):
+        other = argv_of(node={**nodes, "node_rank": r})
+        tail.append(f"  node {r}{' (this one)' if r == nodes['node_rank'] else ''}: "
+                    f"{shlex.join([served.argv[0], *other[1:]])}")
+    return tail
+
+
+def show_served(con: Console, served: Served) -> None:
+    """serve's rendering: the dry run's report and command, or the preflight's line and the exec into vLLM."""
+    from ..runtime_shim.serving import doctor as dr, serve as sv
+
+    verdict, line = served.verdict, served.line
+    if served.dry_run:
+        caches = served.caches(True)
         con.emit({"preflight_ok": verdict.ok, "output_ok": verdict.output_ok,
-                  "environment_checked": verdict.environment_checked, "notes": notes,
-                  "checks": [c.to_dict() for c in verdict.shown], "argv": argv if line else None, "command": line,
-                  "kernel_caches": caches.to_dict()},
-                 [dr.format_report(list(verdict.shown), verbose=con.verbosity > 0), "", *caches.lines(), *notes, *tail])
+                  "environment_checked": verdict.environment_checked, "notes": served.notes,
+                  "checks": [c.to_dict() for c in verdict.shown], "argv": served.argv if line else None,
+                  "command": line, "kernel_caches": caches.to_dict()},
+                 [dr.format_report(list(verdict.shown), verbose=con.verbosity > 0), "", *caches.lines(),
+                  *served.notes, *served.tail])
     elif verdict.failed:
         click.echo("\n".join(str(c) for c in verdict.failed), err=True)
     else:
-        con.note("; ".join([f"preflight passed ({len(checks)} checks before vLLM; vLLM's own run as it starts)",
-                            identity_line(manifest.conversion_id, manifest.content_identity), *notes,
-                            f"exec {line}"]))
+        con.note("; ".join([f"preflight passed ({len(served.checks)} checks before vLLM; vLLM's own run as it starts)",
+                            identity_line(served.manifest.conversion_id, served.manifest.content_identity),
+                            *served.notes, f"exec {line}"]))
     if not verdict.ok:
         raise _refusal(list(verdict.failed), f"serve: preflight failed ({len(verdict.failed)} check(s)); first: "
                        f"{verdict.failed[0]}; lucifer-shard doctor OUT shows every check", PreflightFailed)
-    if not dry_run:
-        problems = launch.link_problems(*links.of(node_rank))
+    if not served.dry_run:
+        from ..runtime_shim.serving import launch
+
+        problems = launch.link_problems(*served.link)
         if problems:
             raise UsageRefused("; ".join(problems))
-        caches = kc.serve_start(out, manifest, kind if mtp else None, tokens, vllm_args, not no_kernel_cache)
+        caches = served.caches()
         con.note(caches.line)
-        sv.exec_vllm(argv, {**sv.serve_environment(out, mtp), **launch.link_environment(*links.of(node_rank)),
-                            **caches.env})
+        sv.exec_vllm(served.argv, {**sv.serve_environment(served.out, served.draft),
+                                   **launch.link_environment(*served.link), **caches.env})
 
 
 def _link_checks(ifname: str | None, ib_hca: str | None, host_ip: str | None) -> list:

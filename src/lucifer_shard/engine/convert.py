@@ -12,8 +12,9 @@ A node's convert (`--ranks`, `--nnodes/--node-rank`) writes only its ranks' file
 others for the manifest: OUT is then the share `stage` would make (`nodeshare`).
 
 What is decided before the first byte is `job`; OUT's state between runs (refusals, journal,
-resume, room still needed) is `outstate`; the write loop, which a repair (`repair`) shares, is
-`writeloop`; the manifest is `manifest_writer`.
+resume, room still needed) is `outstate`; the write loop and what wraps it (`Writing`: the room check and
+the faults), which a repair of a finished output (`repair.repair_locked`) shares, is `writeloop`; the
+manifest is `manifest_writer`.
 """
 from __future__ import annotations
 
@@ -22,33 +23,28 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import OutputError, SourceError, fault
+from ..errors import OutputError, SourceError
 from ..guarded_io import Tree
-from ..model.config import ModelConfig
 from ..model.options import Options
 from ..model.plan import padding_only
-from ..output.manifest import COMPLETE_NAME, complete_problem, part_path, rank_dir
-from ..output.manifest_types import Manifest
+from ..output.manifest import COMPLETE_NAME, part_path, rank_dir
 from ..output.outlock import OutLock, describe
 from ..output.share import NodeShare
-from ..source.hub import LinkFault
+from ..source.checkpoint import is_repo_id
 from ..units import size
 from .card import write_card
-from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, write_failed
+from .diskspace import filesystem, free_bytes
 from .feed import DOWNLOAD_REL, SourceFeed
-from .job import Job, part_keys, planned_paths, prepare
-from .journal import JournalEntry, journal_line, truncate_journal
+from .job import Job, part_keys, plan_remote, prepare
+from .journal import JournalEntry, truncate_journal
 from .manifest_writer import build_manifest, write_manifest
-from .nodeshare import SHARE_NAME, share_problem, write_share
+from .nodeshare import write_share
 from .outstate import (check_out, conversion_record, part_valid, partial_bytes, planned_files, record_text,
-                       refuse_download_dir, refuse_target, remove_partials, sizes_to_write, source_changed)
-from .owned import RECORD_REL, clear, plan_clearing, read_json
-from .repair import check_content, reference, restore_copy, survey
+                       refuse_download_dir, refuse_resumed, refuse_target, remove_partials, sizes_to_write, source_changed)
+from .owned import RECORD_REL, clear, plan_clearing
+from .repair import reference, repair_locked
 from .resumed import resumed_sources, stamped_sources
-from .writeloop import Summary, WriteLoop, logger, source_digests
-
-RESUME = "run the same command with --resume (finished files and downloaded bytes are kept)"
-
+from .writeloop import Summary, WriteLoop, Writing, logger, source_digests
 
 def convert(model: str, out: Path, options: Options, resume: bool = False, force: bool = False,
             workers: int = 1, progress: bool = True, revision: str | None = None,
@@ -61,17 +57,22 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     `node`: write only its ranks' files, as `stage` of the whole output would (`nodeshare`).
 
     Before OUT's writer lock is taken the source is read and OUT only looked at (`refuse_target`,
-    plan's refusals too); everything in OUT happens after. From a repo id, OUT's refusals come right
-    after config.json, before a shard header is asked for; nothing is downloaded before the lock."""
+    plan's refusals too); everything in OUT happens after. From a repo id, config.json is read and
+    planned once (`plan_remote`), OUT's refusals made from it before a shard header is asked for, and
+    the plan kept for the job; the headers then add only what they decide (`refuse_resumed`). Nothing
+    is downloaded before the lock."""
     t0 = time.perf_counter()
     out = Path(out)
     refuse_download_dir(out, download_dir)  # before the source is asked for anything
-
-    def refuse_out(cfg: ModelConfig) -> None:
-        refuse_target(out, None, resume, force, None, options, planned_paths(cfg, options), node=node)
-    job = replace(prepare(model, options, revision, download_dir or out / DOWNLOAD_REL, refuse_out), node=node)
+    planned = plan_remote(model, options, revision) if is_repo_id(model) else None  # config.json alone
+    if planned is not None:  # a repo id: OUT's refusals before a shard header is asked for
+        refuse_target(out, None, resume, force, None, options, planned.paths, node=node)
+    job = replace(prepare(model, options, revision, download_dir or out / DOWNLOAD_REL, planned), node=node)
     repair = resume and out.is_dir() and reference(Tree(out), job) is not None  # a finished output of this job
-    refuse_target(out, job.ckpt.root if job.on_disk else None, resume, force, job, repair=repair)
+    if planned is None:
+        refuse_target(out, job.ckpt.root if job.on_disk else None, resume, force, job, repair=repair)
+    else:  # what the headers add to the refusals made above
+        refuse_resumed(out, job, resume, force, repair)
     for remark in padding_only(job.plan):
         warn(remark.message)
     with OutLock(out) as lock:
@@ -113,124 +114,13 @@ def _kept_parts(job: Job, out: Path, journaled: dict[str, JournalEntry], by_name
     return kept
 
 
-class _Writing:
-    """What convert and a repair share around their writes, one path for both: the room check (OUT's
-    filesystem, then the feed's download room) and the fault mapping on the way out: a write that ran
-    out of room or hit the file-size limit (`write_failed`: what is still to write, `left()`, and the
-    largest planned file), or another fault of the machine (`errors.fault`), each ending with
-    --resume; any other exit leaves at once without waiting for the downloader. The feed and the
-    source are closed whatever happens."""
-
-    def __init__(self, job: Job, out: Path, planned: dict[str, JournalEntry], left: Callable[[], list[int]]):
-        self.job, self.out, self.planned, self.left = job, out, planned, left
-        self.feed: SourceFeed | None = None  # set once the parts to write are known
-
-    def check_room(self, left: list[int], given_back: int, then: str) -> None:
-        check_room(self.out, left, given_back, then)
-        self.feed.check_room(left, given_back, then)
-
-    def _fault(self, err: OSError) -> BaseException:
-        if err.errno in WRITE_LIMITS:
-            return write_failed(err, self.out, self.left(), max(f.bytes for f in self.planned.values()))
-        return fault(err, "convert", "run the same command with --resume (finished files are kept)") or err
-
-    def __enter__(self) -> _Writing:
-        return self
-
-    def __exit__(self, kind, err, tb) -> None:
-        try:
-            if isinstance(err, OSError):
-                raise self._fault(err) from None
-            if isinstance(err, LinkFault):  # OUT holds this run's state now: the next run continues it
-                raise err.then(RESUME) from None
-            if err is not None and self.feed is not None:
-                self.feed.close(wait=False)  # Ctrl-C, SIGTERM, a refused source: leave now
-        finally:
-            if self.feed is not None:
-                self.feed.close()
-            self.job.ckpt.close()
-
-
-def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str, JournalEntry], workers: int,
-                   progress: bool, download_dir: Path | None, keep_source: bool) -> Summary:
-    """--resume on an output whose manifest is this job's: re-check every file against it and write
-    again, from the source, only what fails (`repair`). COMPLETE goes first and comes back last, so
-    a repair stopped part-way is an unfinished output that the next --resume finishes."""
-    tree = Tree(out)
-    summary = Summary(out, job.cid)
-    planned = planned_files(job)
-    left: list[int] = [e.bytes for e in planned.values()]  # until the survey says what is damaged
-    with _Writing(job, out, planned, lambda: left) as writing:
-        rep = survey(out, manifest, job.ckpt.root if job.on_disk else None, job.written_ranks)
-        summary.files_resumed = len(rep.entries) - len(rep.damaged)
-        record = read_json(tree, RECORD_REL)
-        record_ok = isinstance(record, dict) and record.get("conversion_id") == job.cid
-        share_ok = share_problem(tree, job) is None
-        if rep.nothing and record_ok and share_ok and complete_problem(out, job.cid) is None:
-            removed = remove_partials(out, job)  # the tool's own, left by a stopped run: verify names them
-            summary.notes.append(f"nothing to repair: all {len(rep.entries)} rank files and the copies match the "
-                                 f"manifest" + (f"; removed {len(removed)} temporary file(s) of a stopped run "
-                                                f"({', '.join(removed[:3])}{' ...' if len(removed) > 3 else ''})"
-                                                if removed else ""))
-            return summary
-        ranks_of = {id(part): ranks for part, ranks in rep.parts(job)}
-        writing.feed = feed = SourceFeed(job, out, [part for part, _ in rep.parts(job)], download_dir, keep_source)
-        todo = [(part, ranks_of[id(part)]) for part in feed.order]  # a streamed source's order, as a conversion's
-        left = [planned[rel].bytes for rel in rep.damaged] + [sum(len(journal_line(planned[rel]))
-                                                                   for rel in rep.damaged)]
-        left += [manifest.copies[name].bytes for name in rep.copies] + [len(job.cid) + 1]
-        if not record_ok:
-            left.append(len(record_text(conversion_record(job)).encode()))
-        writing.check_room(left, partial_bytes(out, job), "run the same command with --resume")
-        remove_partials(out, job)  # the tool's own temporaries of a stopped run, not the output
-        changed = False
-
-        def begin() -> None:
-            """The output's first change, once the source passed the first part's content check: a
-            refused MODEL (another checkpoint of the same schema) leaves OUT as it was, COMPLETE kept."""
-            nonlocal changed
-            if not changed:
-                changed = True
-                tree.remove(COMPLETE_NAME)
-                if not record_ok:  # what --force may delete, listed again
-                    tree.write_bytes(RECORD_REL, record_text(conversion_record(job)).encode())
-        with WriteLoop(job, out, todo, "repair", workers, progress, summary) as loop:
-            feed.start(loop.bar)
-            for i, (part, ranks) in enumerate(todo):
-                feed.before(i)
-                for rank in ranks:
-                    tree.make_dirs(rank_dir(part.role, rank))
-                rel = part_path(part.role, ranks[0], part.index)
-                entry = journaled.get(part_path(part.role, 0, part.index))
-                first = entry.sources if entry is not None else None
-
-                def check(content: str, sources: dict[str, str], rel: str = rel, first: dict | None = first) -> None:
-                    check_content(rel, rep.content[rel], content, sources, first, job.ckpt.root)
-                    begin()
-
-                loop.write(part, ranks, source_digests(job, [part]), check)
-                feed.after(i)
-                logger.info("%s part %d: rewrote rank(s) %s", part.role, part.index, ", ".join(map(str, ranks)))
-        begin()  # only copies or the record to rewrite: no part's check ran
-        for name in rep.copies:
-            restore_copy(tree, job, manifest, name)
-        write_share(tree, job)
-        tree.write_bytes(COMPLETE_NAME, (job.cid + "\n").encode())
-        rewritten = (rep.damaged + rep.copies + ([] if record_ok else [RECORD_REL]) + ([] if share_ok else [SHARE_NAME])
-                     + [COMPLETE_NAME])
-        summary.notes.append(f"repaired: rewrote {', '.join(rewritten[:5])}{' ...' if len(rewritten) > 5 else ''}; "
-                             f"every other file matched the manifest and was kept")
-        feed.finish()
-        return summary
-
-
 def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int, progress: bool,
                     download_dir: Path | None, keep_source: bool) -> Summary:
     tree = Tree(out)
     manifest = reference(tree, job) if resume else None  # a finished output of this job: repair it
     journaled = check_out(out, job, resume, force, repair=manifest is not None)
     if manifest is not None:
-        return _repair_locked(job, out, manifest, journaled, workers, progress, download_dir, keep_source)
+        return repair_locked(job, out, manifest, journaled, workers, progress, download_dir, keep_source)
     clearing = plan_clearing(tree) if force else None
     if clearing is not None:
         clearing.refuse_foreign(out)
@@ -239,7 +129,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
     record = conversion_record(job)
     results: dict[str, JournalEntry] = {}  # journal entries of the files kept or written
     unwritten: dict | None = record  # the record, until it is written
-    with _Writing(job, out, planned, lambda: sizes_to_write(job, planned, set(results), unwritten)) as writing:
+    with Writing(job, out, planned, lambda: sizes_to_write(job, planned, set(results), unwritten)) as writing:
         by_name = {role: {s.name: s for s in ranks[0]} for role, ranks in job.specs.items()}
         results.update(_kept_parts(job, out, journaled, by_name) if journaled else {})
         writing.feed = feed = SourceFeed(job, out, [p for p in job.parts if part_path(p.role, 0, p.index) not in results],

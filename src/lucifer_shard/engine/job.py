@@ -3,7 +3,6 @@ layouts, the split of each rank's tensors into files (parts) and the conversion 
 the exact size of every rank file (`plan` shows it, convert checks the room with it)."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +14,8 @@ from ..model.plan import Plan, make_plan
 from ..model.tensorspecs import TensorSpec, build_specs
 from ..output.manifest import CONTENT_PLACEHOLDER, conversion_id, file_metadata, part_path
 from ..output.share import NodeShare
-from ..source.checkpoint import Checkpoint, is_repo_id, open_checkpoint, open_remote, resolve_model
+from ..source.checkpoint import (Checkpoint, RemoteConfig, is_repo_id, open_checkpoint, open_remote, remote_config,
+                                 resolve_model)
 from .stwriter import TensorHeader, encode_header
 
 
@@ -171,39 +171,58 @@ class Job:
                               self.source_sizes, self.cid, sum(self.ckpt.side.values()))
 
 
-def layout_of(cfg: ModelConfig, options: Options) -> tuple[Plan, dict[str, list[list[TensorSpec]]], list[Part]]:
+@dataclass(frozen=True)
+class Planned:
+    """What config.json and the options decide before a shard header is read: the plan, every rank's
+    specs by role and the parts (rank files). A repo id's keeps its config.json (`remote`): the job
+    reads the headers of the commit the plan was made from."""
+
+    plan: Plan
+    specs: dict[str, list[list[TensorSpec]]]
+    parts: list[Part]
+    remote: RemoteConfig | None = None
+
+    @property
+    def paths(self) -> list[str]:
+        """Every rank file convert writes, by path (what its refusals of OUT look at)."""
+        return [part_path(p.role, r, p.index) for p in self.parts for r in range(self.plan.tp)]
+
+
+def layout_of(cfg: ModelConfig, options: Options, remote: RemoteConfig | None = None) -> Planned:
     """The plan, every rank's specs by role and the parts (rank files) of `options` from config.json alone."""
     plan = make_plan(cfg, options.tp, options.moe_backend)
     roles = ["target"] + (["draft"] if options.mtp and cfg.num_mtp else [])
     specs = {role: build_specs(cfg, plan, role) for role in roles}
     parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align)]
-    return plan, specs, parts
+    return Planned(plan, specs, parts, remote)
 
 
-def planned_paths(cfg: ModelConfig, options: Options) -> list[str]:
-    """Every rank file convert writes, by path (what its refusals of OUT look at)."""
-    plan, specs, parts = layout_of(cfg, options)
-    return [part_path(p.role, r, p.index) for p in parts for r in range(plan.tp)]
+def plan_remote(repo: str, options: Options, revision: str | None = None) -> Planned:
+    """A repo id planned from its config.json alone (`source.checkpoint.remote_config`), before any
+    other file of the repo is asked for: what OUT's refusals need."""
+    opened = remote_config(repo, revision)
+    return layout_of(opened.config, options, opened)
 
 
 def prepare(model: str, options: Options, revision: str | None = None, download_to: Path | None = None,
-            before_headers: Callable[[ModelConfig], None] | None = None) -> Job:
+            planned: Planned | None = None) -> Job:
     """The job of converting MODEL with `options`. A repo id is read from the Hub without a weight
-    (`source.checkpoint.open_remote`: config.json and its refusals, `before_headers`, then the headers by
-    ranged requests) and is read in place when the Hugging Face cache already holds all of it at that
+    (`plan_remote`, or `planned` made by it, then `source.checkpoint.open_remote`: the headers by ranged
+    requests) and is read in place when the Hugging Face cache already holds all of it at that
     commit; otherwise its files are to be downloaded into `download_to` (`engine.feed`)."""
     roles = ("target", "draft") if options.mtp else ("target",)
     origin = {"repo": None, "revision": None}
     on_disk = True
     if is_repo_id(model):
-        ckpt = open_remote(model, revision, download_to, roles, before_headers)
+        planned = planned or plan_remote(model, options, revision)
+        ckpt = open_remote(planned.remote, download_to, roles)
         on_disk = ckpt.hub is None  # all of it in the Hugging Face cache: read in place
         origin = {"repo": model, "revision": ckpt.hub.commit if ckpt.hub else ckpt.root.name}
     else:
         ckpt = open_checkpoint(resolve_model(model, revision), roles)
-    plan, specs, parts = layout_of(ckpt.config, options)
+        planned = layout_of(ckpt.config, options)
     dropped = {}
     if not options.mtp:
         dropped = {k: "--no-mtp: the MTP draft model was not converted" for k in ckpt.tensors if k.startswith("mtp.")}
-    return Job(ckpt, options, plan, specs, parts, tensor_layouts(options), conversion_id(ckpt.fingerprint, options),
-               dropped, origin, on_disk)
+    return Job(ckpt, options, planned.plan, planned.specs, planned.parts, tensor_layouts(options),
+               conversion_id(ckpt.fingerprint, options), dropped, origin, on_disk)

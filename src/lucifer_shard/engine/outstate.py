@@ -99,6 +99,26 @@ def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Op
         raise OutputError(f"{out} holds an unfinished conversion; pass --resume to finish it or --force to restart")
     if repair:
         return _stray_free(tree, job, options, planned, node)
+    _check_record(tree, job, options)
+    journal = _stray_free(tree, job, options, planned, node)
+    return journal if job is not None else {}  # plan: convert's refusal, its journal is convert's to read
+
+
+def refuse_resumed(out: Path, job: Job, resume: bool, force: bool, repair: bool = False) -> None:
+    """A repo id's refusals of OUT that need its headers, after `refuse_target` made every other from
+    config.json alone (convert): OUT against a source read in place (the Hugging Face cache), and
+    --resume's conversion record against the job's source."""
+    out = Path(out)
+    if job.on_disk:
+        check_paths(out, job.ckpt.root)
+    if resume and not force and not repair and out.is_dir() and is_output(Tree(out)):
+        _check_record(Tree(out), job, job.options)
+
+
+def _check_record(tree: Tree, job: Job | None, options: Options) -> None:
+    """--resume's conversion record against this run: without a job (plan, or a repo id before its
+    headers) its options and the tool version, with one (convert) the job's source and settings."""
+    out = tree.root
     record = read_json(tree, RECORD_REL)
     if not isinstance(record, dict) or not isinstance(record.get("source_files"), dict):
         raise OutputError(f"--resume: {tree.path(RECORD_REL)} is missing or not a conversion record; pass --force "
@@ -108,8 +128,7 @@ def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Op
                "tool_version": __version__}
         if any(record.get(k) != v for k, v in now.items()):
             _refuse_other_settings(out, record, now)
-        _stray_free(tree, job, options, planned, node)  # plan: convert's refusal, its journal is convert's to read
-        return {}
+        return
     now = conversion_record(job)
     changed = [n for n, st in now["source_files"].items() if record["source_files"].get(n) != st]
     if record.get("conversion_id") == job.cid and changed:
@@ -118,7 +137,6 @@ def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Op
                           f"modified); pass --force to restart")
     if record.get("conversion_id") != job.cid:
         _refuse_other_settings(out, record, now)
-    return _stray_free(tree, job, options, planned, node)
 
 
 def _stray_free(tree: Tree, job: Job | None, options: Options | None, planned: Iterable[str],

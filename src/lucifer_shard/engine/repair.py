@@ -9,6 +9,7 @@ nothing to say of it. What fails is rewritten from the source, and nothing else 
 Conversion is deterministic, so a rewritten file must carry the content stamp its manifest entry
 records: that stamp is BLAKE3 over the part's source tensor digests, so a source that is not the
 converted one (other bytes under the same headers) is refused by name before the file is published.
+`repair_locked` is that run, under OUT's lock, as `convert._convert_locked` is a conversion's.
 """
 from __future__ import annotations
 
@@ -18,12 +19,16 @@ from pathlib import Path
 from ..errors import LuciferError, SourceError
 from ..guarded_io import Tree
 from ..outnames import MANIFEST_NAME
-from ..output.manifest import CARD_NAME, part_path
+from ..output.manifest import CARD_NAME, COMPLETE_NAME, complete_problem, part_path, rank_dir
 from ..output.manifest_types import copy_problems, Manifest
+from .feed import SourceFeed
 from .job import Job, Part
-from .journal import JournalEntry
+from .journal import JournalEntry, journal_line
 from .manifest_writer import copies
-from .outstate import part_valid
+from .nodeshare import SHARE_NAME, share_problem, write_share
+from .outstate import conversion_record, part_valid, partial_bytes, planned_files, record_text, remove_partials
+from .owned import RECORD_REL, read_json
+from .writeloop import Summary, WriteLoop, Writing, logger, source_digests
 
 
 @dataclass
@@ -112,3 +117,76 @@ def restore_copy(tree: Tree, job: Job, manifest: Manifest, name: str) -> None:
         tree.write_bytes(CARD_NAME, card_text(manifest, job_license(job)).encode())
     else:
         tree.copy_in(job.ckpt.root / name, name)
+
+
+def repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str, JournalEntry], workers: int,
+                   progress: bool, download_dir: Path | None, keep_source: bool) -> Summary:
+    """--resume on an output whose manifest is this job's: re-check every file against it and write
+    again, from the source, only what fails (`repair`). COMPLETE goes first and comes back last, so
+    a repair stopped part-way is an unfinished output that the next --resume finishes."""
+    tree = Tree(out)
+    summary = Summary(out, job.cid)
+    planned = planned_files(job)
+    left: list[int] = [e.bytes for e in planned.values()]  # until the survey says what is damaged
+    with Writing(job, out, planned, lambda: left) as writing:
+        rep = survey(out, manifest, job.ckpt.root if job.on_disk else None, job.written_ranks)
+        summary.files_resumed = len(rep.entries) - len(rep.damaged)
+        record = read_json(tree, RECORD_REL)
+        record_ok = isinstance(record, dict) and record.get("conversion_id") == job.cid
+        share_ok = share_problem(tree, job) is None
+        if rep.nothing and record_ok and share_ok and complete_problem(out, job.cid) is None:
+            removed = remove_partials(out, job)  # the tool's own, left by a stopped run: verify names them
+            summary.notes.append(f"nothing to repair: all {len(rep.entries)} rank files and the copies match the "
+                                 f"manifest" + (f"; removed {len(removed)} temporary file(s) of a stopped run "
+                                                f"({', '.join(removed[:3])}{' ...' if len(removed) > 3 else ''})"
+                                                if removed else ""))
+            return summary
+        ranks_of = {id(part): ranks for part, ranks in rep.parts(job)}
+        writing.feed = feed = SourceFeed(job, out, [part for part, _ in rep.parts(job)], download_dir, keep_source)
+        todo = [(part, ranks_of[id(part)]) for part in feed.order]  # a streamed source's order, as a conversion's
+        left = [planned[rel].bytes for rel in rep.damaged] + [sum(len(journal_line(planned[rel]))
+                                                                   for rel in rep.damaged)]
+        left += [manifest.copies[name].bytes for name in rep.copies] + [len(job.cid) + 1]
+        if not record_ok:
+            left.append(len(record_text(conversion_record(job)).encode()))
+        writing.check_room(left, partial_bytes(out, job), "run the same command with --resume")
+        remove_partials(out, job)  # the tool's own temporaries of a stopped run, not the output
+        changed = False
+
+        def begin() -> None:
+            """The output's first change, once the source passed the first part's content check: a
+            refused MODEL (another checkpoint of the same schema) leaves OUT as it was, COMPLETE kept."""
+            nonlocal changed
+            if not changed:
+                changed = True
+                tree.remove(COMPLETE_NAME)
+                if not record_ok:  # what --force may delete, listed again
+                    tree.write_bytes(RECORD_REL, record_text(conversion_record(job)).encode())
+        with WriteLoop(job, out, todo, "repair", workers, progress, summary) as loop:
+            feed.start(loop.bar)
+            for i, (part, ranks) in enumerate(todo):
+                feed.before(i)
+                for rank in ranks:
+                    tree.make_dirs(rank_dir(part.role, rank))
+                rel = part_path(part.role, ranks[0], part.index)
+                entry = journaled.get(part_path(part.role, 0, part.index))
+                first = entry.sources if entry is not None else None
+
+                def check(content: str, sources: dict[str, str], rel: str = rel, first: dict | None = first) -> None:
+                    check_content(rel, rep.content[rel], content, sources, first, job.ckpt.root)
+                    begin()
+
+                loop.write(part, ranks, source_digests(job, [part]), check)
+                feed.after(i)
+                logger.info("%s part %d: rewrote rank(s) %s", part.role, part.index, ", ".join(map(str, ranks)))
+        begin()  # only copies or the record to rewrite: no part's check ran
+        for name in rep.copies:
+            restore_copy(tree, job, manifest, name)
+        write_share(tree, job)
+        tree.write_bytes(COMPLETE_NAME, (job.cid + "\n").encode())
+        rewritten = (rep.damaged + rep.copies + ([] if record_ok else [RECORD_REL]) + ([] if share_ok else [SHARE_NAME])
+                     + [COMPLETE_NAME])
+        summary.notes.append(f"repaired: rewrote {', '.join(rewritten[:5])}{' ...' if len(rewritten) > 5 else ''}; "
+                             f"every other file matched the manifest and was kept")
+        feed.finish()
+        return summary

@@ -23,13 +23,17 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import fault
 from ..guarded_io import Tree, naming, partial_name, write_all
 from ..model.layouts import Layout
 from ..model.tensorspecs import TensorSpec
 from ..output.manifest import CONTENT_PLACEHOLDER, file_metadata, part_content, part_path
 from ..source.content import ContentDigests
+from ..source.hub import LinkFault
 from ..units import byte_bar, duration, rate, size
 from .assemble import Assembler, EngineBufferPool, chunks, swap_folded
+from .diskspace import WRITE_LIMITS, check_room, write_failed
+from .feed import SourceFeed
 from .job import Job, Part, part_headers, part_keys
 from .journal import JournalEntry, journal_line, open_journal
 from .owned import JOURNAL_REL
@@ -281,3 +285,44 @@ def _abort(tree: Tree, part: Part, ranks: list[int], sinks: dict[int, _RankSink]
     # outside `sinks`: remove this part's by name (the lock makes them ours).
     for rank in ranks:
         tree.remove(partial_name(part_path(part.role, rank, part.index)))
+
+
+RESUME = "run the same command with --resume (finished files and downloaded bytes are kept)"
+
+
+class Writing:
+    """What convert and a repair share around their writes, one path for both: the room check (OUT's
+    filesystem, then the feed's download room) and the fault mapping on the way out: a write that ran
+    out of room or hit the file-size limit (`write_failed`: what is still to write, `left()`, and the
+    largest planned file), or another fault of the machine (`errors.fault`), each ending with
+    --resume; any other exit leaves at once without waiting for the downloader. The feed and the
+    source are closed whatever happens."""
+
+    def __init__(self, job: Job, out: Path, planned: dict[str, JournalEntry], left: Callable[[], list[int]]):
+        self.job, self.out, self.planned, self.left = job, out, planned, left
+        self.feed: SourceFeed | None = None  # set once the parts to write are known
+
+    def check_room(self, left: list[int], given_back: int, then: str) -> None:
+        check_room(self.out, left, given_back, then)
+        self.feed.check_room(left, given_back, then)
+
+    def _fault(self, err: OSError) -> BaseException:
+        if err.errno in WRITE_LIMITS:
+            return write_failed(err, self.out, self.left(), max(f.bytes for f in self.planned.values()))
+        return fault(err, "convert", "run the same command with --resume (finished files are kept)") or err
+
+    def __enter__(self) -> Writing:
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        try:
+            if isinstance(err, OSError):
+                raise self._fault(err) from None
+            if isinstance(err, LinkFault):  # OUT holds this run's state now: the next run continues it
+                raise err.then(RESUME) from None
+            if err is not None and self.feed is not None:
+                self.feed.close(wait=False)  # Ctrl-C, SIGTERM, a refused source: leave now
+        finally:
+            if self.feed is not None:
+                self.feed.close()
+            self.job.ckpt.close()

@@ -8,6 +8,7 @@ their errors into the shim's one-line `ShimError`. Imports neither vLLM nor torc
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from lucifer_shard.errors import MismatchError, OutputError, PlanError
@@ -61,8 +62,23 @@ def needs_virtual_tp(doc: Manifest) -> bool:
     return pads_virtually(doc.plan)
 
 
-def rank_entry(out: Path, doc: Manifest, role: str, rank: int) -> RankRecord:
+@dataclass(frozen=True)
+class Output:
+    """A lucifer-shard output as the shim holds it: its directory and its manifest, read and checked
+    once (`open_output`) and passed on whole."""
+
+    path: Path
+    manifest: Manifest
+
+
+def open_output(out: str | Path, check_digest: bool = True) -> Output:
+    """OUT with its manifest read and checked (`load_manifest`)."""
+    return Output(Path(out), load_manifest(out, check_digest))
+
+
+def rank_entry(output: Output, role: str, rank: int) -> RankRecord:
     """The manifest's record of `role` rank `rank`; a ShimError naming the role or rank OUT lacks."""
+    out, doc = output.path, output.manifest
     if role not in doc.roles:
         have = ", ".join(doc.roles) or "none"
         hint = " (converted with --no-mtp: start vLLM without a speculative config)" if role == "draft" else ""

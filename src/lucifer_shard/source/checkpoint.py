@@ -293,19 +293,29 @@ def open_checkpoint(root: Path, roles: tuple[str, ...] = ROLES) -> Checkpoint:
                        roles, side)
 
 
-def open_remote(repo: str, revision: str | None, download_to: Path | None = None, roles: tuple[str, ...] = ROLES,
-                before_headers: Callable[[ModelConfig], None] | None = None) -> Checkpoint:
-    """A checkpoint on the Hub, validated as a local one is without downloading a weight: config.json
-    first (its refusals), then `before_headers(config)` (the caller's refusals that need nothing else),
-    the file list and index, then every shard's header by ranged requests (`source.hub`). Its files are
-    to be downloaded into `download_to` (the checkpoint's `root`; None: nowhere yet). Where the Hugging
-    Face cache holds every file at that commit (or the Hub cannot be reached), the cached snapshot is
-    returned, read in place (`hub` None)."""
+@dataclass(frozen=True)
+class RemoteConfig:
+    """A repo id's config.json, fetched alone (`remote_config`): what the plan and OUT's refusals are
+    made from before any other file of the repo is asked for."""
 
-    config_path = small_file(repo, "config.json", revision)
-    cfg = load_config(config_path, where=f"{repo}{f' at {revision}' if revision else ''}: config.json")
-    if before_headers is not None:
-        before_headers(cfg)
+    repo: str
+    path: Path  # in huggingface_hub's cache, in the folder named for the commit the revision resolved to
+    config: ModelConfig
+
+
+def remote_config(repo: str, revision: str | None) -> RemoteConfig:
+    """config.json of `repo` at `revision`, with its refusals (`load_config`)."""
+    path = small_file(repo, "config.json", revision)
+    return RemoteConfig(repo, path, load_config(path, where=f"{repo}{f' at {revision}' if revision else ''}: config.json"))
+
+
+def open_remote(opened: RemoteConfig, download_to: Path | None = None, roles: tuple[str, ...] = ROLES) -> Checkpoint:
+    """A checkpoint on the Hub, validated as a local one is without downloading a weight: from its
+    config.json (`remote_config`), the file list and index, then every shard's header by ranged requests
+    (`source.hub`). Its files are to be downloaded into `download_to` (the checkpoint's `root`; None:
+    nowhere yet). Where the Hugging Face cache holds every file at that commit (or the Hub cannot be
+    reached), the cached snapshot is returned, read in place (`hub` None)."""
+    repo, config_path, cfg = opened.repo, opened.path, opened.config
     hub = repo_at(repo, config_path.parent.name)  # the commit `revision` resolved to: every later file is its
     if hub is None:  # offline: what the Hugging Face cache holds of that commit, as before
         return open_checkpoint(resolve_model(repo, config_path.parent.name, cached_only=True), roles)
@@ -340,7 +350,7 @@ def open_source(model: str, revision: str | None = None, roles: tuple[str, ...] 
     """MODEL opened without a weight read or downloaded: a local directory, or a repo id (`open_remote`:
     read in place from the Hugging Face cache where it holds all of it, else to be downloaded)."""
     if is_repo_id(model):
-        return open_remote(model, revision, download_to, roles)
+        return open_remote(remote_config(model, revision), download_to, roles)
     return open_checkpoint(resolve_model(model, revision), roles)
 
 

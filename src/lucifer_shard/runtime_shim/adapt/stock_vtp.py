@@ -11,17 +11,15 @@ Imports vLLM only inside the functions that run under it.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from lucifer_shard.model.arches import ARCH_TABLE, FLASHINFER_MLA
 from lucifer_shard.model.plan import MOE_ROUTES
 from lucifer_shard.model.runtimes import RELAYOUT, STOCK_CONFIG
-from lucifer_shard.output.manifest_types import Manifest
 
 from . import lucifer_tuple
 from ..errors import ShimError
-from ..manifest import compare_plan, manifest_path, needs_virtual_tp
+from ..manifest import Output, compare_plan, manifest_path, needs_virtual_tp
 from .compat import installed, why_not_installed
 from .configview import backend_name, model_problems, text_config
 from .lucifer_tuple import parallel_problems, runtime_plan
@@ -44,13 +42,14 @@ def block_shared_local(moe_intermediate: int, tp: int, block: int = FP8_BLOCK) -
     return -(-(moe_intermediate // block) // tp) * block
 
 
-def padding(out: Path, manifest: Manifest) -> dict[str, Any]:
-    """What the model configs must say for `manifest`'s padded plan: per hf key (original, padded),
+def padding(output: Output) -> dict[str, Any]:
+    """What the model configs must say for OUT's padded plan: per hf key (original, padded),
     and the padded vocabulary. The expert width is the routed experts' kernel-local width times TP:
     at TP3 768 per rank on the default route (704 real + 64 zero columns), 704 on the b12x route. vLLM
     builds the shared expert from the same field: 768 per rank at TP3 either way on the NVIDIA class
     (`block_shared_local`); the CPU class splits it unpadded, which only the default route matches (the b12x
     route is refused there by its MoE backend, `stock_problems`)."""
+    out, manifest = output.path, output.manifest
     axes, tp = manifest.plan.axes, manifest.tp_size
     routed, shared = axes["routed"], axes.get("shared")
     width = routed.kernel_local * tp
@@ -87,18 +86,18 @@ def applied(model_config) -> dict[str, Any] | None:
     return getattr(text_config(model_config), MARKER, None)
 
 
-def plan_difference(model_config, out: Path, manifest: Manifest) -> str | None:
+def plan_difference(model_config, output: Output) -> str | None:
     """How the live model config's virtual-TP geometry differs from the manifest's plan (None: equal):
     the fork's `vllm_virtual_tp_plan`, or on stock vLLM the padding the plugin applied."""
     fork_plan = runtime_plan(model_config)
     if fork_plan is None and (applied(model_config) is not None or installed(STOCK_CONFIG)):
-        return geometry_problem(model_config, out, manifest)
-    return compare_plan(fork_plan, manifest.plan)
+        return geometry_problem(model_config, output)
+    return compare_plan(fork_plan, output.manifest.plan)
 
 
-def geometry_problem(model_config, out: Path, manifest: Manifest) -> str | None:
+def geometry_problem(model_config, output: Output) -> str | None:
     """How a model config's padded geometry differs from the manifest's plan (None: equal)."""
-    want = padding(out, manifest) if needs_virtual_tp(manifest) else None
+    want = padding(output) if needs_virtual_tp(output.manifest) else None
     got = applied(model_config)
     if want is None:
         return None if got is None else "the config is padded but the manifest's plan pads nothing"
@@ -116,9 +115,11 @@ def geometry_problem(model_config, out: Path, manifest: Manifest) -> str | None:
 # ---------------------------------------------------------------------------- engine process
 
 
-def stock_problems(vllm_config, out: Path, manifest: Manifest) -> list[str]:
-    """Each way a stock vLLM config cannot serve `manifest` with lucifer_tp3 (empty: it can)."""
+def stock_problems(vllm_config, output: Output) -> list[str]:
+    """Each way a stock vLLM config cannot serve OUT's manifest with lucifer_tp3 (empty: it can)."""
     from vllm.platforms import current_platform
+
+    manifest = output.manifest
 
     mc = vllm_config.model_config
     problems = model_problems(vllm_config) + parallel_problems(vllm_config, manifest)
@@ -128,7 +129,7 @@ def stock_problems(vllm_config, out: Path, manifest: Manifest) -> list[str]:
                         f"doctor, or re-convert with --expert-layout model)")
     for role, cfg in (("target", mc), ("draft", getattr(getattr(vllm_config, "speculative_config", None),
                                                          "draft_model_config", None))):
-        diff = geometry_problem(cfg, out, manifest) if cfg is not None else None
+        diff = geometry_problem(cfg, output) if cfg is not None else None
         if diff:
             problems.append(f"{role}: {diff} (this vLLM did not apply the plugin's hf_overrides to it)")
     moe = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)

@@ -13,11 +13,10 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-from lucifer_shard.output.manifest_types import Manifest
 from lucifer_shard.output.share import identity_line
 
+from ..manifest import Output
 from .nodefiles import share_record
 
 FIX = ("every node must serve a share of one output: stage each node's share from the same OUT "
@@ -38,9 +37,10 @@ class ShareIdentity:
     problem: str | None = None  # this rank could not read its output (its own error says why)
 
     @classmethod
-    def of(cls, out: Path, m: Manifest, tp_rank: int) -> ShareIdentity:
-        share = share_record(out, m)  # an invalid one: the loader's share check names it
-        return cls(tp_rank, socket.gethostname(), str(out), m.conversion_id, m.content_identity,
+    def of(cls, output: Output, tp_rank: int) -> ShareIdentity:
+        m = output.manifest
+        share = share_record(output)  # an invalid one: the loader's share check names it
+        return cls(tp_rank, socket.gethostname(), str(output.path), m.conversion_id, m.content_identity,
                    share.node_rank if share else None)
 
     @classmethod

@@ -17,13 +17,14 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from lucifer_shard.model.layouts import EXPERT_TENSORS
 from lucifer_shard.model.runtimes import MOE_BACKEND, RELAYOUT
+from lucifer_shard.output.outwatch import ReadWatch
 
 from . import crossnode, loadcopy, loadplan
 from ..adapt import compat, lucifer_tuple, settings, stock_vtp
 from ..adapt.versions import dist_version
 from ..adapt.wrappers.relayout import TAG_ATTR, ExpertTag
 from ..errors import ShimError, ShimRuntimeError
-from ..manifest import check_watch, load_manifest, watch
+from ..manifest import Output, check_watch, load_manifest, open_output, watch
 
 logger = logging.getLogger("lucifer_shard.runtime_shim")
 
@@ -53,18 +54,19 @@ def _gathered(mine: crossnode.ShareIdentity) -> list[crossnode.ShareIdentity]:
     return gathered
 
 
-def _manifest_everywhere(out: Path, rank: int, check_digest: bool):
-    """OUT's manifest, once every TP rank has shown its share's identity to the others (crossnode.py): a rank
-    whose manifest fails still joins the gather, so that no rank waits on it and every rank stops."""
+def _manifest_everywhere(out: Path, rank: int, check_digest: bool, opened: Output | None = None) -> Output:
+    """OUT with its manifest (`opened`: already read in this process), once every TP rank has shown its
+    share's identity to the others (crossnode.py): a rank whose manifest fails still joins the gather, so
+    that no rank waits on it and every rank stops."""
     try:
-        doc = load_manifest(out, check_digest=check_digest)
+        output = opened or open_output(out, check_digest=check_digest)
     except ShimError as e:
         _gathered(crossnode.ShareIdentity.unreadable(rank, str(out), str(e)))
         raise
-    problem = crossnode.identity_problem(_gathered(crossnode.ShareIdentity.of(out, doc, rank)))
+    problem = crossnode.identity_problem(_gathered(crossnode.ShareIdentity.of(output, rank)))
     if problem:
         raise ShimError(problem)
-    return doc
+    return output
 
 
 def _group_size(ps, getter: str) -> int:
@@ -89,6 +91,9 @@ class LuciferTP3Loader(BaseModelLoader):
         self.hooks_called: list[str] = []
         self.loaded: dict[str, str] = {}  # param name -> file it came from
         self._role_hint: str | None = None
+        # OUT as `load_model` read it, with the watch started before that read: its `load_weights` reads
+        # nothing again (a worker reads and checks the manifest once)
+        self._opened: tuple[ReadWatch, Output] | None = None
 
     def download_model(self, model_config) -> None:
         load_manifest(lucifer_tuple.model_dir(model_config))
@@ -96,10 +101,16 @@ class LuciferTP3Loader(BaseModelLoader):
     def load_model(self, vllm_config, model_config, prefix: str = "") -> nn.Module:
         self._role_hint = self._role_from_config(vllm_config, model_config)
         out = Path(lucifer_tuple.model_dir(model_config))
-        loadplan.check_engine(out, load_manifest(out), settings.config_problems(vllm_config),
+        seen = watch(out)
+        output = open_output(out)
+        loadplan.check_engine(output, settings.config_problems(vllm_config),
                               vllm_config.parallel_config.tensor_parallel_size, _relayout_missing(),
                               dist_version("flashinfer-python"))
-        model = super().load_model(vllm_config, model_config, prefix)
+        self._opened = (seen, output)
+        try:
+            model = super().load_model(vllm_config, model_config, prefix)  # calls load_weights
+        finally:
+            self._opened = None
         self.check_after_processing(model)
         return model
 
@@ -108,15 +119,16 @@ class LuciferTP3Loader(BaseModelLoader):
 
         verify = self.options["verify"]
         out = Path(lucifer_tuple.model_dir(model_config))
-        seen = watch(out)
+        kept = self._opened is not None and self._opened[1].path == out  # called by this loader's load_model
+        seen, opened = self._opened if kept else (watch(out), None)
         rank = ps.get_tensor_model_parallel_rank()
-        doc = _manifest_everywhere(out, rank, check_digest=verify != "none")
+        output = _manifest_everywhere(out, rank, verify != "none", opened)
         arch, cap = lucifer_tuple.device_arch()
         sizes = {k: _group_size(ps, g) for g, k in PARALLEL_GROUPS.items()}
         engine = loadplan.Engine(
             ps.get_tensor_model_parallel_world_size(), rank, sizes, verify, self.options["role"], self._role_hint,
-            _relayout_missing(), arch, cap, stock_vtp.plan_difference(model_config, out, doc))
-        plan = loadplan.plan_load(out, doc, engine, loadcopy.model_view(model, rank, engine.tp))
+            _relayout_missing(), arch, cap, stock_vtp.plan_difference(model_config, output))
+        plan = loadplan.plan_load(output, engine, loadcopy.model_view(model, rank, engine.tp))
         targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
         with torch.no_grad():
             for f in plan.files:
@@ -127,7 +139,7 @@ class LuciferTP3Loader(BaseModelLoader):
         check_watch(seen)  # a convert that ran meanwhile: the bytes may be two outputs' mix
         if verify == "full":
             loadcopy.check_zero_regions(plan.entry, targets)
-        self._tag(model, doc, plan)
+        self._tag(model, output.manifest, plan)
         self._replay_hooks(model, plan.role)
         logger.info("lucifer_tp3: loaded %d tensors of %s rank %d from %d file(s) (verify=%s)", len(self.loaded),
                     plan.role, rank, len(plan.files), verify)

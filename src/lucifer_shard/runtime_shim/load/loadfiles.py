@@ -9,10 +9,10 @@ from pathlib import Path
 
 from lucifer_shard.formats.stheader import META_CONTENT, META_CONVERSION_ID, META_PART, Header
 from lucifer_shard.output.manifest import file_metadata
-from lucifer_shard.output.manifest_types import FileRecord, Manifest, RankRecord
+from lucifer_shard.output.manifest_types import FileRecord, RankRecord
 
 from ..errors import ShimError
-from ..manifest import manifest_path, open_rank_file, read_header
+from ..manifest import Output, manifest_path, open_rank_file, read_header
 
 # identity stamp key -> what a file whose stamp differs is (any other key: misplaced)
 STAMP_MEANS = {META_CONVERSION_ID: "from another conversion",
@@ -37,21 +37,22 @@ def shape_text(shape) -> str:
     return "(" + ",".join(str(int(x)) for x in shape) + ")"
 
 
-def check_files(out: Path, doc: Manifest, role: str, rank: int, entry: RankRecord,
-                identity: bool) -> list[CheckedRankFile]:
+def check_files(output: Output, role: str, rank: int, entry: RankRecord, identity: bool) -> list[CheckedRankFile]:
     """Every file of the rank: present, its header's tensors exactly the manifest's (names, dtypes,
     shapes); with `identity`, also its size and identity stamp."""
+    out = output.path
     if not entry.files:
         raise ShimError(f"rank files missing: {manifest_path(out)} lists no files for {role} rank {rank}; re-run "
                         f"lucifer-shard convert")
     by_file: dict[str, list[str]] = {}
     for name, t in entry.tensors.items():
         by_file.setdefault(t.file, []).append(name)
-    return [_check_file(out, doc, role, rank, entry, f, by_file.get(f.path, []), identity) for f in entry.files]
+    return [_check_file(output, role, rank, entry, f, by_file.get(f.path, []), identity) for f in entry.files]
 
 
-def _check_file(out: Path, doc: Manifest, role: str, rank: int, entry: RankRecord, f: FileRecord,
-                names: list[str], identity: bool) -> CheckedRankFile:
+def _check_file(output: Output, role: str, rank: int, entry: RankRecord, f: FileRecord, names: list[str],
+                identity: bool) -> CheckedRankFile:
+    out, doc = output.path, output.manifest
     path = out / f.path
     fd = open_rank_file(out, f.path, role, rank)
     try:

@@ -8,7 +8,6 @@ loadfiles.py's; those of the model's keys, shapes, dtypes and expert groups are 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from lucifer_shard.model.config import ARCHITECTURE
 from lucifer_shard.model.drafts import DRAFT_KINDS, owned_by_runtime
@@ -19,7 +18,7 @@ from lucifer_shard.output.share import share_problem
 
 from ..adapt.lucifer_tuple import tp_mismatch
 from ..errors import ShimError
-from ..manifest import draft_kind, manifest_path, rank_entry
+from ..manifest import Output, draft_kind, manifest_path, rank_entry
 from .loadfiles import CheckedRankFile, check_files, few, shape_text
 
 TARGET_CLASSES = (ARCHITECTURE,)
@@ -99,10 +98,11 @@ class LoadPlan:
     expert_groups: dict[str, tuple[str, ...]]  # MoE prefixes whose experts arrive in kernel layout -> leaves
 
 
-def check_engine(out: Path, doc: Manifest, config_problems: list[str], tp: int, relayout_missing: str | None,
+def check_engine(output: Output, config_problems: list[str], tp: int, relayout_missing: str | None,
                  flashinfer: str | None) -> None:
     """Before vLLM builds the model: its settings, TP size, the re-layout wrapper kernel-layout experts
     need and the FlashInfer generation sm90 files need (`flashinfer`: its installed version)."""
+    out, doc = output.path, output.manifest
     if config_problems:
         raise ShimError("cannot load per-TP-rank files with " + "; ".join(config_problems))
     if mismatch := tp_mismatch(doc, tp):
@@ -115,22 +115,23 @@ def check_engine(out: Path, doc: Manifest, config_problems: list[str], tp: int, 
         raise ShimError(f"{manifest_path(out)}: {problem[0]}; {problem[1]}")
 
 
-def plan_load(out: Path, doc: Manifest, engine: Engine, model: ModelView) -> LoadPlan:
+def plan_load(output: Output, engine: Engine, model: ModelView) -> LoadPlan:
     """Every check before the first byte, in the order the loader made them; the plan, or one ShimError."""
+    out, doc = output.path, output.manifest
     check_parallel(engine)
     if mismatch := tp_mismatch(doc, engine.tp):
         raise ShimError(mismatch)
     if missing := share_problem(out, doc.conversion_id, engine.rank, doc.tp_size):  # a node's share without this rank
         raise ShimError(missing)
     role = model_role(model.cls, engine.forced_role, engine.role_hint)
-    check_model_class(out, doc, model.cls, role)
-    entry = rank_entry(out, doc, role, engine.rank)
-    files = check_files(out, doc, role, engine.rank, entry, identity=engine.verify != "none")
+    check_model_class(output, model.cls, role)
+    entry = rank_entry(output, role, engine.rank)
+    files = check_files(output, role, engine.rank, entry, identity=engine.verify != "none")
     check_keys(doc, role, engine.rank, entry, model.params)
     if engine.plan_difference:
         raise ShimError(f"{engine.plan_difference}; start vLLM through lucifer-shard serve (the plugin's virtual-TP "
                         f"wrappers must be active) and check B12X_MOE_FORCE_A8 / NVFP4 env")
-    groups = expert_groups(out, doc, entry)
+    groups = expert_groups(output, entry)
     check_expert_modules(doc, groups, model.moe, engine)
     reads = tuple(FilePlan(f, tuple(read(name, f.header.data_start + h.start, entry.tensors[name], model.params[name])
                                     for name, h in f.header.tensors.items())) for f in files)
@@ -161,9 +162,10 @@ def model_role(cls: str, forced: str, hint: str | None) -> str:
     return found
 
 
-def check_model_class(out: Path, doc: Manifest, cls: str, role: str) -> None:
+def check_model_class(output: Output, cls: str, role: str) -> None:
     """The class vLLM built is the one the files are for: the target's, or the class of OUT's draft kind
     (a DSpark output served with method "mtp" builds DeepSeekV4MTP, which has none of its weights)."""
+    out, doc = output.path, output.manifest
     if role == "target":
         if cls not in TARGET_CLASSES:
             raise ShimError(f"model class {cls} is not {' / '.join(TARGET_CLASSES)}; lucifer_tp3 files hold "
@@ -236,13 +238,13 @@ def read(name: str, offset: int, t: TensorRecord, p: Param) -> Read:
     return Read(name, offset, name, view=None if p.shape == t.shape else t.shape)
 
 
-def expert_groups(out: Path, doc: Manifest, entry: RankRecord) -> dict[str, tuple[str, ...]]:
+def expert_groups(output: Output, entry: RankRecord) -> dict[str, tuple[str, ...]]:
     """Prefixes of the MoE modules whose routed experts arrive in kernel layout (expert_layout=kernel).
 
     Only the four routed-expert tensors may carry a kernel layout (w2_weight keeps the model
     layout on sm120/sm100, its bytes are unchanged by the kernel's re-layout); all four must be
     in the files for a tagged module."""
-    path = manifest_path(out)
+    doc, path = output.manifest, manifest_path(output.path)
     groups: dict[str, list[str]] = {}
     for name, t in entry.tensors.items():
         prefix, _, leaf = name.rpartition(".")

@@ -5,28 +5,28 @@ no byte. A partial or swapped copy of 170 GiB is the likeliest mistake on a serv
 stops serve before a multi-GPU start (verify reads every byte)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from lucifer_shard.errors import LuciferError
-from lucifer_shard.output.manifest_types import Manifest
 from lucifer_shard.output.share import ShareRecord, describe, node_problem, read_share, share_repair
 from lucifer_shard.proof.report import REPAIR, Report
 from lucifer_shard.proof.structure import open_files
 
 from ..checks import FAIL, INFO, OK, Check, out_check
+from ..manifest import Output
 
 
-def share_record(out: Path, m: Manifest) -> ShareRecord | None:
+def share_record(output: Output) -> ShareRecord | None:
     """OUT's share record, None for a whole output or one that is not valid (share_checks says why)."""
+    m = output.manifest
     try:
-        return read_share(out, m.conversion_id, m.tp_size)
+        return read_share(output.path, m.conversion_id, m.tp_size)
     except LuciferError:  # share_checks says why
         return None
 
 
-def share_checks(out: Path, m: Manifest, node_ranks: list[int] | None) -> list[Check]:
+def share_checks(output: Output, node_ranks: list[int] | None) -> list[Check]:
     """A node's share (lucifer-shard stage): which ranks it holds and lacks; with `node_ranks` (serve:
     the ranks this node runs), whether it holds them."""
+    out, m = output.path, output.manifest
     try:
         share = read_share(out, m.conversion_id, m.tp_size)
     except LuciferError as e:
@@ -50,11 +50,12 @@ def share_checks(out: Path, m: Manifest, node_ranks: list[int] | None) -> list[C
     return checks + [out_check("output node ranks", OK, f"holds this node's TP rank(s) {', '.join(map(str, node_ranks))}")]
 
 
-def rank_files_check(out: Path, m: Manifest, node_ranks: list[int] | None) -> Check:
+def rank_files_check(output: Output, node_ranks: list[int] | None) -> Check:
     """This node's rank files (of `node_ranks`, all without; those a share holds): present, sized, headed
     and stamped as the manifest records. An I/O error reading one is the machine's fault (kind
     environment), raised as every reader of OUT raises it."""
-    share = share_record(out, m)
+    out, m = output.path, output.manifest
+    share = share_record(output)
     ranks = [r for r in (range(m.tp_size) if node_ranks is None else node_ranks)
              if share is None or r in share.ranks]
     report = Report("doctor")

@@ -380,7 +380,7 @@ def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | 
                    manifest=None) -> list[Check]:
     """OUT's checks: on its own (any machine), then against this vLLM and GPU (`verdicts`: None
     without an importable vLLM)."""
-    from ..manifest import load_manifest
+    from ..manifest import Output, load_manifest
 
     try:
         m = manifest or load_manifest(out_dir)  # serve has read it already (a Flash manifest is MBs)
@@ -391,14 +391,15 @@ def _output_checks(out_dir, verdicts, build, mtp: bool, node_ranks: list[int] | 
     checks = [_out("output", OK, f"{out_dir}: {identity_line(m.conversion_id, m.content_identity)}, "
                    f"tp {m.tp_size}, {serving_arch(m.arch, m.options.moe_backend)}, experts {m.expert_layout} "
                    f"layout{variant}, roles {', '.join(roles(m))}")]
-    checks.extend(share_checks(Path(out_dir), m, node_ranks))  # the copies vLLM reads were checked by load_manifest
-    checks.append(rank_files_check(Path(out_dir), m, node_ranks))
+    output = Output(Path(out_dir), m)
+    checks.extend(share_checks(output, node_ranks))  # the copies vLLM reads were checked by load_manifest
+    checks.append(rank_files_check(output, node_ranks))
     checks.extend(_draft_checks(m, build, mtp))
     if verdicts is None:
         return checks
     from ..adapt.lucifer_tuple import device_arch
 
-    return checks + _output_vllm_checks(m, verdicts) + sparse_mla_checks(Path(out_dir), m, device_arch()[0], mtp)
+    return checks + _output_vllm_checks(m, verdicts) + sparse_mla_checks(output, device_arch()[0], mtp)
 
 
 def _draft_checks(m, build, asked: bool) -> list[Check]:

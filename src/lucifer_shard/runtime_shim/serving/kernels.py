@@ -7,14 +7,13 @@ doctor and `serve --dry-run` say so first, with the fix. Imports vLLM inside the
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from lucifer_shard.guarded_io import JSON_LIMIT, read_regular
 from lucifer_shard.model.arches import ARCH
 from lucifer_shard.model.config import DSPARK
 
 from ..checks import FAIL, OK, WARN, Check, out_check
-from ..manifest import draft_kind, draft_tokens
+from ..manifest import Output, draft_kind, draft_tokens
 
 NAME = "output SM12x attention kernel"
 FIX = ("install a FlashInfer whose flashinfer.mla._sparse_mla_sm120 DSV4 decode dispatch admits it (flashinfer-python "
@@ -22,10 +21,11 @@ FIX = ("install a FlashInfer whose flashinfer.mla._sparse_mla_sm120 DSV4 decode 
        "(vllm/utils/flashinfer.has_flashinfer_sparse_mla_sm120_config) asks")
 
 
-def sparse_mla_checks(out_dir: Path, m, arch: str | None, draft: bool, tokens: int | None = None) -> list[Check]:
+def sparse_mla_checks(output: Output, arch: str | None, draft: bool, tokens: int | None = None) -> list[Check]:
     """Whether FlashInfer's DSV4 decode dispatch admits what vLLM's SM120 attention will ask for, on `arch` (this
     GPU's family; None: OUT's --arch), for the target and, with `draft`, the DSpark draft's k (`tokens`, else the
     manifest's). Nothing where the family's attention needs no such kernel."""
+    m = output.manifest
     family = ARCH.get(arch or m.arch or "")
     if family is None or not family.sparse_mla_dispatch:
         return []
@@ -38,7 +38,7 @@ def sparse_mla_checks(out_dir: Path, m, arch: str | None, draft: bool, tokens: i
                           "serve on a vetted stock release (lucifer-shard doctor lists them)")]
     heads = m.plan.axes["heads"].local
     padded = pad_to_supported_q_heads(heads)
-    window = json.loads(read_regular(Path(out_dir) / "config.json", JSON_LIMIT, follow=False))["sliding_window"]
+    window = json.loads(read_regular(output.path / "config.json", JSON_LIMIT, follow=False))["sliding_window"]
     wanted = [("the target", window)]
     if draft and draft_kind(m) == DSPARK:
         k = tokens or draft_tokens(m)

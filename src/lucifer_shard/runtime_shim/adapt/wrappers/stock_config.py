@@ -15,7 +15,7 @@ from lucifer_shard.model.runtimes import LOAD_FORMAT, STOCK_CONFIG
 
 from .. import compat
 from ...errors import ShimError
-from ...manifest import load_manifest, manifest_path, needs_virtual_tp
+from ...manifest import manifest_path, needs_virtual_tp, open_output
 from ..lucifer_tuple import tp_mismatch
 from ..stock_vtp import pad_config, padding, stock_problems
 
@@ -30,12 +30,13 @@ def make_engine_config_wrapper(original):
         if str(getattr(self, "load_format", "")).lower() != LOAD_FORMAT:
             return original(self, usage_context, headless)
         out = Path(self.model)
-        manifest = load_manifest(out)
+        output = open_output(out)
+        manifest = output.manifest
         mismatch = tp_mismatch(manifest, self.tensor_parallel_size)
         if mismatch:
             raise ShimError(mismatch)
         if needs_virtual_tp(manifest):
-            want = functools.partial(pad_config, padding=padding(out, manifest))
+            want = functools.partial(pad_config, padding=padding(output))
             current = self.hf_overrides
             if current and not _is_ours(current, want):
                 raise ShimError(f"--hf-overrides {current!r} with --load-format {LOAD_FORMAT}: the model must be the "
@@ -43,7 +44,7 @@ def make_engine_config_wrapper(original):
                                 f"{manifest_path(out)}); drop --hf-overrides")
             self.hf_overrides = want
         vllm_config = original(self, usage_context, headless)
-        problems = stock_problems(vllm_config, out, manifest)
+        problems = stock_problems(vllm_config, output)
         if problems:
             raise ShimError(f"--load-format {LOAD_FORMAT} on this vLLM cannot serve {out}: "
                             + "; ".join(problems))
