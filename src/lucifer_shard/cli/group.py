@@ -10,10 +10,11 @@ from .. import __version__
 from ..engine.fills import DEFAULT_FILL, FILLS
 from ..errors import NoRoom, UsageRefused
 from ..model.arches import ARCH, ARCHES, B12X, FAMILIES, FORK_KERNEL_ARCHES, GENERATION_ARCHES, MOE_VARIANT, family
+from ..model.footprint import DEFAULT_LINK
 from ..model.options import MAX_ALIGN, Options
 from ..model.plan import DEFAULT_ROUTE, MOE_ROUTES
 from ..model.runtimes import FLASHINFER_VERSIONS
-from ..units import SIZE_SYNTAX
+from ..units import RATE_SYNTAX, SIZE_SYNTAX
 from .argorder import is_checkpoint, refuse_swapped
 from .console import Console, Group, conventions, exit_code_lines
 from .shareopts import node_options
@@ -61,6 +62,20 @@ def _arch_help() -> str:
 def _steps(arch: str) -> list[str]:
     """The kernel-layout steps of `arch` (of FlashInfer's folded generation), each once."""
     return list(dict.fromkeys(s for steps in ARCH[arch].kernel_steps["folded"].values() for s in steps))
+
+
+def _link(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from .planview import link_rate
+
+    try:
+        link_rate(value)  # a bad rate is a usage error as the command line is read, whatever plan then shows
+    except UsageRefused as e:
+        raise click.BadParameter(str(e).removeprefix("--link ")) from None
+    return value
+
+
+LINK = click.option("--link", default=DEFAULT_LINK, show_default=True, metavar="RATE", callback=_link,
+                    help=f"The link to the Hub each route downloads over, for plan's route times: {RATE_SYNTAX}.")
 
 
 def conversion_options(f):
@@ -257,11 +272,12 @@ def cli() -> None:
               help="The share of each box's GPU memory vLLM takes, for the per-box table  [default: 0.92, vLLM's "
                    "default where it does not size its KV cache from measured memory; a DGX Spark is also shown at "
                    "0.80, the host guide's value on unified memory]")
+@LINK
 @conventions(interrupted="interrupted: plan writes nothing")
 def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None,
          max_file_size: str, align: int, no_mtp: bool, revision: str | None, workers: int, resume: bool,
          force: bool, moe_backend: str | None, ranks: str | None, nnodes: int | None, node_rank: int | None,
-         download_dir: Path | None, keep_source: bool, gpu_memory_utilization: float | None) -> None:
+         download_dir: Path | None, keep_source: bool, gpu_memory_utilization: float | None, link: str) -> None:
     """Dry run of convert: the virtual-TP plan and the conversion's disk footprint. Writes nothing.
 
     MODEL is a checkpoint directory, a repo id, a config.json file or a shipped config by name
@@ -331,7 +347,7 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     nodes = per_node(fp, p.tp)
     saving = route_saving(cfg, p, options, fp)
     layout = source_layout(model, config, cfg)
-    routes = routes_of(specs, options, fp, layout) if p.tp > 1 else None
+    routes = routes_of(specs, options, fp, layout, link) if p.tp > 1 else None
     download = (download_room(layout, specs, options, out, download_dir, keep_source, room)
                 if room is not None and is_repo_id(model) else None)
     if download is not None and download.out == room.out:  # on OUT's filesystem: OUT's room counts it
