@@ -442,15 +442,15 @@ def next_steps(out: Path) -> str:
     for root, dirs, files in os.walk(out):  # os.walk follows no link; convert wrote every file here
         dirs[:] = [d for d in dirs if not (Path(root) == out and d == STATE_DIR)]
         total += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
-    return (f"next: lucifer-shard diff {out}; copy {out} ({size(total)}, without {STATE_DIR}/) to the serving host; "
-            f"lucifer-shard serve {out} --dry-run")
+    return (f"next: {cmd_check.next_check(out)}; copy {out} ({size(total)}, without {STATE_DIR}/) to the serving "
+            f"host; lucifer-shard serve {out} --dry-run")
 
 
 def node_next_steps(out: Path, node) -> str:
     """What to do with a node's share that convert wrote: prove it and serve it, here (nothing to copy)."""
     from ..output.share import serve_command
 
-    return f"next: lucifer-shard diff {out} (its ranks, against MODEL); {serve_command(out, node)}"
+    return f"next: {cmd_check.next_check(out, ' (its ranks, against MODEL)')}; {serve_command(out, node)}"
 
 
 class SizedPresets(click.Command):
