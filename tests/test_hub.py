@@ -337,6 +337,14 @@ def test_readme_routes_are_plans():
     assert f"| {size(fetched['download_per_node'])} | {size(fetched['disk_per_node'])} |" in table
     shards = f"at most\n{size(doc['stream_peak_bytes'])} of shards at once, {size(small['stream_peak_bytes'])} with"
     assert shards in readme  # the three-boxes section
+    from lucifer_shard.units import duration  # each route's time at the link plan states (issue 63 item 5)
+
+    fast = routes("--link", "10Gbit/s")["routes"]
+    times = " ".join(readme[readme.index("`plan` also gives each route's time"):].split("A repo id is read")[0].split())
+    assert (f"at the default 1 Gbit/s the streamed route's download takes {duration(streamed['download_seconds'])} per "
+            f"node and a published share's {duration(fetched['download_seconds'])} (`--link 10Gbit/s`: "
+            f"{duration(fast[1]['download_seconds'])} and {duration(fast[2]['download_seconds'])})") in times
+    assert f"come to {duration(staged['download_seconds'] + staged['convert_seconds'])} before" in times
 
 
 # ---------------------------------------------------------------- diff from the Hub
