@@ -77,7 +77,7 @@ test-forward:
 
 # The Hub tests (tests/test_hub.py, the stand-in Hub) on the lowest huggingface_hub pyproject.toml allows, installed
 # over PY's packages in a venv outside the clone (HUB_FLOOR_VENV, made once and reused). Not part of `make test`:
-# about 8 minutes on a 2-core box (the file's own time; the install takes seconds).
+# 8 to 13 minutes on a shared 2-core box (the file's own time; the install takes seconds).
 HUB_FLOOR = $(shell sed -n 's/.*"huggingface_hub>=\([0-9.]*\)".*/\1/p' pyproject.toml)
 HUB_FLOOR_VENV ?= $(HOME)/.cache/lucifer-shard/hub-floor-$(HUB_FLOOR)
 test-hub-floor: installed
