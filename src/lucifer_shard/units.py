@@ -62,6 +62,32 @@ def parse_size(text: str) -> int:
     return int(value * _SIZE_UNITS[unit])
 
 
+# A link's rate: a size per second (1GiB/s, 500MB/s, 200M/s: SIZE_SYNTAX) or bits per second as links are
+# sold, decimal (10Gbit/s = 10^10 bits/s = 1.25 GB/s; 1Gbps the same as 1Gbit/s).
+_BIT_PREFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+RATE_SYNTAX = "a size per second (1GiB/s, 500MB/s) or bits per second, decimal as links are sold (10Gbit/s, 1Gbps)"
+
+
+def parse_rate(text: str) -> float:
+    """`1GiB/s`, `500MB/s`, `10Gbit/s`, `1Gbps` -> bytes per second (see RATE_SYNTAX); ValueError on
+    anything else, or on a rate of 0."""
+    t = text.strip().lower().replace(" ", "")
+    bits = next((t[:-len(end)] for end in ("bit/s", "bps") if t.endswith(end)), None)
+    try:
+        if bits is not None:
+            unit = bits[-1:] if bits[-1:].isalpha() else ""
+            value = float(bits[:len(bits) - len(unit)]) * _BIT_PREFIXES[unit] / 8
+        elif t.endswith("/s"):
+            value = float(parse_size(t[:-2]))
+        else:
+            raise ValueError(text)
+    except (ValueError, KeyError):
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{text!r}: expected a rate like 1GiB/s, 500MB/s or 10Gbit/s")
+    return value
+
+
 def byte_bar(total: int, desc: str, enabled: bool):
     """A tqdm progress bar over bytes in binary units (MiB, GiB/s; tqdm writes the kilo prefix as `ki`)."""
     from tqdm import tqdm

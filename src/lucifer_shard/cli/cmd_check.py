@@ -92,6 +92,18 @@ def _report(out: Path, run, lines, noun: str, fix: str) -> None:
         _fail(report, noun, fix)
 
 
+def next_check(out: Path, diff: str = "") -> str:
+    """The check a finished OUT gets next: `diff` (with `diff`'s words after it) where the source is on disk;
+    after a streamed convert `verify`, and what a diff costs (the source downloaded again) with its flag."""
+    from ..proof.diff_source import download_bytes
+
+    again = download_bytes(out)
+    if not again:
+        return f"lucifer-shard diff {out}{diff}"
+    return (f"lucifer-shard verify {out} (a diff downloads the source again, {size(again)} from the Hub: "
+            f"lucifer-shard diff {out} --download-source)")
+
+
 @click.command("diff")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.argument("model", required=False)
@@ -104,9 +116,13 @@ def _report(out: Path, run, lines, noun: str, fix: str) -> None:
 @click.option("--download-dir", type=click.Path(path_type=Path), default=None,
               help="A repo id not in the Hugging Face cache streams its shards through this folder (each removed "
                    "once compared)  [default: a folder in the system's temporary directory]")
+@click.option("--download-source", is_flag=True,
+              help="Download the source's shards from the Hub when MODEL (or the recorded source) is a repo id not "
+                   "in the Hugging Face cache: the whole checkpoint again (without it diff refuses, naming the bytes; "
+                   "verify checks OUT without the source).")
 @conventions(interrupted=CHECK_INTERRUPTED.format("diff"))
 def diff(out: Path, model: str | None, max_mismatches: int, workers: int | None, keep_going: bool,
-         download_dir: Path | None) -> None:
+         download_dir: Path | None, download_source: bool) -> None:
     """Prove, byte for byte, that the rank files in OUT are the checkpoint MODEL.
 
     MODEL defaults to the source the manifest records. First the source fingerprint (config.json,
@@ -120,14 +136,16 @@ def diff(out: Path, model: str | None, max_mismatches: int, workers: int | None,
     Exit 0 only if everything matches; mismatches are reported with the source tensor and
     logical index, the rank tensor, and the byte offset in the rank file. MODEL (or the recorded
     source) may be a repo id: its config.json and shard headers come first (the fingerprint is
-    compared before any weight is downloaded), then its shards stream through --download-dir.
+    compared before any weight is downloaded); a repo not in the Hugging Face cache (after a
+    streamed convert) is the whole source downloaded again, so diff refuses it, naming the bytes,
+    unless --download-source is passed: then its shards stream through --download-dir.
     """
     from ..proof.diff import diff as run, diff_lines
 
     refuse_swapped("diff", model, out, model_first=False)
     progress = Console.of().progress
     _report(out, lambda: run(out, model, max_mismatches=max_mismatches, progress=progress, workers=workers,
-                             keep_going=keep_going, download_dir=download_dir),
+                             keep_going=keep_going, download_dir=download_dir, download_source=download_source),
             diff_lines, "difference(s)",
             "OUT is not MODEL: {repair} (or pass the MODEL it was converted from)")
 

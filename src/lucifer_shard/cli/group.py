@@ -11,10 +11,11 @@ from .. import __version__
 from ..engine.fills import DEFAULT_FILL, FILLS
 from ..errors import NoRoom, UsageRefused
 from ..model.arches import ARCH, ARCHES, B12X, FAMILIES, FORK_KERNEL_ARCHES, GENERATION_ARCHES, MOE_VARIANT, family
+from ..model.footprint import DEFAULT_LINK
 from ..model.options import MAX_ALIGN, Options
 from ..model.plan import DEFAULT_ROUTE, MOE_ROUTES
 from ..model.runtimes import FLASHINFER_VERSIONS
-from ..units import SIZE_SYNTAX
+from ..units import RATE_SYNTAX, SIZE_SYNTAX
 from .argorder import is_checkpoint, refuse_swapped
 from .console import Console, Group, conventions, exit_code_lines
 from .shareopts import node_options
@@ -62,6 +63,20 @@ def _arch_help() -> str:
 def _steps(arch: str) -> list[str]:
     """The kernel-layout steps of `arch` (of FlashInfer's folded generation), each once."""
     return list(dict.fromkeys(s for steps in ARCH[arch].kernel_steps["folded"].values() for s in steps))
+
+
+def _link(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from .planview import link_rate
+
+    try:
+        link_rate(value)  # a bad rate is a usage error as the command line is read, whatever plan then shows
+    except UsageRefused as e:
+        raise click.BadParameter(str(e).removeprefix("--link ")) from None
+    return value
+
+
+LINK = click.option("--link", default=DEFAULT_LINK, show_default=True, metavar="RATE", callback=_link,
+                    help=f"The link to the Hub each route downloads over, for plan's route times: {RATE_SYNTAX}.")
 
 
 def conversion_options(f):
@@ -258,11 +273,12 @@ def cli() -> None:
               help="The share of each box's GPU memory vLLM takes, for the per-box table  [default: 0.92, vLLM's "
                    "default where it does not size its KV cache from measured memory; a DGX Spark is also shown at "
                    "0.80, the host guide's value on unified memory]")
+@LINK
 @conventions(interrupted="interrupted: plan writes nothing")
 def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout: str | None, flashinfer_layout: str | None,
          max_file_size: str, align: int, no_mtp: bool, revision: str | None, workers: int, resume: bool,
          force: bool, moe_backend: str | None, ranks: str | None, nnodes: int | None, node_rank: int | None,
-         download_dir: Path | None, keep_source: bool, gpu_memory_utilization: float | None) -> None:
+         download_dir: Path | None, keep_source: bool, gpu_memory_utilization: float | None, link: str) -> None:
     """Dry run of convert: the virtual-TP plan and the conversion's disk footprint. Writes nothing.
 
     MODEL is a checkpoint directory, a repo id, a config.json file or a shipped config by name
@@ -283,7 +299,7 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     # --workers changes no number plan shows: it is taken so that plan's command line is convert's.
     report = plan_report(tp, model, out, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp,
                          revision, resume, force, moe_backend, ranks, nnodes, node_rank, download_dir, keep_source,
-                         gpu_memory_utilization)
+                         gpu_memory_utilization, link)
     Console.of().emit(report.doc, report.lines)
     report.refuse_short()
 
@@ -292,7 +308,7 @@ def plan_report(tp: int, model: str, out: Path | None, arch: str | None, expert_
                 flashinfer_layout: str | None, max_file_size: str, align: int, no_mtp: bool, revision: str | None,
                 resume: bool, force: bool, moe_backend: str | None, ranks: str | None, nnodes: int | None,
                 node_rank: int | None, download_dir: Path | None, keep_source: bool,
-                utilization: float | None) -> PlanReport:
+                utilization: float | None, link: str) -> PlanReport:
     """plan up to its rendering, in convert's order: the refusals of its options, MODEL and OUT (convert's
     own words), then the plan, the footprint, what fits per box and the room (`planview`)."""
     from ..engine.job import layout_of, prepare
@@ -340,7 +356,7 @@ def plan_report(tp: int, model: str, out: Path | None, arch: str | None, expert_
     nodes = per_node(fp, p.tp)
     saving = route_saving(cfg, p, options, fp)
     layout = source_layout(model, config, cfg)
-    routes = routes_of(specs, options, fp, layout) if p.tp > 1 else None
+    routes = routes_of(specs, options, fp, layout, link) if p.tp > 1 else None
     room, download, streamed, route = judged_rooms(model, layout, specs, options, out, download_dir, keep_source,
                                                    room, node)
     fits, pool = box_fits(cfg, specs, fp, utilization)
@@ -354,6 +370,7 @@ def plan_report(tp: int, model: str, out: Path | None, arch: str | None, expert_
              + footprint_lines(mine, room, node, route) + download_lines(download) + streamed_lines(streamed))
     return PlanReport(doc, lines, ((room, "OUT"), (download, "--download-dir" if not keep_source else "HF_HUB_CACHE"),
                                    (streamed, "OUT or --download-dir for the streamed route")))
+
 
 @dataclass(frozen=True)
 class PlanReport:
@@ -446,15 +463,15 @@ def next_steps(out: Path) -> str:
     for root, dirs, files in os.walk(out):  # os.walk follows no link; convert wrote every file here
         dirs[:] = [d for d in dirs if not (Path(root) == out and d == STATE_DIR)]
         total += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
-    return (f"next: lucifer-shard diff {out}; copy {out} ({size(total)}, without {STATE_DIR}/) to the serving host; "
-            f"lucifer-shard serve {out} --dry-run")
+    return (f"next: {cmd_check.next_check(out)}; copy {out} ({size(total)}, without {STATE_DIR}/) to the serving "
+            f"host; lucifer-shard serve {out} --dry-run")
 
 
 def node_next_steps(out: Path, node) -> str:
     """What to do with a node's share that convert wrote: prove it and serve it, here (nothing to copy)."""
     from ..output.share import serve_command
 
-    return f"next: lucifer-shard diff {out} (its ranks, against MODEL); {serve_command(out, node)}"
+    return f"next: {cmd_check.next_check(out, ' (its ranks, against MODEL)')}; {serve_command(out, node)}"
 
 
 class SizedPresets(click.Command):

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..engine import diskspace
 from ..engine.job import layout_name, plan_footprint, plan_parts, stored_shape, tensor_layouts
 from ..engine.owned import plan_clearing
+from ..errors import UsageRefused
 from ..formats.dtypes import DTYPE_SIZE
 from ..guarded_io import Tree
 from ..model import footprint as fpm, boxfit, v41
@@ -21,7 +22,7 @@ from ..model.options import Options
 from ..model.plan import MOE_ROUTES, Plan, make_plan, padding_only
 from ..model.tensorspecs import TensorSpec, build_specs, expected_sources
 from ..output.share import NodeShare
-from ..units import duration, rate, size
+from ..units import RATE_SYNTAX, duration, parse_rate, rate, size
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.")
 
@@ -433,14 +434,29 @@ def source_layout(model: str, config: Path, cfg: ModelConfig) -> SourceLayout:
                         f"(exact with a repo id or a checkpoint)")
 
 
-def routes_of(specs: dict, options: Options, fp: fpm.Footprint, layout: SourceLayout) -> dict:
-    """Each route's download and disk per node (`footprint.node_routes`), one rank per node."""
+def link_rate(link: str) -> float:
+    """--link's bytes per second (`units.parse_rate`); a usage error naming the forms it takes otherwise."""
+    try:
+        return parse_rate(link)
+    except ValueError:
+        raise UsageRefused(f"--link {link[:40]!r}: expected {RATE_SYNTAX}, e.g. --link 1GiB/s or --link 10Gbit/s") \
+            from None
+
+
+def routes_of(specs: dict, options: Options, fp: fpm.Footprint, layout: SourceLayout,
+              link: str = fpm.DEFAULT_LINK) -> dict:
+    """Each route's download, disk and time per node (`footprint.node_routes`), one rank per node, at the
+    link rate `link` (--link)."""
+    rate_ = link_rate(link)
     peak = layout.stream_peak(specs, options)
     tp = len(next(iter(specs.values())))
     share = max(n["bytes"] for n in per_node(fp, tp))
-    routes = fpm.node_routes(layout.total, share, fp.write, peak, tp, tp)
+    routes = fpm.node_routes(layout.total, share, fp.write, peak, tp, tp, fp.read)
     return {"source_bytes": layout.total, "stream_peak_bytes": peak, "shards": layout.where,
-            "routes": [vars(r) for r in routes]}
+            "link": {"rate": link, "bytes_per_s": round(rate_), "default": link == fpm.DEFAULT_LINK},
+            "disk": {"bytes_per_s": round(fpm.MEASURED_BYTES_PER_S), "measured": fpm.MEASURED_WHERE},
+            "routes": [{**vars(r), **dict(zip(("download_seconds", "convert_seconds"),
+                                              (round(t, 1) for t in r.seconds(rate_))))} for r in routes]}
 
 
 def download_room(layout: SourceLayout, specs: dict, options: Options, out: Path, download_dir: Path | None,
@@ -461,13 +477,29 @@ def download_room(layout: SourceLayout, specs: dict, options: Options, out: Path
 
 
 def routes_lines(doc: dict) -> list[str]:
-    routes = doc["routes"]
-    lines = ["", f"routes to the serving boxes, per node (one rank each; the source is {size(doc['source_bytes'])}):"]
+    routes, link = doc["routes"], doc["link"]
+    said = "the default; --link RATE gives yours" if link["default"] else "--link"
+    lines = ["", f"routes to the serving boxes, per node (one rank each; the source is {size(doc['source_bytes'])}); "
+                 f"times at a link to the Hub of {link['rate']} ({rate(link['bytes_per_s'])}, {said}) and convert "
+                 f"at {rate(doc['disk']['bytes_per_s'])} read + written (`make bench`; it scales with the disk):"]
     for r in routes:
         box = f"; a conversion box with {size(r['conversion_box'])}" if r["conversion_box"] else ""
         lines.append(f"  {r['name']:<32} download {size(r['download_per_node']):>10}, disk {size(r['disk_per_node']):>10}"
                      f"{box}")
+        lines.append(f"  {'':<32} time {_route_time(r)}")
         lines.append(f"  {'':<32} lucifer-shard {r['command']}")
     lines.append(f"  (streaming holds at most {size(doc['stream_peak_bytes'])} of the source at once; shards: "
                  f"{doc['shards']})")
     return lines
+
+
+def _route_time(r: dict) -> str:
+    """A route's time: its download at the link, then or beside it the conversion, then the copy."""
+    down, conv = duration(r["download_seconds"]), duration(r["convert_seconds"])
+    if not r["convert_seconds"]:
+        return f"{down} to download"
+    if r["conversion_box"]:
+        return (f"{duration(r['download_seconds'] + r['convert_seconds'])}: {down} to download the source on the "
+                f"conversion box, then {conv} to convert; then the copy over the boxes' own link")
+    return (f"{down} to download, with {conv} of conversion beside it (streamed: the route takes at least the longer "
+            f"of the two)")

@@ -71,26 +71,42 @@ def seconds(fp: Footprint, bytes_per_s: float = MEASURED_BYTES_PER_S) -> float:
     return (fp.read + fp.write) / bytes_per_s
 
 
+# The link rate plan assumes without --link: a gigabit uplink, a common office or home line to the Hub
+# (a box on a faster one passes its own: `plan --link 10Gbit/s`).
+DEFAULT_LINK = "1Gbit/s"
+
+
 @dataclass(frozen=True)
 class Route:
-    """One way to get a node's share onto its box: bytes downloaded from the Hub and disk used there."""
+    """One way to get a node's share onto its box: bytes downloaded from the Hub and disk used there, and
+    what its time is made of: `hub` bytes from the Hub (each node's, or the conversion box's once) and
+    `converted` bytes read and written by the conversion on one box (0: none)."""
 
     name: str
     command: str
     download_per_node: int
     disk_per_node: int
     conversion_box: int  # disk of a separate conversion box (0: none)
+    hub: int = 0
+    converted: int = 0
+
+    def seconds(self, link: float, disk: float = MEASURED_BYTES_PER_S) -> tuple[float, float]:
+        """(the download at `link` bytes per second, the conversion at `disk` bytes per second)."""
+        return self.hub / link, self.converted / disk
 
 
-def node_routes(source: int, share: int, output: int, peak: int, tp: int, nnodes: int) -> list[Route]:
+def node_routes(source: int, share: int, output: int, peak: int, tp: int, nnodes: int, read: int = 0) -> list[Route]:
     """Per node, for a conversion whose source is `source` bytes, whose output is `output` and one
-    node's share `share`; `peak`: the most source bytes a streamed conversion holds at once. Every
-    node that converts reads every source tensor (a rank's slices come from all of them)."""
+    node's share `share`; `peak`: the most source bytes a streamed conversion holds at once; `read`: the
+    source tensor bytes a conversion reads. Every node that converts reads every source tensor (a rank's
+    slices come from all of them)."""
     return [
         Route("convert once, stage, copy",
               f"convert --tp {tp} REPO OUT --keep-source; stage OUT DEST --nnodes {nnodes} --node-rank R; copy DEST",
-              0, share, source + output),
+              0, share, source + output, source, read + output),
         Route("each node streams its own share",
-              f"convert --tp {tp} REPO DEST --nnodes {nnodes} --node-rank R", source, share + peak, 0),
-        Route("fetch a published share", f"fetch PUBLISHED DEST --nnodes {nnodes} --node-rank R", share, share, 0),
+              f"convert --tp {tp} REPO DEST --nnodes {nnodes} --node-rank R", source, share + peak, 0, source,
+              read + share),
+        Route("fetch a published share", f"fetch PUBLISHED DEST --nnodes {nnodes} --node-rank R", share, share, 0,
+              share),
     ]

@@ -18,7 +18,8 @@ Components and tolerances (relative Frobenius error ||sum - ref|| / ||ref||):
                              output group `o_groups`), fed non-zero attention output, contribute 0.
 Everything is done one layer at a time, and for routed experts only the experts the random
 routing picks are read (at most tokens*top_k per layer), so it runs on the real checkpoint on a
-CPU box.
+CPU box. A source on the Hub (not in the Hugging Face cache) is read the same way, each tensor by a
+ranged request (`source.checkpoint.Checkpoint.ranged`): the bytes of the tensors checked, not the checkpoint.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import torch
 from ..errors import LuciferError, OutputError, SourceError
 from ..model.tensorspecs import draft_prefixes
 from ..output.manifest_types import source_model
-from ..source.checkpoint import Checkpoint, download_whole, open_source
+from ..source.checkpoint import Checkpoint, open_source
 from .numerics import (attn_output_reference, dequant_fp8_block, mlp_reference, moe_reference, moe_reference_streamed,
                        shared_expert_reference)
 from .outdir import Output
@@ -443,8 +444,7 @@ def check_numerics(out: Path, model: str | None = None, layers: str | list[int] 
     if want and want != ckpt.fingerprint:
         raise OutputError(f"{out} was converted from a different checkpoint than {model} "
                           f"(source fingerprint {want[:12]} vs {ckpt.fingerprint[:12]})")
-    if ckpt.hub is not None:  # on the Hub, not in the cache: downloaded once the source is known to be OUT's
-        ckpt = download_whole(ckpt)
+    ckpt.ranged = ckpt.hub is not None  # on the Hub, not in the cache: the tensors checked, by ranged requests
     cfg = ckpt.config
     ids = layers if isinstance(layers, list) else parse_layers(layers, cfg)
     heads = output.manifest.plan.axes["heads"].padded

@@ -75,10 +75,10 @@ def _read(path: Path, follow: bool) -> bytes | None:
 
 def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress: bool = True,
          chunk_bytes: int = CHUNK_BYTES, workers: int | None = None, keep_going: bool = False,
-         download_dir: Path | None = None) -> Report:
+         download_dir: Path | None = None, download_source: bool = False) -> Report:
     """Compare OUT with the source checkpoint MODEL (default: the one the manifest records); see the
-    module docstring. A repo id not in the Hugging Face cache streams through `download_dir`
-    (`diff_source.SourceStream`)."""
+    module docstring. A repo id not in the Hugging Face cache streams through `download_dir` only
+    with `download_source`: the whole source again (`diff_source.SourceStream.of`)."""
     t0 = time.perf_counter()
     out = Path(out)
     if not out.is_dir():
@@ -108,7 +108,7 @@ def diff(out: Path, model: str | None = None, max_mismatches: int = 10, progress
                            f"{src.fingerprint[:16]}..."))
     elif src.files != ckpt.files:  # issue 52 V: the fingerprint holds, so the manifest's shard list was edited
         report.add(Problem("manifest", f"source.files: {what_differs(src, ckpt, out)}; the manifest was edited"))
-    stream = SourceStream.of(ckpt, download_dir)  # a source on the Hub: its shards stream from here on
+    stream = SourceStream.of(ckpt, download_dir, download_source, out)  # a source on the Hub streams from here on
     for name in src.side_files:
         a = _read(out / name, False)
         if a is None or a != _read(stream.side(name), True):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import MismatchError, NoRoom
+from ..errors import MismatchError, NoRoom, UsageRefused
 from ..formats.dtypes import CONVERSIONS, InexactConversion, convert_bytes, DTYPE_SIZE
 from ..guarded_io import JSON_LIMIT, Refused, read_regular
 from ..output.manifest_types import Source
@@ -227,6 +227,35 @@ def what_differs(src: Source, ckpt: Checkpoint, out: Path) -> str:
     return "its shard headers differ from the converted ones (same names and sizes)"
 
 
+def download_bytes(out: Path) -> int:
+    """What `diff OUT` (its MODEL the recorded source) downloads from the Hub: the source's shard bytes where
+    the source is a repo id whose shards the Hugging Face cache does not all hold at the recorded commit
+    (the source of a streamed convert), else 0 (read on disk). No request is made."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from ..output.manifest_types import Manifest, source_model
+    from ..source.checkpoint import is_repo_id
+
+    m = Manifest.load(out, check_digest=False)
+    model, revision, _ = source_model(out, m, None)
+    files = m.source.files
+    if not is_repo_id(model) or all(isinstance(try_to_load_from_cache(model, name, revision=revision), str)
+                                    for name in files):
+        return 0
+    return sum(files.values())
+
+
+def refuse_download(out: Path, ckpt: Checkpoint) -> None:
+    """A diff against a source on the Hub downloads every shard again (the bytes a streamed convert
+    downloaded): never by default, after the fingerprint (config and headers, a few KiB) was compared."""
+    hub = ckpt.hub
+    raise UsageRefused(f"diff: {hub.repo} at {hub.commit[:12]} is not in the Hugging Face cache: the byte-for-byte "
+                       f"proof downloads its {len(ckpt.files)} shards again, {size(sum(ckpt.files.values()))} from the "
+                       f"Hub; pass --download-source to download them (each removed once compared), or run "
+                       f"`lucifer-shard verify {out}` (every rank file's digest, pads and replicas, without the "
+                       f"source)")
+
+
 class SourceStream:
     """A diff's source on the Hub, not in the Hugging Face cache: its shards are downloaded into a folder
     of their own (`source.hub.DownloadFolder`) just before the first group that reads them and removed
@@ -248,8 +277,14 @@ class SourceStream:
         self.opened = False
 
     @classmethod
-    def of(cls, ckpt: Checkpoint, root: Path | None) -> SourceStream | _OnDisk:
-        return _OnDisk(ckpt) if ckpt.hub is None else cls(ckpt, root)
+    def of(cls, ckpt: Checkpoint, root: Path | None, download: bool, out: Path) -> SourceStream | _OnDisk:
+        """The source's stream: on disk, or on the Hub and asked for (`download`: --download-source), else
+        refused (`refuse_download`)."""
+        if ckpt.hub is None:
+            return _OnDisk(ckpt)
+        if not download:
+            refuse_download(out, ckpt)
+        return cls(ckpt, root)
 
     def side(self, name: str) -> Path:
         """A config/tokenizer file of the source (downloaded now: they are small)."""

@@ -23,7 +23,7 @@ from ..model.config import ModelConfig, load_config
 from ..model.rules import ROLES
 from ..model.tensorspecs import check_source_keys
 from ..outnames import MANIFEST_NAME, SIDE_FILES, STATE_DIR
-from .hub import (NOT_HERE, RETRY, HubRepo, cached_snapshot, guarded, link_fault, remote_header, repo_at,
+from .hub import (NOT_HERE, RETRY, HubRepo, _ranged, cached_snapshot, guarded, link_fault, remote_header, repo_at,
                   small_file)
 
 if TYPE_CHECKING:  # torch is loaded by safetensors' "pt" framework when data is read
@@ -172,6 +172,11 @@ class Checkpoint:
     config_bytes: bytes = b""  # config.json as read (the fingerprint's first input)
     headers: dict[str, str] = field(default_factory=dict)  # shard name -> SHA-256 of its header as the plan read it
     hub: HubRepo | None = None  # on the Hub, not on disk: `root` is where its files are downloaded to
+    # on the Hub: each read a ranged request for its rows (`hub._ranged`), nothing downloaded whole, so a
+    # command that reads a few tensors (check-numerics) takes their bytes and not every shard's. The
+    # fingerprint pins each header (the offsets read from); a range cannot be checked against the shard's
+    # SHA-256, which covers the whole file: `diff` is the byte proof.
+    ranged: bool = False
     _fds: dict = field(default_factory=dict, repr=False)
 
     def stats(self, names: list[str]) -> dict[str, list]:
@@ -205,21 +210,30 @@ class Checkpoint:
         rows = range(shape[0])[box[0]] if box else range(shape[0])
         row = (entry.offsets[1] - entry.offsets[0]) // max(1, shape[0])
         first, count = (rows.start, len(rows)) if rows.step == 1 else (0, shape[0])
-        fd = self._fds.get(entry.file)
-        if fd is None:
-            fd = self._fds[entry.file] = open_regular(self.root / entry.file, follow=True)
         at = self.data_start[entry.file] + entry.offsets[0] + first * row
-        data = bytearray(count * row)
-        view, got = memoryview(data), 0
-        while got < len(data):
-            n = os.preadv(fd, [view[got:]], at + got)
-            if n == 0:
-                raise SourceError(f"{entry.file}: truncated inside tensor {key!r}; re-download this shard", key=key)
-            got += n
+        data = self._bytes(entry, at, count * row)
         dtype = TORCH_DTYPE[entry.dtype]
         t = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
         t = t.reshape(count, *shape[1:])[(slice(None) if rows.step == 1 else box[0], *box[1:])]
         return t.reshape(()) if not entry.shape else t
+
+    def _bytes(self, entry: TensorEntry, at: int, n: int) -> bytearray:
+        """Bytes [at, at + n) of the shard holding `entry`: a ranged request to the Hub (`ranged`), else
+        positional reads of the shard on disk."""
+        if self.ranged:
+            return bytearray(_ranged(self.hub, entry.file, at, at + n)) if n else bytearray()
+        fd = self._fds.get(entry.file)
+        if fd is None:
+            fd = self._fds[entry.file] = open_regular(self.root / entry.file, follow=True)
+        data = bytearray(n)
+        view, got = memoryview(data), 0
+        while got < n:
+            k = os.preadv(fd, [view[got:]], at + got)
+            if k == 0:
+                raise SourceError(f"{entry.file}: truncated inside tensor {entry.key!r}; re-download this shard",
+                                  key=entry.key)
+            got += k
+        return data
 
     def close(self) -> None:
         for fd in self._fds.values():
