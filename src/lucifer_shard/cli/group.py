@@ -316,6 +316,7 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
     options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, moe_backend)
     p = make_plan(cfg, tp, options.moe_backend)
     specs = plan_specs(cfg, p, options.mtp)
+    layout = source_layout(model, config, cfg)
     if out is not None:
         root = config_root(model, config)
         # --resume trusts an earlier run only for the same source: with a local checkpoint, its
@@ -324,13 +325,12 @@ def plan(tp: int, model: str, out: Path | None, arch: str | None, expert_layout:
         # convert's rule: a finished output of this job is repaired against its manifest (engine/convert.py)
         repair = job is not None and out.is_dir() and reference(Tree(out), job) is not None
         refuse_target(out, root, resume, force, job and replace(job, node=node), options,
-                      planned_paths(specs, options), repair, node)
-    fp = plan_footprint_of(cfg, specs, p, options)
+                      planned_paths(specs, options, layout.shard_of), repair, node)
+    fp = plan_footprint_of(cfg, specs, p, options, layout.shard_of)
     mine = node_footprint(fp, node)  # what this node's convert writes (the whole conversion's without flags)
     room = room_of(mine, out, force)
     nodes = per_node(fp, p.tp)
-    saving = route_saving(cfg, p, options, fp)
-    layout = source_layout(model, config, cfg)
+    saving = route_saving(cfg, p, options, fp, layout.shard_of)
     routes = routes_of(specs, options, fp, layout) if p.tp > 1 else None
     download = (download_room(layout, specs, options, out, download_dir, keep_source, room)
                 if room is not None and is_repo_id(model) else None)

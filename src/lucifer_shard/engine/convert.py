@@ -36,14 +36,14 @@ from ..units import size
 from .card import write_card
 from .diskspace import WRITE_LIMITS, check_room, filesystem, free_bytes, write_failed
 from .feed import DOWNLOAD_REL, SourceFeed
-from .job import Job, part_keys, planned_paths, prepare
+from .job import Job, part_keys, prepare
 from .journal import JournalEntry, journal_line, truncate_journal
 from .manifest_writer import build_manifest, write_manifest
 from .nodeshare import SHARE_NAME, share_problem, write_share
 from .outstate import (check_out, conversion_record, part_valid, partial_bytes, planned_files, record_text,
                        refuse_download_dir, refuse_target, remove_partials, sizes_to_write, source_changed)
 from .owned import RECORD_REL, clear, plan_clearing, read_json
-from .repair import check_content, reference, restore_copy, survey
+from .repair import check_content, manifest_parts, reference, restore_copy, survey
 from .resumed import resumed_sources, stamped_sources
 from .writeloop import Summary, WriteLoop, logger, source_digests
 
@@ -68,7 +68,9 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     refuse_download_dir(out, download_dir)  # before the source is asked for anything
 
     def refuse_out(cfg: ModelConfig) -> None:
-        refuse_target(out, None, resume, force, None, options, planned_paths(cfg, options), node=node)
+        # the rank files are not known yet: the source's index groups them (`layout_of`); the refusals
+        # with the job, before anything is written, look at them
+        refuse_target(out, None, resume, force, None, options, None, node=node)
     job = replace(prepare(model, options, revision, download_dir or out / DOWNLOAD_REL, refuse_out), node=node)
     repair = resume and out.is_dir() and reference(Tree(out), job) is not None  # a finished output of this job
     refuse_target(out, job.ckpt.root if job.on_disk else None, resume, force, job, repair=repair)
@@ -156,6 +158,8 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
     """--resume on an output whose manifest is this job's: re-check every file against it and write
     again, from the source, only what fails (`repair`). COMPLETE goes first and comes back last, so
     a repair stopped part-way is an unfinished output that the next --resume finishes."""
+    # the parts as the manifest groups them: an output written before parts were grouped by shards keeps its own
+    job = replace(job, parts=manifest_parts(manifest, job))
     tree = Tree(out)
     summary = Summary(out, job.cid)
     planned = planned_files(job)

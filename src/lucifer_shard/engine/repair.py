@@ -50,6 +50,20 @@ class Repair:
         return todo
 
 
+def manifest_parts(manifest: Manifest, job: Job) -> list[Part]:
+    """The parts of `manifest`, each with the tensors its rank-0 file holds (every rank's file of a part holds
+    the same names), in the order `plan_parts` writes them."""
+    parts = []
+    for role, entries in manifest.roles.items():
+        by_name = {s.name: s for s in job.specs[role][0]}
+        rank0 = next(e for e in entries if e.rank == 0)
+        for index, f in enumerate(rank0.files):
+            names = sorted(rank0.held(f.path), key=lambda n: (job.options.align > 8
+                                                              and by_name[n].nbytes % job.options.align != 0, n))
+            parts.append(Part(role, index, names, sum(by_name[n].nbytes for n in names)))
+    return parts
+
+
 def reference(tree: Tree, job: Job) -> Manifest | None:
     """OUT's manifest when it can be the reference of a repair: readable, its self-digest intact and
     its conversion id this job's (same source fingerprint, options and tool version); else None

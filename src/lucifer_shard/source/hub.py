@@ -15,7 +15,7 @@ the Hub publishes for that commit before a byte of it is used (`HubRepo.check`):
 its SHA-256, config.json, the index and the tokenizer files (git files) against their git blob id. So a
 Hub that answers one file with other bytes on a later request (or other bytes of the same size) cannot
 give the plan one config.json and OUT another. A download stopped part-way is continued by the next
-run (`download_resumed`), shared with `fetch`.
+run (`download_resumed`, shared with `fetch`; how the bytes cross the link: `source.download`).
 
 The download folder holds only what this tool downloaded for one repo at one commit (a marker file
 says which); shards are removed from it as soon as no later part needs them, never from the user's
@@ -28,7 +28,6 @@ import itertools
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -38,20 +37,16 @@ from pathlib import Path
 from ..errors import EnvironmentRefused, SourceError, UsageRefused
 from ..formats.stheader import MAX_HEADER_BYTES, Header, HeaderError, parse_header
 from ..guarded_io import Tree, open_regular
-from ..stops import check, stop_behind
+from ..stops import stop_behind
+from .download import HASH_BLOCK, transfer
 
 NOT_HERE = "no such directory here, and as a Hugging Face repo id"
 
 logger = logging.getLogger("lucifer_shard.hub")  # -v: each shard's download, -vv: its SHA-256 check
 MARKER = "lucifer-download.json"
 HEADER_GUESS = 1 << 18  # first ranged read of a shard; a larger header takes one more request
-HASH_BLOCK = 16 << 20
 RETRY = "run the same command again (it reads the file anew), and if it fails again, report it to the repo's owner"
 READ_BLOCK = 1 << 16  # a ranged read's body is taken this much at a time, never more than was asked for
-WORKERS = 8  # ranged GETs of one file at once: snapshot_download's default max_workers
-BLOCK = 32 << 20  # one ranged GET of a download; a file of one block takes one connection (at most
-# WORKERS blocks are held in memory ahead of the writer: 256 MiB)
-WAIT_S = 0.05  # how long the writer waits for a block's next bytes before it looks for a stop again
 SAME = "then run the same command again"
 QUOTA = ("the Hub refused the download with HTTP 402: the account's download quota (its 30-day egress allowance) is "
          "spent; wait for it to renew or raise it on the Hub, and spend less of it: a share copied between the boxes "
@@ -299,18 +294,9 @@ def cached_snapshot(repo: HubRepo, names: list[str]) -> Path | None:
     return Path(paths[0]).parent if paths and all(isinstance(p, str) for p in paths) else None
 
 
-def download_route(metadata) -> str:
-    """How a file is downloaded, from huggingface_hub's own metadata of it (`get_hf_file_metadata`): "xet"
-    where the Hub stores it in Xet (`HfFileMetadata.xet_file_data`) and hf_xet is installed (huggingface_hub's
-    own fastest path, chunks fetched in parallel), else "ranged" (several ranged connections at once)."""
-    from huggingface_hub.utils._runtime import is_xet_available
-
-    return "xet" if metadata.xet_file_data is not None and is_xet_available() else "ranged"
-
-
 def download_resumed(repo: str, commit: str, name: str, tree: Tree, rel: str, size: int,
                      report: Callable[[int], None], sync: bool = False) -> str | None:
-    """File `name` of `repo` at `commit` into `tree`'s `rel`, at the Hub's own speed (`download_route`):
+    """File `name` of `repo` at `commit` into `tree`'s `rel`, at the Hub's own speed (`source.download.download_route`):
     a Xet-stored file through huggingface_hub's `xet_get` (hf_xet); any other in blocks of `BLOCK` bytes,
     up to `WORKERS` ranged GETs at once (as snapshot_download's workers; a CDN caps each connection, not
     the link), each through huggingface_hub's own `http_get` (its headers, retries and range handling),
@@ -327,155 +313,13 @@ def download_resumed(repo: str, commit: str, name: str, tree: Tree, rel: str, si
     def get() -> str | None:
         headers = build_hf_headers()
         metadata = get_hf_file_metadata(hf_hub_url(repo, name, revision=commit), headers=headers)
-        shown = f"{name} of {repo} at {commit[:12]}"
-        if download_route(metadata) == "xet":
-            return _xet(metadata, headers, tree, rel, size, name, report, sync)
-        with os.fdopen(tree.open_own(rel, os.O_RDWR), "r+b") as f:
-            have = f.seek(0, os.SEEK_END)
-            if have > size:  # not a start of this file: begin again
-                have = f.seek(0)
-                f.truncate()
-            out = _Hashing(f, have, size, shown)
-            report(have)
-            if have < size:
-                _in_blocks(metadata.location, headers, out, have, size, shown, report)
-            if sync:
-                f.flush()
-                os.fsync(f.fileno())
-            return out.sha.hexdigest()
+        return transfer(metadata, headers, tree, rel, size, name, f"{name} of {repo} at {commit[:12]}", report, sync)
 
     def kept() -> str:
         st = tree.lstat(rel)
         have = st.st_size if st is not None else 0
         return f"{have:,} of its {size:,} bytes are kept in {tree.path(rel)} (the next run continues from them)"
     return guarded(repo, commit, name, get, kept)
-
-
-def _xet(metadata, headers: dict, tree: Tree, rel: str, size: int, name: str, report: Callable[[int], None],
-         sync: bool) -> None:
-    """A Xet-stored file through huggingface_hub's own `xet_get` into `tree`'s `rel` (hf_xet keeps its own
-    cache of chunks, so a stopped run's chunks are not fetched again); hashed by the caller. Not met with the
-    real Hub's Xet storage here (docs/cli.md)."""
-    from huggingface_hub.file_download import xet_get
-
-    os.close(tree.open_own(rel, os.O_RDWR))  # the folder's own regular file (no link followed), for hf_xet to fill
-    xet_get(incomplete_path=tree.path(rel), xet_file_data=metadata.xet_file_data, headers=headers,
-            expected_size=size, displayed_filename=name, tqdm_class=_bar(lambda n: None))
-    report(size)
-    if sync:
-        fd = tree.open_own(rel, os.O_RDWR)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _in_blocks(url: str, headers: dict, out: _Hashing, have: int, size: int, shown: str,
-               report: Callable[[int], None]) -> None:
-    """Bytes [have, size) of `url` appended to `out` in order: blocks of `BLOCK` bytes fetched by up to
-    `WORKERS` ranged GETs at once, no more than `WORKERS` blocks ahead of the writer (memory bounded), the
-    block at the front written (and hashed) as its bytes come. A block's failure ends the file there: what
-    came before it is on disk, a whole prefix."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from huggingface_hub.file_download import http_get
-
-    blocks = [_Block(s, min(s + BLOCK, size), shown) for s in range(have, size, BLOCK)]
-    quiet = _bar(lambda n: None)
-
-    def fetch(b: _Block) -> None:
-        http_get(url, b, headers={**headers, "Range": f"bytes={b.start}-{b.end - 1}"}, expected_size=b.end - b.start,
-                 displayed_filename=shown, tqdm_class=quiet)
-
-    pool = ThreadPoolExecutor(min(WORKERS, len(blocks)), thread_name_prefix="lucifer-range")
-    running = []
-    try:
-        for i, block in enumerate(blocks):
-            while len(running) < min(i + WORKERS, len(blocks)):
-                running.append(pool.submit(fetch, blocks[len(running)]))
-            job = running[i]
-            while True:
-                check()
-                done = job.done()
-                data = block.take(WAIT_S)
-                if data:
-                    out.write(data)
-                    report(len(data))
-                elif done:
-                    job.result()  # its error (after huggingface_hub's retries) ends the file here
-                    break
-    finally:
-        for b in blocks:
-            b.cancel()
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
-class _Block:
-    """One ranged GET's bytes, written by huggingface_hub's `http_get` as they come and taken by the one
-    writer in file order. More than the block (a server that ignored the range) or a rewind is refused."""
-
-    def __init__(self, start: int, end: int, shown: str):
-        self.start, self.end, self.shown = start, end, shown
-        self.length = 0  # bytes received (http_get's resume position on a retry)
-        self.data = bytearray()  # received and not yet taken
-        self.cancelled = False
-        self.cond = threading.Condition()
-
-    def write(self, data: bytes) -> int:
-        with self.cond:
-            if self.cancelled:
-                raise SourceError(f"{self.shown}: the download was stopped")
-            if self.length + len(data) > self.end - self.start:
-                raise self._no_ranges()
-            self.data += data
-            self.length += len(data)
-            self.cond.notify_all()
-        return len(data)
-
-    def take(self, timeout: float) -> bytes:
-        """The bytes received since the last take, waiting up to `timeout` for some."""
-        with self.cond:
-            if not self.data:
-                self.cond.wait(timeout)
-            data, self.data = bytes(self.data), bytearray()
-        return data
-
-    def tell(self) -> int:
-        return self.length
-
-    def seek(self, *args: int) -> int:
-        raise self._no_ranges()
-
-    def truncate(self, *args: int) -> int:
-        raise self._no_ranges()
-
-    def cancel(self) -> None:
-        with self.cond:
-            self.cancelled = True
-            self.data = bytearray()
-
-    def _no_ranges(self) -> SourceError:
-        return SourceError(f"{self.shown}: a ranged read of [{self.start}, {self.end}) was answered with other "
-                           f"bytes than asked for; the endpoint does not serve byte ranges (check HF_ENDPOINT)")
-
-
-class _Hashing:
-    """The file the blocks are written into in order, hashing (SHA-256) the bytes already there and each
-    write, so a download is checked without reading it again. A write past the file's published `size` is
-    refused as it comes: a server that sends more than the file never fills the disk."""
-
-    def __init__(self, f, have: int, size: int, shown: str):
-        self.f, self.sha, self.size, self.shown = f, hashlib.sha256(), size, shown
-        f.seek(0)
-        while f.tell() < have and (chunk := f.read(min(HASH_BLOCK, have - f.tell()))):
-            self.sha.update(chunk)
-
-    def write(self, data: bytes) -> int:
-        if self.f.tell() + len(data) > self.size:
-            raise SourceError(f"{self.shown}: the endpoint sent more than the {self.size:,} bytes the Hub publishes "
-                              f"for it; refused before writing them (check HF_ENDPOINT)")
-        self.sha.update(data)
-        return self.f.write(data)
 
 
 def _sha256(path: Path) -> str:
@@ -611,19 +455,3 @@ class DownloadFolder:
             Tree(self.root.parent).remove_dir(self.root.name)
         self._lock.close()
         self._lock = None
-
-
-def _bar(report: Callable[[int], None]) -> type:
-    """A tqdm class for huggingface_hub's download that shows nothing and reports each update: the
-    download is shown on the command's one progress line, not as a bar of its own per file."""
-    from tqdm.auto import tqdm
-
-    class Forward(tqdm):
-        def __init__(self, *args, **kwargs):
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-
-        def update(self, n: float | None = 1) -> None:
-            report(int(n or 0))
-
-    return Forward
