@@ -52,11 +52,11 @@ class Repair:
 
 def manifest_parts(manifest: Manifest, job: Job) -> list[Part]:
     """The parts of `manifest`, each with the tensors its rank-0 file holds (every rank's file of a part holds
-    the same names), in the order `plan_parts` writes them."""
+    the same names) in the order `plan_parts` writes them, the roles in the job's order."""
     parts = []
-    for role, entries in manifest.roles.items():
+    for role in job.roles:  # the job's order of roles (the manifest's keys are sorted)
         by_name = {s.name: s for s in job.specs[role][0]}
-        rank0 = next(e for e in entries if e.rank == 0)
+        rank0 = manifest.rank(role, 0)
         for index, f in enumerate(rank0.files):
             names = sorted(rank0.held(f.path), key=lambda n: (job.options.align > 8
                                                               and by_name[n].nbytes % job.options.align != 0, n))
