@@ -24,8 +24,13 @@ blocks a download once that many body bytes were sent (a test then kills the cli
 connection mid-body (the client's RemoteProtocolError), "refuse" stops the server (every later
 connection refused), "status:N" answers every later file request with HTTP N (503, or 402 with the
 Hub's EgressLimitReached code); `ignore_range` answers a ranged GET with the whole file (200).
+Downloads are served at once, each on its own connection (a thread each): `rate` paces all of them
+together (the link), `conn_rate` each one on its own (a CDN's cap per connection); `most_at_once`
+counts how many sent at the same time. `xet` describes the LFS files as the Hub describes Xet-stored
+ones (the headers only: no Xet storage service stands in here).
 
 Run alone: python tests/hubserver.py owner/name=DIR [owner/other=DIR2 ...] [--rate=BYTES_PER_S]
+[--conn-rate=BYTES_PER_S]
 """
 from __future__ import annotations
 
@@ -71,6 +76,9 @@ class Request:
     path: str  # the file or API route, after the repo id
     range: str | None
     sent: int = 0  # body bytes sent (so far, for a download still running)
+    due: float = 0.0  # when its connection's cap (`conn_rate`) lets its next bytes go
+    first: float | None = None  # time.perf_counter() as its first body byte went out, and its last (`last`)
+    last: float | None = None
 
 
 def _describe(root: Path) -> dict[str, Served]:
@@ -102,6 +110,10 @@ class HubServer:
         self.stall_after: int | None = None  # body bytes of resolve GETs after which downloads block
         self.stall_min_body = 0  # ... those that sent this many bytes of their own (1 << 18: not a header read)
         self.rate: float | None = None  # bytes per second all downloads share (None: as fast as loopback goes)
+        self.conn_rate: float | None = None  # bytes per second of each download on its own, as a CDN caps a connection
+        self.xet = False  # describe LFS files as Xet-stored (X-Xet-Hash and its refresh route), as the Hub does
+        self.at_once = 0  # downloads sending their bodies now
+        self.most_at_once = 0  # the most downloads that sent their bodies at the same time
         self.fail_after: int | None = None  # body bytes of resolve GETs after which the link fails (`fail`)
         self.fail = "reset"  # how: "reset", "refuse" or "status:N"
         self.failed = threading.Event()  # set once the link failed
@@ -158,6 +170,16 @@ class HubServer:
     def bytes_sent(self, suffix: str = "") -> int:
         return sum(r.sent for r in self.requests if r.method == "GET" and r.path.endswith(suffix))
 
+    def rate_since(self, first: int, suffix: str = "", beyond: int = 0) -> float | None:
+        """Bytes per second of the downloads of files ending in `suffix` among requests[first:] that sent more
+        than `beyond` bytes (not a shard's header read), from the first body byte sent to the last."""
+        got = [r for r in self.requests[first:] if r.method == "GET" and r.path.endswith(suffix) and r.first
+               and r.sent > beyond]
+        if not got:
+            return None
+        took = max(r.last or r.first for r in got) - min(r.first for r in got)
+        return sum(r.sent for r in got) / took if took > 0 else None
+
     def _record(self, request: Request) -> None:
         with self._lock:
             self.requests.append(request)
@@ -169,10 +191,15 @@ class HubServer:
             self._sent += n
             stall = (self.stall_after is not None and self._sent > self.stall_after
                      and request.sent + n > self.stall_min_body)
+            now = time.perf_counter()
+            wait = 0.0
             if self.rate:
-                self._due = max(getattr(self, "_due", 0.0), time.perf_counter()) + n / self.rate
-                wait = self._due - time.perf_counter()
-        if self.rate and wait > 0:
+                self._due = max(getattr(self, "_due", 0.0), now) + n / self.rate
+                wait = self._due - now
+            if self.conn_rate:
+                request.due = max(request.due, now) + n / self.conn_rate
+                wait = max(wait, request.due - now)
+        if wait > 0:
             time.sleep(wait)
         if stall:
             self.stalled.set()
@@ -257,6 +284,9 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                        "Content-Type": "application/octet-stream"}
             if served.lfs:
                 headers.update({"X-Linked-Etag": f'"{served.sha256}"', "X-Linked-Size": str(served.size)})
+            if served.lfs and hub.xet:  # the headers huggingface_hub's parse_xet_file_data_from_response reads
+                headers.update({"X-Xet-Hash": served.sha256,
+                                "X-Xet-Refresh-Route": f"/api/models/{m['repo']}/xet-read-token/{repo.commit}"})
             lo, hi = 0, data_len
             status = 200
             wanted = self.headers.get("Range")
@@ -286,7 +316,14 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                 with hub._lock:
                     n = hub._gets[key] = hub._gets.get(key, 0) + 1
                 lie = key in hub.tamper and (key not in hub.lie_on or n in hub.lie_on[key])
-                self._stream(hub.tamper[key] if lie else None, served.path, lo, hi, request)
+                with hub._lock:
+                    hub.at_once += 1
+                    hub.most_at_once = max(hub.most_at_once, hub.at_once)
+                try:
+                    self._stream(hub.tamper[key] if lie else None, served.path, lo, hi, request)
+                finally:
+                    with hub._lock:
+                        hub.at_once -= 1
 
         def _stream(self, tampered: bytes | None, path: Path, lo: int, hi: int, request: Request) -> None:
             with open(path, "rb") as f:
@@ -296,11 +333,13 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                     chunk = tampered[lo + request.sent:lo + request.sent + n] if tampered is not None else f.read(n)
                     try:
                         hub._count(len(chunk), request)
+                        request.first = request.first or time.perf_counter()
                         self.wfile.write(chunk)
                     except (BrokenPipeError, ConnectionResetError):
                         self.close_connection = True
                         return  # the client went away (killed mid-download), or the link was dropped (`fail`)
                     request.sent += len(chunk)
+                    request.last = time.perf_counter()
 
         def _error(self, status: int, code: str, message: str, where: str, body: bool) -> None:
             self._send(status, json.dumps({"error": message}).encode(),
@@ -338,9 +377,11 @@ def _blob(f: Served) -> dict:
 
 def main(argv: list[str]) -> None:
     rate = [float(a.split("=", 1)[1]) for a in argv if a.startswith("--rate=")]
+    conn_rate = [float(a.split("=", 1)[1]) for a in argv if a.startswith("--conn-rate=")]
     repos = dict(a.split("=", 1) for a in argv if not a.startswith("--"))
     with HubServer(repos) as hub:
         hub.rate = rate[0] if rate else None
+        hub.conn_rate = conn_rate[0] if conn_rate else None
         print(f"HF_ENDPOINT={hub.url}", flush=True)
         for repo_id, repo in hub.repos.items():
             print(f"{repo_id} at {repo.commit}: {len(repo.files)} files", flush=True)

@@ -318,6 +318,61 @@ def test_stream_order_keeps_few_shards_and_peak_is_a_walk(ckpts):
     assert peak < sum(sizes.values()) * 0.6  # streaming holds a part of the checkpoint, not all of it
 
 
+def test_parts_are_grouped_by_the_shards_that_hold_them(ckpts):
+    """A conversion's parts take its tensors in the order of the shards that hold their sources (issue 63
+    item 2): the same tensors as grouped by name, each role's parts in the order their last shard arrives,
+    fewer shard reads in all, and fewer source bytes on disk at once when streamed."""
+    from lucifer_shard.engine.feed import shards_read
+    from lucifer_shard.engine.job import plan_parts
+
+    job = prepare(str(ckpts / "model"), Options(tp=3, max_file_bytes=1 << 20))
+    shard_of = {k: e.file for k, e in job.ckpt.tensors.items()}
+    index = {f: i for i, f in enumerate(sorted(job.ckpt.files))}
+    by_name = [p for role in job.specs for p in plan_parts(role, job.specs[role][0], 1 << 20)]
+
+    def reads(parts: list) -> list[list[int]]:
+        return [[index[f] for f in shards_read(job.specs, p, shard_of)] for p in parts]
+    assert sorted(n for p in job.parts for n in p.names) == sorted(n for p in by_name for n in p.names)
+    for role in job.specs:
+        lasts = [max(r) for p, r in zip(job.parts, reads(job.parts)) if p.role == role]
+        assert lasts == sorted(lasts)
+    assert sum(map(len, reads(job.parts))) < sum(map(len, reads(by_name)))
+
+    def peak(parts: list) -> int:
+        files = {id(p): shards_read(job.specs, p, shard_of) for p in parts}
+        return peak_bytes(stream_order(parts, files, job.ckpt.files), files, job.ckpt.files)
+    assert peak(job.parts) < peak(by_name)
+
+
+def test_an_output_grouped_by_name_verifies_and_is_repaired_with_its_own_parts(ckpts, tmp_path, monkeypatch):
+    """An output written before parts were grouped by shards (by name) still verifies, and convert --resume
+    rewrites a damaged file of it with the tensors its manifest lists there, byte for byte as it was. The
+    harness writes such an output by putting the grouping by name back (the tool before issue 63)."""
+    from helpers import run
+    from lucifer_shard.engine import job as jobmod
+    from lucifer_shard.output.manifest import part_path
+    from lucifer_shard.output.manifest_types import Manifest
+
+    out = tmp_path / "old"
+    with monkeypatch.context() as m:
+        m.setattr(jobmod, "by_shards", lambda groups, shard_of: groups)  # the grouping by name of older outputs
+        assert run("convert", "--tp", "3", ckpts / "model", out, *SMALL_PARTS).exit_code == 0
+    manifest = Manifest.parse((out / "lucifer-manifest.json").read_bytes(), "lucifer-manifest.json")
+    job = prepare(str(ckpts / "model"), Options(tp=3, max_file_bytes=1 << 20))
+    rank0 = manifest.rank("target", 0)
+    moved = [p for p in job.parts if p.role == "target"
+             and rank0.held(part_path("target", 0, p.index)) != sorted(p.names)]
+    assert moved, "the grouping by shards changes no part of this checkpoint: nothing to test"
+    rel = part_path("target", 1, moved[0].index)
+    before = (out / rel).read_bytes()
+    (out / rel).write_bytes(before[:-1] + bytes([before[-1] ^ 1]))
+    assert run("verify", out).exit_code == 1
+    r = run("convert", "--tp", "3", ckpts / "model", out, *SMALL_PARTS, "--resume")
+    assert r.exit_code == 0, r.output
+    assert (out / rel).read_bytes() == before
+    assert run("verify", out).exit_code == 0
+
+
 def test_readme_routes_are_plans():
     """The README's routes table is what `plan` prints for DeepSeek-V4-Flash-0731 at TP3 (so they cannot drift)."""
     from lucifer_shard.units import size

@@ -52,6 +52,14 @@ def pending() -> KeyboardInterrupt | None:
     return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
+def check() -> None:
+    """Raise the stop recorded so far, if any: called at each chunk of a loop that moves data, so a stop
+    ends it within one chunk."""
+    stop = pending()
+    if stop is not None:
+        raise stop
+
+
 def end_now(signum: int, why: str) -> NoReturn:
     """One line on stderr and the signal's exit code, at once: nothing is left to finish or clean up."""
     _flush(sys.stderr)

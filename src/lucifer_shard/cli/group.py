@@ -339,7 +339,8 @@ def plan_report(tp: int, model: str, out: Path | None, arch: str | None, expert_
         return PlanReport(doc, lines)
     cfg = parse_config(raw, str(config))
     options = options_from(tp, arch, expert_layout, flashinfer_layout, max_file_size, align, no_mtp, moe_backend)
-    planned = layout_of(cfg, options)
+    layout = source_layout(model, config, cfg)  # its shards group the parts (`job.plan_parts`)
+    planned = layout_of(cfg, options, shard_of=layout.shard_of)
     p, specs = planned.plan, planned.specs
     if out is not None:
         root = config_root(model, config)
@@ -350,12 +351,11 @@ def plan_report(tp: int, model: str, out: Path | None, arch: str | None, expert_
         repair = job is not None and out.is_dir() and reference(Tree(out), job) is not None
         refuse_target(out, root, resume, force, job and replace(job, node=node), options,
                       planned.paths, repair, node)
-    fp = plan_footprint_of(cfg, specs, p, options)
+    fp = plan_footprint_of(cfg, specs, p, options, layout.shard_of)
     mine = node_footprint(fp, node)  # what this node's convert writes (the whole conversion's without flags)
     room = room_of(mine, out, force)
     nodes = per_node(fp, p.tp)
-    saving = route_saving(cfg, p, options, fp)
-    layout = source_layout(model, config, cfg)
+    saving = route_saving(cfg, p, options, fp, layout.shard_of)
     routes = routes_of(specs, options, fp, layout, link) if p.tp > 1 else None
     room, download, streamed, route = judged_rooms(model, layout, specs, options, out, download_dir, keep_source,
                                                    room, node)

@@ -58,9 +58,11 @@ class Room:
 
 
 def plan_footprint_of(cfg: ModelConfig, specs: dict[str, list[list[TensorSpec]]], plan: Plan,
-                      options: Options) -> fpm.Footprint:
-    """The footprint from config.json alone (source sizes from the schema; copies of side files unknown)."""
-    parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align)]
+                      options: Options, shard_of: dict[str, str]) -> fpm.Footprint:
+    """The footprint from config.json and the source's shards (`SourceLayout.shard_of`, which groups the parts:
+    `plan_parts`; source sizes from the schema; copies of side files unknown)."""
+    parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align,
+                                                     shard_of)]
     sizes = {k: DTYPE_SIZE[s.dtype] * math.prod(s.shape) for k, s in expected_sources(cfg).items()}
     return plan_footprint(specs, parts, tensor_layouts(options), plan.tp, options.align, sizes)
 
@@ -230,14 +232,15 @@ def plan_lines(specs: dict[str, list[list[TensorSpec]]], plan: Plan, options: Op
     return lines
 
 
-def route_saving(cfg: ModelConfig, plan: Plan, options: Options, fp: fpm.Footprint) -> dict | None:
+def route_saving(cfg: ModelConfig, plan: Plan, options: Options, fp: fpm.Footprint,
+                 shard_of: dict[str, str]) -> dict | None:
     """What a MoE route other than the default saves against it (b12x: no kernel rounding of the routed width):
     each rank's bytes on both routes (every role), from config.json alone; None on the default route."""
     if options.moe_backend is None:
         return None
     default = replace(options, moe_backend=None)
     base = make_plan(cfg, plan.tp)
-    base_fp = plan_footprint_of(cfg, plan_specs(cfg, base, options.mtp), base, default)
+    base_fp = plan_footprint_of(cfg, plan_specs(cfg, base, options.mtp), base, default, shard_of)
 
     def per_rank(f: fpm.Footprint) -> list[int]:
         return [sum(n for (_, r), (_, n) in f.per_rank().items() if r == rank) for rank in range(plan.tp)]
@@ -398,7 +401,8 @@ class SourceLayout:
         from ..engine.job import plan_parts
         from ..source.streaming import peak_bytes, stream_order
 
-        parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align)]
+        parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align,
+                                                         self.shard_of)]
         files = {id(p): shards_read(specs, p, self.shard_of) for p in parts}
         return peak_bytes(stream_order(parts, files, self.sizes), files, self.sizes) + self.side
 

@@ -65,8 +65,9 @@ def convert(model: str, out: Path, options: Options, resume: bool = False, force
     out = Path(out)
     refuse_download_dir(out, download_dir)  # before the source is asked for anything
     planned = plan_remote(model, options, revision) if is_repo_id(model) else None  # config.json alone
-    if planned is not None:  # a repo id: OUT's refusals before a shard header is asked for
-        refuse_target(out, None, resume, force, None, options, planned.paths, node=node)
+    if planned is not None:  # a repo id: OUT's refusals before a shard header is asked for; its rank files
+        # wait for the index, which groups them by shard (`job.prepare`): checked under OUT's lock
+        refuse_target(out, None, resume, force, None, options, None, node=node)
     job = replace(prepare(model, options, revision, download_dir or out / DOWNLOAD_REL, planned), node=node)
     repair = resume and out.is_dir() and reference(Tree(out), job) is not None  # a finished output of this job
     if planned is None:

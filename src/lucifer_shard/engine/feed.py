@@ -4,7 +4,8 @@
   the commit): read in place, nothing downloaded, nothing removed.
 * Streamed (a repo id, the default): each shard is downloaded into the tool's download folder
   (`source.hub.DownloadFolder`: OUT/.lucifer/download, or --download-dir) just before the first part
-  that reads it, checked against the Hub's SHA-256 and against the header the plan read by a ranged
+  that reads it (over several ranged connections at once, or hf_xet: `source.hub.download_resumed`),
+  checked against the Hub's SHA-256 and against the header the plan read by a ranged
   request (`Checkpoint.check_header`), and removed once no later part reads it; the
   parts are written in the order that holds fewest shards at once (`source.streaming`), and one
   downloader thread runs ahead of the conversion as far as that many bytes allow, so the folder

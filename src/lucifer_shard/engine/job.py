@@ -3,7 +3,7 @@ layouts, the split of each rank's tensors into files (parts) and the conversion 
 the exact size of every rank file (`plan` shows it, convert checks the room with it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..model import footprint
@@ -65,8 +65,14 @@ def plan_footprint(specs: dict[str, list[list[TensorSpec]]], parts: list[Part], 
     return footprint.Footprint(footprint.read_bytes(specs, sizes), files, tensors, side)
 
 
-def plan_parts(role: str, specs: list[TensorSpec], max_bytes: int, align: int = 8) -> list[Part]:
+def plan_parts(role: str, specs: list[TensorSpec], max_bytes: int, align: int = 8,
+               shard_of: dict[str, str] | None = None) -> list[Part]:
     """Split a rank's sorted tensors into parts of at most `max_bytes` (a larger tensor stands alone).
+    With `shard_of` (source key -> shard: a conversion's, from the index), the tensors are taken in the
+    order of the shards that hold their sources (the last shard, then the first; by name within), so a
+    part reads as few shards as the source allows and the parts come in the order the shards arrive; this
+    decides which part holds a tensor, never its bytes. Without it (config.json alone), by name: the
+    grouping of outputs written before (each is verified and served from its manifest, which lists them).
 
     Tensors that read a common source tensor share a part (`shared_source_groups`): a part's files are
     stamped with the digests of the source tensors it reads, each read whole within the part
@@ -83,7 +89,7 @@ def plan_parts(role: str, specs: list[TensorSpec], max_bytes: int, align: int = 
         names.sort(key=lambda n: (align > 8 and sizes[n] % align != 0, n))  # align 8: plain name order
         parts.append(Part(role, len(parts), list(names), size))
 
-    for group in shared_source_groups(specs):
+    for group in by_shards(shared_source_groups(specs), shard_of) if shard_of else shared_source_groups(specs):
         nbytes = sum(s.nbytes for s in group)
         if names and size + nbytes > max_bytes:
             close()
@@ -93,6 +99,17 @@ def plan_parts(role: str, specs: list[TensorSpec], max_bytes: int, align: int = 
     if names:
         close()
     return parts
+
+
+def by_shards(groups: list[list[TensorSpec]], shard_of: dict[str, str]) -> list[list[TensorSpec]]:
+    """`groups` ordered by the shards (`shard_of`: source key -> shard, in shard-name order) their sources
+    are in: the last such shard, then the first; a group keeps its place among those of the same span."""
+    index = {f: i for i, f in enumerate(sorted(set(shard_of.values())))}
+
+    def span(group: list[TensorSpec]) -> tuple[int, int]:
+        held = [index[shard_of[k]] for s in group for k in s.sources() if k in shard_of]
+        return (max(held), min(held)) if held else (0, 0)
+    return sorted(groups, key=span)
 
 
 def shared_source_groups(specs: list[TensorSpec]) -> list[list[TensorSpec]]:
@@ -174,8 +191,9 @@ class Job:
 @dataclass(frozen=True)
 class Planned:
     """What config.json and the options decide before a shard header is read: the plan, every rank's
-    specs by role and the parts (rank files). A repo id's keeps its config.json (`remote`): the job
-    reads the headers of the commit the plan was made from."""
+    specs by role and the parts (rank files; a repo id's grouped by name until its index regroups them by
+    shard, `prepare`). A repo id's keeps its config.json (`remote`): the job reads the headers of the commit
+    the plan was made from."""
 
     plan: Plan
     specs: dict[str, list[list[TensorSpec]]]
@@ -188,13 +206,20 @@ class Planned:
         return [part_path(p.role, r, p.index) for p in self.parts for r in range(self.plan.tp)]
 
 
-def layout_of(cfg: ModelConfig, options: Options, remote: RemoteConfig | None = None) -> Planned:
-    """The plan, every rank's specs by role and the parts (rank files) of `options` from config.json alone."""
+def layout_of(cfg: ModelConfig, options: Options, remote: RemoteConfig | None = None,
+              shard_of: dict[str, str] | None = None) -> Planned:
+    """The plan, every rank's specs by role and the parts (rank files) of `options` from config.json and
+    `shard_of`, the shard that holds each source tensor (the index): a part's tensors are grouped by the
+    shards that hold them (`plan_parts`); None: by name, as from config.json alone."""
     plan = make_plan(cfg, options.tp, options.moe_backend)
     roles = ["target"] + (["draft"] if options.mtp and cfg.num_mtp else [])
     specs = {role: build_specs(cfg, plan, role) for role in roles}
-    parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align)]
-    return Planned(plan, specs, parts, remote)
+    return Planned(plan, specs, _parts(specs, options, shard_of), remote)
+
+
+def _parts(specs: dict[str, list[list[TensorSpec]]], options: Options, shard_of: dict[str, str] | None) -> list[Part]:
+    return [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align,
+                                                     shard_of)]
 
 
 def plan_remote(repo: str, options: Options, revision: str | None = None) -> Planned:
@@ -202,6 +227,11 @@ def plan_remote(repo: str, options: Options, revision: str | None = None) -> Pla
     other file of the repo is asked for: what OUT's refusals need."""
     opened = remote_config(repo, revision)
     return layout_of(opened.config, options, opened)
+
+
+def _shard_of(ckpt: Checkpoint) -> dict[str, str]:
+    """Each source tensor's shard, from the checkpoint's index."""
+    return {k: e.file for k, e in ckpt.tensors.items()}
 
 
 def prepare(model: str, options: Options, revision: str | None = None, download_to: Path | None = None,
@@ -216,11 +246,13 @@ def prepare(model: str, options: Options, revision: str | None = None, download_
     if is_repo_id(model):
         planned = planned or plan_remote(model, options, revision)
         ckpt = open_remote(planned.remote, download_to, roles)
+        # the index is in: the parts grouped by the shards that hold them (the plan and specs stay)
+        planned = replace(planned, parts=_parts(planned.specs, options, _shard_of(ckpt)))
         on_disk = ckpt.hub is None  # all of it in the Hugging Face cache: read in place
         origin = {"repo": model, "revision": ckpt.hub.commit if ckpt.hub else ckpt.root.name}
     else:
         ckpt = open_checkpoint(resolve_model(model, revision), roles)
-        planned = layout_of(ckpt.config, options)
+        planned = layout_of(ckpt.config, options, shard_of=_shard_of(ckpt))
     dropped = {}
     if not options.mtp:
         dropped = {k: "--no-mtp: the MTP draft model was not converted" for k in ckpt.tensors if k.startswith("mtp.")}

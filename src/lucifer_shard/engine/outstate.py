@@ -45,7 +45,7 @@ def refuse_download_dir(out: Path, download_dir: Path | None) -> None:
 
 
 def refuse_target(out: Path, root: Path | None, resume: bool, force: bool, job: Job | None = None,
-                  options: Options | None = None, planned: Iterable[str] = (), repair: bool = False,
+                  options: Options | None = None, planned: Iterable[str] | None = (), repair: bool = False,
                   node: NodeShare | None = None) -> None:
     """Every refusal of OUT (and of OUT against MODEL's directory `root`) that convert makes before it
     takes OUT's lock, in convert's words: `plan` runs it as convert's dry run, without a `job` (it
@@ -67,7 +67,7 @@ def refuse_target(out: Path, root: Path | None, resume: bool, force: bool, job: 
 
 
 def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Options | None = None,
-              planned: Iterable[str] = (), repair: bool = False, node: NodeShare | None = None
+              planned: Iterable[str] | None = (), repair: bool = False, node: NodeShare | None = None
               ) -> dict[str, JournalEntry]:
     """Refuse unsafe targets; returns journal entries usable by --resume (path -> entry). Runs under
     OUT's lock, so the lock file is not counted as content. A link anywhere in OUT, or an entry of
@@ -82,7 +82,7 @@ def check_out(out: Path, job: Job | None, resume: bool, force: bool, options: Op
     _refuse_other_ranks(tree, node, options.tp)
     others = [n for n in tree.entries() if n != STATE_DIR]
     ours = is_output(tree)
-    if ours and not force:  # --force names them among what it will not delete
+    if ours and not force and (job is not None or planned is not None):  # --force names them among what it keeps
         refuse_entries(tree, planned_files(job) if job is not None else dict.fromkeys(planned))
     if force:
         if ours or not others:
@@ -139,13 +139,14 @@ def _check_record(tree: Tree, job: Job | None, options: Options) -> None:
         _refuse_other_settings(out, record, now)
 
 
-def _stray_free(tree: Tree, job: Job | None, options: Options | None, planned: Iterable[str],
+def _stray_free(tree: Tree, job: Job | None, options: Options | None, planned: Iterable[str] | None,
                 node: NodeShare | None) -> dict[str, JournalEntry]:
     """The journal of an output --resume may finish: nothing in its rank folders but what it writes (a
     node's convert: its ranks' files only, as verify checks a share)."""
     paths = planned_files(job) if job is not None else planned
-    written = [rel for rel in paths if node is None or node.holds(rel)]
-    refuse_strays(tree, written, job.plan.tp if job else options.tp)
+    if paths is not None:  # None: parts grouped by shards, known once the index is read (the job's refusal)
+        written = [rel for rel in paths if node is None or node.holds(rel)]
+        refuse_strays(tree, written, job.plan.tp if job else options.tp)
     return read_journal(tree)
 
 

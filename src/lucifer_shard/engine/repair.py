@@ -13,7 +13,7 @@ converted one (other bytes under the same headers) is refused by name before the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import LuciferError, SourceError
@@ -53,6 +53,20 @@ class Repair:
             if ranks:
                 todo.append((part, ranks))
         return todo
+
+
+def manifest_parts(manifest: Manifest, job: Job) -> list[Part]:
+    """The parts of `manifest`, each with the tensors its rank-0 file holds (every rank's file of a part holds
+    the same names) in the order `plan_parts` writes them, the roles in the job's order."""
+    parts = []
+    for role in job.roles:  # the job's order of roles (the manifest's keys are sorted)
+        by_name = {s.name: s for s in job.specs[role][0]}
+        rank0 = manifest.rank(role, 0)
+        for index, f in enumerate(rank0.files):
+            names = sorted(rank0.held(f.path), key=lambda n: (job.options.align > 8
+                                                              and by_name[n].nbytes % job.options.align != 0, n))
+            parts.append(Part(role, index, names, sum(by_name[n].nbytes for n in names)))
+    return parts
 
 
 def reference(tree: Tree, job: Job) -> Manifest | None:
@@ -124,6 +138,8 @@ def repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str, 
     """--resume on an output whose manifest is this job's: re-check every file against it and write
     again, from the source, only what fails (`repair`). COMPLETE goes first and comes back last, so
     a repair stopped part-way is an unfinished output that the next --resume finishes."""
+    # the parts as the manifest groups them: an output written before parts were grouped by shards keeps its own
+    job = replace(job, parts=manifest_parts(manifest, job))
     tree = Tree(out)
     summary = Summary(out, job.cid)
     planned = planned_files(job)

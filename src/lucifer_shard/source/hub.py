@@ -15,7 +15,7 @@ the Hub publishes for that commit before a byte of it is used (`HubRepo.check`):
 its SHA-256, config.json, the index and the tokenizer files (git files) against their git blob id. So a
 Hub that answers one file with other bytes on a later request (or other bytes of the same size) cannot
 give the plan one config.json and OUT another. A download stopped part-way is continued by the next
-run (`download_resumed`), shared with `fetch`.
+run (`download_resumed`, shared with `fetch`; how the bytes cross the link: `source.download`).
 
 The download folder holds only what this tool downloaded for one repo at one commit (a marker file
 says which); shards are removed from it as soon as no later part needs them, never from the user's
@@ -38,13 +38,13 @@ from ..errors import EnvironmentRefused, SourceError, UsageRefused
 from ..formats.stheader import MAX_HEADER_BYTES, Header, HeaderError, parse_header
 from ..guarded_io import Tree, open_regular
 from ..stops import stop_behind
+from .download import HASH_BLOCK, transfer
 
 NOT_HERE = "no such directory here, and as a Hugging Face repo id"
 
 logger = logging.getLogger("lucifer_shard.hub")  # -v: each shard's download, -vv: its SHA-256 check
 MARKER = "lucifer-download.json"
 HEADER_GUESS = 1 << 18  # first ranged read of a shard; a larger header takes one more request
-HASH_BLOCK = 16 << 20
 RETRY = "run the same command again (it reads the file anew), and if it fails again, report it to the repo's owner"
 READ_BLOCK = 1 << 16  # a ranged read's body is taken this much at a time, never more than was asked for
 SAME = "then run the same command again"
@@ -296,72 +296,30 @@ def cached_snapshot(repo: HubRepo, names: list[str]) -> Path | None:
 
 def download_resumed(repo: str, commit: str, name: str, tree: Tree, rel: str, size: int,
                      report: Callable[[int], None], sync: bool = False) -> str | None:
-    """File `name` of `repo` at `commit` into `tree`'s `rel`, continuing the bytes a stopped run left there
-    with a Range request, through huggingface_hub's own `http_get(resume_size=)` (its URL, headers,
-    retries and range handling); `report(n)` gets the bytes as they come (those already there first).
-    Not `hf_hub_download(local_dir=)`: huggingface_hub 2.4.0 writes each download to a process-unique
-    `<etag>.<uuid>.incomplete` opened "wb" (file_download.py `_download_to_tmp_and_move`), so a killed run
-    would start the file again from byte 0. `sync`: flushed to the disk (for a file published by a link).
-    Returns the file's SHA-256, hashed as its bytes were written (no second read), or None where
-    http_get rewound the file (a server that ignored the range): then the caller hashes it."""
+    """File `name` of `repo` at `commit` into `tree`'s `rel`, at the Hub's own speed (`source.download.download_route`):
+    a Xet-stored file through huggingface_hub's `xet_get` (hf_xet); any other in blocks of `BLOCK` bytes,
+    up to `WORKERS` ranged GETs at once (as snapshot_download's workers; a CDN caps each connection, not
+    the link), each through huggingface_hub's own `http_get` (its headers, retries and range handling),
+    written to the file in order by one writer, so the file on disk is always a whole prefix: a stopped
+    run's bytes are continued from where they end. Not `hf_hub_download(local_dir=)`: huggingface_hub
+    2.4.0 writes each download to a process-unique `<etag>.<uuid>.incomplete` opened "wb"
+    (file_download.py `_download_to_tmp_and_move`), so a killed run would start the file again from byte 0.
+    `report(n)` gets the bytes as they come (those already there first). `sync`: flushed to the disk (for a
+    file published by a link). Returns the file's SHA-256, hashed as its bytes were written (no second
+    read), or None for a Xet download (hf_xet writes the file itself): then the caller hashes it."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
     def get() -> str | None:
         headers = build_hf_headers()
-        location = get_hf_file_metadata(hf_hub_url(repo, name, revision=commit), headers=headers).location
-        with os.fdopen(tree.open_own(rel, os.O_RDWR), "r+b") as f:
-            have = f.seek(0, os.SEEK_END)
-            if have > size:  # not a start of this file: begin again
-                have = f.seek(0)
-                f.truncate()
-            out = _Hashing(f, have, size, f"{name} of {repo} at {commit[:12]}")
-            report(have)
-            if have < size:
-                http_get(location, out, resume_size=have, headers=headers, expected_size=size, displayed_filename=name,
-                         tqdm_class=_bar(report))
-            if sync:
-                f.flush()
-                os.fsync(f.fileno())
-            return out.sha.hexdigest() if out.whole else None
+        metadata = get_hf_file_metadata(hf_hub_url(repo, name, revision=commit), headers=headers)
+        return transfer(metadata, headers, tree, rel, size, name, f"{name} of {repo} at {commit[:12]}", report, sync)
 
     def kept() -> str:
         st = tree.lstat(rel)
         have = st.st_size if st is not None else 0
         return f"{have:,} of its {size:,} bytes are kept in {tree.path(rel)} (the next run continues from them)"
     return guarded(repo, commit, name, get, kept)
-
-
-class _Hashing:
-    """The file http_get writes into, hashing (SHA-256) the bytes already there and each write, so a
-    download is checked without reading it again; a seek or truncate (http_get rewinds when a server
-    ignored the range) leaves the hash incomplete (`whole` False). A write past the file's published
-    `size` is refused as it comes: a server that sends more than the file never fills the disk."""
-
-    def __init__(self, f, have: int, size: int, shown: str):
-        self.f, self.sha, self.whole, self.size, self.shown = f, hashlib.sha256(), True, size, shown
-        f.seek(0)
-        while f.tell() < have and (chunk := f.read(min(HASH_BLOCK, have - f.tell()))):
-            self.sha.update(chunk)
-
-    def write(self, data: bytes) -> int:
-        if self.f.tell() + len(data) > self.size:
-            raise SourceError(f"{self.shown}: the endpoint sent more than the {self.size:,} bytes the Hub publishes "
-                              f"for it; refused before writing them (check HF_ENDPOINT)")
-        self.sha.update(data)
-        return self.f.write(data)
-
-    def tell(self) -> int:
-        return self.f.tell()
-
-    def seek(self, *args: int) -> int:
-        self.whole = False
-        return self.f.seek(*args)
-
-    def truncate(self, *args: int) -> int:
-        self.whole = False
-        return self.f.truncate(*args)
 
 
 def _sha256(path: Path) -> str:
@@ -497,19 +455,3 @@ class DownloadFolder:
             Tree(self.root.parent).remove_dir(self.root.name)
         self._lock.close()
         self._lock = None
-
-
-def _bar(report: Callable[[int], None]) -> type:
-    """A tqdm class for huggingface_hub's download that shows nothing and reports each update: the
-    download is shown on the command's one progress line, not as a bar of its own per file."""
-    from tqdm.auto import tqdm
-
-    class Forward(tqdm):
-        def __init__(self, *args, **kwargs):
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-
-        def update(self, n: float | None = 1) -> None:
-            report(int(n or 0))
-
-    return Forward
