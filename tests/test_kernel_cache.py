@@ -338,3 +338,16 @@ def test_a_link_in_the_run_root_at_a_start_is_moved_aside_with_the_rest(share, t
     s = start(share)
     assert s.warm and "the previous run/ kept as run." in s.line, s.line
     assert tree_of(share / "kernel-cache" / "run") == COMPILED and (tmp_path / "elsewhere").read_bytes() == b"outside"
+
+
+def test_convert_force_keeps_the_kernel_caches_and_verify_passes_beside_them(converted, tiny_pattern, tmp_path):
+    """kernel-cache/ is serve's, recorded apart from the conversion: `convert --force` neither refuses it as
+    foreign nor deletes it (a start whose key no longer matches starts cold), and verify passes beside it."""
+    out = Path(shutil.copytree(converted(arch="sm120"), tmp_path / "out"))
+    compile_into(out)
+    cached = sorted(p.relative_to(out) for p in (out / okc.CACHE_DIR).rglob("*"))
+    r = run("convert", "--tp", 3, "--arch", "sm120", tiny_pattern, out, "--force")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.relative_to(out) for p in (out / okc.CACHE_DIR).rglob("*")) == cached
+    r = run("verify", out)
+    assert r.exit_code == 0, r.output

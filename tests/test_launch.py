@@ -315,12 +315,12 @@ def test_per_node_link_values_are_refused_when_they_cannot_work(converted, tmp_p
     assert not (tmp_path / "L").exists() and not (Path.cwd() / "PWN").exists()
 
 
-def test_the_host_ip_reaches_vllm_and_one_not_of_this_host_is_refused(converted, monkeypatch):
+def test_the_host_ip_reaches_vllm_and_one_not_of_this_host_is_refused(converted, monkeypatch, tmp_path):
     ran = []
     monkeypatch.setattr(doctor, "quick_checks", lambda out, mtp=False, node_ranks=None, manifest=None:
                         [Check("vllm", OK, "vetted build")])
     monkeypatch.setattr(serve, "exec_vllm", lambda argv, env: ran.append(env))
-    base = ["serve", converted(), "--nnodes", 1, "--node-rank", 0, "--master-addr", ADDR]
+    base = ["serve", own_copy(converted(), tmp_path / "out"), "--nnodes", 1, "--node-rank", 0, "--master-addr", ADDR]
     r = run(*base, "--host-ip", "0=127.0.0.1")  # node 0's own value, from a line every node can share
     assert r.exit_code == 0 and ran[0]["VLLM_HOST_IP"] == "127.0.0.1", r.output
     r = run(*base, "--host-ip", "192.0.2.1")  # TEST-NET-1: no host's address

@@ -4,7 +4,9 @@ The conversion record (`.lucifer/conversion.json`), written before the first ran
 file the conversion writes; the manifest and the journal list rank files too. Those files (regular
 files only, and their `.partial` temporaries), the state files and the folders holding them are
 the tool's. Anything else in OUT (a user's file, a symlink, a FIFO, a mounted filesystem, a listed
-name that is a directory) is not, and `--force` refuses to run while it is there, naming it.
+name that is a directory) is not, and `--force` refuses to run while it is there, naming it. serve's
+kernel caches (`kernel-cache/`: compiled code, recorded apart from the conversion) are neither: `--force`
+keeps them, and a start whose key no longer matches the new conversion starts cold beside them.
 
 Clearing deletes COMPLETE first and the record last, so a clearing that stops half-way (EPERM on
 an immutable file, SIGKILL) leaves an OUT whose record still lists what is left: the same
@@ -23,6 +25,7 @@ from pathlib import PurePosixPath
 from ..errors import OutputError
 from ..guarded_io import Refused, Tree, kind, mount_points, partial_name
 from ..outnames import MANIFEST_NAME, STATE_DIR, SIDE_FILES
+from ..output.kernel_cache import CACHE_DIR
 from ..output.manifest import CARD_NAME, COMPLETE_NAME, RECORD_REL
 from ..output.outlock import LOCK_NAME
 from ..output.share import SHARE_NAME
@@ -162,6 +165,8 @@ def plan_clearing(tree: Tree) -> Clearing:
             continue  # inside something foreign: the folder is named already
         if rel == LOCK_REL and stat.S_ISREG(st.st_mode):
             continue  # held by this process
+        if rel == CACHE_DIR or rel.startswith(f"{CACHE_DIR}/"):
+            continue  # serve's kernel caches: kept (module docstring)
         if rel in mounts:
             plan.foreign.append(f"{rel} (another filesystem mounted there)")
             foreign.add(rel)
