@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import stops
 from ..model import footprint
 from ..model.config import ModelConfig
 from ..model.layouts import Layout, tensor_layouts
@@ -196,7 +197,9 @@ def prepare(model: str, options: Options, revision: str | None = None, download_
     origin = {"repo": None, "revision": None}
     on_disk = True
     if is_repo_id(model):
-        ckpt = open_remote(model, revision, download_to, roles, before_headers)
+        # its requests on a thread joined in slices: a slow or stalled Hub never holds a stop
+        ckpt = stops.joined(lambda: open_remote(model, revision, download_to, roles, before_headers),
+                            "lucifer-hub-open")
         on_disk = ckpt.hub is None  # all of it in the Hugging Face cache: read in place
         origin = {"repo": model, "revision": ckpt.hub.commit if ckpt.hub else ckpt.root.name}
     else:

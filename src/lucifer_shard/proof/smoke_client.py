@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, NoReturn
 from urllib.parse import urlsplit
 
+from .. import stops
 from ..errors import ServerError, UsageRefused
 from .smoke import (FAIL, INFO, Check, MetricsError, Report, Restarted, SpecCounters, Stream, acceptance,
                     counter_delta, draft_checks, latency, model_check, parse_metrics, repeat_check, spec_counters)
@@ -207,6 +208,7 @@ class _Exchange:
                     raise ServerError(f"{self.server.url}: the connection broke during {self.server.step} (the "
                                       f"answer ended {self.resp.length} bytes short); is the server still running?")
                 return
+            stops.check()
             yield data
 
     def text(self) -> str:

@@ -37,6 +37,7 @@ from pathlib import Path
 from ..errors import EnvironmentRefused, SourceError, UsageRefused
 from ..formats.stheader import MAX_HEADER_BYTES, Header, HeaderError, parse_header
 from ..guarded_io import Tree, open_regular
+from .. import stops
 from ..stops import stop_behind
 
 NOT_HERE = "no such directory here, and as a Hugging Face repo id"
@@ -346,6 +347,7 @@ class _Hashing:
             self.sha.update(chunk)
 
     def write(self, data: bytes) -> int:
+        stops.check()  # a stop ends a download in flight; its bytes stay for the next run
         if self.f.tell() + len(data) > self.size:
             raise SourceError(f"{self.shown}: the endpoint sent more than the {self.size:,} bytes the Hub publishes "
                               f"for it; refused before writing them (check HF_ENDPOINT)")
