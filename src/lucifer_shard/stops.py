@@ -1,15 +1,20 @@
-"""A stop (Ctrl-C, SIGTERM) for the whole life of a `lucifer-shard` process: outside a command's run a signal
-only sets a flag, so it never lands as a traceback in an import, in click's parsing or in the interpreter's
-exit; the command's own handler (cli/console.py) raises the one recorded before it began, and a stop after
-the command has finished ends the process at once, its output complete. A second signal always ends it at once.
-Below every room: the process's entry point (cli/entry.py) and the console share it."""
+"""A stop (Ctrl-C, SIGTERM) for the whole life of a `lucifer-shard` process is a flag: the handler only records
+the signal, so a stop never lands as an exception in an import, a lock, a close or a progress bar (Python's
+documentation advises complex programs to do so). The work looks at the flag where it is (`check`: each part
+and chunk written, read, hashed, copied or compared, each slice of a wait, `joined` for a call that blocks) and
+raises the recorded stop there; the command then ends with its own message (cli/console.py). A stop after the
+command has finished ends the process at once, its output complete. A second signal always ends it at once,
+whatever it is doing. Below every room: every room, the entry point (cli/entry.py) and the console share it."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
-from typing import NoReturn
+import threading
+from collections.abc import Callable, Iterator
+from typing import NoReturn, TypeVar
 
 from .errors import BROKEN_PIPE
 
@@ -22,7 +27,10 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (what containers and systemd send), raised where Ctrl-C would be: the same clean stop."""
 
 
+SLICE_S = 0.05  # a wait that a stop must not hold is cut into slices this long, the flag checked after each
+T = TypeVar("T")
 _received: list[int] = []
+_answered: list[bool] = []  # the first stop was raised and the command ended with its message
 
 
 def stop_behind(e: BaseException) -> KeyboardInterrupt | None:
@@ -53,11 +61,61 @@ def pending() -> KeyboardInterrupt | None:
 
 
 def check() -> None:
-    """Raise the stop recorded so far, if any: called at each chunk of a loop that moves data, so a stop
-    ends it within one chunk."""
-    stop = pending()
-    if stop is not None:
-        raise stop
+    """Raise the stop recorded so far, if any (any thread: a worker's stop reaches the main thread through its
+    future or the wait that joins it). Called where the work is, never from the handler."""
+    if _received:
+        raise pending()
+
+
+def answered() -> None:
+    """The command ended with its stop's message: the process leaves with its exit code and no further line."""
+    _answered.append(True)
+
+
+def joined(call: Callable[[], T], name: str) -> T:
+    """`call()` run on a daemon thread and waited for in slices of SLICE_S, the flag checked after each: a call
+    that blocks where no check can run (a download waiting on the network, huggingface_hub's thread map) and
+    that a stop must not wait for. On a stop the thread is left to end with the process (what it wrote is a
+    download's resumable bytes); its exception is raised here."""
+    done: list = []
+
+    def run() -> None:
+        try:
+            done.append((True, call()))
+        except BaseException as e:  # handed to the waiting thread
+            done.append((False, e))
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(SLICE_S)
+        check()
+    ok, value = done[0]
+    if not ok:
+        raise value
+    return value
+
+
+@contextlib.contextmanager
+def recorded() -> Iterator[None]:
+    """While a command runs in the main thread: a stop is recorded (a second ends the process) and the one
+    recorded before it began is raised at once. Afterwards the handlers found are back; where they were not
+    the console script's (a command run inside another program: the tests' CliRunner) its stops were this
+    command's alone and are forgotten. In another thread signals stay as they are."""
+    try:
+        previous = {s: signal.signal(s, _record) for s in STOP_SIGNALS}
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        check()
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if previous[signal.SIGINT] is not _record:
+            _received.clear()
+            _answered.clear()
 
 
 def end_now(signum: int, why: str) -> NoReturn:
@@ -97,7 +155,7 @@ def exit_now(code: int | str | None) -> NoReturn:
     ends it at once with its line."""
     for s in STOP_SIGNALS:
         signal.signal(s, _after)
-    if _received:
+    if _received and not _answered:
         end_now(_received[0], "stopped after the command had finished: its output above is complete")
     if isinstance(code, str):  # as the interpreter does with a message for an exit code
         print(code, file=sys.stderr)

@@ -26,7 +26,6 @@ The console lives in the click context's `meta` (shared by a command and its gro
 """
 from __future__ import annotations
 
-import concurrent.futures.thread
 import contextlib
 import errno
 import functools
@@ -34,10 +33,7 @@ import json
 import logging
 import math
 import os
-import queue
-import signal
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
@@ -261,54 +257,8 @@ def _link(e: BaseException, command: str) -> LuciferError | None:
     return link_fault(e, f"lucifer-shard {command}")
 
 
-STOP_AGAIN_S = 0.05  # a stop that lands where it may not be raised is sent again this often
-# Where a raised stop can leave a lock held (the standard library's thread primitives take their locks in
-# Python, a stop between the acquire and the `with` leaves it taken: a worker then waits on it for ever).
-_THREAD_PRIMITIVES = {m.__file__ for m in (threading, queue, concurrent.futures._base, concurrent.futures.thread)}
-
-
-def _unsafe_to_raise(frame) -> bool:
-    """Whether `frame` (where a signal landed) is inside an import (under a frame of importlib's
-    bootstrap) or inside the standard library's thread primitives."""
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if name.startswith("<frozen importlib") or name in _THREAD_PRIMITIVES:
-            return True
-        frame = frame.f_back
-    return False
-
-
-@contextlib.contextmanager
-def _stops_interrupt():
-    """While a command runs, Ctrl-C raises KeyboardInterrupt and SIGTERM raises Terminated in the main
-    thread, but not inside an import, where a stop comes out wrapped (the RuntimeError of a class being
-    built) or, under a C++ extension's import (torch's pybind11), aborts the process, nor inside a lock,
-    queue or future of the standard library (`_THREAD_PRIMITIVES`); there it is sent again every
-    STOP_AGAIN_S until it lands outside. Elsewhere (a command run from a worker thread) signals stay as
-    they are."""
-    def handler(signum, frame):
-        if _unsafe_to_raise(frame):
-            again = threading.Timer(STOP_AGAIN_S, os.kill, (os.getpid(), signum))
-            again.daemon = True
-            again.start()
-            return
-        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
-    try:
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        if (stop := stops.pending()) is not None:  # recorded before the command began (cli/entry.py)
-            raise stop
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
 def _stopped(con: Console, stop: KeyboardInterrupt, message: str) -> NoReturn:
+    stops.answered()
     kind = "terminated" if isinstance(stop, Terminated) else "interrupted"
     con.fail(message, ERROR_KINDS[kind][0], kind, line=message)
 
@@ -371,7 +321,8 @@ def conventions(interrupted: str) -> Callable:
                 con.verbosity = -1 if quiet else verbose
                 _configure_logging(con.verbosity)
                 _log_parameters(ctx)
-                with _stops_interrupt(), _hub_bars(con.verbosity >= 0 and not as_json):
+                # a stop is a flag, raised where the work checks it (stops.py)
+                with stops.recorded(), _hub_bars(con.verbosity >= 0 and not as_json):
                     f(*args, **kwargs)
             except LuciferError as e:
                 con.fail(str(e), e.exit_code, e.kind)

@@ -314,7 +314,7 @@ class EngineSourceReader:
     def close(self) -> None:
         with self._lock:
             fds = [f for f, _, _ in self._fds.values()] + self._retired
-            self._fds.clear()  # forgotten first: a stop during the closes never closes one twice
+            self._fds.clear()  # forgotten first: a failing close is never retried on another thread's number
             self._retired.clear()
             for fd in fds:
                 os.close(fd)

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import stops
 from ..outnames import STATE_DIR
 from ..source.checkpoint import download_whole
 from ..source.streaming import peak_bytes, stream_order
@@ -112,8 +113,8 @@ class SourceFeed:
             self._keep()
         elif self.stream:
             self.folder.claim()
-            for name in self.job.ckpt.side:
-                self.folder.fetch(name)
+            for name in self.job.ckpt.side:  # joined in slices: a stalled link never holds a stop
+                stops.joined(lambda name=name: self.folder.fetch(name), "lucifer-download")
             first: dict[str, int] = {}
             for i, part in enumerate(self.order):
                 for f in part_files(self.job, part):
@@ -214,10 +215,10 @@ class _Downloads:
         with self.cond:
             self.current = index
             self.cond.notify_all()
-        # polled with a sleep in this frame, not waited for in threading's: a Ctrl-C or SIGTERM is held back
-        # inside the standard library's thread primitives (cli.console), so while a download waits out a
-        # read timeout the stop lands here and ends the run as the stop, before the link's error comes
+        # polled in slices, the stop flag checked after each: a download stalled on the network, or waiting out
+        # a read timeout, never holds a stop (the daemon thread ends with the process; its bytes are resumed)
         while True:
+            stops.check()
             with self.cond:
                 if self.error is not None:
                     raise self.error

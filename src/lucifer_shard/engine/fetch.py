@@ -40,6 +40,7 @@ from pathlib import Path, PurePosixPath
 from blake3 import blake3
 
 from .. import __version__
+from .. import stops
 from ..errors import MismatchError, OutputError, UsageRefused
 from ..formats.stheader import HeaderError, read_header
 from ..guarded_io import JSON_LIMIT, Tree, open_regular, read_regular
@@ -330,7 +331,9 @@ def _download_rank_file(pub: Published, staging: Tree, want: Want, bar) -> None:
     """Download `want` into the download area, continuing the bytes an earlier run left there, and flush
     it to the disk (the link to come publishes bytes that are on the disk)."""
     try:
-        download_resumed(pub.repo, pub.commit, want.rel, staging, want.rel, want.bytes, bar.update, sync=True)
+        # off the main thread, joined in slices: a stalled link never holds a stop (its bytes stay for the next run)
+        stops.joined(lambda: download_resumed(pub.repo, pub.commit, want.rel, staging, want.rel, want.bytes,
+                                              bar.update, sync=True), "lucifer-fetch")
     except LinkFault as e:
         raise e.then(AGAIN) from None
 
@@ -348,6 +351,7 @@ def _check_staged(pub: Published, staging: Tree, want: Want) -> None:
             digest, header_problem = None, f"unreadable safetensors header ({e.reason})"
         sha = hashlib.sha256()
         while chunk := os.read(fd, CHUNK):
+            stops.check()
             sha.update(chunk)
             if digest is not None:
                 digest.update(chunk)

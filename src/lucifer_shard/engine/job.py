@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .. import stops
 from ..model import footprint
 from ..model.config import ModelConfig
 from ..model.layouts import Layout, tensor_layouts
@@ -245,7 +246,8 @@ def prepare(model: str, options: Options, revision: str | None = None, download_
     on_disk = True
     if is_repo_id(model):
         planned = planned or plan_remote(model, options, revision)
-        ckpt = open_remote(planned.remote, download_to, roles)
+        # its requests on a thread joined in slices: a slow or stalled Hub never holds a stop
+        ckpt = stops.joined(lambda: open_remote(planned.remote, download_to, roles), "lucifer-hub-open")
         # the index is in: the parts grouped by the shards that hold them (the plan and specs stay)
         planned = replace(planned, parts=_parts(planned.specs, options, _shard_of(ckpt)))
         on_disk = ckpt.hub is None  # all of it in the Hugging Face cache: read in place

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
+from .. import stops
 from ..errors import Locked, MismatchError, OutputError, UsageRefused
 from ..formats.stheader import Header, HeaderError, read_header
 from ..guarded_io import Refused, Tree, naming, write_all
@@ -321,6 +322,7 @@ def _copy(src: Tree, tree: Tree, want: Want, fix: str) -> str:
 
         def write(fd: int) -> None:
             while True:
+                stops.check()
                 with naming(src.path(want.rel)):  # a read OUT's disk refuses names OUT's file, not DEST's
                     chunk = os.read(fd_in, CHUNK)
                 if not chunk:
@@ -362,6 +364,7 @@ def file_problem(tree: Tree, want: Want) -> str | None:
             return problem
         digest = ManifestDigest(header)
         while chunk := os.read(fd, CHUNK):
+            stops.check()
             digest.update(chunk)
         if digest.pos != want.bytes:
             return size_problem(digest.pos, want.bytes)
@@ -443,6 +446,7 @@ def _digest(tree: Tree, rel: str) -> str:
     fd = tree.open_read(rel)
     try:
         while chunk := os.read(fd, CHUNK):
+            stops.check()
             h.update(chunk)
         return h.hexdigest()
     finally:

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from blake3 import blake3
 
+from .. import stops
 from ..formats.dtypes import DTYPE_SIZE
 from ..formats.stheader import META_CONTENT, read_header
 from ..guarded_io import Tree, partial_name
@@ -290,7 +291,7 @@ class StreamWriter(StreamHasher):
             raise OSError(e.errno, e.strerror, str(self._tmp)) from None
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written and synced: clean, droppable
-        fd, self._fd = self._fd, None  # before the close: a stop landing after it must not close it twice
+        fd, self._fd = self._fd, None  # before the close: never closed twice, even if the close fails
         os.close(fd)
         self._stage = None
         self.tree.rename(self._tmp_rel, self.rel)
@@ -315,6 +316,7 @@ def hash_file(tree: Tree, rel: str, block: int = 16 << 20) -> tuple[str, dict[st
             pos, end = header.data_start + t.start, header.data_start + t.end
             h = blake3(max_threads=blake3.AUTO)
             while pos < end:
+                stops.check()  # a --resume's survey of a large output stops between blocks
                 data = os.pread(fd, min(block, end - pos), pos)
                 if not data:
                     raise ValueError(f"{tree.path(rel)}: truncated inside tensor {name!r}")

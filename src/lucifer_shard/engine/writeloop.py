@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import stops
 from ..errors import fault
 from ..guarded_io import Tree, naming, partial_name, write_all
 from ..model.layouts import Layout
@@ -118,6 +119,7 @@ class WriteLoop:
               check: Check | None = None, hashed: list[int] = ()) -> dict[str, JournalEntry]:
         """Write `part` on `ranks` and hash it on `hashed` (`_write_part`), publish its files and journal
         them all; their journal entries by path."""
+        stops.check()
         files, sources = _write_part(self.job, self.out, part, self.bar, self.pools, digests, ranks, check, hashed)
         self.summary.bytes_read += sum(self.sizes[k] for k in sources)
         return _journal_part(self.journal, self.out, part, files, sources, self.summary)
@@ -253,6 +255,7 @@ def _pump(stream, sinks: dict[int, _RankSink], buffers: EngineBufferPool, bar) -
     """Hand every assembled chunk to its rank's writer (or hasher) and wait for them all; a rank neither
     written nor hashed (a repair: its file is sound) gives its buffer back."""
     for (name, layout), bufs in stream:
+        stops.check()  # a stop ends the part here, its temporary files removed (`_abort`)
         for rank, buf in enumerate(bufs):
             if rank in sinks:
                 sinks[rank].put(name, buf, layout)

@@ -139,7 +139,7 @@ class OutLock:
                 remove_empty_dir(self.out)
         else:
             os.ftruncate(self.fd, 0)  # a clean release leaves no holder record behind
-        fd, self.fd = self.fd, None  # before the close: a stop landing after it must not close it twice
+        fd, self.fd = self.fd, None  # before the close: never closed twice, even if the close fails
         os.close(fd)
 
     def __enter__(self) -> "OutLock":

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .. import stops
 from ..errors import LuciferError, OutputError, SourceError
 from ..model.tensorspecs import draft_prefixes
 from ..output.manifest_types import source_model
@@ -453,6 +454,7 @@ def check_numerics(out: Path, model: str | None = None, layers: str | list[int] 
 
     try:
         for layer in tqdm(ids, desc="check-numerics", unit="layer", disable=not progress):
+            stops.check()
             inp = make_inputs(cfg.hidden_size, cfg.n_experts, cfg.top_k, heads, cfg.head_dim, tokens,
                               seed * 1_000_003 + layer)
             report.results.extend(check_layer(ckpt, output, layer, inp, model))

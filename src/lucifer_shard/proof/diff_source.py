@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import stops
 from ..errors import MismatchError, NoRoom, UsageRefused
 from ..formats.dtypes import CONVERSIONS, InexactConversion, convert_bytes, DTYPE_SIZE
 from ..guarded_io import JSON_LIMIT, Refused, read_regular
@@ -138,6 +139,7 @@ class ChunkSources:
 
     def __init__(self, reader: ProofSourceReader, regions: dict[tuple[str, int, int], bool]):
         """`regions`: each region, and whether its bytes feed the content digest."""
+        stops.check()  # each chunk of diff begins here, on the main thread
         self.reader = reader
         self._digested = regions
         self._where: dict[tuple[str, int, int], tuple[Future, int]] = {}
@@ -294,7 +296,8 @@ class SourceStream:
         if not self.opened:
             self.folder.claim()
             self.opened = True
-        return self.folder.fetch(name)
+        # off the main thread, joined in slices: a stalled link never holds a stop (its bytes stay for the next run)
+        return stops.joined(lambda: self.folder.fetch(name), "lucifer-download")
 
     def order(self, work: list, reader: ProofSourceReader) -> list:
         """`work` (diff's groups) in the order that holds fewest shards at once; refused before any

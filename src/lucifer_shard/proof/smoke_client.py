@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import httpx2
 
+from .. import stops
 from ..errors import ServerError, UsageRefused
 from .smoke import (FAIL, INFO, Check, MetricsError, Report, Restarted, SpecCounters, Stream, acceptance,
                     counter_delta, draft_checks, latency, model_check, parse_metrics, repeat_check, spec_counters)
@@ -254,6 +255,7 @@ class _Exchange:
                 self._broke(e)
             if self.cut:
                 self.server._timed_out()
+            stops.check()
             yield item
         if self.cut:  # a shut socket can read as the body's end
             self.server._timed_out()

@@ -26,6 +26,7 @@ import numpy as np
 from blake3 import blake3
 from tqdm import tqdm
 
+from .. import stops
 from ..errors import OutputError
 from ..guarded_io import naming
 from ..model.layouts import layout_by_name
@@ -154,6 +155,7 @@ def _verify_open_file(limit: int, rf: RankFile, entry: FileRecord, role: str, ra
                                                info.zero_regions)
         h = blake3(max_threads=blake3.AUTO)
         for a, b in tensor_chunks(ht, chunk_bytes):
+            stops.check()  # on a worker: the stop reaches the main thread through the file's future
             stored = read_rows(rf.fd(), ht.start, ht.shape, ht.item, a, b,
                                scratch("read", (b - a) * ((ht.end - ht.start) // max(1, ht.shape[0]))))
             h.update(stored)

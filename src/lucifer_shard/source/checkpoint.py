@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
+from .. import stops
 from ..errors import SourceError, UsageRefused
 from ..formats.stheader import Header, HeaderError, read_header
 from ..guarded_io import JSON_LIMIT, kind, open_regular, read_regular
@@ -363,8 +364,9 @@ def open_source(model: str, revision: str | None = None, roles: tuple[str, ...] 
                 download_to: Path | None = None) -> Checkpoint:
     """MODEL opened without a weight read or downloaded: a local directory, or a repo id (`open_remote`:
     read in place from the Hugging Face cache where it holds all of it, else to be downloaded)."""
-    if is_repo_id(model):
-        return open_remote(remote_config(model, revision), download_to, roles)
+    if is_repo_id(model):  # its requests on a thread joined in slices: a slow or stalled Hub never holds a stop
+        return stops.joined(lambda: open_remote(remote_config(model, revision), download_to, roles),
+                            "lucifer-hub-open")
     return open_checkpoint(resolve_model(model, revision), roles)
 
 
@@ -376,8 +378,10 @@ def download_whole(ckpt: Checkpoint, roles: tuple[str, ...] = ROLES) -> Checkpoi
 
     hub = ckpt.hub
     names = [*ckpt.files, *ckpt.side, *([INDEX_NAME] if INDEX_NAME in hub.files else [])]
-    root = Path(guarded(hub.repo, hub.commit, "the checkpoint", lambda: snapshot_download(
-        hub.repo, revision=hub.commit, allow_patterns=names),
+    # off the main thread, joined in slices: a stop never waits for huggingface_hub's thread map (the files it
+    # finished stay in the cache, and it continues the others)
+    root = Path(guarded(hub.repo, hub.commit, "the checkpoint", lambda: stops.joined(lambda: snapshot_download(
+        hub.repo, revision=hub.commit, allow_patterns=names), "lucifer-snapshot"),
         lambda: f"the files it finished are kept in the Hugging Face cache ({constants.HF_HUB_CACHE})"))
     local = open_checkpoint(root, roles)
     _check_snapshot(hub, local)
