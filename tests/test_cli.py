@@ -343,7 +343,7 @@ def test_ctrl_c_message_per_command(command, converted, tiny_pattern, tmp_path, 
     message = message.format(**fill)
     assert r.exit_code == 130 and r.output.strip() == message, r.output
     doc = envelope(run(*argv, "--json"))
-    assert doc["error"] == {"kind": "interrupted", "message": message, "exit_code": 130}
+    assert doc["error"] == {"kind": "interrupted", "message": message, "exit_code": 130, "remedy": None}
 
 
 def test_verbose_logs_and_quiet_silences(tiny_pattern, tmp_path):

@@ -23,7 +23,7 @@ import pytest
 
 from lucifer_shard.cli import cli
 from lucifer_shard.cli.console import QUIET, SCHEMA_VERSION, exit_code_lines
-from lucifer_shard.errors import BROKEN_PIPE, ERROR_KINDS, exit_codes
+from lucifer_shard.errors import BROKEN_PIPE, ERROR_KINDS, Remedy, exit_codes
 
 from helpers import one_error, run, scratch
 from vllmstandin import StandIn
@@ -168,7 +168,9 @@ def assert_fails(argv: list[str], kind: str, command: str):
         j = run(*placed)
         doc = strict(j.stdout)
         assert j.exit_code == code and not doc["ok"] and doc["command"] == command, (placed, j.stdout)
-        assert doc["error"] == {"kind": kind, "message": message, "exit_code": code}, doc["error"]
+        remedy = doc["error"]["remedy"]  # the row the line ends with, given apart
+        assert doc["error"] == {"kind": kind, "message": message, "exit_code": code, "remedy": remedy}, doc["error"]
+        assert remedy is None or message.endswith(str(Remedy(**remedy))), (message, remedy)
         assert one_error(j, code).removeprefix("error: ") == message
     return r
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import OutputError, SourceError, fault
+from ..errors import CONVERT_RESUME, OutputError, SourceError, fault
 from ..guarded_io import Tree
 from ..model.config import ModelConfig
 from ..model.options import Options
@@ -132,7 +132,7 @@ class _Writing:
     def _fault(self, err: OSError) -> BaseException:
         if err.errno in WRITE_LIMITS:
             return write_failed(err, self.out, self.left(), max(f.bytes for f in self.planned.values()))
-        return fault(err, "convert", "run the same command with --resume (finished files are kept)") or err
+        return fault(err, "convert", CONVERT_RESUME) or err
 
     def __enter__(self) -> _Writing:
         return self
