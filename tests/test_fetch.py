@@ -123,7 +123,7 @@ def test_a_file_the_hub_serves_changed_is_refused_by_name(published, tmp_path):
     assert r.returncode == 1, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: {REPO_ID}@{commit}:{rel}: SHA-256 ") and "the Hub publishes for it" in line
-    assert line.endswith("run the same fetch again (it downloads this file again)")
+    assert line.endswith("run the same fetch again (it resumes: files already checked are kept, a cut file continues)")
     refused_and_unpublished(dest, rel)
 
 
@@ -137,7 +137,7 @@ def test_a_published_file_that_is_not_the_manifests_is_refused_by_name(published
     dest = tmp_path / "from-dir"
     r = run("fetch", bad, dest, "--nnodes", 3, "--node-rank", 1)
     assert r.exit_code == 1 and r.stderr.startswith(f"error: {bad / rel}: not the bytes the manifest records"), r.output
-    assert f"{bad} is damaged; lucifer-shard verify {bad} names every problem" in r.stderr
+    assert f"{bad} is damaged; run lucifer-shard verify {bad} (it names every problem" in r.stderr
     refused_and_unpublished(dest, rel)
     dest = tmp_path / "from-hub"
     with HubServer({REPO_ID: bad}) as hub:

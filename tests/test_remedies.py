@@ -15,13 +15,13 @@ from helpers import REPO, one_error, run
 
 SRC = REPO / "src" / "lucifer_shard"
 COMMANDS = "plan|convert|diff|verify|inspect|check-numerics|synth|stage|fetch|doctor|serve|smoke"
-# A remedy spelled at its raise site: a command of the tool to run (not the one that holds a lock: "being
-# written by lucifer-shard convert"), or "run ... again", "convert again", "with --resume".
-SPELLED = re.compile(rf"(?<!by )(?<!another )(?<!a )lucifer-shard ({COMMANDS})\b|convert again|\brun (\S+ ){{0,4}}"
-                     rf"again\b|with --resume\b")
+# A remedy spelled at its raise site: a command of the tool to run (not one that holds a lock, "being
+# written by lucifer-shard convert", the output of one, or wrote a folder), or "run ... again", "convert again", "with --resume".
+SPELLED = re.compile(rf"(?<!by )(?<!another )(?<!a )(?<!of )lucifer-shard ({COMMANDS})\b(?! wrote)|convert again|"
+                     rf"\brun (\S+ ){{0,4}}again\b|with --resume\b")
 ERROR_CLASSES = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, LuciferError)}
 # Rooms whose raise sites still spell their remedies (being moved to the table room by room).
-NOT_YET = {"cli", "engine", "guarded_io.py", "model", "output", "proof", "runtime_shim", "source"}
+NOT_YET = {"cli", "guarded_io.py", "model", "output", "proof", "runtime_shim"}
 
 
 def _callee(call: ast.Call) -> str:
@@ -29,13 +29,21 @@ def _callee(call: ast.Call) -> str:
     return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
 
 
+def _clicks(exc: ast.expr) -> bool:
+    """A usage error of click's own (its text is click's usage, with the example of a command line)."""
+    return isinstance(exc, ast.Call) and isinstance(exc.func, ast.Attribute) and \
+        isinstance(exc.func.value, ast.Name) and exc.func.value.id == "click"
+
+
 def _remedy_texts(tree: ast.Module) -> list[ast.Constant]:
-    """The strings of every raise statement, every call of an error class or of errors.fault, and every
-    module-level constant in capitals (a remedy kept beside its raise sites)."""
-    sites = [n.exc for n in ast.walk(tree) if isinstance(n, ast.Raise) and n.exc is not None]
+    """The strings of every raise statement, every call of an error class or of errors.fault, and of every
+    module-level constant a raise site names (a remedy kept beside its raise sites)."""
+    sites = [n.exc for n in ast.walk(tree) if isinstance(n, ast.Raise) and n.exc is not None
+             and not _clicks(n.exc)]
     sites += [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _callee(n) in ERROR_CLASSES | {"fault"}]
+    named = {n.id for s in sites for n in ast.walk(s) if isinstance(n, ast.Name)}
     sites += [s.value for s in tree.body if isinstance(s, ast.Assign)
-              and all(isinstance(t, ast.Name) and t.id.isupper() for t in s.targets)]
+              and any(isinstance(t, ast.Name) and t.id in named for t in s.targets)]
     found = {id(c): c for s in sites for c in ast.walk(s) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
     return list(found.values())
 
@@ -62,7 +70,7 @@ def test_the_scan_finds_a_spelled_remedy(tmp_path):
         'from lucifer_shard.errors import OutputError\n'
         'AGAIN = "run the same fetch again"\n'
         'def f(out):\n'
-        '    raise OutputError(f"{out}: damaged; lucifer-shard verify {out} names every problem")\n'
+        '    raise OutputError(f"{out}: damaged; lucifer-shard verify {out} names every problem; {AGAIN}")\n'
         'def g(out):\n'
         '    raise OutputError(f"{out}: locked by lucifer-shard convert; wait")\n')
     assert sorted(h.split(":")[1] for h in spelled_remedies(tmp_path)) == ["2", "4"]
@@ -80,8 +88,8 @@ def test_each_row_is_used():
 def test_a_row_is_one_line_with_its_first_step_and_fills():
     row = Remedy("lucifer-shard verify {out}", "it names every problem")
     assert str(row.at(out="/o")) == "run lucifer-shard verify /o (it names every problem)"
-    assert str(row.at("let the writer finish", out="/o")) == ("let the writer finish, then run lucifer-shard "
-                                                              "verify /o (it names every problem)")
+    assert str(row.at(out="/o").after("let the writer finish", "fetch another copy")) == (
+        "let the writer finish, then run lucifer-shard verify /o (it names every problem), or fetch another copy")
     e = OutputError("/o: damaged", remedy=row.at(out="/o"))
     assert (str(e), e.message, e.remedy.command) == ("/o: damaged; run lucifer-shard verify /o (it names every "
                                                      "problem)", "/o: damaged", "lucifer-shard verify /o")

@@ -6,8 +6,8 @@ exit code, except `no_room`: plan, which only looks, reports it as a finding (1)
 
 A failure the user fixes by running a command also carries its `remedy`, a row of the table below
 (REMEDIES): the command to run and why it fixes the failure, each spelled once, whichever room raises
-it. The line ends with it (`<message>; run <command> (<why>)`) and `--json` gives it apart
-(cli/console.py renders both).
+it. The line ends with it (`<message>; <first>, then run <command> (<why>), or <instead>`) and
+`--json` gives it apart (cli/console.py renders both).
 """
 from __future__ import annotations
 
@@ -47,26 +47,38 @@ ERROR_KINDS: dict[str, tuple[int, str]] = {
 @dataclass(frozen=True)
 class Remedy:
     """The command that fixes a failure and why it does: a row of REMEDIES. `command` and `why` may name
-    `{placeholders}` the raise site fills (`at`); `first`: what must be done before it, if anything."""
+    `{placeholders}` the raise site fills (`at`); `first` and `instead`, the raise site's (`after`)."""
 
     command: str
     why: str = ""
     first: str = ""
+    instead: str = ""  # what else fixes it, where the command is not the only way
 
-    def at(self, first: str = "", **names: str) -> "Remedy":
-        """This row for one failure: its placeholders filled, what comes first said."""
-        return replace(self, command=self.command.format(**names), why=self.why.format(**names), first=first)
+    def at(self, **names: str) -> "Remedy":
+        """This row with its placeholders filled."""
+        return replace(self, command=self.command.format(**names), why=self.why.format(**names))
+
+    def after(self, first: str, instead: str = "") -> "Remedy":
+        """This row for one failure: what must be done before it, and what else would do."""
+        return replace(self, first=first, instead=instead)
 
     def __str__(self) -> str:
         run = f"run {self.command}" + (f" ({self.why})" if self.why else "")
-        return f"{self.first}, then {run}" if self.first else run
+        run = f"{self.first}, then {run}" if self.first else run
+        return f"{run}, or {self.instead}" if self.instead else run
 
 
 # ---------------------------------------------------------------- the remedies, each spelled once
 
 SAME_COMMAND = Remedy("the same command again")
-CONVERT_RESUME = Remedy("the same convert command with --resume", "it keeps the files that check and rewrites the rest")
-CHECK_AGAIN = Remedy("{command} again")
+COMMAND_AGAIN = Remedy("{command} again")
+READ_AGAIN = Remedy(SAME_COMMAND.command, "it reads the file anew; if it fails again, report it to the repo's owner")
+CONVERT_RESUME = Remedy("the same convert command with --resume", "it keeps what is finished and sound and writes the "
+                        "rest")
+CONVERT_AGAIN = Remedy("lucifer-shard convert again")
+FETCH_AGAIN = Remedy("the same fetch again", "it resumes: files already checked are kept, a cut file continues")
+VERIFY = Remedy("lucifer-shard verify {out}", "it names every problem and its fix")
+INSPECT = Remedy("lucifer-shard inspect {out}", "it shows the checkpoint it was converted from")
 
 # name -> row: the table (tests/test_remedies.py checks each row is used and no raise site spells its own)
 REMEDIES: dict[str, Remedy] = {name: r for name, r in globals().items() if isinstance(r, Remedy)}
@@ -225,7 +237,7 @@ def _memory(what: str, command: str, then: Remedy) -> "EnvironmentRefused":
         fix = f"raise ulimit -v to at least {_mib(ADDRESS_SPACE)} (ulimit -v {ADDRESS_SPACE >> 10})"
     return EnvironmentRefused(f"out of memory ({what}): {where}; lucifer-shard {command} keeps its memory under "
                               f"{MEMORY_BOUND} whatever the model's size, and an address-space limit also counts "
-                              f"the libraries and thread stacks it maps", remedy=replace(then, first=fix))
+                              f"the libraries and thread stacks it maps", remedy=then.after(fix))
 
 
 def fault(e: BaseException, command: str, then: Remedy = SAME_COMMAND) -> LuciferError | None:
@@ -244,10 +256,10 @@ def fault(e: BaseException, command: str, then: Remedy = SAME_COMMAND) -> Lucife
                                   f"{'no address-space limit' if space == resource.RLIM_INFINITY else _mib(space)} "
                                   f"(ulimit -v); lucifer-shard {command} runs worker threads and needs at "
                                   f"least {_mib(ADDRESS_SPACE)} of address space with them",
-                                  remedy=replace(then, first="raise the limits"))
+                                  remedy=then.after("raise the limits"))
     if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:
         where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
         line = f"{where or 'lucifer-shard ' + command}: {e.strerror}"
-        remedy = replace(then, first=ENVIRONMENT_ERRNOS[e.errno])
+        remedy = then.after(ENVIRONMENT_ERRNOS[e.errno])
         return NoRoom(line, remedy=remedy) if e.errno in DISK_FULL else EnvironmentRefused(line, remedy=remedy)
     return None

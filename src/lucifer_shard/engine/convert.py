@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import CONVERT_RESUME, OutputError, SourceError, fault
+from ..errors import CONVERT_RESUME, SAME_COMMAND, OutputError, Remedy, SourceError, fault
 from ..guarded_io import Tree
 from ..model.config import ModelConfig
 from ..model.options import Options
@@ -46,9 +46,6 @@ from .owned import RECORD_REL, clear, plan_clearing, read_json
 from .repair import check_content, reference, restore_copy, survey
 from .resumed import resumed_sources, stamped_sources
 from .writeloop import Summary, WriteLoop, logger, source_digests
-
-RESUME = "run the same command with --resume (finished files and downloaded bytes are kept)"
-
 
 def convert(model: str, out: Path, options: Options, resume: bool = False, force: bool = False,
             workers: int = 1, progress: bool = True, revision: str | None = None,
@@ -125,7 +122,7 @@ class _Writing:
         self.job, self.out, self.planned, self.left = job, out, planned, left
         self.feed: SourceFeed | None = None  # set once the parts to write are known
 
-    def check_room(self, left: list[int], given_back: int, then: str) -> None:
+    def check_room(self, left: list[int], given_back: int, then: Remedy) -> None:
         check_room(self.out, left, given_back, then)
         self.feed.check_room(left, given_back, then)
 
@@ -142,7 +139,7 @@ class _Writing:
             if isinstance(err, OSError):
                 raise self._fault(err) from None
             if isinstance(err, LinkFault):  # OUT holds this run's state now: the next run continues it
-                raise err.then(RESUME) from None
+                raise err.then(CONVERT_RESUME) from None
             if err is not None and self.feed is not None:
                 self.feed.close(wait=False)  # Ctrl-C, SIGTERM, a refused source: leave now
         finally:
@@ -181,7 +178,7 @@ def _repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str,
         left += [manifest.copies[name].bytes for name in rep.copies] + [len(job.cid) + 1]
         if not record_ok:
             left.append(len(record_text(conversion_record(job)).encode()))
-        writing.check_room(left, partial_bytes(out, job), "run the same command with --resume")
+        writing.check_room(left, partial_bytes(out, job), CONVERT_RESUME)
         remove_partials(out, job)  # the tool's own temporaries of a stopped run, not the output
         changed = False
 
@@ -252,7 +249,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
         left = sizes_to_write(job, planned, set(results), record)
         logger.info("room: %s to write, %s free on %s, %s given back by this run", size(sum(left)),
                     size(free_bytes(out)), filesystem(out), size(given_back))
-        writing.check_room(left, given_back, "run the same command" + (" with --resume" if results else ""))
+        writing.check_room(left, given_back, CONVERT_RESUME if results else SAME_COMMAND)
         if clearing is not None:
             clear(tree, clearing)
         tree.remove(COMPLETE_NAME)  # --resume of a finished output whose manifest is gone: not complete until the end

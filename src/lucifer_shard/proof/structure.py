@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..errors import CHECK_AGAIN, CONVERT_RESUME, OutputError, fault
+from ..errors import COMMAND_AGAIN, CONVERT_RESUME, OutputError, fault
 from ..formats.stheader import META_CONTENT, META_CONVERSION_ID, META_PART, META_RANK, META_ROLE, HeaderError
 from ..guarded_io import Refused, Tree
 from ..outnames import strays, MANIFEST_NAME, STATE_DIR
@@ -80,7 +80,7 @@ def open_files(report: Report, out: Path, manifest: Manifest, held: list[int] | 
             continue
         except OSError as e:  # the machine's fault (EIO, EACCES, EMFILE...), not a finding about OUT
             raise fault(OSError(e.errno, e.strerror, str(path)), command=report.command,
-                        then=CHECK_AGAIN.at(command=report.command)) or e from None
+                        then=COMMAND_AGAIN.at(command=report.command)) or e from None
         files[rel] = rf
         logger.info("%s rank %d %s: header of %d tensor(s), %d bytes", role, rank, rel, len(rf.tensors), rf.size)
         if rf.trailing:  # safetensors (and so vLLM) refuses a file with bytes after its data
