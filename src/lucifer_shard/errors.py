@@ -76,6 +76,11 @@ READ_AGAIN = Remedy(SAME_COMMAND.command, "it reads the file anew; if it fails a
 CONVERT_RESUME = Remedy("the same convert command with --resume", "it keeps what is finished and sound and writes the "
                         "rest")
 CONVERT_AGAIN = Remedy("lucifer-shard convert again")
+CONVERT_FORCE = Remedy("the same convert command with --force", "it replaces the output")
+NODE_CONVERT_RESUME = Remedy("the node's convert again with --resume", "the same command line, its --ranks or "
+                             "--nnodes/--node-rank: it rewrites only the files that fail")
+STAGE_AGAIN = Remedy("lucifer-shard stage OUT DEST {ranks}", "it replaces only the files that fail")
+FETCH_SHARE = Remedy("lucifer-shard fetch REPO DEST {ranks}", "it checks every file against the manifest")
 FETCH_AGAIN = Remedy("the same fetch again", "it resumes: files already checked are kept, a cut file continues")
 VERIFY = Remedy("lucifer-shard verify {out}", "it names every problem and its fix")
 INSPECT = Remedy("lucifer-shard inspect {out}", "it shows the checkpoint it was converted from")

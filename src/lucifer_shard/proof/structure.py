@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..errors import COMMAND_AGAIN, CONVERT_RESUME, OutputError, fault
+from ..errors import COMMAND_AGAIN, CONVERT_FORCE, CONVERT_RESUME, OutputError, fault
 from ..formats.stheader import META_CONTENT, META_CONVERSION_ID, META_PART, META_RANK, META_ROLE, HeaderError
 from ..guarded_io import Refused, Tree
 from ..outnames import strays, MANIFEST_NAME, STATE_DIR
@@ -70,7 +70,7 @@ def open_files(report: Report, out: Path, manifest: Manifest, held: list[int] | 
                                names[0] if names else None, rel))
             continue
         except Refused as e:  # a link or not a regular file: never followed out of OUT
-            report.add(Problem("file", f"{e}; {report.repair if report.repair != REPAIR else 're-run convert --force'}",
+            report.add(Problem("file", f"{e}; {report.repair if report.repair != REPAIR else CONVERT_FORCE}",
                                role, rank, file=rel))
             continue
         except HeaderError as e:
