@@ -236,12 +236,12 @@ def test_a_damaged_output_is_a_mismatch_for_every_check(command, paths):
 # to serve, names the step that makes one; plan refuses what convert refuses; serve refuses before vLLM
 # starts what the plugin would refuse at load; a typo of an option gets click's did-you-mean.
 NEXT_STEP = (
-    (("doctor", "{model}"), "output", "{model}: this is a checkpoint: convert it first (lucifer-shard convert"),
+    (("doctor", "{model}"), "output", "{model}: this is a checkpoint: convert it first, then use OUT; run lucifer-shard convert"),
     (("serve", "{model}", "--dry-run"), "output", "{model}: this is a checkpoint: convert it first"),
     (("doctor", "{empty}"), "output", "{empty}: not a lucifer-shard output (no lucifer-manifest.json): convert into"),
     (("serve", "{empty}", "--dry-run"), "output", "{empty}: not a lucifer-shard output (no lucifer-manifest.json)"),
-    (("doctor", "{unfinished}"), "output", "{unfinished}: unfinished: run the same convert with --resume"),
-    (("serve", "{unfinished}", "--dry-run"), "output", "{unfinished}: unfinished: run the same convert with --resume"),
+    (("doctor", "{unfinished}"), "output", "{unfinished}: unfinished; run the same convert command with --resume"),
+    (("serve", "{unfinished}", "--dry-run"), "output", "{unfinished}: unfinished; run the same convert command with --resume"),
     (("serve", "{file}", "--dry-run"), "output", "{file}: a file, not an output directory"),
     (("plan", "--tp", "3", "--expert-layout", "kernel", "{model}"), "usage", "--arch is required with --expert-layout kernel"),
     (("serve", "{out}", "--dry-run", "--", "--hf-overrides", "{{}}"), "usage",

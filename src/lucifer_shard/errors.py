@@ -82,6 +82,10 @@ NODE_CONVERT_RESUME = Remedy("the node's convert again with --resume", "the same
 STAGE_AGAIN = Remedy("lucifer-shard stage OUT DEST {ranks}", "it replaces only the files that fail")
 FETCH_SHARE = Remedy("lucifer-shard fetch REPO DEST {ranks}", "it checks every file against the manifest")
 FETCH_AGAIN = Remedy("the same fetch again", "it resumes: files already checked are kept, a cut file continues")
+CONVERT = Remedy("lucifer-shard convert --tp 3 --expert-layout model {model} {out}", "it writes the output vLLM serves")
+PLAN = Remedy("lucifer-shard plan --tp 3 {model}", "it shows the bytes per rank")
+DOCTOR = Remedy("lucifer-shard doctor {out}", "it shows every check, this vLLM build's among them")
+IN_ORDER = Remedy("lucifer-shard {command} ... {args}", "the arguments in the order the command takes them")
 VERIFY = Remedy("lucifer-shard verify {out}", "it names every problem and its fix")
 INSPECT = Remedy("lucifer-shard inspect {out}", "it shows the checkpoint it was converted from")
 
