@@ -21,7 +21,7 @@ SPELLED = re.compile(rf"(?<!by )(?<!another )(?<!a )(?<!of )lucifer-shard ({COMM
                      rf"\brun (\S+ ){{0,4}}again\b|with --resume\b")
 ERROR_CLASSES = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, LuciferError)}
 # Rooms whose raise sites still spell their remedies (being moved to the table room by room).
-NOT_YET = {"runtime_shim"}
+NOT_YET: set[str] = set()
 
 
 def _callee(call: ast.Call) -> str:

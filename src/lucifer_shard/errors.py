@@ -85,6 +85,7 @@ FETCH_AGAIN = Remedy("the same fetch again", "it resumes: files already checked 
 CONVERT = Remedy("lucifer-shard convert --tp 3 --expert-layout model {model} {out}", "it writes the output vLLM serves")
 PLAN = Remedy("lucifer-shard plan --tp 3 {model}", "it shows the bytes per rank")
 DOCTOR = Remedy("lucifer-shard doctor {out}", "it shows every check, this vLLM build's among them")
+SERVE = Remedy("lucifer-shard serve {out}", "it starts vLLM with the plugin's virtual-TP wrappers active")
 IN_ORDER = Remedy("lucifer-shard {command} ... {args}", "the arguments in the order the command takes them")
 VERIFY = Remedy("lucifer-shard verify {out}", "it names every problem and its fix")
 INSPECT = Remedy("lucifer-shard inspect {out}", "it shows the checkpoint it was converted from")

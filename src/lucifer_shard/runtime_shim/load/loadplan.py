@@ -18,6 +18,8 @@ from lucifer_shard.output.manifest_types import Manifest, RankRecord, TensorReco
 from lucifer_shard.output.share import share_problem
 
 from ..adapt.lucifer_tuple import tp_mismatch
+from lucifer_shard.errors import CONVERT_AGAIN, CONVERT_FORCE, DOCTOR, SERVE
+
 from ..errors import ShimError
 from ..manifest import draft_kind, manifest_path, rank_entry
 from .loadfiles import CheckedRankFile, check_files, few, shape_text
@@ -109,8 +111,8 @@ def check_engine(out: Path, doc: Manifest, config_problems: list[str], tp: int, 
         raise ShimError(mismatch)
     if doc.expert_layout != "model" and relayout_missing is not None:
         raise ShimError(f"{manifest_path(out)} has routed experts in kernel layout ({doc.moe_variant}), but the "
-                        f"expert re-layout wrapper is not installed: {relayout_missing}; "
-                        f"use a supported vLLM build (lucifer-shard doctor) or convert with --expert-layout model")
+                        f"expert re-layout wrapper is not installed: {relayout_missing}; use a supported vLLM build",
+                        DOCTOR.at(out=str(out)).after("", "convert with --expert-layout model"))
     if problem := flashinfer_problem(doc.flashinfer_layout, flashinfer):
         raise ShimError(f"{manifest_path(out)}: {problem[0]}; {problem[1]}")
 
@@ -128,8 +130,8 @@ def plan_load(out: Path, doc: Manifest, engine: Engine, model: ModelView) -> Loa
     files = check_files(out, doc, role, engine.rank, entry, identity=engine.verify != "none")
     check_keys(doc, role, engine.rank, entry, model.params)
     if engine.plan_difference:
-        raise ShimError(f"{engine.plan_difference}; start vLLM through lucifer-shard serve (the plugin's virtual-TP "
-                        f"wrappers must be active) and check B12X_MOE_FORCE_A8 / NVFP4 env")
+        raise ShimError(f"{engine.plan_difference}",
+                        SERVE.at(out=str(out)).after("check B12X_MOE_FORCE_A8 / NVFP4 env"))
     groups = expert_groups(out, doc, entry)
     check_expert_modules(doc, groups, model.moe, engine)
     reads = tuple(FilePlan(f, tuple(read(name, f.header.data_start + h.start, entry.tensors[name], model.params[name])
@@ -172,8 +174,8 @@ def check_model_class(out: Path, doc: Manifest, cls: str, role: str) -> None:
     kind = DRAFT_KINDS[draft_kind(doc) or DRAFT_CLASSES[cls]]
     if cls != kind.vllm_class:
         raise ShimError(f"vLLM built the draft as {cls} but {out}/draft holds a {kind.label} "
-                        f"({kind.vllm_class}); start with --speculative-config '{{\"method\":\"{kind.method}\"}}' "
-                        f"(lucifer-shard serve --draft sets it)")
+                        f"({kind.vllm_class})", SERVE.at(out=f"{out} --draft").after(
+                            "", f"start with --speculative-config '{{\"method\":\"{kind.method}\"}}'"))
 
 
 def check_keys(doc: Manifest, role: str, rank: int, entry: RankRecord, params: dict[str, Param]) -> None:
@@ -187,12 +189,12 @@ def check_keys(doc: Manifest, role: str, rank: int, entry: RankRecord, params: d
     unexpected = files - want - (buffers - owned)
     if missing:
         raise ShimError(f"key missing: {len(missing)} parameter(s) of the {role} model are not in rank {rank} "
-                        f"files: {few(missing)}; the output was converted for another model/vLLM build, "
-                        f"re-run lucifer-shard convert")
+                        f"files: {few(missing)}; the output was converted for another model/vLLM build",
+                        CONVERT_AGAIN)
     if unexpected:
         raise ShimError(f"key unexpected: {len(unexpected)} tensor(s) of {role} rank {rank} files have no "
                         f"parameter in the model: {few(unexpected)}; the output was converted for another "
-                        f"model/vLLM build, re-run lucifer-shard convert")
+                        f"model/vLLM build", CONVERT_AGAIN)
     for name in sorted(files):
         check_tensor(name, entry.tensors[name], params[name])
 
@@ -250,17 +252,17 @@ def expert_groups(out: Path, doc: Manifest, entry: RankRecord) -> dict[str, tupl
             groups.setdefault(prefix, []).append(leaf)
         elif t.kernel:
             raise ShimError(f"{path}: tensor {name} has layout {t.layout!r}; only the four "
-                            f"routed-expert tensors may be in kernel layout, re-run lucifer-shard convert --force")
+                            f"routed-expert tensors may be in kernel layout", CONVERT_FORCE)
     if doc.expert_layout == "model":
         bad = sorted(n for n, t in entry.tensors.items() if t.kernel)
         if bad:
             raise ShimError(f"{path}: expert_layout is 'model' but {bad[0]} has layout "
-                            f"{entry.tensors[bad[0]].layout!r}; re-run lucifer-shard convert --force")
+                            f"{entry.tensors[bad[0]].layout!r}", CONVERT_FORCE)
         return {}
     for prefix, leaves in groups.items():
         if sorted(leaves) != sorted(EXPERT_TENSORS):
             raise ShimError(f"{path}: {prefix} has only {', '.join(sorted(leaves))} of "
-                            f"{', '.join(EXPERT_TENSORS)}; re-run lucifer-shard convert --force")
+                            f"{', '.join(EXPERT_TENSORS)}", CONVERT_FORCE)
     return {p: tuple(leaves) for p, leaves in groups.items()}
 
 
