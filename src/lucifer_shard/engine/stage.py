@@ -28,7 +28,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from ..errors import COMMAND_AGAIN, SAME_COMMAND, VERIFY, Locked, MismatchError, OutputError, UsageRefused
+from ..errors import COMMAND_AGAIN, CONVERT_RESUME, SAME_COMMAND, VERIFY, Locked, MismatchError, OutputError, UsageRefused
 from ..formats.stheader import Header, HeaderError, read_header
 from ..guarded_io import Refused, Tree, naming, write_all
 from ..outnames import strays, MANIFEST_NAME, STATE_DIR
@@ -213,7 +213,11 @@ def refuse_dest(dest: Path, manifest: Manifest, ranks: list[int], wants: list[Wa
             f"empty directory")
 
 
-def _damaged(src: Tree, rel: str, what: str, instead: str = "") -> MismatchError:
+# What else fixes a damaged OUT that stage reads (besides verify naming its problems).
+STAGE_REPAIR = f"repair it with {CONVERT_RESUME.command} and stage again"
+
+
+def _damaged(src: Tree, rel: str, what: str, instead: str = STAGE_REPAIR) -> MismatchError:
     """A file of `src` (OUT, or a published output) that is not what its manifest records: verify names
     every problem of `src` and its fix (OUT's: the same convert with --resume); `instead`: what else would do."""
     return MismatchError(f"{src.path(rel)}: {what}: {src.root} is damaged",
@@ -254,7 +258,7 @@ def _place(src: Tree, tree: Tree, want: Want) -> str:
     return "copied"
 
 
-def copy_checked(src: Tree, tree: Tree, want: Want, instead: str = "") -> None:
+def copy_checked(src: Tree, tree: Tree, want: Want, instead: str = STAGE_REPAIR) -> None:
     """Publish a copy of `src`'s file in DEST once its bytes are the manifest's (else MismatchError,
     `instead` what else fixes it), then read it back."""
     rel = want.rel
