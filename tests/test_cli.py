@@ -223,7 +223,7 @@ def test_convert_refuses_to_start_without_room(tiny_pattern, tmp_path, monkeypat
     (line,) = r.output.splitlines()
     assert re.fullmatch(rf"error: {out}: not enough room on \S+ \(.+\): 6\d\.\d\d MiB still to write \([\d,]+ "
                         r"bytes: rank files, journal, manifest, config and tokenizer copies\), 10\.00 MiB free; free "
-                        r"5\d\.\d\d MiB more, then run the same command, or choose an OUT on another filesystem", line), line
+                        r"5\d\.\d\d MiB more, then run the same command again, or choose an OUT on another filesystem", line), line
 
 
 def test_force_counts_the_output_it_replaces(converted, tiny_pattern, tmp_path, monkeypatch):
@@ -343,7 +343,7 @@ def test_ctrl_c_message_per_command(command, converted, tiny_pattern, tmp_path, 
     message = message.format(**fill)
     assert r.exit_code == 130 and r.output.strip() == message, r.output
     doc = envelope(run(*argv, "--json"))
-    assert doc["error"] == {"kind": "interrupted", "message": message, "exit_code": 130}
+    assert doc["error"] == {"kind": "interrupted", "message": message, "exit_code": 130, "remedy": None}
 
 
 def test_verbose_logs_and_quiet_silences(tiny_pattern, tmp_path):

@@ -23,7 +23,7 @@ import pytest
 
 from lucifer_shard.cli import cli
 from lucifer_shard.cli.console import QUIET, SCHEMA_VERSION, exit_code_lines
-from lucifer_shard.errors import BROKEN_PIPE, ERROR_KINDS, exit_codes
+from lucifer_shard.errors import BROKEN_PIPE, ERROR_KINDS, Remedy, exit_codes
 
 from helpers import one_error, run, scratch
 from vllmstandin import StandIn
@@ -171,7 +171,9 @@ def assert_fails(argv: list[str], kind: str, command: str):
         j = run(*placed)
         doc = strict(j.stdout)
         assert j.exit_code == code and not doc["ok"] and doc["command"] == command, (placed, j.stdout)
-        assert doc["error"] == {"kind": kind, "message": message, "exit_code": code}, doc["error"]
+        remedy = doc["error"]["remedy"]  # the row the line ends with, given apart
+        assert doc["error"] == {"kind": kind, "message": message, "exit_code": code, "remedy": remedy}, doc["error"]
+        assert remedy is None or message.endswith(str(Remedy(**remedy))), (message, remedy)
         assert one_error(j, code).removeprefix("error: ") == message
     return r
 
@@ -237,12 +239,12 @@ def test_a_damaged_output_is_a_mismatch_for_every_check(command, paths):
 # to serve, names the step that makes one; plan refuses what convert refuses; serve refuses before vLLM
 # starts what the plugin would refuse at load; a typo of an option gets click's did-you-mean.
 NEXT_STEP = (
-    (("doctor", "{model}"), "output", "{model}: this is a checkpoint: convert it first (lucifer-shard convert"),
+    (("doctor", "{model}"), "output", "{model}: this is a checkpoint: convert it first, then use OUT; run lucifer-shard convert"),
     (("serve", "{model}", "--dry-run"), "output", "{model}: this is a checkpoint: convert it first"),
     (("doctor", "{empty}"), "output", "{empty}: not a lucifer-shard output (no lucifer-manifest.json): convert into"),
     (("serve", "{empty}", "--dry-run"), "output", "{empty}: not a lucifer-shard output (no lucifer-manifest.json)"),
-    (("doctor", "{unfinished}"), "output", "{unfinished}: unfinished: run the same convert with --resume"),
-    (("serve", "{unfinished}", "--dry-run"), "output", "{unfinished}: unfinished: run the same convert with --resume"),
+    (("doctor", "{unfinished}"), "output", "{unfinished}: unfinished; run the same convert command with --resume"),
+    (("serve", "{unfinished}", "--dry-run"), "output", "{unfinished}: unfinished; run the same convert command with --resume"),
     (("serve", "{file}", "--dry-run"), "output", "{file}: a file, not an output directory"),
     (("plan", "--tp", "3", "--expert-layout", "kernel", "{model}"), "usage", "--arch is required with --expert-layout kernel"),
     (("serve", "{out}", "--dry-run", "--", "--hf-overrides", "{{}}"), "usage",

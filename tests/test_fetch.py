@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from lucifer_shard.errors import CONVERT_RESUME
+
 from hubserver import HubServer
 from helpers import cli_argv, one_error, run, run_process
 
@@ -123,7 +125,7 @@ def test_a_file_the_hub_serves_changed_is_refused_by_name(published, tmp_path):
     assert r.returncode == 1, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: {REPO_ID}@{commit}:{rel}: SHA-256 ") and "the Hub publishes for it" in line
-    assert line.endswith("run the same fetch again (it downloads this file again)")
+    assert line.endswith("run the same fetch again (it resumes: files already checked are kept, a cut file continues)")
     refused_and_unpublished(dest, rel)
 
 
@@ -137,13 +139,13 @@ def test_a_published_file_that_is_not_the_manifests_is_refused_by_name(published
     dest = tmp_path / "from-dir"
     r = run("fetch", bad, dest, "--nnodes", 3, "--node-rank", 1)
     assert r.exit_code == 1 and r.stderr.startswith(f"error: {bad / rel}: not the bytes the manifest records"), r.output
-    assert f"{bad} is damaged; lucifer-shard verify {bad} names every problem" in r.stderr
+    assert f"{bad} is damaged; run lucifer-shard verify {bad} (it names every problem" in r.stderr
     refused_and_unpublished(dest, rel)
     dest = tmp_path / "from-hub"
     with HubServer({REPO_ID: bad}) as hub:
         r = fetch_hub(hub, tmp_path / "hf", REPO_ID, dest, "--nnodes", 3, "--node-rank", 1)
     assert r.returncode == 1 and f":{rel}: not the bytes the manifest records" in r.stderr, r.stderr
-    assert "republish it from an OUT that `lucifer-shard verify` passes" in r.stderr
+    assert "republish it from an OUT that verify passes" in r.stderr
     refused_and_unpublished(dest, rel)
 
 
@@ -261,7 +263,7 @@ def test_convert_writes_the_model_card_the_manifest_records(tiny_pattern, tmp_pa
     original = (out / "README.md").read_bytes()
     (out / "README.md").write_text(original.decode().replace("REPO", "someone/else"))
     r = run("verify", out)
-    assert r.exit_code == 1 and "README.md" in r.stderr + r.stdout and "writes the card again" in r.stderr + r.stdout
+    assert r.exit_code == 1 and "README.md" in r.stderr + r.stdout and str(CONVERT_RESUME) in r.stderr + r.stdout
     r = run(*args, "--resume")
     assert r.exit_code == 0 and "README.md" in r.stdout, r.output
     assert (out / "README.md").read_bytes() == original and run("verify", out).exit_code == 0

@@ -85,7 +85,7 @@ def test_manifest_paths_outside_the_contract_are_refused_by_every_reader(convert
         shutil.rmtree(out / "draft")
     reseal(out, doc)
     for args in readers(out, tiny_pattern):
-        one_error(run(*args, "--quiet"), 2, "lucifer-manifest.json", "re-run convert --force")
+        one_error(run(*args, "--quiet"), 2, "lucifer-manifest.json", "run the same convert command with --force")
     with pytest.raises(ShimError) as e:
         shim_load(out)
     assert "\n" not in str(e.value) and "manifest was edited" in str(e.value)

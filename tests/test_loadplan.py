@@ -326,13 +326,14 @@ def test_refuses_a_corrupt_header(out_copy):
     data[8] = ord("[")  # the JSON header no longer an object; the size unchanged
     (out_copy / PART).write_bytes(bytes(data))
     refused(loadplan.plan_load, Output(out_copy, doc), engine(), view(doc),
-            needles=(str(out_copy / PART), "the file is corrupt, re-run lucifer-shard convert"))
+            needles=(str(out_copy / PART), "the file is corrupt; run lucifer-shard convert again"))
 
 
 def test_refuses_a_file_of_another_conversion_weights_or_place(out_kernel):
     doc = load_manifest(out_kernel)
     refused(loadplan.plan_load, Output(out_kernel, dataclasses.replace(doc, conversion_id="0" * 16)), engine(), view(doc),
-            needles=("metadata lucifer.conversion_id", "from another conversion", "into a fresh directory"))
+            needles=("metadata lucifer.conversion_id", "from another conversion",
+                     "choose a fresh directory for OUT, then run lucifer-shard convert again"))
     entry = doc.rank("target", 0)
     other = tuple(dataclasses.replace(f, content="blake3:" + "0" * 64) for f in entry.files)
     refused(loadplan.plan_load, Output(out_kernel, with_entry(doc, "target", 0, files=other)), engine(), view(doc),
@@ -415,7 +416,7 @@ def test_refuses_a_virtual_tp_plan_difference(out_kernel):
     doc = load_manifest(out_kernel)
     diff = "virtual-TP plan mismatch on axis moe_intermediate_size (runtime padded_size 2160, manifest 2112)"
     refused(loadplan.plan_load, Output(out_kernel, doc), engine(plan_difference=diff), view(doc),
-            needles=(diff, "start vLLM through lucifer-shard serve"))
+            needles=(diff, f"then run lucifer-shard serve {out_kernel} (it starts vLLM with the plugin's virtual-TP"))
 
 
 # --------------------------------------------------------------------- expert groups and MoE modules
@@ -442,7 +443,7 @@ def test_refuses_an_incomplete_expert_group(out_kernel):
     entry = doc.rank("target", 0)
     gone = f"{EXPERTS}.{loadplan.EXPERT_TENSORS[0]}"
     fewer = dataclasses.replace(entry, tensors={n: t for n, t in entry.tensors.items() if n != gone})
-    refused(loadplan.expert_groups, Output(out_kernel, doc), fewer, needles=(f"{EXPERTS} has only", "re-run lucifer-shard"))
+    refused(loadplan.expert_groups, Output(out_kernel, doc), fewer, needles=(f"{EXPERTS} has only", "run the same convert command with --force"))
 
 
 def moe(doc, **kw) -> dict[str, MoeModule]:

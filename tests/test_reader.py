@@ -156,7 +156,8 @@ def test_a_worker_error_reaches_the_caller_and_no_thread_outlives_it(shard, stag
     with pytest.raises(ShimError) as e:
         reader.read_tensors(path, reads, digests=digests, staged=staged, threads=4, slots=6, chunk=1024)
     assert str(e.value) == (f"lucifer_tp3: {path} ends inside tensor a.weight (byte {cut} of the file); the file is "
-                            f"truncated, re-copy it or re-run lucifer-shard convert --resume")
+                            f"truncated; run the same convert command with --resume (it keeps what is finished and "
+                            f"sound and writes the rest), or re-copy it")
     assert not _lucifer_threads()
 
 

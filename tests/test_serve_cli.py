@@ -185,9 +185,9 @@ def test_what_is_no_output_is_an_output_error_naming_the_next_step(tmp_path, tin
     (unfinished / "COMPLETE").unlink()
     cases = {tmp_path / "nothing": "no such output directory",
              tmp_path / "file": "a file, not an output directory; pass the directory lucifer-shard convert wrote",
-             tiny_random: "this is a checkpoint: convert it first (lucifer-shard convert --tp 3 --expert-layout model",
+             tiny_random: "this is a checkpoint: convert it first, then use OUT; run lucifer-shard convert --tp 3 --expert-layout model",
              tmp_path / "empty": "not a lucifer-shard output (no lucifer-manifest.json): convert into it first",
-             unfinished: "unfinished: run the same convert with --resume"}
+             unfinished: "unfinished; run the same convert command with --resume"}
     for out, message in cases.items():
         r = run(command, out, *(["--dry-run"] if command == "serve" else []))
         assert r.exit_code == 2 and r.stderr.startswith(f"error: {out}: {message}"), r.output

@@ -3,11 +3,17 @@
 Every failure has a `kind`, a stable name from ERROR_KINDS that `--json` puts in the envelope's
 `error.kind` (scripts branch on it; the message is for people and may be reworded). A kind has one
 exit code, except `no_room`: plan, which only looks, reports it as a finding (1); convert refuses (2).
+
+A failure the user fixes by running a command also carries its `remedy`, a row of the table below
+(REMEDIES): the command to run and why it fixes the failure, each spelled once, whichever room raises
+it. The line ends with it (`<message>; <first>, then run <command> (<why>), or <instead>`) and
+`--json` gives it apart (cli/console.py renders both).
 """
 from __future__ import annotations
 
 import errno
 import resource
+from dataclasses import dataclass, replace
 
 # kind -> (exit code, meaning). The README's table of kinds is this table (a test compares them).
 ERROR_KINDS: dict[str, tuple[int, str]] = {
@@ -38,13 +44,67 @@ ERROR_KINDS: dict[str, tuple[int, str]] = {
 }
 
 
+@dataclass(frozen=True)
+class Remedy:
+    """The command that fixes a failure and why it does: a row of REMEDIES. `command` and `why` may name
+    `{placeholders}` the raise site fills (`at`); `first` and `instead`, the raise site's (`after`)."""
+
+    command: str
+    why: str = ""
+    first: str = ""
+    instead: str = ""  # what else fixes it, where the command is not the only way
+
+    def at(self, **names: str) -> "Remedy":
+        """This row with its placeholders filled."""
+        return replace(self, command=self.command.format(**names), why=self.why.format(**names))
+
+    def after(self, first: str, instead: str = "") -> "Remedy":
+        """This row for one failure: what must be done before it, and what else would do."""
+        return replace(self, first=first, instead=instead)
+
+    def __str__(self) -> str:
+        run = f"run {self.command}" + (f" ({self.why})" if self.why else "")
+        run = f"{self.first}, then {run}" if self.first else run
+        return f"{run}, or {self.instead}" if self.instead else run
+
+
+# ---------------------------------------------------------------- the remedies, each spelled once
+
+SAME_COMMAND = Remedy("the same command again")
+COMMAND_AGAIN = Remedy("{command} again")
+READ_AGAIN = Remedy(SAME_COMMAND.command, "it reads the file anew; if it fails again, report it to the repo's owner")
+CONVERT_RESUME = Remedy("the same convert command with --resume", "it keeps what is finished and sound and writes the "
+                        "rest")
+CONVERT_AGAIN = Remedy("lucifer-shard convert again")
+CONVERT_FORCE = Remedy("the same convert command with --force", "it replaces the output")
+NODE_CONVERT_RESUME = Remedy("the node's convert again with --resume", "the same command line, its --ranks or "
+                             "--nnodes/--node-rank: it rewrites only the files that fail")
+STAGE_AGAIN = Remedy("lucifer-shard stage OUT DEST {ranks}", "it replaces only the files that fail")
+FETCH_SHARE = Remedy("lucifer-shard fetch REPO DEST {ranks}", "it checks every file against the manifest")
+FETCH_AGAIN = Remedy("the same fetch again", "it resumes: files already checked are kept, a cut file continues")
+COPY_AGAIN = Remedy("the same fetch or stage again", "it continues: the files already checked are kept")
+CONVERT = Remedy("lucifer-shard convert --tp 3 --expert-layout model {model} {out}", "it writes the output vLLM serves")
+PLAN = Remedy("lucifer-shard plan --tp 3 {model}", "it shows the bytes per rank")
+DOCTOR = Remedy("lucifer-shard doctor {out}", "it shows every check, this vLLM build's among them")
+SERVE = Remedy("lucifer-shard serve {out}", "it starts vLLM with the plugin's virtual-TP wrappers active")
+IN_ORDER = Remedy("lucifer-shard {command} ... {args}", "the arguments in the order the command takes them")
+VERIFY = Remedy("lucifer-shard verify {out}", "it names every problem and its fix")
+INSPECT = Remedy("lucifer-shard inspect {out}", "it shows the checkpoint it was converted from")
+
+# name -> row: the table (tests/test_remedies.py checks each row is used and no raise site spells its own)
+REMEDIES: dict[str, Remedy] = {name: r for name, r in globals().items() if isinstance(r, Remedy)}
+
+
 class LuciferError(Exception):
-    """Base class: the message is one line that names what is wrong and how to fix it."""
+    """Base class: the message is one line that names what is wrong, and `remedy` the command that fixes
+    it (a row of REMEDIES), or the message says the fix itself where no command does."""
 
     kind = "usage"
 
-    def __init__(self, message: str, exit_code: int | None = None):
-        super().__init__(one_line(message))
+    def __init__(self, message: str, exit_code: int | None = None, remedy: Remedy | None = None):
+        super().__init__(one_line(f"{message}; {remedy}" if remedy else message))
+        self.message = one_line(message)
+        self.remedy = remedy
         self.exit_code = ERROR_KINDS[self.kind][0] if exit_code is None else exit_code
 
 
@@ -53,8 +113,8 @@ class SourceError(LuciferError):
 
     kind = "source"
 
-    def __init__(self, message: str, key: str | None = None):
-        super().__init__(message)
+    def __init__(self, message: str, key: str | None = None, remedy: Remedy | None = None):
+        super().__init__(message, remedy=remedy)
         self.key = key  # the source tensor at fault, when there is one (to name its shard)
 
 
@@ -178,7 +238,7 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):,.0f} MiB"
 
 
-def _memory(what: str, command: str, then: str) -> "EnvironmentRefused":
+def _memory(what: str, command: str, then: Remedy) -> "EnvironmentRefused":
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
     if soft == resource.RLIM_INFINITY:
         where = "the machine is out of memory (no address-space limit is set)"
@@ -188,10 +248,10 @@ def _memory(what: str, command: str, then: str) -> "EnvironmentRefused":
         fix = f"raise ulimit -v to at least {_mib(ADDRESS_SPACE)} (ulimit -v {ADDRESS_SPACE >> 10})"
     return EnvironmentRefused(f"out of memory ({what}): {where}; lucifer-shard {command} keeps its memory under "
                               f"{MEMORY_BOUND} whatever the model's size, and an address-space limit also counts "
-                              f"the libraries and thread stacks it maps; {fix}, then {then}")
+                              f"the libraries and thread stacks it maps", remedy=then.after(fix))
 
 
-def fault(e: BaseException, command: str, then: str = "run the same command again") -> LuciferError | None:
+def fault(e: BaseException, command: str, then: Remedy = SAME_COMMAND) -> LuciferError | None:
     """The one-line error of a fault of the machine (an OS error of ENVIRONMENT_ERRNOS naming its file,
     memory or threads exhausted, as each command meets them), or None: a bug. `then`: what to do once
     the cause is fixed."""
@@ -206,10 +266,11 @@ def fault(e: BaseException, command: str, then: str = "run the same command agai
                                   f"processes and threads (ulimit -u) with "
                                   f"{'no address-space limit' if space == resource.RLIM_INFINITY else _mib(space)} "
                                   f"(ulimit -v); lucifer-shard {command} runs worker threads and needs at "
-                                  f"least {_mib(ADDRESS_SPACE)} of address space with them: raise the limits, then "
-                                  f"{then}")
+                                  f"least {_mib(ADDRESS_SPACE)} of address space with them",
+                                  remedy=then.after("raise the limits"))
     if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:
         where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
-        line = f"{where or 'lucifer-shard ' + command}: {e.strerror}; {ENVIRONMENT_ERRNOS[e.errno]}, then {then}"
-        return NoRoom(line) if e.errno in DISK_FULL else EnvironmentRefused(line)
+        line = f"{where or 'lucifer-shard ' + command}: {e.strerror}"
+        remedy = then.after(ENVIRONMENT_ERRNOS[e.errno])
+        return NoRoom(line, remedy=remedy) if e.errno in DISK_FULL else EnvironmentRefused(line, remedy=remedy)
     return None

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
-from .errors import LuciferError
+from .errors import SAME_COMMAND, LuciferError
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
@@ -84,7 +84,8 @@ def open_regular(path: Path | str, follow: bool = False, flags: int = 0, dir_fd:
     try:
         now = os.fstat(fd)
         if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-            raise Refused(f"{shown}: was replaced while being opened; run again when nothing else writes it")
+            raise Refused(f"{shown}: was replaced while being opened",
+                          remedy=SAME_COMMAND.after("wait until nothing else writes it"))
         os.set_blocking(fd, True)
         return fd
     except BaseException:
@@ -111,7 +112,8 @@ def _read_fd(fd: int, limit: int, name: Path | str) -> bytes:
         chunks.append(data)
         got += len(data)
         if got > limit:
-            raise Refused(f"{name}: grew past {limit:,} bytes while being read; run again when nothing writes it")
+            raise Refused(f"{name}: grew past {limit:,} bytes while being read",
+                          remedy=SAME_COMMAND.after("wait until nothing writes it"))
 
 
 def read_regular(path: Path | str, limit: int = JSON_LIMIT, follow: bool = False) -> bytes:

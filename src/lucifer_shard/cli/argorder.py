@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import UsageRefused
+from ..errors import IN_ORDER, UsageRefused
 from ..outnames import MANIFEST_NAME, STATE_DIR
 
 
@@ -28,4 +28,4 @@ def refuse_swapped(command: str, model: str | Path | None, out: Path | None, mod
         right = f"{o} {m}" if model_first else f"{m} {o}"
         usage = "MODEL OUT" if model_first else "OUT MODEL"
         raise UsageRefused(f"{command} takes {usage}, but {m} is a lucifer-shard output and {o} a checkpoint: "
-                           f"the arguments are swapped; run lucifer-shard {command} ... {right}")
+                           f"the arguments are swapped", remedy=IN_ORDER.at(command=command, args=right))

@@ -7,9 +7,11 @@ A command declared with `@conventions(interrupted=...)` (under `@click.command`)
   success        the result as text on stdout (with -q only its QUIET value), or with --json one
                  envelope on stdout, strict JSON (a non-finite float is null):
                  {"schema_version": 2, "command": ..., "ok": true, "error": null, "result": {...}}
-  LuciferError   `error: <one line>` on stderr and its kind's exit code; with --json also the envelope,
-                 ok false, error {"kind", "message", "exit_code"}, and the result the command had
-                 reached (a diff report with its findings)
+  LuciferError   `error: <one line>` on stderr (its message, then its remedy: `; run <command> (<why>)`)
+                 and its kind's exit code; with --json also the envelope, ok false, error {"kind",
+                 "message", "exit_code", "remedy"} (remedy: {"command", "why", "first"} of its row of
+                 errors.REMEDIES, or null), and the result the command had reached (a diff report with
+                 its findings)
   usage          click's own (a bad value, an unknown option, a missing argument): the same, kind
                  usage, exit 2 (`Group`, the command group's class)
   Ctrl-C         the command's own interrupt message on stderr, exit 130
@@ -34,14 +36,14 @@ import logging
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, NoReturn
 
 import click
 from click.core import ParameterSource
 
 from .. import stops
-from ..errors import BROKEN_PIPE, ERROR_KINDS, LuciferError, UsageRefused, exit_codes, fault
+from ..errors import BROKEN_PIPE, ERROR_KINDS, LuciferError, Remedy, UsageRefused, exit_codes, fault
 from ..stops import Terminated
 
 SCHEMA_VERSION = 2  # 2: error.kind is a kind of errors.ERROR_KINDS (1 had Python class names)
@@ -161,6 +163,10 @@ class Console:
     def _write_envelope(self, error: dict | None) -> None:
         to_stdout(json.dumps(finite(self.envelope(error)), indent=1, allow_nan=False))
 
+    def fail_with(self, e: LuciferError) -> NoReturn:
+        """End the command with `e`: its kind, its line (message and remedy), its exit code."""
+        self.fail(str(e), e.exit_code, e.kind, remedy=e.remedy)
+
     def succeed(self) -> None:
         if self.json:
             try:
@@ -168,13 +174,16 @@ class Console:
             except BrokenPipeError:
                 stdout_gone()
 
-    def fail(self, message: str, exit_code: int, kind: str, line: str | None = None) -> NoReturn:
+    def fail(self, message: str, exit_code: int, kind: str, line: str | None = None,
+             remedy: Remedy | None = None) -> NoReturn:
         """End the command: the envelope (with --json), one line on stderr (`error: <message>` unless
-        `line` says otherwise), the exit code (141 when stdout is closed before the envelope is out)."""
+        `line` says otherwise), the exit code (141 when stdout is closed before the envelope is out).
+        `message` already ends with `remedy`, which the envelope also gives apart."""
         gone = False
         if self.json:
             try:
-                self._write_envelope({"kind": kind, "message": message, "exit_code": exit_code})
+                self._write_envelope({"kind": kind, "message": message, "exit_code": exit_code,
+                                      "remedy": None if remedy is None else asdict(remedy)})
             except BrokenPipeError:
                 gone = True
         click.echo(f"error: {message}" if line is None else line, err=True)
@@ -325,7 +334,7 @@ def conventions(interrupted: str) -> Callable:
                 with stops.recorded(), _hub_bars(con.verbosity >= 0 and not as_json):
                     f(*args, **kwargs)
             except LuciferError as e:
-                con.fail(str(e), e.exit_code, e.kind)
+                con.fail_with(e)
             except KeyboardInterrupt as e:
                 _stopped(con, e, message)
             except BrokenPipeError:  # stdout closed early (`| head`): nothing is wrong, nothing to say
@@ -339,7 +348,7 @@ def conventions(interrupted: str) -> Callable:
                 known = fault(e, con.command) or _link(e, con.command)  # the machine's or the network's, or a bug
                 if known is None:  # only convert writes into OUT: the checks leave it as they found it
                     _internal(con, e, kwargs.get("out") if con.command == "convert" else None)
-                con.fail(str(known), known.exit_code, known.kind)
+                con.fail_with(known)
             con.succeed()
 
         for option in reversed((

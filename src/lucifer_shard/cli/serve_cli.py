@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import CheckFailed, MismatchError, OutputError, PreflightFailed, UsageRefused
+from ..errors import CONVERT, CONVERT_RESUME, DOCTOR, CheckFailed, MismatchError, OutputError, PreflightFailed, Remedy, UsageRefused
 from ..model.arches import backends_help
 from ..model.config import MTP
 from ..model.drafts import DRAFT_KINDS
@@ -53,10 +53,11 @@ def _failed(checks) -> list:
     return [c for c in checks if c.status == FAIL]
 
 
-def _refusal(failed: list, message: str, otherwise: type[CheckFailed] | type[PreflightFailed]):
+def _refusal(failed: list, message: str, otherwise: type[CheckFailed] | type[PreflightFailed],
+             remedy: Remedy | None = None):
     """The error for failed checks: kind mismatch when one finds OUT damaged or edited (as every command
     that reads OUT says it), else `otherwise` (check_failed, preflight_failed)."""
-    return (MismatchError if any(c.damage for c in failed) else otherwise)(message)
+    return (MismatchError if any(c.damage for c in failed) else otherwise)(message, remedy=remedy)
 
 
 def _manifest_or_none(out: Path | None):
@@ -83,13 +84,13 @@ def _output_dir(out: Path) -> Path:
     if not out.is_dir():
         raise OutputError(f"{out}: no such output directory")
     if is_checkpoint(out):
-        raise OutputError(f"{out}: this is a checkpoint: convert it first (lucifer-shard convert --tp 3 "
-                          f"--expert-layout model {out} OUT), then use OUT")
+        raise OutputError(f"{out}: this is a checkpoint: convert it first, then use OUT",
+                          remedy=CONVERT.at(model=str(out), out="OUT"))
     if (out / STATE_DIR).is_dir() and not ((out / MANIFEST_NAME).is_file() and (out / COMPLETE_NAME).exists()):
-        raise OutputError(f"{out}: unfinished: run the same convert with --resume")
+        raise OutputError(f"{out}: unfinished", remedy=CONVERT_RESUME)
     if not (out / MANIFEST_NAME).exists():
-        raise OutputError(f"{out}: not a lucifer-shard output (no {MANIFEST_NAME}): convert into it first "
-                          f"(lucifer-shard convert --tp 3 --expert-layout model MODEL {out})")
+        raise OutputError(f"{out}: not a lucifer-shard output (no {MANIFEST_NAME}): convert into it first",
+                          remedy=CONVERT.at(model="MODEL", out=str(out)))
     return out.resolve()
 
 
@@ -424,7 +425,7 @@ def show_served(con: Console, served: Served) -> None:
                             *served.notes, f"exec {line}"]))
     if not verdict.ok:
         raise _refusal(list(verdict.failed), f"serve: preflight failed ({len(verdict.failed)} check(s)); first: "
-                       f"{verdict.failed[0]}; lucifer-shard doctor OUT shows every check", PreflightFailed)
+                       f"{verdict.failed[0]}", PreflightFailed, DOCTOR.at(out="OUT"))
     if not served.dry_run:
         from ..runtime_shim.serving import launch
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ENVIRONMENT_ERRNOS, EnvironmentRefused, SourceError
+from ..errors import CONVERT_RESUME, ENVIRONMENT_ERRNOS, EnvironmentRefused, SourceError
 from ..formats.dtypes import CONVERSIONS, convert_bytes, DTYPE_SIZE
 from ..guarded_io import open_regular
 from ..model.tensorspecs import TensorSpec
@@ -324,8 +324,8 @@ def read_failed(path: Path, key: str, e: OSError) -> EnvironmentRefused:
     """A source read the machine refused (EIO of a failing disk or mount): a fault of the environment,
     not of the checkpoint, so nothing finished is given up; `--resume` goes on once it reads again."""
     why = ENVIRONMENT_ERRNOS.get(e.errno, "the system refused the read")
-    return EnvironmentRefused(f"{path}: reading tensor {key!r} failed ({e.strerror}); finished files are kept: once "
-                              f"the file reads again ({why}), run the same command with --resume")
+    return EnvironmentRefused(f"{path}: reading tensor {key!r} failed ({e.strerror}); finished files are kept",
+                              remedy=CONVERT_RESUME.after(f"once the file reads again ({why})"))
 
 
 def _check_scales(data: np.ndarray, key: str, entry, start: int) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import OutputError, SourceError
+from ..errors import CONVERT_RESUME, SAME_COMMAND, OutputError, SourceError
 from ..guarded_io import Tree
 from ..model.options import Options
 from ..model.plan import padding_only
@@ -143,7 +143,7 @@ def _convert_locked(job: Job, out: Path, resume: bool, force: bool, workers: int
         left = sizes_to_write(job, planned, set(results), record)
         logger.info("room: %s to write, %s free on %s, %s given back by this run", size(sum(left)),
                     size(free_bytes(out)), filesystem(out), size(given_back))
-        writing.check_room(left, given_back, "run the same command" + (" with --resume" if results else ""))
+        writing.check_room(left, given_back, CONVERT_RESUME if results else SAME_COMMAND)
         if clearing is not None:
             clear(tree, clearing)
         tree.remove(COMPLETE_NAME)  # --resume of a finished output whose manifest is gone: not complete until the end

@@ -12,7 +12,7 @@ import re
 import resource
 from pathlib import Path
 
-from ..errors import DISK_FULL, EnvironmentRefused, LuciferError, NoRoom
+from ..errors import CONVERT_RESUME, DISK_FULL, EnvironmentRefused, LuciferError, NoRoom, Remedy
 from ..guarded_io import read_regular
 from ..units import size
 
@@ -78,7 +78,7 @@ def shortfall(needed: int, free: int, given_back: int = 0) -> int:
     return max(0, needed - free - given_back)
 
 
-def check_room(out: Path, sizes: list[int], given_back: int, then: str,
+def check_room(out: Path, sizes: list[int], given_back: int, then: Remedy,
                what: str = "rank files, journal, manifest, config and tokenizer copies",
                instead: str = "choose an OUT on another filesystem") -> None:
     """Refuse, before writing, when the files still to write (`sizes`, of `what`) do not fit, in bytes or
@@ -90,12 +90,12 @@ def check_room(out: Path, sizes: list[int], given_back: int, then: str,
         back = f" (+{size(given_back)} this run removes)" if given_back else ""
         raise NoRoom(f"{out}: not enough room on {filesystem(out)}: {size(sum(sizes))} still to write "
                           f"({sum(sizes):,} bytes: {what}), "
-                          f"{size(free)} free{back}; free {size(short)} more, then {then}, or {instead}")
+                          f"{size(free)} free{back}", remedy=then.after(f"free {size(short)} more", instead))
     inodes = free_inodes(out)
     if inodes is not None and inodes < len(sizes) + INODE_SLACK:
         raise NoRoom(f"{out}: {filesystem(out)} can create only {inodes:,} more files (no free inodes) and "
-                          f"this run writes up to {len(sizes) + INODE_SLACK:,}; remove files there, then "
-                          f"{then}, or {instead}")
+                          f"this run writes up to {len(sizes) + INODE_SLACK:,}",
+                     remedy=then.after("remove files there", instead))
 
 
 def write_failed(err: OSError, out: Path, sizes: list[int], largest: int) -> LuciferError:
@@ -106,16 +106,16 @@ def write_failed(err: OSError, out: Path, sizes: list[int], largest: int) -> Luc
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         cap = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit:,} bytes"
         return EnvironmentRefused(f"{where}: write failed ({err.strerror}): this process may write files of at most {cap} "
-                           f"(ulimit -f) and the largest rank file is {largest:,} bytes; raise the limit and run the "
-                           f"same command with --resume (or lower --max-file-size and run with --force)")
+                           f"(ulimit -f) and the largest rank file is {largest:,} bytes",
+                           remedy=CONVERT_RESUME.after("raise the limit", "lower --max-file-size and run with --force"))
     need, free, inodes = on_disk(sizes, out), free_bytes(out), free_inodes(out)
     if need > free:
-        short = f"free {size(need - free)} more, then run"
+        short = f"free {size(need - free)} more"
     elif inodes is not None and inodes < len(sizes) + INODE_SLACK:
-        short = f"it can create only {inodes:,} more files (no free inodes): remove files there, then run"
+        short = f"it can create only {inodes:,} more files (no free inodes): remove files there"
     else:  # the bytes fit by our count, yet the filesystem said no: do not claim there is room
         short = ("that fits by this count, yet the filesystem refused (reserved blocks, a quota or another "
-                 "writer): free more room there, then run")
+                 "writer): free more room there")
     return NoRoom(f"{where}: write failed ({err.strerror}): {size(sum(sizes))} of this conversion still to "
-                       f"write ({sum(sizes):,} bytes) and {filesystem(out)} has {size(free)} free; {short} the same "
-                       f"command with --resume")
+                       f"write ({sum(sizes):,} bytes) and {filesystem(out)} has {size(free)} free",
+                  remedy=CONVERT_RESUME.after(short))

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import stops
+from ..errors import Remedy
 from ..outnames import STATE_DIR
 from ..source.checkpoint import download_whole
 from ..source.streaming import peak_bytes, stream_order
@@ -78,7 +79,7 @@ class SourceFeed:
             return sum(self.job.ckpt.files.values()) + sum(self.job.ckpt.side.values())
         return sum(self.job.ckpt.files[f] for f in self._needed) + sum(self.job.ckpt.side.values()) if self.stream else 0
 
-    def check_room(self, out_left: list[int], given_back: int, then: str) -> None:
+    def check_room(self, out_left: list[int], given_back: int, then: Remedy) -> None:
         """The download's room: on OUT's filesystem together with what convert writes there, else on
         its own; the error names the filesystem and the bytes each needs."""
         if not (self.stream or self.keep):

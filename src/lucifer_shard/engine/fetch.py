@@ -41,7 +41,7 @@ from blake3 import blake3
 
 from .. import __version__
 from .. import stops
-from ..errors import MismatchError, OutputError, UsageRefused
+from ..errors import FETCH_AGAIN, SAME_COMMAND, MismatchError, OutputError, UsageRefused
 from ..formats.stheader import HeaderError, read_header
 from ..guarded_io import JSON_LIMIT, Tree, open_regular, read_regular
 from ..outnames import MANIFEST_NAME
@@ -58,10 +58,8 @@ from .stage import (CHUNK, ManifestDigest, StageSummary, Want, copy_checked, onl
 
 STAGING = ".lucifer-fetch"  # DEST's download area (the Hub route), removed once the share is complete
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
-REPUBLISH = ("the published output is not the one its manifest describes: republish it from an OUT that "
-             "`lucifer-shard verify` passes, or fetch from another copy")
-AGAIN = "run the same fetch again (it resumes: files already checked are kept, a cut file continues)"
-DIR_FIX = "{root} is damaged; lucifer-shard verify {root} names every problem; fetch from a sound copy of the output"
+REPUBLISH = ("the published output is not the one its manifest describes: republish it from an OUT that verify "
+             "passes, or fetch from another copy")
 
 
 @dataclass(frozen=True)
@@ -115,8 +113,8 @@ def _resolve(repo: str, revision: str | None) -> Published:
         raise OutputError(f"{repo}: no such model repo on the Hub (or it is private: log in with `hf auth login`)") \
             from None
     except (HfHubHTTPError, OSError, ValueError, httpx2.TransportError) as e:
-        raise OutputError(f"{repo}: cannot resolve {at} on the Hub ({type(e).__name__}: {e}); check the network "
-                          f"and HF_ENDPOINT, then run again") from None
+        raise OutputError(f"{repo}: cannot resolve {at} on the Hub ({type(e).__name__}: {e})",
+                          remedy=SAME_COMMAND.after("check the network and HF_ENDPOINT")) from None
     sha256 = {s.rfilename: s.lfs.sha256 for s in info.siblings or () if s.lfs is not None}
     return Published(f"{repo}@{info.sha}", repo=repo, commit=info.sha, sha256=sha256)
 
@@ -150,7 +148,7 @@ def _link_faults(where: str) -> Iterator[None]:
     try:
         yield
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError, httpx2.TransportError) as e:
-        link = link_fault(e, where, "nothing in DEST is lost", AGAIN)
+        link = link_fault(e, where, "nothing in DEST is lost", FETCH_AGAIN)
         if link is None:
             raise
         raise link from None
@@ -168,8 +166,8 @@ def _hub_errors(pub: Published, rel: str) -> Iterator[None]:
         raise OutputError(f"{pub.name(rel)}: not in the repo; it does not hold a finished lucifer-shard output "
                           f"(publish the whole OUT, without .lucifer/: docs/output-format.md)") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
-        raise OutputError(f"{pub.name(rel)}: download failed ({type(e).__name__}: {' '.join(str(e).split())}); run "
-                          f"the same fetch again (it resumes)") from None
+        raise OutputError(f"{pub.name(rel)}: download failed ({type(e).__name__}: {' '.join(str(e).split())})",
+                          remedy=FETCH_AGAIN) from None
 
 
 def load_manifest(pub: Published) -> tuple[Manifest, bytes]:
@@ -303,7 +301,7 @@ def _place(pub: Published, tree: Tree, want: Want, bar) -> str:
         if Tree(pub.root).lstat(want.rel) is None:
             raise OutputError(f"{pub.name(want.rel)}: missing; {pub.root} does not hold the whole output its manifest "
                               f"lists; fetch from a complete copy")
-        copy_checked(Tree(pub.root), tree, want, DIR_FIX)
+        copy_checked(Tree(pub.root), tree, want, "fetch from a sound copy of the output")
         bar.update(want.bytes)
         return "copied"
     if not want.rank_file:
@@ -335,7 +333,7 @@ def _download_rank_file(pub: Published, staging: Tree, want: Want, bar) -> None:
         stops.joined(lambda: download_resumed(pub.repo, pub.commit, want.rel, staging, want.rel, want.bytes,
                                               bar.update, sync=True), "lucifer-fetch")
     except LinkFault as e:
-        raise e.then(AGAIN) from None
+        raise e.then(FETCH_AGAIN) from None
 
 
 def _check_staged(pub: Published, staging: Tree, want: Want) -> None:
@@ -358,20 +356,21 @@ def _check_staged(pub: Published, staging: Tree, want: Want) -> None:
     finally:
         os.close(fd)
     published = pub.sha256.get(want.rel)
+    remedy = None
     if published is not None and sha.hexdigest() != published:  # first: the fix is another download
-        problem = f"SHA-256 {sha.hexdigest()[:16]}... is not the {published[:16]}... the Hub publishes for it"
-        fix = "the bytes changed on the way: run the same fetch again (it downloads this file again)"
+        problem = (f"SHA-256 {sha.hexdigest()[:16]}... is not the {published[:16]}... the Hub publishes for it; the "
+                   f"bytes changed on the way")
+        remedy = FETCH_AGAIN
     elif header_problem is not None:  # unreadable, or another identity stamp than the manifest's
-        problem, fix = header_problem, REPUBLISH
+        problem = f"{header_problem}; {REPUBLISH}"
     elif size != want.bytes:
-        problem, fix = size_problem(size, want.bytes), REPUBLISH
+        problem = f"{size_problem(size, want.bytes)}; {REPUBLISH}"
     elif digest.manifest_digest() != want.digest:
-        problem = f"not the bytes the manifest records (blake3 {want.digest[7:23]}...)"
-        fix = REPUBLISH
+        problem = f"not the bytes the manifest records (blake3 {want.digest[7:23]}...); {REPUBLISH}"
     else:
         return
     staging.remove(want.rel)
-    raise MismatchError(f"{pub.name(want.rel)}: {problem}; {fix}")
+    raise MismatchError(f"{pub.name(want.rel)}: {problem}", remedy=remedy)
 
 
 def _clear_staging(tree: Tree, wants: list[Want]) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
 from .. import __version__
-from ..errors import Locked, OutputError, UsageRefused
+from ..errors import CONVERT_AGAIN, SAME_COMMAND, Locked, OutputError, UsageRefused
 from ..guarded_io import Refused, Tree, kind, partial_name
 from ..model.options import Options
 from ..outnames import MANIFEST_NAME, STATE_DIR, strays
@@ -60,7 +60,8 @@ def refuse_target(out: Path, root: Path | None, resume: bool, force: bool, job: 
         raise OutputError(f"{out} exists and is not a directory; choose a directory for OUT")
     holder = writer_of(out)
     if holder is not None:
-        raise Locked(f"{out} is locked by another writer ({holder}); wait for it to finish or stop it, then run again")
+        raise Locked(f"{out} is locked by another writer ({holder})",
+                     remedy=SAME_COMMAND.after("wait for it to finish or stop it"))
     check_out(out, job, resume, force, options, planned, repair, node)
     if force:
         plan_clearing(Tree(out)).refuse_foreign(out)
@@ -164,8 +165,8 @@ def _refuse_other_ranks(tree: Tree, node: NodeShare | None, tp: int) -> None:
     try:
         made = ShareRecord.parse(record["share"], tp) if record.get("share") is not None else None
     except ValueError as problem:
-        raise OutputError(f"{tree.path(RECORD_REL)}: its share ({problem}) is not one convert writes; remove "
-                          f"{tree.root} and convert again") from None
+        raise OutputError(f"{tree.path(RECORD_REL)}: its share ({problem}) is not one convert writes",
+                          remedy=CONVERT_AGAIN.after(f"remove {tree.root}")) from None
     want = node.doc(record.get("conversion_id"), tp) if node is not None else None
     if _node_of(made) != _node_of(want):
         raise OutputError(f"{tree.root} holds a conversion of {_ranks_of(made)}, this command converts "
@@ -219,8 +220,8 @@ def refuse_strays(tree: Tree, planned: Iterable[str], tp: int) -> None:
     if found:
         more = f" and {len(found) - 3} more" if len(found) > 3 else ""
         raise Refused(f"--resume: {tree.root} holds what this conversion does not write, and verify would fail on "
-                      f"the finished output: {', '.join(repr(s.line) for s in found[:3])}{more}; move it out of OUT "
-                      f"(lucifer-shard deletes only what it wrote), then run the same command again")
+                      f"the finished output: {', '.join(repr(s.line) for s in found[:3])}{more}",
+                      remedy=SAME_COMMAND.after("move it out of OUT (lucifer-shard deletes only what it wrote)"))
 
 
 def _describe_diff(old: dict, new: dict) -> str:

@@ -22,7 +22,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
-from ..errors import OutputError
+from ..errors import SAME_COMMAND, OutputError
 from ..guarded_io import Refused, Tree, kind, mount_points, partial_name
 from ..outnames import MANIFEST_NAME, STATE_DIR, SIDE_FILES
 from ..output.kernel_cache import CACHE_DIR
@@ -142,8 +142,8 @@ class Clearing:
         if self.foreign:
             more = f" and {len(self.foreign) - SHOWN} more" if len(self.foreign) > SHOWN else ""
             raise OutputError(f"--force: {out} holds what this tool did not write, so it deletes nothing: "
-                              f"{', '.join(self.foreign[:SHOWN])}{more}; move them out of OUT (or choose another "
-                              f"OUT), then run again")
+                              f"{', '.join(self.foreign[:SHOWN])}{more}",
+                              remedy=SAME_COMMAND.after("move them out of OUT", "choose another OUT"))
 
 
 def _order(rel: str) -> tuple:
@@ -197,7 +197,8 @@ def clear(tree: Tree, plan: Clearing) -> None:
         except (OSError, Refused) as e:
             why = e.strerror if isinstance(e, OSError) else str(e)
             raise OutputError(f"{tree.path(rel)}: cannot delete it ({why}); clearing stopped after {i} of "
-                              f"{len(plan.files)} files and can be finished: make it deletable (e.g. chattr -i, or "
-                              f"fix its folder's permissions), then run the same command again") from None
+                              f"{len(plan.files)} files and can be finished",
+                              remedy=SAME_COMMAND.after("make it deletable (e.g. chattr -i, or fix its folder's "
+                                                        "permissions)")) from None
     for rel in plan.dirs:
         tree.remove_dir(rel)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import LuciferError, SourceError
+from ..errors import CONVERT_RESUME, LuciferError, SourceError
 from ..guarded_io import Tree
 from ..outnames import MANIFEST_NAME
 from ..output.manifest import CARD_NAME, COMPLETE_NAME, complete_problem, part_path, rank_dir
@@ -165,7 +165,7 @@ def repair_locked(job: Job, out: Path, manifest: Manifest, journaled: dict[str, 
         left += [manifest.copies[name].bytes for name in rep.copies] + [len(job.cid) + 1]
         if not record_ok:
             left.append(len(record_text(conversion_record(job)).encode()))
-        writing.check_room(left, partial_bytes(out, job), "run the same command with --resume")
+        writing.check_room(left, partial_bytes(out, job), CONVERT_RESUME)
         remove_partials(out, job)  # the tool's own temporaries of a stopped run, not the output
         changed = False
 

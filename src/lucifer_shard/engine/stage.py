@@ -29,7 +29,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from .. import stops
-from ..errors import Locked, MismatchError, OutputError, UsageRefused
+from ..errors import COMMAND_AGAIN, CONVERT_RESUME, SAME_COMMAND, VERIFY, Locked, MismatchError, OutputError, UsageRefused
 from ..formats.stheader import Header, HeaderError, read_header
 from ..guarded_io import Refused, Tree, naming, write_all
 from ..outnames import strays, MANIFEST_NAME, STATE_DIR
@@ -176,8 +176,9 @@ def only_writer(dest: Path, command: str = "stage") -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise Locked(f"{dest} is being staged by another lucifer-shard stage or fetch; wait for it to finish, then "
-                         f"run this {command} again (or {command} into another DEST)") from None
+            raise Locked(f"{dest} is being staged by another lucifer-shard stage or fetch",
+                         remedy=COMMAND_AGAIN.at(command=f"this {command}").after(
+                             "wait for it to finish", f"{command} into another DEST")) from None
         yield  # closing the descriptor drops the lock
 
 
@@ -251,13 +252,15 @@ def refuse_dest(dest: Path, manifest: Manifest, ranks: list[int], wants: list[Wa
             f"empty directory")
 
 
-# The fix of a damaged OUT named by stage ({root}: OUT).
-STAGE_FIX = ("OUT is damaged; lucifer-shard verify {root} names every problem and the same convert command with "
-             "--resume repairs it; then stage again")
+# What else fixes a damaged OUT that stage reads (besides verify naming its problems).
+STAGE_REPAIR = f"repair it with {CONVERT_RESUME.command} and stage again"
 
 
-def _damaged(src: Tree, rel: str, what: str, fix: str = STAGE_FIX) -> MismatchError:
-    return MismatchError(f"{src.path(rel)}: {what}: {fix.format(root=src.root)}")
+def _damaged(src: Tree, rel: str, what: str, instead: str = STAGE_REPAIR) -> MismatchError:
+    """A file of `src` (OUT, or a published output) that is not what its manifest records: verify names
+    every problem of `src` and its fix (OUT's: the same convert with --resume); `instead`: what else would do."""
+    return MismatchError(f"{src.path(rel)}: {what}: {src.root} is damaged",
+                         remedy=VERIFY.at(out=str(src.root)).after("", instead))
 
 
 def _check_source(src: Tree, want: Want) -> None:
@@ -294,20 +297,20 @@ def _place(src: Tree, tree: Tree, want: Want) -> str:
     return "copied"
 
 
-def copy_checked(src: Tree, tree: Tree, want: Want, fix: str = STAGE_FIX) -> None:
-    """Publish a copy of `src`'s file in DEST once its bytes are the manifest's (else MismatchError
-    ending with `fix`), then read it back."""
+def copy_checked(src: Tree, tree: Tree, want: Want, instead: str = STAGE_REPAIR) -> None:
+    """Publish a copy of `src`'s file in DEST once its bytes are the manifest's (else MismatchError,
+    `instead` what else fixes it), then read it back."""
     rel = want.rel
     with _named(tree.path(rel)):
-        wrote = _copy(src, tree, want, fix)
+        wrote = _copy(src, tree, want, instead)
         got = _digest(tree, rel)
         if got != wrote:
             tree.remove(rel)
             raise OutputError(f"{tree.path(rel)}: the copy reads back other bytes than {src.path(rel)} (blake3 "
-                              f"{got[:16]}... != {wrote[:16]}...); check DEST's disk and run again")
+                              f"{got[:16]}... != {wrote[:16]}...)", remedy=SAME_COMMAND.after("check DEST's disk"))
 
 
-def _copy(src: Tree, tree: Tree, want: Want, fix: str) -> str:
+def _copy(src: Tree, tree: Tree, want: Want, instead: str) -> str:
     """Publish a copy of OUT's file in DEST, once the bytes read are the manifest's; their BLAKE3."""
     with _named(src.path(want.rel)):
         fd_in = src.open_read(want.rel)
@@ -315,9 +318,9 @@ def _copy(src: Tree, tree: Tree, want: Want, fix: str) -> str:
         try:
             header = _header(src, want, fd_in)
         except HeaderError as e:
-            raise _damaged(src, want.rel, f"unreadable safetensors header ({e.reason})", fix) from None
+            raise _damaged(src, want.rel, f"unreadable safetensors header ({e.reason})", instead) from None
         if problem := stamp_problem(header, want):
-            raise _damaged(src, want.rel, problem, fix)
+            raise _damaged(src, want.rel, problem, instead)
         digest = ManifestDigest(header)
 
         def write(fd: int) -> None:
@@ -330,10 +333,10 @@ def _copy(src: Tree, tree: Tree, want: Want, fix: str) -> str:
                 digest.update(chunk)
                 write_all(fd, chunk)
             if digest.pos != want.bytes:  # first: a file's bytes past its tensors are in no digest
-                raise _damaged(src, want.rel, size_problem(digest.pos, want.bytes), fix)
+                raise _damaged(src, want.rel, size_problem(digest.pos, want.bytes), instead)
             if digest.manifest_digest() != want.digest:  # not published: DEST keeps no damaged copy
                 raise _damaged(src, want.rel, f"not the bytes the manifest records (blake3 {want.digest[7:23]}...)",
-                               fix)
+                               instead)
 
         tree.publish(want.rel, write)
     finally:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import save
 
-from ..errors import LuciferError, OutputError
+from ..errors import COMMAND_AGAIN, LuciferError, OutputError
 from ..formats.dtypes import DTYPE_SIZE
 from ..formats.torch_dtypes import TORCH_DTYPE
 from ..guarded_io import Tree, kind, probe
@@ -119,7 +119,7 @@ def synth(preset: str, out: Path, layers: int | None = None, fill: str = DEFAULT
     cfg = parse_config(raw, f"preset {preset}")
     out = Path(out)
     refuse_out(out)
-    check_room(out, file_sizes(raw, shard_count), 0, f"run synth {preset} again", what="checkpoint shards and JSON files")
+    check_room(out, file_sizes(raw, shard_count), 0, COMMAND_AGAIN.at(command=f"synth {preset}"), what="checkpoint shards and JSON files")
     out.mkdir(parents=True, exist_ok=True)
     tree = Tree(out)
     sources = ordered_sources(raw, f"preset {preset}")

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import stops
-from ..errors import fault
+from ..errors import CONVERT_RESUME, Remedy, fault
 from ..guarded_io import Tree, naming, partial_name, write_all
 from ..model.layouts import Layout
 from ..model.tensorspecs import TensorSpec
@@ -290,9 +290,6 @@ def _abort(tree: Tree, part: Part, ranks: list[int], sinks: dict[int, _RankSink]
         tree.remove(partial_name(part_path(part.role, rank, part.index)))
 
 
-RESUME = "run the same command with --resume (finished files and downloaded bytes are kept)"
-
-
 class Writing:
     """What convert and a repair share around their writes, one path for both: the room check (OUT's
     filesystem, then the feed's download room) and the fault mapping on the way out: a write that ran
@@ -305,14 +302,14 @@ class Writing:
         self.job, self.out, self.planned, self.left = job, out, planned, left
         self.feed: SourceFeed | None = None  # set once the parts to write are known
 
-    def check_room(self, left: list[int], given_back: int, then: str) -> None:
+    def check_room(self, left: list[int], given_back: int, then: Remedy) -> None:
         check_room(self.out, left, given_back, then)
         self.feed.check_room(left, given_back, then)
 
     def _fault(self, err: OSError) -> BaseException:
         if err.errno in WRITE_LIMITS:
             return write_failed(err, self.out, self.left(), max(f.bytes for f in self.planned.values()))
-        return fault(err, "convert", "run the same command with --resume (finished files are kept)") or err
+        return fault(err, "convert", CONVERT_RESUME) or err
 
     def __enter__(self) -> Writing:
         return self
@@ -322,7 +319,7 @@ class Writing:
             if isinstance(err, OSError):
                 raise self._fault(err) from None
             if isinstance(err, LinkFault):  # OUT holds this run's state now: the next run continues it
-                raise err.then(RESUME) from None
+                raise err.then(CONVERT_RESUME) from None
             if err is not None and self.feed is not None:
                 self.feed.close(wait=False)  # Ctrl-C, SIGTERM, a refused source: leave now
         finally:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import SourceError
+from ..errors import PLAN, SourceError
 from ..formats.schema import Bool, Int, ListOf, Num, Obj, SchemaError, Str, check, loads
 from ..guarded_io import JSON_LIMIT, read_regular
 
@@ -121,8 +121,7 @@ def v41_refusal(where: str) -> SourceError:
     """DeepSeek-V4.1-Flash's refusal by convert (v41.py sizes it for plan; nothing converts it yet)."""
     return SourceError(f"{where}: DeepSeek-V4.1-Flash (model_type {V41_MODEL_TYPE!r}) is not supported yet: it needs its "
                        f"own TP3 plan (Engram tables split by hash head, 32x32 FP8 scale blocks, heads and Engram wkv "
-                       f"padding, docs/deepseek-v4.1.md); `lucifer-shard plan --tp 3 config.json` shows its bytes "
-                       f"per rank")
+                       f"padding, docs/deepseek-v4.1.md)", remedy=PLAN.at(model="config.json"))
 
 
 def parse_config(raw: dict[str, Any], where: str = "config.json") -> ModelConfig:

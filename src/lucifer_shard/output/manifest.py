@@ -19,7 +19,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from .. import __version__
-from ..errors import OutputError
+from ..errors import CONVERT_FORCE, CONVERT_RESUME, COPY_AGAIN, OutputError
 from ..formats.stheader import (META_CONTENT, META_CONVERSION_ID, META_FORMAT, META_PART, META_RANK, META_ROLE,
                                 META_TP_SIZE)
 from ..guarded_io import JSON_LIMIT, Refused, read_regular
@@ -33,7 +33,7 @@ FORMAT = "lucifer-shard/manifest"
 FORMAT_VERSION = 2  # 2: rank files stamped with their source content, digests of the copied side files
 # The fix of a damaged rank file: the repair rewrites just the files that fail, from the source; only a mix it
 # cannot repair (a link, an entry it did not write) needs the whole conversion again (a share: share.SHARE_REPAIR).
-REPAIR = "run the same convert command with --resume (it rewrites just the damaged files), or convert --force"
+REPAIR = str(CONVERT_RESUME.after("", "convert --force"))
 
 
 def conversion_id(fingerprint: str, options: Options) -> str:
@@ -115,7 +115,7 @@ def read_manifest_bytes(out: Path) -> bytes:
     except Refused as e:
         raise OutputError(f"{e}") from None
     except OSError as e:
-        raise OutputError(f"{path}: unreadable ({e.strerror}); re-run convert --force") from None
+        raise OutputError(f"{path}: unreadable ({e.strerror})", remedy=CONVERT_FORCE) from None
 
 
 def complete_problem(out: Path, cid: str) -> str | None:
@@ -126,19 +126,16 @@ def complete_problem(out: Path, cid: str) -> str | None:
         text = read_regular(path, 4096).decode("utf-8", "replace").strip()
     except FileNotFoundError:
         if not os.path.lexists(Path(out) / RECORD_REL):  # no conversion record: a stage, fetch or copy stopped
-            return (f"no {COMPLETE_NAME} marker ({COMPLETE_NAME} missing): the copy did not finish; run the same "
-                    f"fetch or stage again (it continues: the files already checked are kept), or copy the output "
-                    f"again (everything but .lucifer/, {COMPLETE_NAME} last)")
-        return (f"no {COMPLETE_NAME} marker ({COMPLETE_NAME} missing): the conversion did not finish (run convert "
-                f"again with --resume)")
+            again = COPY_AGAIN.after("", f"copy the output again (everything but .lucifer/, {COMPLETE_NAME} last)")
+            return f"no {COMPLETE_NAME} marker ({COMPLETE_NAME} missing): the copy did not finish; {again}"
+        return f"no {COMPLETE_NAME} marker ({COMPLETE_NAME} missing): the conversion did not finish; {CONVERT_RESUME}"
     except Refused as e:
         return f"{e}"
     except OSError as e:
-        return f"{path}: unreadable ({e.strerror}); re-run convert --force"
+        return f"{path}: unreadable ({e.strerror}); {CONVERT_FORCE}"
     if text == cid:
         return None
     if not re.fullmatch(r"[0-9a-f]{64}", text):
-        return (f"{COMPLETE_NAME} holds {text[:24]!r}, not a conversion id: it was not written by convert; re-run "
-                f"convert --force")
+        return f"{COMPLETE_NAME} holds {text[:24]!r}, not a conversion id: it was not written by convert; {CONVERT_FORCE}"
     return (f"{COMPLETE_NAME} holds {text[:16]}..., the manifest's conversion id is {cid[:16]}...: files of two "
-            f"conversions are mixed; re-run convert --force")
+            f"conversions are mixed; {CONVERT_FORCE}")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from ..errors import OutputError, SourceError
+from ..errors import CONVERT_FORCE, CONVERT_RESUME, VERIFY, OutputError, SourceError
 from ..formats.dtypes import DTYPE_SIZE
 from ..formats.records import Only, Rec, fld, from_doc, schema_of, to_doc
 from ..formats.schema import Int, ListOf, MapOf, Null, OneOf, SchemaError, Str, check, loads
@@ -233,21 +233,21 @@ class Manifest:
         try:
             doc = loads(data)
         except SchemaError as e:
-            raise OutputError(f"{path}: unreadable ({e}); re-run convert --force") from None
+            raise OutputError(f"{path}: unreadable ({e})", remedy=CONVERT_FORCE) from None
         if not isinstance(doc, dict):
-            raise OutputError(f"{path}: is a JSON {type(doc).__name__}, not a lucifer-shard manifest; re-run "
-                              f"convert --force")
+            raise OutputError(f"{path}: is a JSON {type(doc).__name__}, not a lucifer-shard manifest",
+                              remedy=CONVERT_FORCE)
         if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
             raise OutputError(f"{path}: format {str(doc.get('format'))[:60]!r} v{str(doc.get('format_version'))[:20]}"
-                              f", expected {FORMAT!r} v{FORMAT_VERSION}; re-run lucifer-shard convert --force")
+                              f", expected {FORMAT!r} v{FORMAT_VERSION}", remedy=CONVERT_FORCE)
         try:
             check(MANIFEST_FIELDS, doc)
         except SchemaError as e:
-            raise OutputError(f"{path}: field {e}; the manifest was edited or damaged, re-run convert --force") from None
+            raise OutputError(f"{path}: field {e}; the manifest was edited or damaged", remedy=CONVERT_FORCE) from None
         m = from_doc(cls, doc, sealed=digest_ok(doc))
         problem = _layout_problem(m)
         if problem:
-            raise OutputError(f"{path}: {problem}; the manifest was edited, re-run convert --force")
+            raise OutputError(f"{path}: {problem}; the manifest was edited", remedy=CONVERT_FORCE)
         return m
 
     @classmethod
@@ -257,7 +257,7 @@ class Manifest:
         m = cls.parse(read_manifest_bytes(out), path)
         if check_digest and not m.sealed:
             raise OutputError(f"{path}: manifest_digest does not match its content: the manifest was edited "
-                              f"after conversion; re-run convert --force")
+                              f"after conversion", remedy=CONVERT_FORCE)
         return m
 
     @property
@@ -272,7 +272,7 @@ class Manifest:
         entry = next((e for e in self.roles.get(role, ()) if e.rank == rank), None)
         if entry is None:
             raise OutputError(f"{MANIFEST_NAME}: lists no {role} entry for TP rank {rank} of {self.tp_size}: the "
-                              f"manifest was edited; lucifer-shard verify OUT names every problem")
+                              f"manifest was edited", remedy=VERIFY.at(out="OUT"))
         return entry
 
     def files(self, ranks: list[int] | None = None) -> list[tuple[str, int, FileRecord]]:
@@ -315,12 +315,11 @@ def copy_problems(out: Path, m: Manifest, fix: str | None = None) -> list[tuple[
     copies = m.copies
     for name in sorted(set(m.source.side_files) - set(copies)):
         problems.append((name, f"{name}: listed as copied from the source but its digest is not recorded; "
-                               f"{fix or 're-run convert --force'}"))
+                               f"{fix or CONVERT_FORCE}"))
     for name, rec in sorted(copies.items()):
         path = Path(out) / name
         card = name == CARD_NAME
-        back = fix or ("run the same convert command with --resume (it writes the card again)" if card else
-                       f"copy the source's {name} back, or run the same convert command with --resume")
+        back = fix or (str(CONVERT_RESUME) if card else f"copy the source's {name} back, or {CONVERT_RESUME}")
         try:
             data = read_regular(path, JSON_LIMIT)
         except FileNotFoundError:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import EnvironmentRefused, Locked, OutputError
+from ..errors import COMMAND_AGAIN, SAME_COMMAND, EnvironmentRefused, Locked, OutputError
 from ..guarded_io import Refused, Tree, remove_empty_dir
 from ..outnames import STATE_DIR
 
@@ -109,10 +109,10 @@ class OutLock:
                     time.sleep(0.01)
                     continue
                 if read_only:
-                    raise Locked(f"{self.out} is being read by lucifer-shard stage; wait for it to finish, then "
-                                 f"run again") from None
-                raise Locked(f"{self.out} is locked by another writer ({describe(record)}); wait for it to "
-                                  f"finish or stop it, then run again") from None
+                    raise Locked(f"{self.out} is being read by lucifer-shard stage",
+                                 remedy=SAME_COMMAND.after("wait for it to finish")) from None
+                raise Locked(f"{self.out} is locked by another writer ({describe(record)})",
+                             remedy=SAME_COMMAND.after("wait for it to finish or stop it")) from None
             if self._same_file(fd):
                 break
             os.close(fd)  # a previous holder removed the file between our open and lock: take the new one
@@ -179,8 +179,8 @@ def reading(out: Path, command: str) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise Locked(f"{out} is being written by lucifer-shard convert ({describe(_read_record(fd))}); run "
-                         f"{command} when it has finished") from None
+            raise Locked(f"{out} is being written by lucifer-shard convert ({describe(_read_record(fd))})",
+                         remedy=COMMAND_AGAIN.at(command=command).after("wait for it to finish")) from None
         yield
     finally:
         os.close(fd)  # drops the shared lock
@@ -190,5 +190,5 @@ def refuse_if_written(out: Path, command: str) -> None:
     """OutputError when a `convert` holds OUT: its files are not finished, so not damaged either."""
     holder = writer_of(out)
     if holder is not None:
-        raise Locked(f"{out} is being written by lucifer-shard convert ({holder}); run {command} when it "
-                          f"has finished")
+        raise Locked(f"{out} is being written by lucifer-shard convert ({holder})",
+                     remedy=COMMAND_AGAIN.at(command=command).after("wait for it to finish"))

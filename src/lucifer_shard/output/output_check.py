@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..errors import LuciferError, MismatchError, OutputError
+from ..errors import FETCH_SHARE, STAGE_AGAIN, VERIFY, LuciferError, MismatchError, OutputError
 from ..guarded_io import Refused, Tree
 from ..model.arches import GENERATION_ARCHES, MOE_VARIANT
 from ..model.config import ModelConfig, load_config
@@ -87,7 +87,7 @@ class OutputCheck:
         where = " ".join(p for p in (f.role, f"rank {f.rank}" if f.rank is not None else None,
                                      f.tensor and f"tensor {f.tensor[:80]}") if p)
         raise MismatchError(f"{self.out}: {where + ': ' if where else ''}{f.message} ({len(self.findings)} "
-                            f"finding(s): lucifer-shard verify {self.out} names every problem)")
+                            f"finding(s))", remedy=VERIFY.at(out=str(self.out)))
 
 
 def check_output(out: Path, manifest: Manifest | None = None, seal: bool = True,
@@ -167,8 +167,8 @@ def _recorded(out: Path) -> bool:
 
 # A whole output without its conversion record (.lucifer/, left behind as the README says): a copy on a
 # serving host, repaired by copying again from where it came (the output, or its published repo).
-COPY_REPAIR = ("copy the damaged files again from the output they were copied from (for a published one, fetch it "
-               "again into a new folder: lucifer-shard fetch REPO DEST)")
+COPY_REPAIR = ("copy the damaged files again from the output they were copied from (for a published one, "
+               f"{FETCH_SHARE.at(ranks='').command.rstrip()} into a new folder)")
 
 
 def copy_repair(out: Path, m: Manifest) -> str:
@@ -187,9 +187,9 @@ def copy_repair(out: Path, m: Manifest) -> str:
         return COPY_REPAIR
     ranks = ",".join(map(str, present))
     return (f"OUT holds rank(s) {ranks} of tp {m.tp_size} only, as a node's share does, but no {SHARE_NAME}: copy "
-            f"{SHARE_NAME} from the share it came from, or stage or fetch that node's share again (lucifer-shard "
-            f"stage OUT DEST --ranks {ranks}; lucifer-shard fetch REPO DEST --ranks {ranks}); convert --resume "
-            f"would write every rank's files here")
+            f"{SHARE_NAME} from the share it came from, or stage or fetch that node's share again "
+            f"({STAGE_AGAIN.at(ranks=f'--ranks {ranks}').command}; {FETCH_SHARE.at(ranks=f'--ranks {ranks}').command}); "
+            f"convert --resume would write every rank's files here")
 
 
 def expected_entries(cfg: ModelConfig, options: Options) -> Expected:

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import OutputError, UsageRefused
+from ..errors import NODE_CONVERT_RESUME, STAGE_AGAIN, OutputError, UsageRefused
 from ..formats.records import fld, from_doc, schema_of, to_doc
 from ..formats.schema import Int, ListOf, Null, SchemaError, Str, check
 from ..guarded_io import Tree
@@ -41,11 +41,10 @@ def node_ranks(tp: int, nnodes: int, node_rank: int) -> list[int]:
 
 # The fix of a share that is damaged, edited or mixed: stage it again from the whole output (stage
 # re-checks every file against the manifest and replaces only those that fail); never convert into it.
-SHARE_REPAIR = ("stage the share again from the whole output (lucifer-shard stage OUT DEST with the same --ranks or "
-                "--nnodes/--node-rank: it replaces only the files that fail); never convert into a share")
+SHARE_REPAIR = (f"stage the share again from the whole output: "
+                f"{STAGE_AGAIN.at(ranks='with the same --ranks or --nnodes/--node-rank')}; never convert into a share")
 # A share a node's convert wrote (`convert --ranks`, its conversion record in .lucifer/) is repaired by that convert.
-CONVERT_REPAIR = ("run the node's convert again with --resume (the same command line, its --ranks or --nnodes/"
-                  "--node-rank: it rewrites only the files that fail)")
+CONVERT_REPAIR = str(NODE_CONVERT_RESUME)
 
 
 def share_repair(out: Path | str) -> str:
@@ -218,8 +217,7 @@ def missing_rank_parts(doc: ShareRecord, rank: int, where: Path | str) -> tuple[
     nnodes = doc.nnodes
     node = rank // (doc.tp_size // nnodes) if nnodes else None
     here = f"node {doc.node_rank}'s share" if doc.node_rank is not None else "a share"
-    stage = (f"lucifer-shard stage OUT DEST --nnodes {nnodes} --node-rank {node}" if nnodes
-             else f"lucifer-shard stage OUT DEST --ranks {rank}")
+    stage = STAGE_AGAIN.at(ranks=f"--nnodes {nnodes} --node-rank {node}" if nnodes else f"--ranks {rank}").command
     return (f"{where} is {here} ({describe(doc)}) but this worker runs TP rank {rank}"
             + (f", node {node}'s" if node is not None else ""),
             f"start this node with the --node-rank its share was staged for, or stage its rank here ({stage})")

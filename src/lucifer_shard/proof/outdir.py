@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from ..errors import OutputError
+from ..errors import VERIFY, OutputError
 from ..formats.dtypes import DTYPE_SIZE
 from ..formats.stheader import Header, HeaderError, read_header
 from ..formats.torch_dtypes import TORCH_DTYPE
@@ -18,7 +18,6 @@ from ..model.layouts import layout_by_name
 from ..output.manifest_types import RankRecord, TensorRecord
 from ..output.output_check import check_output
 from ..output.share import describe
-from .report import REPAIR
 
 logger = logging.getLogger("lucifer_shard.output")
 
@@ -35,8 +34,8 @@ class Output:
         share = checked.share
         if share is not None:  # every rank's output is summed: a node's share cannot be checked alone
             raise OutputError(f"{root} is a node's share ({describe(share)}): check-numerics sums every rank's "
-                              f"output, so it needs the whole output; run it where convert wrote OUT (lucifer-shard "
-                              f"verify {root} checks this share)")
+                              f"output, so it needs the whole output: run it where convert wrote OUT",
+                              remedy=VERIFY.at(out=str(root)))
         self._handles: dict[str, object] = {}
         self._headers: dict[str, Header] = {}
 
@@ -64,21 +63,21 @@ class Output:
             except FileNotFoundError:
                 raise OutputError(f"{path}: rank file listed in the manifest is missing") from None
             except Refused as e:
-                raise OutputError(f"{e}; run verify on {self.root}, then convert --force") from None
+                raise OutputError(f"{e}", remedy=VERIFY.at(out=str(self.root))) from None
             try:
                 with naming(path):
                     self._headers[rel] = read_header(path, fd=fd)  # a damaged file is named here, not mid-read
                 # the library maps the very file the header was read from (its descriptor's name)
                 h = self._handles[rel] = safe_open(f"/proc/self/fd/{fd}", framework="pt")
             except HeaderError as e:
-                raise OutputError(f"{e}; run verify on {self.root}, then {REPAIR}") from None
+                raise OutputError(f"{e}", remedy=VERIFY.at(out=str(self.root))) from None
             finally:
                 os.close(fd)
         t = self._headers[rel].tensors.get(name)
         if t is None or t.dtype != info.dtype or tuple(t.shape) != info.shape:
             found = "no such tensor" if t is None else f"{t.dtype}{list(t.shape)}"
-            raise OutputError(f"{path}: tensor {name!r} is {found}, the manifest says {info.dtype}{list(info.shape)}; "
-                              f"run verify on {self.root}, then {REPAIR}")
+            raise OutputError(f"{path}: tensor {name!r} is {found}, the manifest says {info.dtype}{list(info.shape)}",
+                              remedy=VERIFY.at(out=str(self.root)))
         return h
 
     def stored(self, role: str, rank: int, name: str, index: slice | None = None) -> np.ndarray:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from blake3 import blake3
 
-from ..errors import OutputError
+from ..errors import COMMAND_AGAIN, OutputError
 from ..formats.dtypes import DTYPE_SIZE
 from ..formats.stheader import read_header
 from ..guarded_io import Tree, naming, open_regular
@@ -76,7 +76,7 @@ class RankFile:
         if (st.st_dev, st.st_ino) != self._identity:
             os.close(fd)
             raise OutputError(f"{self.path}: was replaced while it was being checked; a writer changed OUT during "
-                              f"this run, run the check again when it has finished")
+                              f"this run", remedy=COMMAND_AGAIN.at(command="the check").after("let it finish"))
         return fd
 
     def fd(self) -> int:

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import httpx2
 
 from .. import stops
-from ..errors import ServerError, UsageRefused
+from ..errors import COMMAND_AGAIN, ServerError, UsageRefused
 from .smoke import (FAIL, INFO, Check, MetricsError, Report, Restarted, SpecCounters, Stream, acceptance,
                     counter_delta, draft_checks, latency, model_check, parse_metrics, repeat_check, spec_counters)
 
@@ -424,7 +424,8 @@ def _run(server: Server, options: SmokeOptions, log: Callable[[str], None]) -> R
         try:
             delta = counter_delta(before, after)
         except Restarted as e:  # a restart between the reads: the deltas would be nonsense, never a pass
-            raise ServerError(f"{server.url}/metrics: {e}; run smoke again once the server stays up") from None
+            raise ServerError(f"{server.url}/metrics: {e}",
+                              remedy=COMMAND_AGAIN.at(command="smoke").after("wait until the server stays up")) from None
         report.acceptance.append(acceptance(name, delta))
     report.checks += draft_checks(*report.acceptance, options.expect_draft)
     return report

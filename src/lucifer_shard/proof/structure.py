@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..errors import OutputError, fault
+from ..errors import COMMAND_AGAIN, CONVERT_FORCE, CONVERT_RESUME, OutputError, fault
 from ..formats.stheader import META_CONTENT, META_CONVERSION_ID, META_PART, META_RANK, META_ROLE, HeaderError
 from ..guarded_io import Refused, Tree
 from ..outnames import strays, MANIFEST_NAME, STATE_DIR
@@ -27,8 +27,8 @@ def read_manifest(report: Report, out: Path) -> OutputCheck:
     """OUT's manifest and the one output check (output/output_check: every finding is the report's, the
     share's fix named first); OutputError when OUT holds no readable manifest."""
     if not (out / MANIFEST_NAME).exists() and (out / STATE_DIR).is_dir():
-        raise OutputError(f"{out} holds an unfinished conversion (no {MANIFEST_NAME}, no {COMPLETE_NAME}); "
-                          f"run the same convert command with --resume")
+        raise OutputError(f"{out} holds an unfinished conversion (no {MANIFEST_NAME}, no {COMPLETE_NAME})",
+                          remedy=CONVERT_RESUME)
     checked = check_output(out)
     report.repair = checked.repair
     if checked.share is not None:
@@ -70,7 +70,7 @@ def open_files(report: Report, out: Path, manifest: Manifest, held: list[int] | 
                                names[0] if names else None, rel))
             continue
         except Refused as e:  # a link or not a regular file: never followed out of OUT
-            report.add(Problem("file", f"{e}; {report.repair if report.repair != REPAIR else 're-run convert --force'}",
+            report.add(Problem("file", f"{e}; {report.repair if report.repair != REPAIR else CONVERT_FORCE}",
                                role, rank, file=rel))
             continue
         except HeaderError as e:
@@ -80,7 +80,7 @@ def open_files(report: Report, out: Path, manifest: Manifest, held: list[int] | 
             continue
         except OSError as e:  # the machine's fault (EIO, EACCES, EMFILE...), not a finding about OUT
             raise fault(OSError(e.errno, e.strerror, str(path)), command=report.command,
-                        then=f"run {report.command} again") or e from None
+                        then=COMMAND_AGAIN.at(command=report.command)) or e from None
         files[rel] = rf
         logger.info("%s rank %d %s: header of %d tensor(s), %d bytes", role, rank, rel, len(rf.tensors), rf.size)
         if rf.trailing:  # safetensors (and so vLLM) refuses a file with bytes after its data

@@ -58,6 +58,8 @@ def _serve_preflight() -> None:
     import json
     import os
 
+    from lucifer_shard.errors import DOCTOR
+
     from .adapt.settings import SERVE_ENV
 
     raw = os.environ.pop(SERVE_ENV, None)
@@ -73,7 +75,7 @@ def _serve_preflight() -> None:
         return
     if failed:
         lines = "\n".join(f"lucifer-shard serve: preflight failed in vLLM: {c}" for c in failed)
-        raise SystemExit(f"{lines}\nlucifer-shard doctor OUT shows every check")
+        raise SystemExit(f"{lines}\n{DOCTOR.at(out=asked['out'])}")
     logger.info("lucifer_tp3: serve's in-vLLM preflight passed")
 
 

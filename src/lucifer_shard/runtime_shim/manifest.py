@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lucifer_shard.errors import MismatchError, OutputError, PlanError
+from lucifer_shard.errors import CONVERT, CONVERT_AGAIN, CONVERT_RESUME, VERIFY, MismatchError, OutputError, PlanError
 from lucifer_shard.formats.stheader import Header, HeaderError, read_header as _read_header
 from lucifer_shard.guarded_io import Refused, Tree
 from lucifer_shard.model.arches import MOE_VARIANT
@@ -87,7 +87,7 @@ def rank_entry(output: Output, role: str, rank: int) -> RankRecord:
         return doc.rank(role, rank)
     except OutputError:  # load_manifest's output check refuses such a manifest first
         raise ShimError(f"rank files missing: {manifest_path(out)} lists no {role} files for rank {rank} of "
-                        f"tp_size {doc.tp_size}; re-run lucifer-shard convert (or verify) on {out}") from None
+                        f"tp_size {doc.tp_size}", VERIFY.at(out=str(out))) from None
 
 
 def load_manifest(out: str | Path, check_digest: bool = True) -> Manifest:
@@ -108,8 +108,8 @@ def load_manifest(out: str | Path, check_digest: bool = True) -> Manifest:
         raise ShimError(str(e)) from None
     except OutputError as e:
         if not path.exists():
-            raise ShimError(f"{path} not found: {out} is not a lucifer-shard output; run lucifer-shard convert, or "
-                            f"drop --load-format lucifer_tp3") from None
+            raise ShimError(f"{path} not found: {out} is not a lucifer-shard output",
+                            CONVERT.at(model="MODEL", out=str(out)).after("", "drop --load-format lucifer_tp3")) from None
         hint = ("; use the lucifer-shard version that wrote it"
                 if f"expected {FORMAT!r} v{FORMAT_VERSION}" in str(e) else "")
         raise ShimError(f"{e}{hint}") from None
@@ -125,7 +125,7 @@ def read_header(path: Path, fd: int | None = None) -> Header:
     try:
         return _read_header(path, fd=fd)
     except HeaderError as e:
-        raise ShimError(f"{e}; the file is corrupt, re-run lucifer-shard convert") from None
+        raise ShimError(f"{e}; the file is corrupt", CONVERT_AGAIN) from None
 
 
 def open_rank_file(out: Path, rel: str, role: str, rank: int) -> int:
@@ -135,8 +135,7 @@ def open_rank_file(out: Path, rel: str, role: str, rank: int) -> int:
         return Tree(out).open_read(rel)
     except FileNotFoundError:
         raise ShimError(f"rank files missing: {Path(out) / rel} (listed in the manifest for {role} rank {rank}) "
-                        f"does not exist; copy the whole output directory or re-run lucifer-shard convert "
-                        f"--resume") from None
+                        f"does not exist", CONVERT_RESUME.after("", "copy the whole output directory")) from None
     except Refused as e:
         raise ShimError(f"{e}; copy the output directory with its files, not links to them") from None
     except OSError as e:

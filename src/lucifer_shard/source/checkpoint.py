@@ -17,14 +17,14 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from .. import stops
-from ..errors import SourceError, UsageRefused
+from ..errors import INSPECT, READ_AGAIN, SAME_COMMAND, SourceError, UsageRefused
 from ..formats.stheader import Header, HeaderError, read_header
 from ..guarded_io import JSON_LIMIT, kind, open_regular, read_regular
 from ..model.config import ModelConfig, load_config
 from ..model.rules import ROLES
 from ..model.tensorspecs import check_source_keys
 from ..outnames import MANIFEST_NAME, SIDE_FILES, STATE_DIR
-from .hub import (NOT_HERE, RETRY, HubRepo, _ranged, cached_snapshot, guarded, link_fault, remote_header, repo_at,
+from .hub import (NOT_HERE, HubRepo, _ranged, cached_snapshot, guarded, link_fault, remote_header, repo_at,
                   small_file)
 
 if TYPE_CHECKING:  # torch is loaded by safetensors' "pt" framework when data is read
@@ -39,7 +39,7 @@ def _refuse_output(path: Path) -> None:
     """A lucifer-shard output where MODEL belongs is named (it is not a checkpoint)."""
     if (path / MANIFEST_NAME).is_file() or (path / STATE_DIR).is_dir():
         raise SourceError(f"MODEL {path} is a lucifer-shard output, not a checkpoint; pass the checkpoint it was "
-                          f"converted from (`lucifer-shard inspect {path}` shows its source)")
+                          f"converted from", remedy=INSPECT.at(out=str(path)))
 
 
 # The configs shipped in the package (lucifer_shard.configs), which plan takes by name from anywhere (no
@@ -197,7 +197,8 @@ class Checkpoint:
         if hashlib.sha256(_read_shard(self.root / name).block).hexdigest() != self.headers[name]:
             where = f" of {self.hub.repo} at {self.hub.commit[:12]}" if self.hub is not None else ""
             raise SourceError(f"{name}{where}: its header is not the one the plan was made from (read before by a "
-                              f"ranged request): the endpoint answered the two requests with other bytes; {RETRY}")
+                              f"ranged request): the endpoint answered the two requests with other bytes",
+                              remedy=READ_AGAIN)
 
     def read(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
         """The region `box` of tensor `key` (element indices), as stored: the rows of its first dim
@@ -387,7 +388,8 @@ def download_whole(ckpt: Checkpoint, roles: tuple[str, ...] = ROLES) -> Checkpoi
     _check_snapshot(hub, local)
     if local.fingerprint != ckpt.fingerprint:
         raise SourceError(f"{hub.repo} at {hub.commit[:12]}: the downloaded checkpoint's headers differ from the "
-                          f"Hub's ({root}); remove that snapshot from the Hugging Face cache and run again")
+                          f"Hub's ({root})", remedy=SAME_COMMAND.after("remove that snapshot from the Hugging Face "
+                                                                        "cache"))
     local.hub = hub
     return local
 
@@ -398,8 +400,8 @@ def _check_snapshot(hub: HubRepo, local: Checkpoint) -> None:
     hashed here: the fingerprint binds their headers, and a snapshot of 170 GB is the user's cache."""
     for name in local.side:
         hub.check(name, read_regular(local.root / name, hub.get(name).size, follow=True),
-                  f"{local.root / name} is in the Hugging Face cache: remove that revision from the cache (`hf cache "
-                  f"rm`) and run again")
+                  SAME_COMMAND.after(f"{local.root / name} is in the Hugging Face cache: remove that revision from "
+                                     f"the cache (`hf cache rm`)"))
 
 
 def _checkpoint(root: Path, cfg: ModelConfig, config_bytes: bytes, weight_map: dict[str, str] | None,

@@ -34,7 +34,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import EnvironmentRefused, SourceError, UsageRefused
+from ..errors import READ_AGAIN, SAME_COMMAND, EnvironmentRefused, Remedy, SourceError, UsageRefused
 from ..formats.stheader import MAX_HEADER_BYTES, Header, HeaderError, parse_header
 from ..guarded_io import Tree, open_regular
 from ..stops import stop_behind
@@ -45,12 +45,10 @@ NOT_HERE = "no such directory here, and as a Hugging Face repo id"
 logger = logging.getLogger("lucifer_shard.hub")  # -v: each shard's download, -vv: its SHA-256 check
 MARKER = "lucifer-download.json"
 HEADER_GUESS = 1 << 18  # first ranged read of a shard; a larger header takes one more request
-RETRY = "run the same command again (it reads the file anew), and if it fails again, report it to the repo's owner"
 READ_BLOCK = 1 << 16  # a ranged read's body is taken this much at a time, never more than was asked for
-SAME = "then run the same command again"
 QUOTA = ("the Hub refused the download with HTTP 402: the account's download quota (its 30-day egress allowance) is "
          "spent; wait for it to renew or raise it on the Hub, and spend less of it: a share copied between the boxes "
-         "(`lucifer-shard stage`, then any copy) or `lucifer-shard fetch` of a published share costs a third of the "
+         "(`stage`, then any copy) or a `fetch` of a published share costs a third of the "
          "download of three nodes each streaming the source")
 
 
@@ -59,11 +57,11 @@ class LinkFault(EnvironmentRefused):
     402 quota): a fault of the network, not of the tool. `what` names the file and the bytes kept; the
     line ends with the command that continues, which each command knows (`then`)."""
 
-    def __init__(self, what: str, then: str = SAME):
+    def __init__(self, what: str, then: Remedy = SAME_COMMAND):
         self.what = what
-        super().__init__(f"{what}; {then}")
+        super().__init__(what, remedy=then)
 
-    def then(self, then: str) -> LinkFault:
+    def then(self, then: Remedy) -> LinkFault:
         """The same fault, continued by `then`."""
         return LinkFault(self.what, then)
 
@@ -99,7 +97,7 @@ def link_reason(e: BaseException) -> str | None:
     return None
 
 
-def link_fault(e: BaseException, where: str, kept: str = "", then: str = SAME) -> LinkFault | None:
+def link_fault(e: BaseException, where: str, kept: str = "", then: Remedy = SAME_COMMAND) -> LinkFault | None:
     """The one line of a network failure `e` while reading `where` (a file of a repo), saying what is
     kept; None when `e` is no network failure. A stop behind `e` (Ctrl-C or SIGTERM during huggingface_hub's
     retries) is raised as the stop it is."""
@@ -134,7 +132,7 @@ class HubRepo:
     files: dict[str, RemoteFile]
     card: dict = field(default_factory=dict)  # the repo card's front matter as the Hub parsed it (license, ...)
 
-    def check(self, name: str, data: bytes, fix: str = RETRY) -> None:
+    def check(self, name: str, data: bytes, fix: Remedy = READ_AGAIN) -> None:
         """Refuse bytes read for `name` that are not the ones the Hub publishes for this commit: its size,
         then its SHA-256 (LFS) or git blob id (a git file), whichever the Hub gave; `fix` ends the line."""
         f = self.get(name)
@@ -147,7 +145,8 @@ class HubRepo:
         else:
             return
         raise SourceError(f"{name} of {self.repo} at {self.commit[:12]}: {got}; the endpoint served other bytes for "
-                          f"this commit (the file changed under the conversion, or the download was damaged): {fix}")
+                          f"this commit (the file changed under the conversion, or the download was damaged)",
+                          remedy=fix)
 
     def get(self, name: str) -> RemoteFile:
         f = self.files.get(name)
@@ -423,8 +422,7 @@ class DownloadFolder:
             self.remove(name)
             raise SourceError(f"{name} of {self.repo.repo} at {self.repo.commit[:12]}: its bytes do not have the "
                               f"SHA-256 the Hub publishes for it ({remote.sha256[:16]}...); removed. The download "
-                              f"was damaged or the endpoint served other bytes: run the same command again (it "
-                              f"downloads it anew), and if it fails again, report it to the repo's owner")
+                              f"was damaged or the endpoint served other bytes", remedy=READ_AGAIN)
         if remote.sha256 is None:  # a git file (config, tokenizer): small, read whole (its size was just checked)
             try:
                 self.repo.check(name, self.tree.read(name, remote.size))

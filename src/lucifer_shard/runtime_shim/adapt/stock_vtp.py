@@ -18,6 +18,8 @@ from lucifer_shard.model.plan import MOE_ROUTES
 from lucifer_shard.model.runtimes import RELAYOUT, STOCK_CONFIG
 
 from . import lucifer_tuple
+from lucifer_shard.errors import CONVERT_AGAIN
+
 from ..errors import ShimError
 from ..manifest import Output, compare_plan, manifest_path, needs_virtual_tp
 from .compat import installed, why_not_installed
@@ -74,7 +76,7 @@ def pad_config(hf_config, padding: dict[str, Any]):
         found = getattr(text, key, None)
         if found != original:
             raise ShimError(f"config {key}={found!r}, but the rank files were converted from {original}; the output "
-                            f"directory's config.json was changed, re-run lucifer-shard convert")
+                            f"directory's config.json was changed", CONVERT_AGAIN)
         setattr(text, f"original_{key}", original)
         setattr(text, key, padded)
     setattr(text, MARKER, padding)

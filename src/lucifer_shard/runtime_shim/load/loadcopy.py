@@ -15,6 +15,8 @@ from lucifer_shard.output.manifest_types import RankRecord
 
 from . import reader
 from ..adapt.configview import backend_name
+from lucifer_shard.errors import COMMAND_AGAIN, CONVERT_AGAIN
+
 from ..errors import ShimError
 from ..manifest import open_rank_file
 from .loadfiles import CheckedRankFile
@@ -67,8 +69,8 @@ def copy_file(out: Path, role: str, rank: int, plan: FilePlan, targets: dict[str
     try:
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino) != f.identity:
-            raise ShimError(f"{f.path} was replaced while vLLM loaded it (a lucifer-shard convert ran meanwhile?); "
-                            f"start vLLM again when nothing writes the output directory")
+            raise ShimError(f"{f.path} was replaced while vLLM loaded it (a lucifer-shard convert ran meanwhile?)",
+                            COMMAND_AGAIN.at(command="vLLM").after("wait until nothing writes the output directory"))
         got = reader.read_tensors(f.path, reads, digests=digests, fd=fd)
     finally:
         os.close(fd)
@@ -92,12 +94,12 @@ def check_digests(f: CheckedRankFile, entry: RankRecord, digests: dict[str, str]
         want = entry.tensors[name].digest.removeprefix("blake3:")
         if got != want:
             raise ShimError(f"verify=full: loaded {name} digest {got[:16]}... != manifest {want[:16]}...; "
-                            f"the rank file {f.path} is corrupt or tampered with, re-run lucifer-shard convert")
+                            f"the rank file {f.path} is corrupt or tampered with", CONVERT_AGAIN)
     got_file = file_digest(f.header.block, [digests[name] for name in f.header.tensors])  # data order
     want_file = f.declared.digest.removeprefix("blake3:")
     if got_file != want_file:
         raise ShimError(f"verify=full: {f.path} digest {got_file[:16]}... != manifest {want_file[:16]}...; "
-                        f"the file header differs from the conversion, re-copy it or re-run lucifer-shard convert")
+                        f"the file header differs from the conversion", CONVERT_AGAIN.after("", "re-copy it"))
 
 
 def check_zero_regions(entry: RankRecord, targets: dict[str, torch.Tensor]) -> None:
@@ -115,8 +117,7 @@ def check_zero_regions(entry: RankRecord, targets: dict[str, torch.Tensor]) -> N
             ok = bool(torch.all(region == NEG_INF)) if want_inf else not bool(torch.any(_u8(region)))
             if not ok:
                 raise ShimError(f"verify=full: {name} pad region dim {dim} [{start}:{end}) is not "
-                                f"{'-inf' if want_inf else 'zero'}; the rank file was tampered with, re-run "
-                                f"lucifer-shard convert")
+                                f"{'-inf' if want_inf else 'zero'}; the rank file was tampered with", CONVERT_AGAIN)
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:

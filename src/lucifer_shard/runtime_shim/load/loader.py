@@ -23,6 +23,8 @@ from . import crossnode, loadcopy, loadplan
 from ..adapt import compat, lucifer_tuple, settings, stock_vtp
 from ..adapt.versions import dist_version
 from ..adapt.wrappers.relayout import TAG_ATTR, ExpertTag
+from lucifer_shard.errors import DOCTOR
+
 from ..errors import ShimError, ShimRuntimeError
 from ..manifest import Output, check_watch, load_manifest, open_output, watch
 
@@ -150,7 +152,7 @@ class LuciferTP3Loader(BaseModelLoader):
             if tag.relayout_calls != 1:
                 raise ShimRuntimeError(f"expert re-layout wrapper ran {tag.relayout_calls} times on {prefix} "
                                        f"(expected exactly 1); this vLLM build processes MoE weights differently, "
-                                       f"use a supported build (lucifer-shard doctor)")
+                                       f"use a supported build", DOCTOR.at(out="OUT"))
             qm = getattr(module, "quant_method", None)
             if qm is not None and getattr(qm, "moe_kernel", None) is None:
                 raise ShimRuntimeError(f"no MoE kernel was built for {prefix} after post-load processing; check "
@@ -160,7 +162,7 @@ class LuciferTP3Loader(BaseModelLoader):
                 if now != ptr:
                     raise ShimRuntimeError(f"{prefix}.{name} was re-laid-out after loading (storage moved from "
                                            f"{ptr:#x} to {now:#x}); the kernel-layout experts were processed again, "
-                                           f"use a supported vLLM build (lucifer-shard doctor)")
+                                           f"use a supported vLLM build", DOCTOR.at(out="OUT"))
         if self.tags:
             tag = next(iter(self.tags.values()))
             logger.info("lucifer_tp3: %d MoE layer(s) loaded verbatim in kernel layout (%s): vLLM's re-layout skipped, "

@@ -11,6 +11,8 @@ from lucifer_shard.formats.stheader import META_CONTENT, META_CONVERSION_ID, MET
 from lucifer_shard.output.manifest import file_metadata
 from lucifer_shard.output.manifest_types import FileRecord, RankRecord
 
+from lucifer_shard.errors import CONVERT_AGAIN, CONVERT_FORCE
+
 from ..errors import ShimError
 from ..manifest import Output, manifest_path, open_rank_file, read_header
 
@@ -42,8 +44,8 @@ def check_files(output: Output, role: str, rank: int, entry: RankRecord, identit
     shapes); with `identity`, also its size and identity stamp."""
     out = output.path
     if not entry.files:
-        raise ShimError(f"rank files missing: {manifest_path(out)} lists no files for {role} rank {rank}; re-run "
-                        f"lucifer-shard convert")
+        raise ShimError(f"rank files missing: {manifest_path(out)} lists no files for {role} rank {rank}",
+                        CONVERT_AGAIN)
     by_file: dict[str, list[str]] = {}
     for name, t in entry.tensors.items():
         by_file.setdefault(t.file, []).append(name)
@@ -68,15 +70,15 @@ def _check_file(output: Output, role: str, rank: int, entry: RankRecord, f: File
     for k, v in want_meta.items():
         if k != META_PART and meta.get(k) != v:  # the part index is the file's name
             raise ShimError(f"{path} metadata {k}={meta.get(k)!r}, manifest expects {v!r}: the file is "
-                            f"{STAMP_MEANS.get(k, 'misplaced')}; do not mix outputs, re-run lucifer-shard convert "
-                            f"into a fresh directory")
+                            f"{STAMP_MEANS.get(k, 'misplaced')}; do not mix outputs",
+                            CONVERT_AGAIN.after("choose a fresh directory for OUT"))
     if set(header.tensors) != set(names):
         extra, miss = set(header.tensors) - set(names), set(names) - set(header.tensors)
         raise ShimError(f"{path} holds tensors the manifest does not list ({few(extra) or 'none'}) or lacks "
-                        f"listed ones ({few(miss) or 'none'}); re-run lucifer-shard convert --force")
+                        f"listed ones ({few(miss) or 'none'})", CONVERT_FORCE)
     for name in names:
         t, h = entry.tensors[name], header.tensors[name]
         if h.dtype != t.dtype or tuple(h.shape) != t.shape:
             raise ShimError(f"{path}: tensor {name} is {h.dtype}{shape_text(h.shape)} but the manifest says "
-                            f"{t.dtype}{shape_text(t.shape)}; re-run lucifer-shard convert --force")
+                            f"{t.dtype}{shape_text(t.shape)}", CONVERT_FORCE)
     return CheckedRankFile(path, f, header, (st.st_dev, st.st_ino))

@@ -17,6 +17,8 @@ from lucifer_shard.output.manifest_types import Manifest, RankRecord, TensorReco
 from lucifer_shard.output.share import share_problem
 
 from ..adapt.lucifer_tuple import tp_mismatch
+from lucifer_shard.errors import CONVERT_AGAIN, CONVERT_FORCE, DOCTOR, SERVE
+
 from ..errors import ShimError
 from ..manifest import Output, draft_kind, manifest_path, rank_entry
 from .loadfiles import CheckedRankFile, check_files, few, shape_text
@@ -109,8 +111,8 @@ def check_engine(output: Output, config_problems: list[str], tp: int, relayout_m
         raise ShimError(mismatch)
     if doc.expert_layout != "model" and relayout_missing is not None:
         raise ShimError(f"{manifest_path(out)} has routed experts in kernel layout ({doc.moe_variant}), but the "
-                        f"expert re-layout wrapper is not installed: {relayout_missing}; "
-                        f"use a supported vLLM build (lucifer-shard doctor) or convert with --expert-layout model")
+                        f"expert re-layout wrapper is not installed: {relayout_missing}; use a supported vLLM build",
+                        DOCTOR.at(out=str(out)).after("", "convert with --expert-layout model"))
     if problem := flashinfer_problem(doc.flashinfer_layout, flashinfer):
         raise ShimError(f"{manifest_path(out)}: {problem[0]}; {problem[1]}")
 
@@ -129,8 +131,8 @@ def plan_load(output: Output, engine: Engine, model: ModelView) -> LoadPlan:
     files = check_files(output, role, engine.rank, entry, identity=engine.verify != "none")
     check_keys(doc, role, engine.rank, entry, model.params)
     if engine.plan_difference:
-        raise ShimError(f"{engine.plan_difference}; start vLLM through lucifer-shard serve (the plugin's virtual-TP "
-                        f"wrappers must be active) and check B12X_MOE_FORCE_A8 / NVFP4 env")
+        raise ShimError(f"{engine.plan_difference}",
+                        SERVE.at(out=str(output.path)).after("check B12X_MOE_FORCE_A8 / NVFP4 env"))
     groups = expert_groups(output, entry)
     check_expert_modules(doc, groups, model.moe, engine)
     reads = tuple(FilePlan(f, tuple(read(name, f.header.data_start + h.start, entry.tensors[name], model.params[name])
@@ -174,8 +176,8 @@ def check_model_class(output: Output, cls: str, role: str) -> None:
     kind = DRAFT_KINDS[draft_kind(doc) or DRAFT_CLASSES[cls]]
     if cls != kind.vllm_class:
         raise ShimError(f"vLLM built the draft as {cls} but {out}/draft holds a {kind.label} "
-                        f"({kind.vllm_class}); start with --speculative-config '{{\"method\":\"{kind.method}\"}}' "
-                        f"(lucifer-shard serve --draft sets it)")
+                        f"({kind.vllm_class})", SERVE.at(out=f"{out} --draft").after(
+                            "", f"start with --speculative-config '{{\"method\":\"{kind.method}\"}}'"))
 
 
 def check_keys(doc: Manifest, role: str, rank: int, entry: RankRecord, params: dict[str, Param]) -> None:
@@ -189,12 +191,12 @@ def check_keys(doc: Manifest, role: str, rank: int, entry: RankRecord, params: d
     unexpected = files - want - (buffers - owned)
     if missing:
         raise ShimError(f"key missing: {len(missing)} parameter(s) of the {role} model are not in rank {rank} "
-                        f"files: {few(missing)}; the output was converted for another model/vLLM build, "
-                        f"re-run lucifer-shard convert")
+                        f"files: {few(missing)}; the output was converted for another model/vLLM build",
+                        CONVERT_AGAIN)
     if unexpected:
         raise ShimError(f"key unexpected: {len(unexpected)} tensor(s) of {role} rank {rank} files have no "
                         f"parameter in the model: {few(unexpected)}; the output was converted for another "
-                        f"model/vLLM build, re-run lucifer-shard convert")
+                        f"model/vLLM build", CONVERT_AGAIN)
     for name in sorted(files):
         check_tensor(name, entry.tensors[name], params[name])
 
@@ -252,17 +254,17 @@ def expert_groups(output: Output, entry: RankRecord) -> dict[str, tuple[str, ...
             groups.setdefault(prefix, []).append(leaf)
         elif t.kernel:
             raise ShimError(f"{path}: tensor {name} has layout {t.layout!r}; only the four "
-                            f"routed-expert tensors may be in kernel layout, re-run lucifer-shard convert --force")
+                            f"routed-expert tensors may be in kernel layout", CONVERT_FORCE)
     if doc.expert_layout == "model":
         bad = sorted(n for n, t in entry.tensors.items() if t.kernel)
         if bad:
             raise ShimError(f"{path}: expert_layout is 'model' but {bad[0]} has layout "
-                            f"{entry.tensors[bad[0]].layout!r}; re-run lucifer-shard convert --force")
+                            f"{entry.tensors[bad[0]].layout!r}", CONVERT_FORCE)
         return {}
     for prefix, leaves in groups.items():
         if sorted(leaves) != sorted(EXPERT_TENSORS):
             raise ShimError(f"{path}: {prefix} has only {', '.join(sorted(leaves))} of "
-                            f"{', '.join(EXPERT_TENSORS)}; re-run lucifer-shard convert --force")
+                            f"{', '.join(EXPERT_TENSORS)}", CONVERT_FORCE)
     return {p: tuple(leaves) for p, leaves in groups.items()}
 
 

@@ -47,6 +47,8 @@ import torch
 
 from lucifer_shard.guarded_io import open_regular
 
+from lucifer_shard.errors import CONVERT_RESUME, DOCTOR, VERIFY
+
 from ..errors import ShimError
 
 logger = logging.getLogger("lucifer_shard.runtime_shim")
@@ -102,7 +104,7 @@ def read_tensors(path: Path, reads: list[TensorRead], digests: bool = False,
     for r in reads:
         if not r.dst.is_contiguous():
             raise ShimError(f"parameter {r.name} is not contiguous in memory; this vLLM build lays out parameters "
-                            f"differently, use a supported build (lucifer-shard doctor)")
+                            f"differently, use a supported build", DOCTOR.at(out="OUT"))
     if chunk is not None and chunk < 1:
         raise ShimError(f"{path}: chunk size {chunk}: reads need a chunk of at least one byte")
     own = fd is None
@@ -291,7 +293,7 @@ def _refuse_outside(path: Path, size: int, reads: list[TensorRead]) -> None:
     for r in reads:
         if not 0 <= r.offset <= size:
             raise ShimError(f"{path}: tensor {r.name} starts at byte {r.offset}, outside the file ({size} bytes); "
-                            f"the offsets come from its header: lucifer-shard verify the output")
+                            f"the offsets come from its header", VERIFY.at(out="OUT"))
         if r.offset + r.nbytes > size:
             return
 
@@ -302,9 +304,9 @@ def _pread_exactly(fd: int, view: memoryview, offset: int, path: Path, name: str
         try:
             n = os.preadv(fd, [view[done:]], offset + done)
         except OSError as e:  # the disk's refusal (EIO, ENOMEM...): named, one line, the shim's kind
-            raise ShimError(f"{path}: reading tensor {name} at byte {offset + done} failed ({e.strerror or e}); check "
-                            f"the disk (dmesg), then lucifer-shard verify the output and start vLLM again") from None
+            raise ShimError(f"{path}: reading tensor {name} at byte {offset + done} failed ({e.strerror or e})",
+                            VERIFY.at(out="OUT").after("check the disk (dmesg)", "start vLLM again")) from None
         if n == 0:
             raise ShimError(f"{path} ends inside tensor {name} (byte {offset + done} of the file); the file is "
-                            f"truncated, re-copy it or re-run lucifer-shard convert --resume")
+                            f"truncated", CONVERT_RESUME.after("", "re-copy it"))
         done += n

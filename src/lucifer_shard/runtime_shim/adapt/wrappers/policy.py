@@ -14,6 +14,8 @@ from pathlib import Path
 from lucifer_shard.model.runtimes import ATTENTION_BACKEND, LOAD_FORMAT, MOE_BACKEND, POLICY, REPOSITORY
 
 from .. import compat
+from lucifer_shard.errors import SERVE
+
 from ...errors import ShimError
 from ...manifest import compare_plan, load_manifest, manifest_path
 from ..lucifer_tuple import is_lucifer_request, load_format, model_dir, runtime_plan, tuple_problems
@@ -37,8 +39,8 @@ def make_policy_wrapper(original, apply_to_model_config):
                 raise ShimError(
                     f"DeepSeek-V4 at tensor_parallel_size {vllm_config.parallel_config.tensor_parallel_size} with "
                     f"{ATTENTION_BACKEND} + {MOE_BACKEND} needs virtual TP, which is only supported with "
-                    f"--load-format {LOAD_FORMAT} (found --load-format {lf}; the stock MXFP4 loader mis-slices W2); "
-                    f"convert with lucifer-shard convert and start with lucifer-shard serve OUT")
+                    f"--load-format {LOAD_FORMAT} (found --load-format {lf}; the stock MXFP4 loader mis-slices W2)",
+                    SERVE.at(out="OUT").after("convert the checkpoint into OUT"))
             return original(vllm_config)
         out = Path(model_dir(mc))
         manifest = load_manifest(out)

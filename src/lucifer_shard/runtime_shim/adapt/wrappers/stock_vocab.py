@@ -10,6 +10,8 @@ import math
 from lucifer_shard.model.runtimes import LOAD_FORMAT, STOCK_VOCAB
 
 from .. import compat
+from lucifer_shard.errors import CONVERT_AGAIN
+
 from ...errors import ShimError
 from ..stock_vtp import applied
 
@@ -54,7 +56,7 @@ def make_vocab_wrapper(original):
             step = math.lcm(int(a["padding_size"]), tp)
             if pad_vocab_size(size, step) != want:
                 raise ShimError(f"vocabulary {size} padded to a multiple of {step} is {pad_vocab_size(size, step)}, "
-                                f"the rank files hold {want} rows; re-run lucifer-shard convert for this TP size")
+                                f"the rank files hold {want} rows: converted for another TP size", CONVERT_AGAIN)
             a["padding_size"] = step
         return original(*bound.args, **bound.kwargs)
 
