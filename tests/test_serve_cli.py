@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from lucifer_shard import __version__
-from lucifer_shard.cli import cli
 from lucifer_shard.model import runtimes
 from lucifer_shard.outnames import MANIFEST_NAME
 from lucifer_shard.output.manifest import manifest_text

@@ -89,6 +89,7 @@ DOCTOR = Remedy("lucifer-shard doctor {out}", "it shows every check, this vLLM b
 SERVE = Remedy("lucifer-shard serve {out}", "it starts vLLM with the plugin's virtual-TP wrappers active")
 IN_ORDER = Remedy("lucifer-shard {command} ... {args}", "the arguments in the order the command takes them")
 VERIFY = Remedy("lucifer-shard verify {out}", "it names every problem and its fix")
+CACHE_RECORD = Remedy("lucifer-shard cache record {out}", "it records what that start compiled, every file's digest")
 INSPECT = Remedy("lucifer-shard inspect {out}", "it shows the checkpoint it was converted from")
 
 # name -> row: the table (tests/test_remedies.py checks each row is used and no raise site spells its own)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from ..errors import MismatchError, OutputError
+from ..errors import SAME_COMMAND, MismatchError, OutputError
 from ..guarded_io import Refused, Tree, kind, write_all
 from .manifest import digest_ok, seal
 
@@ -192,7 +192,7 @@ def publish_record(tree: Tree, key: dict, sources: dict[str, tuple[Source, Cache
     foreign = sorted(set(walk(tree, FILES_DIR)) - old - sources.keys())
     if foreign:
         raise Refused(f"{tree.path(f'{FILES_DIR}/{foreign[0]}')}: in the kernel cache but in no record "
-                      f"lucifer-shard wrote ({len(foreign)} such file(s)); move it away, then run this again")
+                      f"lucifer-shard wrote ({len(foreign)} such file(s))", remedy=SAME_COMMAND.after("move it away"))
     tree.remove(RECORD_NAME)
     for rel in sorted(old - sources.keys()):
         tree.remove(f"{FILES_DIR}/{rel}")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import stops
-from ..errors import MismatchError, NoRoom, UsageRefused
+from ..errors import VERIFY, MismatchError, NoRoom, UsageRefused
 from ..formats.dtypes import CONVERSIONS, InexactConversion, convert_bytes, DTYPE_SIZE
 from ..guarded_io import JSON_LIMIT, Refused, read_regular
 from ..output.manifest_types import Source
@@ -253,9 +253,8 @@ def refuse_download(out: Path, ckpt: Checkpoint) -> None:
     hub = ckpt.hub
     raise UsageRefused(f"diff: {hub.repo} at {hub.commit[:12]} is not in the Hugging Face cache: the byte-for-byte "
                        f"proof downloads its {len(ckpt.files)} shards again, {size(sum(ckpt.files.values()))} from the "
-                       f"Hub; pass --download-source to download them (each removed once compared), or run "
-                       f"`lucifer-shard verify {out}` (every rank file's digest, pads and replicas, without the "
-                       f"source)")
+                       f"Hub", remedy=VERIFY.at(out=str(out)).after(
+                           "", "pass --download-source to download them (each removed once compared)"))
 
 
 class SourceStream:

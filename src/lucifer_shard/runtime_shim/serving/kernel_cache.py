@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lucifer_shard import __version__
-from lucifer_shard.errors import MismatchError, OutputError, UsageRefused
+from lucifer_shard.errors import CACHE_RECORD, MismatchError, OutputError, UsageRefused
 from lucifer_shard.formats.records import to_doc
 from lucifer_shard.guarded_io import Refused, Tree, read_regular
 from lucifer_shard.output.kernel_cache import (CACHE_DIR, RECORD_FIX, RECORD_NAME, RUN_DIR, RUN_KEY, Record, cache_tree,
@@ -266,15 +266,15 @@ def record_run(out: Path | str, host: dict) -> Record:
     the key that start wrote beside it, once this host is the one that start ran on."""
     tree = cache_tree(out)
     if tree.lstat(RUN_KEY) is None or tree.lstat(RUN_DIR) is None:
-        raise OutputError(f"{tree.root}: no start filled it (no {RUN_DIR}/ and {RUN_KEY}); run lucifer-shard serve "
-                          f"{out} once, then record")
+        raise OutputError(f"{tree.root}: no start filled it (no {RUN_DIR}/ and {RUN_KEY})",
+                          remedy=CACHE_RECORD.at(out=str(out)).after("start serve on it once"))
     try:
         key = json.loads(tree.read(RUN_KEY))
     except (ValueError, UnicodeDecodeError):
         key = None
     if not isinstance(key, dict) or not {"host", "model", "serve"} <= key.keys():
-        raise OutputError(f"{tree.path(RUN_KEY)}: not the key lucifer-shard serve writes; start serve again, then "
-                          f"record")
+        raise OutputError(f"{tree.path(RUN_KEY)}: not the key serve writes",
+                          remedy=CACHE_RECORD.at(out=str(out)).after("start serve on it again"))
     if (problem := key_problem(key, {**key, "host": host}, "this host")) is not None:
         raise UsageRefused(f"{tree.path(RUN_DIR)}: filled on another host or install ({problem}); record it on the "
                            f"host that ran the start")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lucifer_shard.errors import PreflightFailed, UsageRefused
+from lucifer_shard.errors import STAGE_AGAIN, PreflightFailed, UsageRefused
 from lucifer_shard.guarded_io import Refused, Tree, read_regular
 from lucifer_shard.output.share import identity_line
 
@@ -165,8 +165,8 @@ def refuse_other_share(out: Path, conversion_id: str, content: str, expected: st
     what = "other weights" if want_id == conversion_id else "another conversion"
     raise PreflightFailed(
         f"{out}: a share of {identity_line(conversion_id, content)}, not of {identity_line(want_id, want_content)} "
-        f"that this launch was written for ({what}); put this node's share of that output there (lucifer-shard stage "
-        f"OUT DEST --nnodes N --node-rank R, or fetch it) or write the launch again from this share's output")
+        f"that this launch was written for ({what})", remedy=STAGE_AGAIN.at(ranks="--nnodes N --node-rank R").after(
+            "put this node's share of that output there", "fetch it, or write the launch again from this share's output"))
 
 
 def _read_text(path: Path) -> str:
@@ -204,7 +204,7 @@ def launch_script(share: Path, node_rank: int, nnodes: int, identity: str, args:
         f"# lucifer-shard: node {node_rank} of {nnodes}; {order}.",
         f"# Its share must be of {_comment_text(identity)}: `lucifer-shard inspect \"$SHARE\"` prints that identity line,",
         f"# and serve refuses any other share before vLLM starts ({EXPECT_FLAG}).",
-        f"# lucifer-shard runs from the environment it is installed in, with vLLM: activate it first",
+        "# lucifer-shard runs from the environment it is installed in, with vLLM: activate it first",
         f"# (source VENV/bin/activate), or name it: {VENV_VAR}=VENV bash {name}",
         "set -euo pipefail",
         f'if [ -n "${{{VENV_VAR}:-}}" ]; then set +u; . "${VENV_VAR}/bin/activate"; set -u; fi',
