@@ -393,3 +393,15 @@ def test_the_real_start_refuses_another_share_before_vllm(converted, monkeypatch
     r = run("serve", other, "--expect-identity", expect(out))
     one_error(r, 1, "another conversion", "put this node's share of that output there")
     assert ran == []
+
+
+def test_doctor_checks_the_link_options_as_the_dry_run_does(converted):
+    """Issue 64: doctor never checked --ifname, --ib-hca or --host-ip; it now shows each and fails on a bad one."""
+    here = [name for _, name in __import__("socket").if_nameindex()][0]
+    r = run("doctor", converted(), "--ifname", "nosuch0", "--ib-hca", "=nosuch_hca", "--host-ip", "192.0.2.1")
+    assert r.exit_code == 1, r.output
+    assert "--ifname: --ifname nosuch0: no such network interface" in r.stdout
+    assert "--ib-hca: --ib-hca =nosuch_hca: no RDMA device nosuch_hca" in r.stdout
+    assert "--host-ip: --host-ip 192.0.2.1: not an address of this host" in r.stdout
+    r = run("doctor", converted(), "--host-ip", "127.0.0.1", "--ifname", here)
+    assert "--host-ip" in r.stdout and "127.0.0.1: an address of this host" in r.stdout, r.output

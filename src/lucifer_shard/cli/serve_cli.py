@@ -154,8 +154,15 @@ MTP_HELP = "As --draft, refused unless OUT's draft is an MTP layer (the original
 @click.option("--draft", is_flag=True, help="Also check that OUT can be served with its draft (serve --draft): "
               + DRAFT_HELP.split(", ", 1)[1])
 @click.option("--mtp", is_flag=True, help=MTP_HELP)
+@click.option("--ifname", default=None, metavar="IFACE[,IFACE]",
+              help="Also check the interface(s) serve --ifname would name on this box: present and up.")
+@click.option("--ib-hca", default=None, metavar="HCA", help="Also check the RDMA device(s) serve --ib-hca would name "
+              "(NCCL_IB_HCA's syntax): present under /sys/class/infiniband.")
+@click.option("--host-ip", default=None, metavar="ADDR",
+              help="Also check that serve --host-ip's address (VLLM_HOST_IP) is one of this box's.")
 @conventions(interrupted="interrupted: doctor changes nothing")
-def doctor(out: Path | None, draft: bool, mtp: bool) -> None:
+def doctor(out: Path | None, draft: bool, mtp: bool, ifname: str | None, ib_hca: str | None,
+           host_ip: str | None) -> None:
     """Check this environment for serving lucifer-shard outputs (and OUT, if given) with vLLM.
 
     Prints each check with its fix: given OUT, its TP size, arch, layout and roles first; then
@@ -163,7 +170,8 @@ def doctor(out: Path | None, draft: bool, mtp: bool) -> None:
     needs with its source hash, virtual-TP support, the plugin registration and the GPU. Then which
     vLLM builds serve which outputs (--arch, expert layout, draft) and how far each is proven, where
     to get one (inside a vetted build: that one first), and how to put lucifer-shard into it. Runs
-    with or without vLLM. Exit 1 if a check fails.
+    with or without vLLM. --ifname, --ib-hca and --host-ip check this box's link as serve's dry run
+    does (docs/three-boxes.md, §3). Exit 1 if a check fails.
     """
     from ..runtime_shim.serving.doctor import doctor_report, format_report
     from ..runtime_shim.serving.guide import builds, guide_lines, installed_build, routes
@@ -174,7 +182,7 @@ def doctor(out: Path | None, draft: bool, mtp: bool) -> None:
     out = None if out is None else _output_dir(out)
     asked = draft_asked(draft, mtp, out, _manifest_or_none(out))
     _importing_note(con)
-    checks = doctor_report(out, asked)
+    checks = doctor_report(out, asked) + _link_checks(ifname, ib_hca, host_ip)
     here = installed_build()
     con.emit({"checks": [c.to_dict() for c in checks], "builds": builds(),
               "routes": [{"route": r, "how": h} for r, h in routes(here)]},
