@@ -179,7 +179,8 @@ def test_an_output_as_model_is_named(command, converted, tmp_path):
     r = run(command, "--tp", 3, "--arch", "sm120", out, tmp_path / "new")
     assert r.exit_code == 2 and not (tmp_path / "new").exists()
     assert r.output == (f"error: MODEL {out} is a lucifer-shard output, not a checkpoint; pass the checkpoint it was "
-                        f"converted from (`lucifer-shard inspect {out}` shows its source)\n")
+                        f"converted from; run lucifer-shard inspect {out} (it shows the checkpoint it was converted "
+                        f"from)\n")
 
 
 def test_a_rank_of_only_padding_is_remarked(tiny_pattern, tmp_path):

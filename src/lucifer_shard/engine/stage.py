@@ -144,7 +144,7 @@ def check_share_room(src: Tree, tree: Tree, wants: list[Want], command: str = "s
         if there is not None and stat.S_ISREG(there.st_mode) and there.st_nlink == 1:
             given_back += there.st_size
         sizes.append(0 if linked else want.bytes)
-    check_room(tree.root, sizes, given_back, f"run the same {command} again",
+    check_room(tree.root, sizes, given_back, COMMAND_AGAIN.at(command=f"the same {command}"),
                what=f"the share's files {command} {'links' if linked else 'copies'}",
                instead=f"{command} into a DEST on another filesystem")
 
