@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..engine import diskspace
-from ..engine.job import layout_name, plan_footprint, plan_parts, stored_shape, tensor_layouts
+from ..engine.job import layout_name, parts_of, plan_footprint, stored_shape, tensor_layouts
 from ..engine.owned import plan_clearing
 from ..errors import UsageRefused
 from ..formats.dtypes import DTYPE_SIZE
@@ -61,8 +61,7 @@ def plan_footprint_of(cfg: ModelConfig, specs: dict[str, list[list[TensorSpec]]]
                       options: Options, shard_of: dict[str, str]) -> fpm.Footprint:
     """The footprint from config.json and the source's shards (`SourceLayout.shard_of`, which groups the parts:
     `plan_parts`; source sizes from the schema; copies of side files unknown)."""
-    parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align,
-                                                     shard_of)]
+    parts = parts_of(specs, options, shard_of)
     sizes = {k: DTYPE_SIZE[s.dtype] * math.prod(s.shape) for k, s in expected_sources(cfg).items()}
     return plan_footprint(specs, parts, tensor_layouts(options), plan.tp, options.align, sizes)
 
@@ -398,11 +397,9 @@ class SourceLayout:
     def stream_peak(self, specs: dict, options: Options) -> int:
         """The most source bytes a streamed conversion holds at once (`source.streaming`, over its order)."""
         from ..engine.feed import shards_read
-        from ..engine.job import plan_parts
         from ..source.streaming import peak_bytes, stream_order
 
-        parts = [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align,
-                                                         self.shard_of)]
+        parts = parts_of(specs, options, self.shard_of)
         files = {id(p): shards_read(specs, p, self.shard_of) for p in parts}
         return peak_bytes(stream_order(parts, files, self.sizes), files, self.sizes) + self.side
 

@@ -215,10 +215,11 @@ def layout_of(cfg: ModelConfig, options: Options, remote: RemoteConfig | None = 
     plan = make_plan(cfg, options.tp, options.moe_backend)
     roles = ["target"] + (["draft"] if options.mtp and cfg.num_mtp else [])
     specs = {role: build_specs(cfg, plan, role) for role in roles}
-    return Planned(plan, specs, _parts(specs, options, shard_of), remote)
+    return Planned(plan, specs, parts_of(specs, options, shard_of), remote)
 
 
-def _parts(specs: dict[str, list[list[TensorSpec]]], options: Options, shard_of: dict[str, str] | None) -> list[Part]:
+def parts_of(specs: dict[str, list[list[TensorSpec]]], options: Options, shard_of: dict[str, str] | None) -> list[Part]:
+    """Every role's parts (`plan_parts` on rank 0's specs, the same for every rank)."""
     return [p for role in specs for p in plan_parts(role, specs[role][0], options.max_file_bytes, options.align,
                                                      shard_of)]
 
@@ -249,7 +250,7 @@ def prepare(model: str, options: Options, revision: str | None = None, download_
         # its requests on a thread joined in slices: a slow or stalled Hub never holds a stop
         ckpt = stops.joined(lambda: open_remote(planned.remote, download_to, roles), "lucifer-hub-open")
         # the index is in: the parts grouped by the shards that hold them (the plan and specs stay)
-        planned = replace(planned, parts=_parts(planned.specs, options, _shard_of(ckpt)))
+        planned = replace(planned, parts=parts_of(planned.specs, options, _shard_of(ckpt)))
         on_disk = ckpt.hub is None  # all of it in the Hugging Face cache: read in place
         origin = {"repo": model, "revision": ckpt.hub.commit if ckpt.hub else ckpt.root.name}
     else:
